@@ -1,0 +1,29 @@
+"""allocator: decide where each part of a PyTorch model lives (accelerators, CPU RAM, disk).
+
+>>> import allocator, torch.nn as nn
+>>> allocator.plan(nn.Linear(4, 4), {"cpu": 1000}).device_map
+{'': 'cpu'}
+"""
+
+from .api import Plan, infer_auto_device_map, plan
+from .budgets import parse_budgets, parse_size
+from .errors import (
+    AllocatorError,
+    InfeasiblePlacement,
+    InvalidBudget,
+    InvalidDeviceMap,
+    InvalidModel,
+    InvalidOption,
+    UnsupportedByAccelerate,
+)
+from .placement import Placement
+from .problem import Options, Problem, build_problem
+from .strategies import STRATEGIES
+from .validate import Violation, validate
+
+__all__ = [
+    "AllocatorError", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel", "InvalidOption",
+    "UnsupportedByAccelerate", "Options", "Placement", "Plan", "Problem", "STRATEGIES", "Violation",
+    "build_problem", "infer_auto_device_map", "parse_budgets", "parse_size", "plan", "validate",
+]
+__version__ = "0.1.0"

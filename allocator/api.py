@@ -1,0 +1,201 @@
+"""The public entry points: ``plan`` and an ``infer_auto_device_map`` with accelerate's signature.
+
+The whole composition: build the problem once -> run a strategy -> check the result -> a device map.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .budgets import Device
+from .placement import Placement
+from .problem import Problem, build_problem
+from .runtime import Memory
+from .strategies import resolve, run
+from .validate import Violation, _fmt, check
+
+__all__ = ["Plan", "plan", "infer_auto_device_map"]
+
+log = logging.getLogger("allocator")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A placement with what it costs at runtime.
+
+    Attributes
+    ----------
+    device_map : dict
+        Accepted as ``device_map=`` by ``from_pretrained``, ``dispatch_model`` and ``load_checkpoint_and_dispatch``.
+    peak : dict
+        Bytes per device at the peak of a forward (main device: resident + offloaded buffers + streamed chain).
+    strategy : str
+        The strategy that produced it.
+    main_device : int or str
+        Where offloaded modules execute.
+    violations : tuple of Violation
+        Broken runtime rules (only ``sequential`` may return a map with violations: it reproduces accelerate).
+    """
+
+    device_map: dict
+    peak: dict
+    strategy: str
+    main_device: Device
+    streamed: int
+    violations: tuple[Violation, ...]
+    problem: Problem
+    placement: Placement
+
+    @property
+    def valid(self) -> bool:
+        return not self.violations
+
+    def resident(self, device: Device) -> int:
+        """Counted bytes of the model that live on ``device`` (not counting the streaming reserve)."""
+        g = self.problem.graph
+        from .runtime import tensor_devices
+
+        return sum(t.counted for t, d in zip(g.tensors, tensor_devices(g, self.device_map)) if d == device)
+
+    def explain(self) -> str:
+        """The plan as text: per-device bytes against budgets, the streaming reserve, then the decisions."""
+        g, budgets = self.problem.graph, self.problem.budgets
+        lines = [f"strategy {self.strategy} for {g.model_class} ({_fmt(g.total)}); main device {self.main_device!r}"]
+        for device in budgets.order:
+            if device not in self.peak:
+                continue
+            limit = budgets.limit(device)
+            share = f" of {_fmt(limit)} ({self.peak[device] / limit:.0%})" if limit else ""
+            lines.append(f"  {device!s:>5}: resident {_fmt(self.resident(device))}, peak {_fmt(self.peak[device])}{share}")
+        if self.streamed:
+            lines.append(f"  streaming reserve on {self.main_device!r}: {_fmt(self.streamed)}")
+        lines += [f"  violation {v}" for v in self.violations]
+        lines += [f"  - {note}" for note in self.placement.notes[:200]]
+        if len(self.placement.notes) > 200:
+            lines.append(f"  ... {len(self.placement.notes) - 200} more decisions")
+        return "\n".join(lines)
+
+
+def _finish(problem: Problem, placement: Placement) -> Plan:
+    violations, memory = check(problem, placement.device_map)
+    return Plan(
+        device_map=dict(placement.device_map), peak=dict(memory.peak), strategy=placement.strategy,
+        main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
+        placement=placement,
+    )
+
+
+def plan(
+    model,
+    max_memory: Mapping | None = None,
+    *,
+    strategy="auto",
+    no_split_module_classes=None,
+    dtype=None,
+    special_dtypes=None,
+    offload_buffers: bool = False,
+    clean_result: bool = True,
+    fallback_allocation: bool = False,
+    tied_parameters=None,
+    hf_quantizer=None,
+    size_fn=None,
+) -> Plan:
+    """Decide where every part of ``model`` lives.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Any module, on the meta device or not. Never modified.
+    max_memory : dict, optional
+        Budgets as accelerate accepts them (``{0: "10GiB", "cpu": "30GiB"}``); this machine's memory if omitted.
+        Never modified.
+    strategy : str or callable
+        A name in :data:`allocator.STRATEGIES`, ``"auto"``, or ``place(problem) -> Placement``.
+    no_split_module_classes : list of str, optional
+        United with ``_no_split_modules`` of the model and every sub-model.
+    dtype, special_dtypes, offload_buffers, clean_result, fallback_allocation
+        As in accelerate's ``infer_auto_device_map``.
+    tied_parameters : list of list of str, optional
+        Tie groups to use instead of the ones found from shared tensors.
+    hf_quantizer, size_fn
+        Sizes of quantized weights (transformers' quantizer, or ``size_fn(name, tensor) -> bytes``).
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    InvalidBudget, InvalidOption, InvalidModel, UnsupportedByAccelerate
+
+    Notes
+    -----
+    The model is read once into a frozen :class:`Problem`; the strategy never touches it.
+
+    Examples
+    --------
+    >>> import torch.nn as nn
+    >>> model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 16.25 KiB per layer
+    >>> p = plan(model, {0: 40_000, "cpu": 100_000}, strategy="sequential")
+    >>> p.device_map
+    {'0': 0, '1': 'cpu', '2': 'cpu', '3': 'cpu'}
+    >>> p.valid
+    True
+    """
+    problem = build_problem(
+        model, max_memory, no_split_module_classes=no_split_module_classes, dtype=dtype,
+        special_dtypes=special_dtypes, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
+        size_fn=size_fn, offload_buffers=offload_buffers, clean_result=clean_result,
+        fallback_allocation=fallback_allocation,
+    )
+    resolve(strategy)
+    result = _finish(problem, run(strategy, problem))
+    for v in result.violations:
+        log.warning("plan by %s breaks a runtime rule: %s", result.strategy, v)
+    return result
+
+
+def infer_auto_device_map(
+    model,
+    max_memory: Mapping | None = None,
+    no_split_module_classes=None,
+    dtype=None,
+    special_dtypes=None,
+    verbose: bool = False,
+    clean_result: bool = True,
+    offload_buffers: bool = False,
+    fallback_allocation: bool = False,
+    *,
+    tied_parameters=None,
+    hf_quantizer=None,
+    no_placement_params=None,
+    strategy="auto",
+) -> dict:
+    """Drop-in for accelerate's ``infer_auto_device_map``: the same arguments, the same dict shape.
+
+    ``strategy="sequential"`` returns exactly accelerate's map. ``verbose`` logs the decisions at INFO on
+    the ``allocator`` logger instead of printing. ``no_placement_params`` (transformers' argument) must name
+    tensors of the model; it is accepted for signature compatibility and otherwise ignored for now.
+
+    Examples
+    --------
+    >>> import torch.nn as nn
+    >>> infer_auto_device_map(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {"cpu": 400}, strategy="sequential")
+    {'0': 'cpu', '1': 'disk'}
+    """
+    result = plan(
+        model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype,
+        special_dtypes=special_dtypes, offload_buffers=offload_buffers, clean_result=clean_result,
+        fallback_allocation=fallback_allocation, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
+    )
+    if no_placement_params:
+        from .errors import InvalidOption
+
+        unknown = [n for n in no_placement_params if n not in result.problem.graph.tensor_index]
+        if unknown:
+            raise InvalidOption(f"no_placement_params names unknown tensors {unknown[:5]}.")
+    if verbose:
+        log.info("%s", result.explain())
+    return result.device_map

@@ -1,0 +1,180 @@
+"""Budgets: turn a ``max_memory`` dict (as accelerate accepts it) into ordered devices with byte budgets.
+
+Devices are written the way accelerate's device maps write them: accelerators as integer indices
+(``0``, ``1``, ...), or ``"mps"``; then ``"cpu"``, then ``"disk"``. Keys such as ``"cuda:1"``, ``"xpu:0"``,
+``"npu:0"`` or ``torch.device("cuda", 1)`` are normalised to their index, because accelerate's
+``dispatch_model`` picks the main device from a ``set`` of the map's values, which is only predictable for
+integers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import InvalidBudget
+
+__all__ = ["Device", "Budgets", "parse_size", "normalize_device", "parse_budgets", "is_accelerator"]
+
+Device = int | str
+
+_ACCELERATOR_TYPES = ("cuda", "xpu", "npu", "mlu", "musa", "sdaa", "hpu")
+_NAMED = ("mps", "cpu", "disk")
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B|[KMGT]b|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | float | str, *, what: str = "size") -> int:
+    """Bytes from an int or a string such as ``"10GiB"``, ``"500MB"`` or ``"4Gb"`` (gigabits, as accelerate reads it).
+
+    Parameters
+    ----------
+    size : int, float or str
+        A non-negative number of bytes, or a number followed by a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB;
+        a lower-case ``b`` means bits, as in accelerate's ``convert_file_size_to_int``).
+    what : str
+        Named in the error message.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    InvalidBudget
+        For negative, non-finite, boolean or unparsable sizes.
+
+    Examples
+    --------
+    >>> parse_size("1MiB"), parse_size("2GB"), parse_size(1024)
+    (1048576, 2000000000, 1024)
+    """
+    if isinstance(size, bool):
+        raise InvalidBudget(f"{what} must be a number of bytes or a string like '10GiB', got the boolean {size!r}.")
+    if isinstance(size, int):
+        value = size
+    elif isinstance(size, float):
+        if not math.isfinite(size):
+            raise InvalidBudget(f"{what} must be finite, got {size!r}; give bytes as an int or a string like '10GiB'.")
+        value = int(size)
+    elif isinstance(size, str):
+        match = _SIZE_RE.match(size)
+        if match is None:
+            raise InvalidBudget(
+                f"{what} {size!r} is not a size; use an int of bytes or a number with a unit such as '10GiB' or '500MB'."
+            )
+        number, unit = float(match.group(1)), (match.group(2) or "")
+        bits = unit.endswith("b") and unit.upper() != "B" and not unit.upper().endswith("IB")
+        value = int(number * _UNITS[unit.upper()])
+        if bits:
+            value //= 8
+    else:
+        raise InvalidBudget(
+            f"{what} must be an int of bytes or a string like '10GiB', got {type(size).__name__} {size!r}."
+        )
+    if value < 0:
+        raise InvalidBudget(f"{what} is negative ({size!r}); budgets are non-negative byte counts.")
+    return value
+
+
+def normalize_device(device) -> Device:
+    """The canonical form of a device key or value: an int for an accelerator, else ``"mps"``, ``"cpu"``, ``"disk"``.
+
+    Examples
+    --------
+    >>> normalize_device("cuda:1"), normalize_device("cpu"), normalize_device(0), normalize_device("xpu")
+    (1, 'cpu', 0, 0)
+    """
+    if isinstance(device, bool):
+        raise InvalidBudget(f"device {device!r} is a boolean; use an accelerator index, 'mps', 'cpu' or 'disk'.")
+    if isinstance(device, int):
+        if device < 0:
+            raise InvalidBudget(f"device index {device} is negative; accelerator indices start at 0.")
+        return device
+    if type(device).__name__ == "device" and hasattr(device, "type"):  # torch.device, without importing torch
+        device = str(device)
+    if isinstance(device, str):
+        text = device.strip().lower()
+        if text in _NAMED:
+            return text
+        if text.isdigit():
+            return int(text)
+        kind, _, index = text.partition(":")
+        if kind in _ACCELERATOR_TYPES and (index == "" or index.isdigit()):
+            return int(index or 0)
+    raise InvalidBudget(
+        f"unknown device {device!r}: use an accelerator index (0, 1, ... or 'cuda:1', 'xpu:0'), 'mps', 'cpu' or 'disk'."
+    )
+
+
+def is_accelerator(device: Device) -> bool:
+    """True for accelerators (integer indices and ``"mps"``)."""
+    return device not in ("cpu", "disk")
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """Ordered devices and their budgets in bytes.
+
+    ``order`` always ends with ``"disk"``; ``limits`` has no entry for ``"disk"`` unless the caller gave one
+    (accelerate treats disk as unlimited).
+    """
+
+    order: tuple[Device, ...]
+    limits: Mapping[Device, int]
+
+    @property
+    def accelerators(self) -> tuple[Device, ...]:
+        return tuple(d for d in self.order if is_accelerator(d))
+
+    def limit(self, device: Device) -> int | None:
+        """The budget of ``device`` in bytes, or ``None`` when unlimited."""
+        return self.limits.get(device)
+
+
+def _machine_memory() -> dict:
+    from accelerate.utils import get_max_memory
+
+    return get_max_memory(None)
+
+
+def parse_budgets(max_memory: Mapping | None) -> Budgets:
+    """Budgets from ``max_memory`` as accelerate accepts it; ``None`` means what this machine has.
+
+    Parameters
+    ----------
+    max_memory : mapping or None
+        Device key (``0``, ``"cuda:1"``, ``"mps"``, ``"xpu:0"``, ``"cpu"``, ``"disk"``) to bytes or a size string.
+        Never modified.
+
+    Raises
+    ------
+    InvalidBudget
+        Wrong type, unknown device, malformed size, or the same device named twice (``0`` and ``"cuda:0"``).
+
+    Examples
+    --------
+    >>> b = parse_budgets({"cpu": "1GiB", "cuda:1": "2GB", 0: 100})
+    >>> b.order, b.limit(1), b.limit("disk")
+    ((0, 1, 'cpu', 'disk'), 2000000000, None)
+    """
+    if max_memory is None:
+        max_memory = _machine_memory()
+    if not isinstance(max_memory, Mapping):
+        raise InvalidBudget(
+            f"max_memory must be a dict such as {{0: '10GiB', 'cpu': '30GiB'}}, got {type(max_memory).__name__}."
+        )
+    limits: dict[Device, int] = {}
+    for key, value in max_memory.items():
+        device = normalize_device(key)
+        if device in limits:
+            raise InvalidBudget(f"device {device!r} appears twice in max_memory (as {key!r}); give it once.")
+        limits[device] = parse_size(value, what=f"max_memory[{key!r}]")
+    gpus = sorted(d for d in limits if isinstance(d, int))
+    order = tuple(gpus) + tuple(d for d in _NAMED if d in limits)
+    if "disk" not in order:
+        order = order + ("disk",)
+    return Budgets(order=order, limits={d: limits[d] for d in order if d in limits})

@@ -1,0 +1,88 @@
+"""The placement problem: the model graph, the budgets and the options, built once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .budgets import Budgets, parse_budgets
+from .errors import InvalidOption
+from .graph import ModelGraph, build_graph
+
+__all__ = ["Options", "Problem", "build_problem"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+    """How a plan will be run and reported."""
+
+    offload_buffers: bool = False
+    """Buffers of offloaded modules are offloaded too (else they live on the main device)."""
+    fallback_allocation: bool = False
+    """accelerate's BFS fallback when a device would stay empty (``sequential`` only)."""
+    clean_result: bool = True
+    """Merge map entries whose children all share one device."""
+
+    def __post_init__(self):
+        for name in ("offload_buffers", "fallback_allocation", "clean_result"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """A model graph, ordered device budgets and options. Strategies read it and return a placement."""
+
+    graph: ModelGraph
+    budgets: Budgets
+    options: Options
+
+
+def quantizer_size_fn(model, hf_quantizer):
+    """A ``size_fn`` from a transformers ``HfQuantizer`` (its ``param_element_size``), or ``None``."""
+    if hf_quantizer is None or not hasattr(hf_quantizer, "param_element_size"):
+        return None
+
+    def size(name, tensor):
+        if not getattr(tensor, "is_floating_point", lambda: False)():
+            return None
+        return int(tensor.numel() * hf_quantizer.param_element_size(model, name, tensor))
+
+    return size
+
+
+def build_problem(
+    model,
+    max_memory: Mapping | None = None,
+    *,
+    no_split_module_classes: Iterable[str] | str | None = None,
+    dtype=None,
+    special_dtypes: Mapping | None = None,
+    tied_parameters: Sequence[Sequence[str]] | None = None,
+    hf_quantizer=None,
+    size_fn=None,
+    discover_no_split: bool = True,
+    **options,
+) -> Problem:
+    """Build the :class:`Problem` once: introspect the model, parse budgets, check options.
+
+    ``options`` are the fields of :class:`Options`. ``hf_quantizer`` supplies sizes (``param_element_size``) and
+    may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is modified.
+
+    Examples
+    --------
+    >>> import torch.nn as nn
+    >>> p = build_problem(nn.Linear(4, 4), {"cpu": 100})
+    >>> p.graph.total, p.budgets.order
+    (80, ('cpu', 'disk'))
+    """
+    if size_fn is None:
+        size_fn = quantizer_size_fn(model, hf_quantizer)
+    graph = build_graph(
+        model, dtype=dtype, special_dtypes=special_dtypes, no_split_module_classes=no_split_module_classes,
+        discover_no_split=discover_no_split, tied_parameters=tied_parameters, size_fn=size_fn,
+    )
+    budgets = parse_budgets(max_memory)
+    if hf_quantizer is not None and hasattr(hf_quantizer, "adjust_max_memory"):
+        budgets = parse_budgets(hf_quantizer.adjust_max_memory(dict(budgets.limits)))
+    return Problem(graph=graph, budgets=budgets, options=Options(**options))

@@ -1,0 +1,139 @@
+"""What accelerate's ``dispatch_model`` does with a device map, as memory: the rules a plan must respect.
+
+Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignDevicesHook``):
+
+- The main device is ``list(set(values) - {"cpu", "disk"})[0]``, or ``"cpu"`` when there is no accelerator.
+- Offloaded devices are ``{"disk"}`` when the main device is ``"cpu"`` or ``"mps"``, else ``{"cpu", "disk"}``.
+  With ``"mps"`` as main, ``"cpu"`` modules are not offloaded: their weights move to ``mps`` at dispatch.
+- An offloaded module with direct tensors gets a hook that copies its direct parameters (and persistent
+  buffers with ``offload_buffers=True``) to the main device before its forward and drops them after. A
+  parent's hook stays active while its children run, so the room needed is the largest sum along a chain.
+- Buffers of offloaded modules move to the main device at dispatch unless ``offload_buffers=True``;
+  non-persistent buffers always do.
+- Offloaded ``cpu`` weights stay in RAM; ``disk`` weights are memory-mapped (no RAM budget is used while
+  an accelerator is main; with ``cpu`` as main they are streamed into RAM like any offloaded weight).
+- A map with one device other than disk gets no hooks: everything lives on that device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .budgets import Device
+from .graph import ModelGraph
+
+__all__ = ["Memory", "main_device", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Memory a device map needs at runtime.
+
+    ``peak`` is bytes per device at its highest point during a forward (the main device's includes
+    ``streamed``); ``chain`` names the offloaded modules whose weights are materialised together at that point.
+    """
+
+    peak: Mapping
+    main: Device
+    streamed: int
+    chain: tuple[str, ...]
+
+
+def main_device(devices) -> Device:
+    """The device offloaded modules execute on, exactly as ``dispatch_model`` picks it.
+
+    ``devices`` are the values of a device map. Integer indices give the lowest index for small indices; the
+    expression is kept literal so that it matches accelerate in the same process.
+
+    >>> main_device([1, "cpu", 0]), main_device(["cpu", "disk"])
+    (0, 'cpu')
+    """
+    non_offloaded = set(devices) - {"cpu", "disk"}
+    return list(non_offloaded)[0] if non_offloaded else "cpu"
+
+
+def offloaded_devices(main: Device) -> frozenset:
+    """The map values whose weights are streamed to ``main`` at each forward."""
+    return frozenset({"disk"}) if main in ("cpu", "mps") else frozenset({"cpu", "disk"})
+
+
+def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
+    """The device of every tensor by longest-prefix match (``None`` where the map does not cover it)."""
+    out = []
+    for t in graph.tensors:
+        name = t.name
+        while True:
+            if name in device_map:
+                out.append(device_map[name])
+                break
+            if not name:
+                out.append(None)
+                break
+            name = name.rpartition(".")[0]
+    return out
+
+
+def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[int]]:
+    """Largest sum of ``streamed[node]`` along a root-to-leaf chain, and that chain's nodes with bytes.
+
+    ``streamed[node]`` is what the node's own hook copies in (0 when it is not offloaded).
+    """
+    best = list(streamed)
+    for i in range(len(graph.nodes) - 1, -1, -1):
+        children = graph.nodes[i].children
+        if children:
+            best[i] = streamed[i] + max(best[c] for c in children)
+    chain, i = [], 0
+    while True:
+        if streamed[i]:
+            chain.append(i)
+        children = graph.nodes[i].children
+        if not children:
+            break
+        i = max(children, key=lambda c: best[c])
+    return best[0], chain
+
+
+def peaks(graph: ModelGraph, devices: list, *, offload_buffers: bool = False) -> Memory:
+    """Bytes each device holds at its peak during a forward, under accelerate's runtime.
+
+    Parameters
+    ----------
+    devices : list
+        One device per tensor (as from :func:`tensor_devices`); uncovered tensors are ignored.
+
+    Returns
+    -------
+    Memory
+    """
+    used = {d for d in devices if d is not None}
+    main = main_device(used)
+    hooks = len(used) > 1 or "disk" in used
+    offloaded = offloaded_devices(main) if hooks else frozenset()
+    resident: dict = {d: 0 for d in used}
+    resident.setdefault(main, 0)
+    streamed = [0] * len(graph.nodes)
+    for t, device in zip(graph.tensors, devices):
+        if device is None:
+            continue
+        moves_with_weights = t.is_param or (offload_buffers and t.persistent)
+        if device in offloaded and moves_with_weights:
+            streamed[t.module] += t.nbytes  # every name of a shared tensor is copied by its own hook
+        if t.canonical != t._index:
+            continue
+        if device in offloaded:
+            if not moves_with_weights:
+                home = main                 # buffers of offloaded modules go to the main device
+            elif device == "cpu":
+                home = "cpu"                # offloaded cpu weights stay in RAM
+            else:
+                home = "disk"               # memory-mapped
+        elif device == "cpu" and main == "mps" and hooks:
+            home = "mps"
+        else:
+            home = device
+        resident[home] = resident.get(home, 0) + t.nbytes
+    reserve, chain = streamed_chain(graph, streamed)
+    resident[main] = resident.get(main, 0) + reserve
+    return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes[i].name for i in chain))

@@ -1,0 +1,39 @@
+"""Strategies: one module each, one pure function ``place(problem, **options) -> Placement``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import InvalidOption
+from ..placement import Placement
+from ..problem import Problem
+from . import sequential
+
+__all__ = ["STRATEGIES", "resolve"]
+
+Strategy = Callable[..., Placement]
+
+STRATEGIES: dict[str, Strategy] = {
+    "sequential": sequential.place,
+}
+"""Strategy name to ``place`` function. ``auto`` means ``sequential`` until better strategies land."""
+
+
+def resolve(strategy: str | Strategy) -> tuple[str, Strategy]:
+    """The name and function of a strategy given by name (``"auto"`` included) or as a callable."""
+    if callable(strategy):
+        return getattr(strategy, "__name__", "custom"), strategy
+    if strategy == "auto":
+        return "sequential", STRATEGIES["sequential"]
+    if strategy not in STRATEGIES:
+        raise InvalidOption(f"unknown strategy {strategy!r}; choose one of {['auto', *STRATEGIES]} or pass a callable.")
+    return strategy, STRATEGIES[strategy]
+
+
+def run(strategy, problem: Problem) -> Placement:
+    """Run a strategy on a problem and check it returned a :class:`Placement`."""
+    name, fn = resolve(strategy)
+    placement = fn(problem)
+    if not isinstance(placement, Placement):
+        raise InvalidOption(f"strategy {name!r} returned {type(placement).__name__}, expected allocator.Placement.")
+    return placement

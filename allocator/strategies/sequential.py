@@ -1,0 +1,247 @@
+"""``sequential``: accelerate 1.15's ``infer_auto_device_map``, reproduced output for output.
+
+The baseline every other strategy is measured against, and the safe switch. It walks the model's top-level
+entries in order with one device pointer that only moves forward; a module that does not fit is split into
+its direct parameters and children unless it is a leaf or a no-split class; on the *main devices* (the first
+accelerator and ``cpu``, or ``mps``, or ``cpu`` alone) it reserves room for the largest remaining no-split
+layer. Tied modules are placed with the module that ties them. Its quirks are kept on purpose (tie groups
+are matched by substring, direct buffers of a split module are not mapped, budgets of ``disk`` are ignored),
+because this strategy's job is to say exactly what accelerate would do.
+
+Notes
+-----
+Complexity: O(n · r) for n entries and r recomputations of the largest layer (as accelerate), with the
+per-node largest layer memoised. Deterministic for a given model in a given process; accelerate's tie-group
+order comes from a set of names, so with several tie groups it can depend on ``PYTHONHASHSEED`` — this
+strategy follows it (the builder records the groups in accelerate's order).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import UnsupportedByAccelerate
+from ..placement import Placement, clean_device_map
+from ..problem import Problem
+
+__all__ = ["place"]
+
+log = logging.getLogger(__name__)
+
+
+class _Tree:
+    """Name-level view of the graph with accelerate's size accounting and memoised largest layers."""
+
+    def __init__(self, problem: Problem):
+        g = problem.graph
+        self.g = g
+        self.sizes: dict[str, float] = {n.name: g.size_accelerate[i] for i, n in enumerate(g.nodes)}
+        for t in g.tensors:
+            self.sizes[t.name] = t.nbytes_accelerate if t.canonical == t._index else 0
+        self._layer: dict[int, tuple[float, list[str]]] = {}
+
+    def size(self, name: str) -> float:
+        return self.sizes.get(name, 0)
+
+    def children(self, entry) -> list:
+        """``named_children`` of a module entry (tensors have none)."""
+        _, idx = entry
+        return [] if idx < 0 else [(self.g.nodes[c].name, c) for c in self.g.nodes[idx].children]
+
+    def split(self, entry) -> list:
+        """What accelerate puts in place of a split module: direct parameters, then children."""
+        name, idx = entry
+        params = [(self.g.tensors[t].name, ~t) for t in self.g.nodes[idx].params]
+        return params + self.children(entry)
+
+    def no_split(self, entry) -> bool:
+        _, idx = entry
+        return idx >= 0 and self.g.nodes[idx].cls in self.g.no_split
+
+    def layer(self, entry) -> tuple[float, list[str]]:
+        """Largest no-split layer under an entry and all names that reach it (``get_max_layer_size``)."""
+        name, idx = entry
+        if idx < 0 or not self.g.nodes[idx].children or self.g.nodes[idx].cls in self.g.no_split:
+            return self.size(name), [name]
+        if idx not in self._layer:
+            self._layer[idx] = _fold(self.layer(c) for c in self.children(entry))
+        return self._layer[idx]
+
+    def max_layer(self, entries) -> tuple[float, list[str]]:
+        return _fold(self.layer(e) for e in entries)
+
+
+def _fold(results) -> tuple[float, list[str]]:
+    best, names = 0, []
+    for size, found in results:
+        if size > best:
+            best, names = size, list(found)
+        elif size == best:
+            names.extend(found)
+    return best, names
+
+
+def _tie_partners(name: str, tied_groups) -> list[str]:
+    """Parameters tied to something inside ``name`` but outside it, matched by substring as accelerate does."""
+    key = name + "."
+    groups = [g for g in tied_groups if any(key in k + "." for k in g) and not all(key in k + "." for k in g)]
+    return [p for g in groups for p in g if key not in p + "."]
+
+
+def _with_ties(tree: _Tree, partners, module_size, entries):
+    """``get_module_size_with_ties``: the size with the modules holding tied partners, and those entries."""
+    if not partners:
+        return module_size, []
+    found = []
+    for p in partners:
+        match = next((e for e in entries if p.startswith(e[0] + ".")), None)
+        if match is None:
+            raise UnsupportedByAccelerate(
+                f"accelerate's infer_auto_device_map fails here (IndexError): the tied parameter {p!r} is not under "
+                "any entry still to place. Use another strategy, or pass tied_parameters explicitly."
+            )
+        found.append(match)
+    total = module_size
+    for p, (n, _) in zip(partners, found):
+        total += tree.size(n) - tree.size(p)
+    return total, found
+
+
+def _fallback(tree: _Tree, entries, limit, tied_groups):
+    """accelerate's ``fallback_allocate``: first entry (depth first) that fits ``limit``, taken out of ``entries``."""
+    if not isinstance(limit, int):
+        raise UnsupportedByAccelerate(
+            "accelerate's fallback_allocate fails on a fractional size limit (models with bool tensors); "
+            "disable fallback_allocation or use another strategy."
+        )
+    if limit < 0:
+        return None, entries
+    search = list(entries)
+    found = None
+    while search:
+        entry = search.pop(0)
+        size, _ = _with_ties(tree, _tie_partners(entry[0], tied_groups), tree.size(entry[0]), search)
+        if size <= limit:
+            found = entry
+            break
+        if not tree.children(entry) or tree.no_split(entry):
+            continue
+        search = tree.split(entry) + search
+    if found is None:
+        return None, entries
+    name = found[0]
+    entries = list(entries)
+    names = [n for n, _ in entries]
+    for dot in [i for i, c in enumerate(name) if c == "."]:
+        parent = name[:dot]
+        if parent in names:
+            k = names.index(parent)
+            entries = entries[:k] + tree.split(entries[k]) + entries[k + 1:]
+            names = [n for n, _ in entries]
+    if name not in names:
+        raise UnsupportedByAccelerate(f"accelerate's fallback_allocate fails here (ValueError on {name!r}).")
+    return entries.pop(names.index(name)), entries
+
+
+def place(problem: Problem, **_) -> Placement:
+    """Place like accelerate's ``infer_auto_device_map``.
+
+    Parameters
+    ----------
+    problem : Problem
+
+    Returns
+    -------
+    Placement
+        ``device_map`` is exactly accelerate's (cleaned when ``problem.options.clean_result``).
+
+    Raises
+    ------
+    UnsupportedByAccelerate
+        Where accelerate itself raises on this input.
+    """
+    g, budgets, opts = problem.graph, problem.budgets, problem.options
+    tree = _Tree(problem)
+    devices = list(budgets.order)
+    limits = budgets.limits
+    gpus = [d for d in devices if d not in ("cpu", "disk")]
+    main_devices = ["mps"] if "mps" in gpus else ([gpus[0], "cpu"] if gpus else ["cpu"])
+    tied_groups = [list(group) for group in g.tied_groups]
+
+    root = g.nodes[0]
+    entries = [(g.tensors[t].name, ~t) for t in root.params]
+    entries += tree.children(("", 0))
+    entries += [(g.tensors[t].name, ~t) for t in root.buffers]
+
+    device_map: dict = {}
+    current = 0
+    used = {d: 0 for d in devices}
+    minimum: dict = {}
+    notes: list[str] = []
+    max_layer, max_names = tree.max_layer(entries)
+
+    while entries:
+        entry = entries.pop(0)
+        name = entry[0]
+        max_names = [n for n in max_names if n != name and not n.startswith(name + ".")]
+        if not max_names:
+            max_layer, max_names = tree.max_layer([e for e in entries if e[1] >= 0])
+        module_size = tree.size(name)
+        partners = _tie_partners(name, tied_groups)
+
+        device = devices[current]
+        limit = limits[device] if device != "disk" else None
+        reserved = 0
+        if device in main_devices:
+            limit = limit - max_layer
+            reserved = max_layer
+        size_with_ties, tied_entries = _with_ties(tree, partners, module_size, entries)
+
+        if limit is None or used[device] + size_with_ties <= limit:
+            used[device] += size_with_ties
+            device_map[name] = device
+            for tied in tied_entries:
+                if tied in entries:
+                    entries.remove(tied)
+                device_map[tied[0]] = device
+            notes.append(f"{name} -> {device}" + (f" with {[e[0] for e in tied_entries]}" if tied_entries else ""))
+            continue
+
+        if partners and used[device] + module_size <= limit:
+            split = False
+            for tied in tied_entries:
+                if not tree.children(tied) or tree.no_split(tied):
+                    continue
+                k = entries.index(tied)
+                entries = [entry] + entries[:k] + tree.split(tied) + entries[k + 1:]
+                max_layer, max_names = tree.max_layer([e for e in entries if e[1] >= 0])
+                split = True
+                break
+            if split:
+                continue
+
+        if used[device] + module_size >= limit:
+            if tree.children(entry) and not tree.no_split(entry):
+                entries = tree.split(entry) + entries
+                max_layer, max_names = tree.max_layer([e for e in entries if e[1] >= 0])
+                continue
+
+        if used[device] == 0 and opts.fallback_allocation and device != "disk":
+            fallback_limit = limits[device] - max(max_layer, size_with_ties)
+            found, rest = _fallback(tree, entries, fallback_limit - used[device], tied_groups)
+            if found is not None:
+                entries = [found, entry] + rest
+                continue
+
+        if used[device] == 0:
+            minimum[device] = size_with_ties + reserved
+        used[device] += reserved
+        notes.append(f"{device} full at {name} (reserving {reserved} for the largest layer); next device")
+        current += 1
+        entries = [entry] + entries
+
+    if minimum:
+        log.info("no module could be assigned to %s; minimum bytes that would have taken one: %s", list(minimum), minimum)
+    if opts.clean_result:
+        device_map = clean_device_map(device_map)
+    return Placement(device_map=device_map, strategy="sequential", notes=tuple(notes))

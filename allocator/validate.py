@@ -1,0 +1,150 @@
+"""One checker for every runtime rule a device map must respect (see :mod:`allocator.runtime`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .budgets import normalize_device
+from .errors import InvalidBudget, InvalidDeviceMap
+from .problem import Problem, build_problem
+from .runtime import Memory, peaks, tensor_devices
+
+__all__ = ["Violation", "check", "validate", "normalize_map"]
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken rule. ``kind`` is one of ``coverage``, ``unknown-key``, ``unknown-device``, ``no-split``,
+    ``tied``, ``budget``."""
+
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+def normalize_map(device_map) -> dict:
+    """A copy of ``device_map`` with devices in canonical form; a typed error if it is not a device map."""
+    if not isinstance(device_map, Mapping):
+        raise InvalidDeviceMap(
+            f"device_map must be a dict of module names to devices, got {type(device_map).__name__}."
+        )
+    out = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise InvalidDeviceMap(f"device_map keys are module names (str); got {key!r}.")
+        try:
+            out[key] = normalize_device(value)
+        except InvalidBudget as err:
+            raise InvalidDeviceMap(f"device_map[{key!r}]: {err}") from None
+    return out
+
+
+def _fmt(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:
+    """Violations of ``device_map`` for ``problem``, and the memory it needs at runtime."""
+    g = problem.graph
+    device_map = normalize_map(device_map)
+    found: list[Violation] = []
+    for key in device_map:
+        if key and key not in g.node_index and key not in g.tensor_index:
+            found.append(Violation("unknown-key", f"{key!r} names no module or tensor of {g.model_class}."))
+    devices = tensor_devices(g, device_map)
+    missing = [t.name for t, d in zip(g.tensors, devices) if d is None]
+    if missing:
+        found.append(Violation(
+            "coverage", f"{len(missing)} tensors have no device, e.g. {missing[:3]}; map them or a parent module."
+        ))
+    found += _no_split(problem, devices)
+    for group in g.all_tie_groups():
+        where = {n: devices[g.tensor_index[n]] for n in group}
+        if len(set(where.values())) > 1:
+            found.append(Violation("tied", f"tied tensors are split across devices: {where}."))
+    memory = peaks(g, devices, offload_buffers=problem.options.offload_buffers)
+    for device, used in memory.peak.items():
+        if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
+            found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory."))
+            continue
+        limit = problem.budgets.limit(device)
+        if limit is not None and used > limit:
+            extra = ""
+            if device == memory.main and memory.streamed:
+                extra = f", of which {_fmt(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
+            found.append(Violation(
+                "budget", f"device {device!r} needs {_fmt(used)} ({used} B){extra} but its budget is "
+                f"{_fmt(limit)} ({limit} B); raise it by {used - limit} B or move modules off it."
+            ))
+    return found, memory
+
+
+def _no_split(problem: Problem, devices: list) -> list[Violation]:
+    g = problem.graph
+    per_node: list[set] = [set() for _ in g.nodes]
+    for t, d in zip(g.tensors, devices):
+        if d is not None:
+            per_node[t.module].add(d)
+    for i in range(len(g.nodes) - 1, 0, -1):
+        per_node[g.nodes[i].parent] |= per_node[i]
+    out = []
+    for i, node in enumerate(g.nodes):
+        if node.cls in g.no_split and len(per_node[i]) > 1:
+            parent, outer = node.parent, True
+            while parent >= 0:
+                if g.nodes[parent].cls in g.no_split and len(per_node[parent]) > 1:
+                    outer = False
+                    break
+                parent = g.nodes[parent].parent
+            if outer:
+                out.append(Violation(
+                    "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, per_node[i]))}."
+                ))
+    return out
+
+
+def validate(model, device_map, max_memory=None, *, no_split_module_classes=None, offload_buffers=False,
+             dtype=None, special_dtypes=None) -> list[Violation]:
+    """Every way ``device_map`` breaks accelerate's runtime rules for ``model`` under ``max_memory``.
+
+    Checks coverage (every tensor has a device, every key names something), no-split modules kept whole,
+    tied tensors together, and each device's peak memory during a forward within its budget — the main
+    device's peak including the buffers of offloaded modules and the largest chain of streamed weights.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    device_map : dict
+        Module or tensor names to devices, as accepted by ``dispatch_model``.
+    max_memory : dict, optional
+        Budgets as accelerate accepts them; the machine's memory when omitted.
+    no_split_module_classes : list of str, optional
+        United with the model's own ``_no_split_modules`` (and its sub-models').
+    offload_buffers : bool
+        As passed to ``dispatch_model``.
+
+    Returns
+    -------
+    list of Violation
+        Empty when the map is valid.
+
+    Examples
+    --------
+    >>> import torch.nn as nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # 288 bytes per layer
+    >>> validate(model, {"0": "cpu", "1": "disk"}, {"cpu": 600})
+    []
+    >>> [v.kind for v in validate(model, {"0": "cpu", "1": "disk"}, {"cpu": 500})]
+    ['budget']
+    """
+    problem = build_problem(
+        model, max_memory, no_split_module_classes=no_split_module_classes, offload_buffers=offload_buffers,
+        dtype=dtype, special_dtypes=special_dtypes,
+    )
+    return check(problem, device_map)[0]
