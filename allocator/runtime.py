@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .budgets import Device
 from .graph import ModelGraph
 
-__all__ = ["Memory", "main_device", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
+__all__ = ["Memory", "device_of", "main_device", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,20 +58,23 @@ def offloaded_devices(main: Device) -> frozenset:
     return frozenset({"disk"}) if main in ("cpu", "mps") else frozenset({"cpu", "disk"})
 
 
+def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
+    """The device of a module or tensor name by longest-prefix match (``None`` where the map does not cover it).
+
+    >>> device_of("layers.1.mlp.weight", {"layers.1": 0, "": "cpu"})
+    0
+    """
+    while True:
+        if name in device_map:
+            return device_map[name]
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
+
+
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
-    """The device of every tensor by longest-prefix match (``None`` where the map does not cover it)."""
-    out = []
-    for t in graph.tensors:
-        name = t.name
-        while True:
-            if name in device_map:
-                out.append(device_map[name])
-                break
-            if not name:
-                out.append(None)
-                break
-            name = name.rpartition(".")[0]
-    return out
+    """The device of every tensor of the graph, in graph order."""
+    return [device_of(t.name, device_map) for t in graph.tensors]
 
 
 def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[int]]:
@@ -95,19 +98,21 @@ def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[in
     return best[0], chain
 
 
-def peaks(graph: ModelGraph, devices: list, *, offload_buffers: bool = False) -> Memory:
+def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: bool = False) -> Memory:
     """Bytes each device holds at its peak during a forward, under accelerate's runtime.
 
     Parameters
     ----------
     devices : list
         One device per tensor (as from :func:`tensor_devices`); uncovered tensors are ignored.
+    map_devices : iterable
+        The values of the device map (they decide the main device and whether hooks are attached).
 
     Returns
     -------
     Memory
     """
-    used = {d for d in devices if d is not None}
+    used = set(map_devices)
     main = main_device(used)
     hooks = len(used) > 1 or "disk" in used
     offloaded = offloaded_devices(main) if hooks else frozenset()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .budgets import normalize_device
 from .errors import InvalidBudget, InvalidDeviceMap
 from .problem import Problem, build_problem
-from .runtime import Memory, peaks, tensor_devices
+from .runtime import Memory, device_of, peaks, tensor_devices
 
 __all__ = ["Violation", "check", "validate", "normalize_map"]
 
@@ -65,10 +65,10 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
         ))
     found += _no_split(problem, devices)
     for group in g.all_tie_groups():
-        where = {n: devices[g.tensor_index[n]] for n in group}
+        where = {n: device_of(n, device_map) for n in group}
         if len(set(where.values())) > 1:
             found.append(Violation("tied", f"tied tensors are split across devices: {where}."))
-    memory = peaks(g, devices, offload_buffers=problem.options.offload_buffers)
+    memory = peaks(g, devices, device_map.values(), offload_buffers=problem.options.offload_buffers)
     for device, used in memory.peak.items():
         if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
             found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory."))

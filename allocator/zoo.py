@@ -483,8 +483,9 @@ def _t5_base(tf: Any) -> Any:
 
 
 @_entry("flan-t5-large", "encoder-decoder", "T5ForConditionalGeneration",
-        "google/flan-t5-large: 24+24 layers, d_model 1024, gated-GELU FFN 2816, vocab 32128, "
-        "shared embedding with an untied lm_head")
+        "google/flan-t5-large: 24+24 layers, d_model 1024, gated-GELU FFN 2816, vocab 32128; "
+        "the checkpoint's lm_head is untied (783M params), but transformers 5 forces "
+        "T5Config.tie_word_embeddings=True, so lm_head is tied to shared here (750M)")
 def _flan_t5_large(tf: Any) -> Any:
     return tf.T5Config(
         vocab_size=32128, d_model=1024, d_kv=64, d_ff=2816, num_layers=24,
