@@ -181,9 +181,12 @@ def infer_auto_device_map(
 
     Examples
     --------
+    accelerate's answer for two 288-byte layers and 400 bytes of RAM: everything on disk, because RAM is the main
+    device and keeps 288 bytes free for the largest layer, leaving 112 for the first.
+
     >>> import torch.nn as nn
     >>> infer_auto_device_map(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {"cpu": 400}, strategy="sequential")
-    {'0': 'cpu', '1': 'disk'}
+    {'': 'disk'}
     """
     result = plan(
         model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype,
