@@ -66,7 +66,7 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
     found += _no_split(problem, devices)
     for group in g.all_tie_groups():
         where = {n: device_of(n, device_map) for n in group}
-        if len(set(where.values())) > 1:
+        if len(set(where.values()) - {None}) > 1:
             found.append(Violation("tied", f"tied tensors are split across devices: {where}."))
     memory = peaks(g, devices, device_map.values(), offload_buffers=problem.options.offload_buffers)
     for device, used in memory.peak.items():

@@ -1,0 +1,106 @@
+import pytest
+import torch
+from torch import nn
+
+import allocator
+from allocator.errors import InvalidModel, InvalidOption
+from allocator.graph import build_graph, no_split_classes
+
+
+class Block(nn.Module):
+    def __init__(self, n=8):
+        super().__init__()
+        self.fc = nn.Linear(n, n)
+        self.register_buffer("steps", torch.zeros(4, dtype=torch.int64))
+        self.register_buffer("mask", torch.ones(16, dtype=torch.bool), persistent=False)
+
+
+class Tower(nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+
+class Outer(nn.Module):
+    _no_split_modules = ["Outer"]
+
+    def __init__(self):
+        super().__init__()
+        self.tower = Tower()
+        self.head = nn.Linear(8, 8, bias=False)
+        self.scale = nn.Parameter(torch.ones(3))
+        self.head.weight = self.tower.blocks[0].fc.weight  # tied across branches
+
+
+def test_sizes_under_dtype_keep_int_and_bool():
+    g = build_graph(Outer(), dtype=torch.float16)
+    block = g.node_index["tower.blocks.1"]
+    # fc: 72 floats -> 144 B in fp16; int64 buffer 32 B kept; bool buffer 16 B real (accelerate counts 2 B)
+    assert g.size[block] == 144 + 32 + 16
+    assert g.size_accelerate[block] == 144 + 32 + 2
+    # the tied head counts nothing (its weight is counted under its first name)
+    assert g.size[g.node_index["head"]] == 0
+    assert g.total == 2 * (144 + 32 + 16) + 3 * 2
+
+
+def test_special_dtypes_and_size_fn():
+    g = build_graph(Outer(), special_dtypes={"tower.blocks.0.fc.weight": torch.int8})
+    assert g.tensors[g.tensor_index["tower.blocks.0.fc.weight"]].nbytes == 64
+    g = build_graph(Outer(), size_fn=lambda name, t: 1 if name.endswith("bias") else None)
+    assert g.tensors[g.tensor_index["tower.blocks.0.fc.bias"]].nbytes == 1
+    with pytest.raises(InvalidOption, match="special_dtypes"):
+        build_graph(Outer(), special_dtypes={"nope.weight": torch.int8})
+    with pytest.raises(InvalidOption, match="dtype"):
+        build_graph(Outer(), dtype="float17")
+
+
+def test_ties_no_split_buffers_and_order():
+    model = Outer()
+    g = build_graph(model, no_split_module_classes=["Linear"])
+    assert g.tied_groups == (("head.weight", "tower.blocks.0.fc.weight"),)
+    assert g.no_split == {"Outer", "Block", "Linear"}  # caller's united with every sub-model's
+    assert no_split_classes(model) == {"Outer", "Block"}
+    mask = g.tensors[g.tensor_index["tower.blocks.0.mask"]]
+    assert not mask.persistent and not mask.is_param
+    assert [n.name for n in g.nodes][:4] == ["", "tower", "tower.blocks", "tower.blocks.0"]
+    assert g.tensors[0].name == "scale"  # root's own parameter
+    assert g.direct_param_bytes(g.node_index["head"]) == 256
+
+
+def test_declared_ties_are_kept_when_not_shared():
+    model = Outer()
+    model.head.weight = nn.Parameter(torch.ones(8, 8))  # untie
+    model.all_tied_weights_keys = {"head.weight": "tower.blocks.1.fc.weight"}
+    g = build_graph(model)
+    assert g.tied_groups == ()
+    assert g.declared_ties == (("head.weight", "tower.blocks.1.fc.weight"),)
+
+
+def test_shared_module_appears_under_both_paths_counted_once():
+    shared = nn.Linear(4, 4)
+    model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared)})
+    g = build_graph(model)
+    assert g.nodes[g.node_index["b.0"]].alias_of == g.node_index["a.0"]
+    assert g.size[g.node_index["a"]] == 80 and g.size[g.node_index["b"]] == 0
+
+
+def test_meta_model_and_inputs_untouched():
+    with torch.device("meta"):
+        model = Outer()
+    before = {n: (p.device, p.dtype, p.shape) for n, p in model.named_parameters()}
+    budget = {0: 300, "cpu": 10_000}
+    snapshot = dict(budget)
+    allocator.plan(model, budget, dtype="float16")
+    assert {n: (p.device, p.dtype, p.shape) for n, p in model.named_parameters()} == before
+    assert budget == snapshot
+
+
+def test_bad_models():
+    with pytest.raises(InvalidModel, match="nn.Module"):
+        build_graph({"not": "a model"})
+    loop = nn.Sequential(nn.Linear(2, 2))
+    loop.add_module("self", loop)
+    with pytest.raises(InvalidModel, match="cycle"):
+        build_graph(loop)
