@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .budgets import Device
 from .graph import ModelGraph
 
-__all__ = ["Memory", "device_of", "main_device", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
+__all__ = ["Memory", "device_of", "main_device", "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +70,12 @@ def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
         if not name:
             return None
         name = name.rpartition(".")[0]
+
+
+def moves_with_weights(tensor, offload_buffers: bool) -> bool:
+    """A tensor leaves the main device with its offloaded module: parameters, and persistent buffers when
+    ``offload_buffers`` (non-persistent buffers always stay)."""
+    return tensor.is_param or (offload_buffers and tensor.persistent)
 
 
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
@@ -122,13 +128,13 @@ def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: boo
     for t, device in zip(graph.tensors, devices):
         if device is None:
             continue
-        moves_with_weights = t.is_param or (offload_buffers and t.persistent)
-        if device in offloaded and moves_with_weights:
+        moves = moves_with_weights(t, offload_buffers)
+        if device in offloaded and moves:
             streamed[t.module] += t.nbytes  # every name of a shared tensor is copied by its own hook
         if t.canonical != t._index:
             continue
         if device in offloaded:
-            if not moves_with_weights:
+            if not moves:
                 home = main                 # buffers of offloaded modules go to the main device
             elif device == "cpu":
                 home = "cpu"                # offloaded cpu weights stay in RAM

@@ -7,26 +7,27 @@ from collections.abc import Callable
 from ..errors import InvalidOption
 from ..placement import Placement
 from ..problem import Problem
-from . import sequential
+from . import auto, backfill, reserve, sequential
 
 __all__ = ["STRATEGIES", "resolve"]
 
 Strategy = Callable[..., Placement]
 
 STRATEGIES: dict[str, Strategy] = {
+    "auto": auto.place,
     "sequential": sequential.place,
+    "backfill": backfill.place,
+    "reserve": reserve.place,
 }
-"""Strategy name to ``place`` function. ``auto`` means ``sequential`` until better strategies land."""
+"""Strategy name to ``place`` function."""
 
 
 def resolve(strategy: str | Strategy) -> tuple[str, Strategy]:
     """The name and function of a strategy given by name (``"auto"`` included) or as a callable."""
     if callable(strategy):
         return getattr(strategy, "__name__", "custom"), strategy
-    if strategy == "auto":
-        return "sequential", STRATEGIES["sequential"]
-    if strategy not in STRATEGIES:
-        raise InvalidOption(f"unknown strategy {strategy!r}; choose one of {['auto', *STRATEGIES]} or pass a callable.")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise InvalidOption(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)} or pass a callable.")
     return strategy, STRATEGIES[strategy]
 
 

@@ -1,0 +1,61 @@
+"""First-fit over ordered devices with an explicit main device and streaming reserve (shared by backfill and reserve).
+
+Given the main device ``M`` and a reserve ``R`` kept free on it for streamed weights, every tie group in model
+order goes to the first device with room: accelerators from ``M`` on (earlier ones stay empty, else they would
+become main), then cpu, then disk. A group may be offloaded only if the weights its hooks materialise at once fit
+in ``R``; its buffers are charged to ``M``. Groups whose streamed chain exceeds ``R`` must stay resident, so they
+are seated first. The result is always re-checked by :func:`allocator.validate.check`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..budgets import Device
+from ..problem import Problem
+from ..units import Group
+
+__all__ = ["fill", "main_candidates"]
+
+
+def main_candidates(problem: Problem) -> list[Device]:
+    """Every device that can be main: each accelerator with a non-zero budget, then cpu."""
+    b = problem.budgets
+    return [d for d in b.accelerators if (b.limit(d) or 0) > 0] + (["cpu"] if "cpu" in b.order else [])
+
+
+def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> dict | None:
+    """Group name -> device, or ``None`` when some group fits nowhere under this main device and reserve."""
+    b = problem.budgets
+    if main == "cpu":
+        devices = ["cpu", "disk"]
+    else:
+        devices = [d for d in b.accelerators if b.order.index(d) >= b.order.index(main)] + ["cpu", "disk"]
+    devices = [d for d in devices if d in b.order]
+    targets = {"disk"} if main in ("cpu", "mps") else {"cpu", "disk"}
+    room = {d: (b.limit(d) if b.limit(d) is not None else math.inf) for d in devices}
+    room[main] -= reserve
+    if room[main] < 0:
+        return None
+    placed: dict = {}
+    # Groups too large to stream through the reserve must stay resident: seat them first, then fill in order.
+    must_stay = [grp for grp in groups if grp.stream > reserve]
+    rest = [grp for grp in groups if grp.stream <= reserve]
+    for group in must_stay + rest:
+        for d in devices:
+            if d in targets:
+                if group.stream > reserve:
+                    continue
+                need = group.offload if d == "cpu" else (group.offload if b.limit("disk") is not None else 0)
+                if room[d] >= need and room[main] >= group.pinned:
+                    room[d] -= need
+                    room[main] -= group.pinned
+                    break
+            elif room[d] >= group.size:
+                room[d] -= group.size
+                break
+        else:
+            return None
+        for name in group.names:
+            placed[name] = d
+    return placed

@@ -1,0 +1,64 @@
+"""Ranking plans: the most bytes resident on the fastest tier, then the fewest changes of executing device."""
+
+from __future__ import annotations
+
+from ..budgets import Budgets
+from ..errors import InfeasiblePlacement
+from ..placement import Placement, clean_device_map
+from ..problem import Problem
+from ..runtime import tensor_devices
+from ..validate import _fmt, check
+
+__all__ = ["score", "best_of", "infeasible"]
+
+
+def score(problem: Problem, device_map) -> tuple[int, int]:
+    """(bytes resident on the fastest tier, minus the number of executing-device changes); higher is better.
+
+    The fastest tier is the accelerators, or cpu where the budgets name none.
+    """
+    g = problem.graph
+    fast = set(problem.budgets.accelerators) or {"cpu"}
+    devices = tensor_devices(g, device_map)
+    main = check(problem, device_map)[1].main
+    resident = sum(t.counted for t, d in zip(g.tensors, devices) if d in fast and not (d == "cpu" and main != "cpu"))
+    changes, last = 0, None
+    for t, d in zip(g.tensors, devices):
+        if not t.counted:
+            continue
+        run_on = d if d not in ("cpu", "disk") else main
+        changes += last is not None and run_on != last
+        last = run_on
+    return resident, -changes
+
+
+def best_of(problem: Problem, candidates, strategy: str) -> Placement:
+    """The best valid candidate ``(unit map, note)``, cleaned as the options say; raises when none is valid."""
+    best = None
+    for placed, note in candidates:
+        device_map = clean_device_map(placed) if problem.options.clean_result else dict(placed)
+        if check(problem, device_map)[0]:
+            continue
+        key = score(problem, device_map)
+        if best is None or key > best[0]:
+            best = (key, device_map, note)
+    if best is None:
+        raise infeasible(problem)
+    key, device_map, note = best
+    return Placement(device_map=device_map, strategy=strategy,
+                     notes=(f"{note}: {_fmt(key[0])} on the fastest tier, {-key[1]} device changes",))
+
+
+def infeasible(problem: Problem) -> InfeasiblePlacement:
+    """The error for a model no plan can run: the smallest RAM budget with which everything streams from disk."""
+    g = problem.graph
+    everything_on_disk = {"": "disk"}
+    relaxed = Problem(g, Budgets(order=("cpu", "disk"), limits={"cpu": 2**62}), problem.options)
+    memory = check(relaxed, everything_on_disk)[1]
+    need = memory.peak.get("cpu", 0)
+    return InfeasiblePlacement(
+        f"no placement of {g.model_class} fits these budgets {dict(problem.budgets.limits)}: even streaming every "
+        f"weight from disk needs {_fmt(need)} ({need} B) on 'cpu' (buffers plus the largest streamed chain "
+        f"{list(memory.chain)}); give 'cpu' at least that much, or an accelerator at least that much plus what it holds.",
+        device="cpu", minimum=need,
+    )

@@ -1,0 +1,40 @@
+"""``reserve``: size-aware reservation — keep free on the main device only what the offloaded units stream.
+
+accelerate reserves the largest layer of the whole model. Here the reserve ``R`` is a choice: with a smaller ``R``
+only units whose streamed chain fits ``R`` may be offloaded, the rest must stay resident, and the room ``R``
+frees on the main device holds more of the model. Every distinct streamed size is a candidate ``R`` (the fixed
+point of "reserve the largest streamed size among what is actually offloaded"), for every device that could be
+main; the plan with the most bytes on the fastest tier wins.
+
+Notes
+-----
+O(m · s · g) for m main candidates, s distinct streamed sizes (capped at 64, the largest kept) and g groups.
+Deterministic.
+"""
+
+from __future__ import annotations
+
+from ..placement import Placement
+from ..problem import Problem
+from ..units import groups
+from ._fill import fill, main_candidates
+from ._select import best_of
+
+__all__ = ["place"]
+
+MAX_CANDIDATES = 64
+
+
+def place(problem: Problem, **_) -> Placement:
+    """Place by first fit, trying every streaming reserve that some unit's offload would need."""
+    found = groups(problem.graph, problem.options.offload_buffers)
+    sizes = sorted({grp.stream for grp in found} | {0})
+    if len(sizes) > MAX_CANDIDATES:
+        sizes = sizes[:1] + sizes[-(MAX_CANDIDATES - 1):]
+    candidates = []
+    for main in main_candidates(problem):
+        for reserve in sizes:
+            placed = fill(problem, found, main, reserve)
+            if placed is not None:
+                candidates.append((placed, f"main {main!r}, reserve {reserve} B"))
+    return best_of(problem, candidates, "reserve")

@@ -1,0 +1,120 @@
+"""Units: the finest pieces a plan may place, and the tie groups that bind them together.
+
+A unit is a module that cannot be split (a leaf or a no-split class), or a direct tensor of a module that is
+split. Units partition the model's tensors; tied units form one *group* that goes to a single device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .graph import ModelGraph
+from .runtime import moves_with_weights
+
+__all__ = ["Unit", "Group", "units", "groups"]
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    name: str
+    node: int          # graph node index, or -1 for a tensor unit
+    size: int          # counted bytes of its tensors
+    offload: int       # bytes that leave the main device when it is offloaded (weights, +buffers with offload_buffers)
+    pinned: int        # bytes that stay on the main device when it is offloaded (its buffers)
+    stream: int        # largest chain of weights its hooks materialise at once on the main device
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Units that must share a device, in model order."""
+
+    units: tuple[Unit, ...]
+    size: int
+    offload: int
+    pinned: int
+    stream: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units)
+
+
+def _tensor_unit(g: ModelGraph, t: int, offload_buffers: bool) -> Unit:
+    tensor = g.tensors[t]
+    moves = moves_with_weights(tensor, offload_buffers)
+    counted = tensor.counted
+    return Unit(tensor.name, -1, counted, counted if moves else 0, 0 if moves else counted,
+                tensor.nbytes if tensor.is_param or moves else 0)
+
+
+def _node_unit(g: ModelGraph, i: int, offload_buffers: bool) -> Unit:
+    offload = pinned = 0
+    chain = [0] * len(g.nodes)
+    stack, order = [i], []
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(g.nodes[n].children)
+    for n in order:
+        for t in g.nodes[n].params + g.nodes[n].buffers:
+            tensor = g.tensors[t]
+            moves = moves_with_weights(tensor, offload_buffers)
+            if moves:
+                offload += tensor.counted
+                chain[n] += tensor.nbytes
+            else:
+                pinned += tensor.counted
+    for n in reversed(order):
+        kids = g.nodes[n].children
+        if kids:
+            chain[n] += max(chain[c] for c in kids)
+    return Unit(g.nodes[i].name, i, g.size[i], offload, pinned, chain[i])
+
+
+def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
+    """The finest legal units, in definition order."""
+    out: list[Unit] = []
+    stack = [0]
+    while stack:
+        i = stack.pop()
+        if g.is_splittable(i):
+            node = g.nodes[i]
+            out.extend(_tensor_unit(g, t, offload_buffers) for t in node.params + node.buffers)
+            stack.extend(reversed(node.children))
+        else:
+            out.append(_node_unit(g, i, offload_buffers))
+    return out
+
+
+def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
+    """Units united by tie groups (shared tensors and declared ties), ordered by their first unit."""
+    found = units(g, offload_buffers)
+    position = {u.name: k for k, u in enumerate(found)}
+    parent = list(range(len(found)))
+
+    def root(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    def unit_of(name: str) -> int | None:
+        while True:
+            if name in position:
+                return position[name]
+            if not name:
+                return None
+            name = name.rpartition(".")[0]
+
+    for group in g.all_tie_groups():
+        members = [k for k in (unit_of(n) for n in group) if k is not None]
+        for k in members[1:]:
+            parent[root(k)] = root(members[0])
+    bucket: dict[int, list[Unit]] = {}
+    for k, u in enumerate(found):
+        bucket.setdefault(root(k), []).append(u)
+    return [
+        Group(tuple(us), sum(u.size for u in us), sum(u.offload for u in us), sum(u.pinned for u in us),
+              max(u.stream for u in us))
+        for _, us in sorted(bucket.items(), key=lambda kv: position[kv[1][0].name])
+    ]
