@@ -1,0 +1,541 @@
+"""allocator.introspect: no-split classes, inferred blocks, stacks and unwrapping, on real architectures
+(meta-device zoo) and on custom modules for the edge cases."""
+
+import functools
+import logging
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+from allocator import graph, zoo
+from allocator.errors import InvalidModel
+from allocator.introspect import find_layers, infer_blocks, no_split_classes, unwrap
+
+
+@functools.cache
+def _zoo(name):
+    """One shared meta-device build per name; tests only read these."""
+    return zoo.build(name)
+
+
+def _snapshot(model):
+    """Everything unwrap must leave alone: each module's identity, class, children dict, and tensors."""
+    return [
+        (name, id(m), type(m), id(m._modules), dict(m._modules), id(m._parameters), dict(m._parameters),
+         dict(m._buffers), dict(vars(m)))
+        for name, m in model.named_modules(remove_duplicate=False)
+    ]
+
+
+def _names(model):
+    return {type(m).__name__ for m in model.modules()}
+
+
+def _stack(prefix, n, start=0):
+    """``(prefix, [prefix.start, ..., prefix.<n-1>])``: one entry of find_layers."""
+    return prefix, [f"{prefix}.{i}" for i in range(start, n)]
+
+
+class Block(nn.Module):
+    def __init__(self, n=8):
+        super().__init__()
+        self.attn = nn.Linear(n, n)
+        self.act = nn.GELU()
+        self.mlp = nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.mlp(self.act(self.attn(x)))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, n=8, experts=4):
+        super().__init__()
+        self.router = nn.Linear(n, experts)
+        self.experts = nn.ModuleList(nn.Linear(n, n) for _ in range(experts))
+
+
+class Net(nn.Module):
+    """embed -> Sequential(Block x 2) -> head: a small model for unwrap tests, with a real forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.body = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(self.embed(x)))
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-process gloo group on a free localhost port, destroyed after the module's tests."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ no_split_classes
+def test_no_split_classes_is_graphs_function():
+    assert no_split_classes is graph.no_split_classes
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        # the LLM's decoder layer and the CLIP vision tower's encoder layer (plus CLIP's embeddings)
+        ("llava-1.5-7b", {"CLIPEncoderLayer", "CLIPTextEmbeddings", "CLIPVisionEmbeddings", "LlamaDecoderLayer"}),
+        ("gemma3-4b", {"Gemma3DecoderLayer", "SiglipEncoderLayer", "SiglipMultiheadAttentionPoolingHead",
+                       "SiglipTextEmbeddings", "SiglipVisionEmbeddings"}),
+        ("t5-base", {"T5Block"}),
+        ("whisper-small", {"WhisperEncoderLayer", "WhisperDecoderLayer"}),
+        ("wav2vec2-base", set()),  # declares none: infer_blocks is for this case
+    ],
+)
+def test_no_split_classes_unites_sub_models(name, expected):
+    assert no_split_classes(_zoo(name)) == expected
+
+
+def test_no_split_classes_custom_nesting():
+    class Inner(nn.Module):
+        _no_split_modules = ["A", "B"]
+
+    class Outer(nn.Module):
+        _no_split_modules = ["C"]
+
+        def __init__(self):
+            super().__init__()
+            self.towers = nn.ModuleList([Inner(), nn.Sequential(Inner())])
+
+    assert no_split_classes(Outer()) == {"A", "B", "C"}
+    assert no_split_classes(nn.Linear(2, 2)) == set()
+
+
+# ---------------------------------------------------------------------------------------------- infer_blocks
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        # the encoder layers, and the 6 identical-class conv layers of the feature extractor (4 share kernel 3,
+        # 2 share kernel 2; the first conv layer is another class, with a group norm)
+        ("wav2vec2-base", {"Wav2Vec2EncoderLayer", "Wav2Vec2NoLayerNormConvLayer"}),
+        # Swin stages differ in width, so the search goes inside each: its blocks repeat
+        ("mask2former-swin-tiny", {"SwinLayer", "Mask2FormerPixelDecoderEncoderLayer",
+                                   "Mask2FormerMaskedAttentionDecoderLayer"}),
+        ("bert-base", {"BertLayer"}),
+        ("t5-base", {"T5Block"}),  # block 0 owns the relative-attention table: its siblings still repeat
+        ("mamba-130m", {"MambaBlock"}),  # not MambaMixer, which sits inside the block
+        ("llava-1.5-7b", {"CLIPEncoderLayer", "LlamaDecoderLayer"}),
+        ("whisper-small", {"WhisperEncoderLayer", "WhisperDecoderLayer"}),
+        ("gemma3-4b", {"SiglipEncoderLayer", "Gemma3DecoderLayer"}),
+    ],
+)
+def test_infer_blocks_on_real_architectures(name, expected):
+    assert infer_blocks(_zoo(name)) == expected
+
+
+def test_infer_blocks_sequential_of_custom_blocks_is_outermost():
+    model = nn.Sequential(nn.Embedding(10, 8), *[Block() for _ in range(4)], nn.LayerNorm(8), nn.Linear(8, 10))
+    assert infer_blocks(model) == {"Block"}  # not the two Linears repeated inside each Block
+
+
+def test_infer_blocks_does_not_enter_blocks():
+    # the experts ModuleList inside each MoE block repeats too, but it is inside an already-found block
+    model = nn.ModuleDict({"a": MoEBlock(), "b": MoEBlock()})
+    assert infer_blocks(model) == {"MoEBlock"}
+    # a single MoE block: no block repeats at the outer level, so the experts are the blocks
+    assert infer_blocks(nn.Sequential(MoEBlock(), nn.Linear(8, 8))) == {"Linear"}
+
+
+def test_infer_blocks_needs_same_shapes_and_two_members():
+    assert infer_blocks(nn.Sequential(Block(4), Block(8))) == set()
+    assert infer_blocks(nn.ModuleList([Block()])) == set()
+    assert infer_blocks(Block()) == set()  # two equal Linears, but not in a container
+
+
+def test_infer_blocks_ignores_parameter_free_repeats_and_plain_containers():
+    assert infer_blocks(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Dropout(), nn.ReLU(), nn.Linear(4, 5))) == set()
+    # a Sequential of identical Sequentials: the search goes inside instead of reporting "Sequential"
+    stages = nn.Sequential(nn.Sequential(Block(), Block()), nn.Sequential(Block(), Block()))
+    assert infer_blocks(stages) == {"Block"}
+
+
+def test_infer_blocks_stages_of_different_widths():
+    class Stage(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(n) for _ in range(2))
+            self.down = nn.Linear(n, 2 * n)
+
+    assert infer_blocks(nn.ModuleList([Stage(4), Stage(8), Stage(16)])) == {"Block"}
+
+
+def test_infer_blocks_rejects_non_modules():
+    with pytest.raises(InvalidModel, match="torch.nn.Module"):
+        infer_blocks({"layers": []})
+
+
+# ----------------------------------------------------------------------------------------------- find_layers
+def test_find_layers_llama():
+    assert find_layers(zoo.build("llama-3.2-1b")) == [_stack("model.layers", 16)]
+
+
+def test_find_layers_mamba():
+    assert find_layers(_zoo("mamba-130m")) == [_stack("backbone.layers", 24)]
+
+
+def test_find_layers_t5_two_stacks_with_their_first_block():
+    assert find_layers(_zoo("t5-base")) == [
+        _stack("encoder.block", 12),
+        _stack("decoder.block", 12),
+    ]
+
+
+def test_find_layers_llava_vision_tower_then_llm():
+    assert find_layers(_zoo("llava-1.5-7b")) == [
+        _stack("model.vision_tower.encoder.layers", 24),
+        _stack("model.language_model.layers", 32),
+    ]
+
+
+def test_find_layers_gemma3():
+    assert find_layers(_zoo("gemma3-4b")) == [
+        _stack("model.vision_tower.encoder.layers", 27),
+        _stack("model.language_model.layers", 34),
+    ]
+
+
+def test_find_layers_whisper():
+    assert find_layers(_zoo("whisper-small")) == [
+        _stack("model.encoder.layers", 12),
+        _stack("model.decoder.layers", 12),
+    ]
+
+
+def test_find_layers_wav2vec2_skips_the_first_conv_of_another_class():
+    assert find_layers(_zoo("wav2vec2-base")) == [
+        _stack("wav2vec2.feature_extractor.conv_layers", 7, start=1),
+        _stack("wav2vec2.encoder.layers", 12),
+    ]
+
+
+def test_find_layers_every_stack_of_mask2former():
+    swin = "model.pixel_level_module.encoder.swin.encoder.layers"
+    depths = [2, 2, 6, 2]
+    assert find_layers(_zoo("mask2former-swin-tiny")) == [
+        *[_stack(f"{swin}.{i}.blocks", d) for i, d in enumerate(depths)],
+        _stack("model.pixel_level_module.decoder.encoder.layers", 6),
+        _stack("model.transformer_module.decoder.layers", 9),
+    ]
+
+
+def test_find_layers_custom_root_sequential_and_module_dict():
+    model = nn.Sequential(Block(), Block(), Block(), nn.Linear(8, 2))
+    assert find_layers(model) == [("", ["0", "1", "2"])]
+    tower = nn.ModuleDict({"x": Block(), "y": Block(), "norm": nn.LayerNorm(8)})
+    assert find_layers(tower) == [("", ["x", "y"])]
+
+
+def test_find_layers_shared_stack_reported_once():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.ModuleList([Block(), Block()])
+            self.second = self.first
+
+    assert find_layers(Twice()) == [("first", ["first.0", "first.1"])]
+
+
+def test_find_layers_two_classes_in_one_container_in_definition_order():
+    model = nn.ModuleList([Block(), MoEBlock(), Block(), MoEBlock()])
+    assert find_layers(model) == [("", ["0", "2"]), ("", ["1", "3"])]
+
+
+def test_find_layers_of_unwrapped_model_matches_plain():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain = Net()
+    wrapped = Net()
+    wrapped.body = nn.Sequential(*[checkpoint_wrapper(b) for b in wrapped.body])
+    assert find_layers(wrapped) == [("body", ["body.0", "body.1"])]
+    assert infer_blocks(wrapped) == {"CheckpointWrapper"}  # why callers unwrap first
+    assert find_layers(unwrap(wrapped)) == find_layers(plain)
+    assert infer_blocks(unwrap(wrapped)) == {"Block"}
+
+
+# ---------------------------------------------------------------------------------------------------- unwrap
+def _assert_shares_weights(result, reference):
+    """Same keys as ``reference`` and the very same tensors (no copies)."""
+    got, want = result.state_dict(keep_vars=True), reference.state_dict(keep_vars=True)
+    assert list(got) == list(want)
+    for key in want:
+        assert got[key] is want[key], key
+        if want[key].device.type != "meta":
+            assert got[key].data_ptr() == want[key].data_ptr(), key
+
+
+def test_unwrap_returns_plain_models_themselves():
+    net = Net()
+    before = _snapshot(net)
+    assert unwrap(net) is net
+    assert _snapshot(net) == before
+
+
+def test_unwrap_data_parallel_on_cpu():
+    net = Net()
+    dp = nn.DataParallel(net)  # constructs on a host without GPUs: device_ids == []
+    assert dp.device_ids == []
+    assert unwrap(dp) is net
+
+
+def test_unwrap_torch_compile_without_compiling():
+    net = Net()
+    compiled = torch.compile(net, backend="eager")
+    assert type(compiled).__name__ == "OptimizedModule"
+    assert unwrap(compiled) is net
+
+
+def test_unwrap_ddp(process_group):
+    net = Net()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    assert unwrap(ddp) is net
+    outer = Net()
+    outer.body = nn.parallel.DistributedDataParallel(nn.Sequential(Block(), Block()))
+    before = _snapshot(outer)
+    result = unwrap(outer)
+    assert list(result.state_dict()) == list(Net().state_dict())
+    assert result.body is outer.body.module
+    assert _snapshot(outer) == before
+
+
+def test_unwrap_fsdp1_on_cpu(process_group):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    def policy(module, recurse, nonwrapped_numel):
+        return recurse or isinstance(module, Block)
+
+    # real FSDP1 on CPU/gloo, nested: one FSDP per Block and one around the model (NO_SHARD at world size 1)
+    fsdp = FullyShardedDataParallel(Net(), device_id=torch.device("cpu"), use_orig_params=True,
+                                    auto_wrap_policy=policy)
+    assert "_fsdp_wrapped_module" in " ".join(n for n, _ in fsdp.named_parameters())
+    before = _snapshot(fsdp)
+    result = unwrap(fsdp)
+    assert "FullyShardedDataParallel" not in _names(result)
+    assert list(result.state_dict()) == list(Net().state_dict())
+    for (name, got), (wrapped_name, want) in zip(result.named_parameters(), fsdp.named_parameters(), strict=True):
+        assert wrapped_name.replace("_fsdp_wrapped_module.", "") == name
+        assert got is want, name  # FSDP's own parameters (views of its flat buffer), not copies of them
+    assert _snapshot(fsdp) == before
+
+
+def test_unwrap_fsdp_flat_param_warns(caplog):
+    class FullyShardedDataParallel(nn.Module):  # FSDP1 with use_orig_params=False, as it lays out modules
+        def __init__(self, module):
+            super().__init__()
+            self._fsdp_wrapped_module = module
+            flat = torch.cat([p.detach().flatten() for p in module.parameters()])
+            for name in [n for n, _ in module.named_parameters()]:
+                module.get_submodule(name.rpartition(".")[0])._parameters.pop(name.rpartition(".")[2])
+            module._flat_param = nn.Parameter(flat)
+
+    with caplog.at_level(logging.WARNING, logger="allocator.introspect"):
+        unwrap(FullyShardedDataParallel(Block()))
+    assert "use_orig_params=True" in caplog.text
+
+
+def test_unwrap_checkpoint_wrappers_inside_a_real_model_under_compile():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    reference = zoo.build("bert-base")
+    model = zoo.build("bert-base")
+    layers = model.bert.encoder.layer
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i])
+    wrapped = torch.compile(model, backend="eager")
+    before = _snapshot(wrapped)
+    result = unwrap(wrapped)
+    assert "CheckpointWrapper" not in _names(result)
+    assert list(result.state_dict()) == list(reference.state_dict())  # no _checkpoint_wrapped_module. segment
+    _assert_shares_weights(result, model)  # CheckpointWrapper's state_dict hook strips its prefix
+    assert result is not model and result.bert is not model.bert and result.bert.encoder.layer is not layers
+    assert result.bert.embeddings is model.bert.embeddings  # untouched branch: the input's own object
+    assert result.bert.encoder.layer[3] is layers[3]._checkpoint_wrapped_module
+    assert _snapshot(wrapped) == before
+    assert find_layers(result) == find_layers(reference)
+
+
+def test_unwrap_stacked_wrappers_and_data_ptrs(process_group):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    net = Net()
+    net.body[1] = nn.DataParallel(checkpoint_wrapper(net.body[1]))
+    inner_block = net.body[1].module._checkpoint_wrapped_module
+    wrapped = torch.compile(nn.parallel.DistributedDataParallel(nn.DataParallel(net)), backend="eager")
+    before = _snapshot(wrapped)
+    result = unwrap(wrapped)
+    assert _names(result) == {"Net", "Linear", "Sequential", "Block", "GELU"}
+    assert result.body[1] is inner_block
+    assert list(result.state_dict()) == list(Net().state_dict())
+    for (name, got), (_, want) in zip(result.named_parameters(), wrapped.named_parameters(), strict=True):
+        assert got is want and got.data_ptr() == want.data_ptr(), name
+    assert _snapshot(wrapped) == before
+    # the copies do not alias the input's registries: registering on the result leaves the input alone
+    result.register_buffer("extra", torch.zeros(1))
+    result.body.register_forward_hook(lambda *a: None)
+    assert "extra" not in net._buffers and not net.body._forward_hooks
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(result(x), net(x))  # net, not wrapped: calling the OptimizedModule would trace
+
+
+def test_unwrap_xla_spmd_style_and_flatten_params_wrappers():
+    class SpmdFullyShardedDataParallel(nn.Module):  # torch_xla's SPMD FSDP keeps the module as _orig_module
+        def __init__(self, module):
+            super().__init__()
+            self._orig_module = module
+
+    class FlattenParamsWrapper(nn.Module):  # fairscale / torch < 1.13 FSDP
+        def __init__(self, module):
+            super().__init__()
+            self._fpw_module = module
+
+    net = Net()
+    net.body[0] = FlattenParamsWrapper(net.body[0])
+    wrapped = SpmdFullyShardedDataParallel(net)
+    before = _snapshot(wrapped)
+    result = unwrap(wrapped)
+    assert list(result.state_dict()) == list(Net().state_dict())
+    for got, want in zip(result.parameters(), wrapped.parameters(), strict=True):
+        assert got is want
+    assert result.body[0] is net.body[0]._fpw_module and result.head is net.head
+    assert _snapshot(wrapped) == before
+
+
+class BaseTuner(nn.Module):  # peft's tuner base class (LoraModel derives from it): holds the model as .model
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+
+class PeftModel(nn.Module):  # peft's PeftModel: holds the tuner as .base_model
+    def __init__(self, model, prompt=False):
+        super().__init__()
+        self.base_model = type("LoraModel", (BaseTuner,), {})(model)
+        if prompt:  # prompt learning: the wrapper owns parameters of its own
+            self.prompt_encoder = nn.Embedding(4, 8)
+
+
+def test_unwrap_peft_shaped_fake():
+    net = Net()
+    assert unwrap(PeftModel(net)) is net
+
+    class Holder(nn.Module):  # ".model" alone does not make a wrapper: only a BaseTuner's
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+    holder = Holder(net)
+    assert unwrap(holder) is holder
+
+
+def test_unwrap_real_peft():
+    peft = pytest.importorskip("peft")
+    net = Net()
+    config = peft.LoraConfig(r=2, target_modules=["attn"])
+    model = peft.get_peft_model(net, config)
+    assert list(model.state_dict())[0].startswith("base_model.model.")
+    result = unwrap(nn.DataParallel(model))
+    assert result is model.get_base_model() is net  # LoRA layers were injected in place by peft
+    assert list(result.state_dict()) == list(net.state_dict())
+    assert "base_layer" in " ".join(result.state_dict())  # adapters are part of the model: kept
+
+
+def test_unwrap_peft_prompt_owned_parameters_warn(caplog):
+    net = Net()
+    with caplog.at_level(logging.WARNING, logger="allocator.introspect"):
+        assert unwrap(PeftModel(net, prompt=True)) is net
+    assert "prompt_encoder.weight" in caplog.text
+
+
+def test_unwrap_strips_accelerate_hooks_on_copies_only():
+    from accelerate import dispatch_model
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    net = Net()
+    x = torch.randn(3, 4)
+    expected = net(x)
+    dispatch_model(net, {"": "cpu"}, force_hooks=True)  # root hook, and dispatch_model's to()/cuda() guards
+    add_hook_to_module(net.body[0], Counting())
+    add_hook_to_module(net.head, Counting())
+    hooked = {name for name, m in net.named_modules() if hasattr(m, "_hf_hook")}
+    assert {"", "body.0", "head"} <= hooked and "body.1.act" not in hooked
+    before = _snapshot(net)
+    result = unwrap(net)
+    for name, module in result.named_modules():
+        assert not hasattr(module, "_hf_hook") and not hasattr(module, "_old_forward"), name
+        assert "forward" not in vars(module) and "to" not in vars(module) and "cuda" not in vars(module), name
+    for name, module in net.named_modules():  # hooked modules are copied, the others are the input's own
+        assert (result.get_submodule(name) is module) == (name not in hooked), name
+    assert result.body[1].act is net.body[1].act  # accelerate leaves parameter-free modules unhooked
+    _assert_shares_weights(result, net)
+    assert _snapshot(net) == before
+    assert {name for name, m in net.named_modules() if hasattr(m, "_hf_hook")} == hooked
+    calls = Counting.calls
+    torch.testing.assert_close(result(x), expected)
+    assert Counting.calls == calls  # the copies run their own forward, not the hooked one
+    net(x)
+    assert Counting.calls == calls + 2  # the input still runs its hooks
+
+
+def test_unwrap_in_place_compile_and_bound_forward():
+    net = Net()
+    net.body[0].compile(backend="eager")  # nn.Module.compile: _compiled_call_impl bound to the original
+    result = unwrap(net)
+    assert result.body[0] is not net.body[0] and result.body[0]._compiled_call_impl is None
+    assert net.body[0]._compiled_call_impl is not None
+    _assert_shares_weights(result, net)
+
+
+def test_unwrap_keeps_shared_modules_shared():
+    shared = nn.Sequential(nn.DataParallel(nn.Linear(4, 4)))
+    model = nn.ModuleDict({"a": shared, "b": shared, "c": nn.Linear(4, 4)})
+    result = unwrap(model)
+    assert result["a"] is result["b"] and result["a"] is not shared
+    assert result["a"][0] is shared[0].module and result["c"] is model["c"]
+    assert isinstance(shared[0], nn.DataParallel)
+
+
+def test_unwrap_meta_model_wrapped_everywhere():
+    model = zoo.build("t5-base")
+    model.encoder = nn.DataParallel(model.encoder)
+    result = unwrap(torch.compile(model, backend="eager"))
+    assert list(result.state_dict()) == list(_zoo("t5-base").state_dict())
+    assert result.encoder is model.encoder.module
+    assert find_layers(result) == find_layers(_zoo("t5-base"))
+
+
+def test_unwrap_rejects_cycles_and_non_modules():
+    loop = nn.Sequential(nn.Linear(2, 2))
+    loop._modules["again"] = nn.DataParallel(loop)
+    with pytest.raises(InvalidModel, match="cycle"):
+        unwrap(loop)
+    with pytest.raises(InvalidModel, match="torch.nn.Module"):
+        unwrap(object())
