@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .budgets import Device
 from .graph import ModelGraph
 
-__all__ = ["Memory", "device_of", "main_device", "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
+__all__ = ["Memory", "device_of", "main_device", "moves_with_weights", "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +102,15 @@ def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[in
             break
         i = max(children, key=lambda c: best[c])
     return best[0], chain
+
+
+def stream_reserve(graph: ModelGraph, devices: list, offloaded, *, offload_buffers: bool = False) -> int:
+    """Bytes the main device must keep free for streaming when tensors on ``offloaded`` devices are streamed."""
+    streamed = [0] * len(graph.nodes)
+    for t, device in zip(graph.tensors, devices):
+        if device in offloaded and moves_with_weights(t, offload_buffers):
+            streamed[t.module] += t.nbytes
+    return streamed_chain(graph, streamed)[0]
 
 
 def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: bool = False) -> Memory:

@@ -13,9 +13,10 @@ import math
 
 from ..budgets import Device
 from ..problem import Problem
+from ..runtime import offloaded_devices, stream_reserve
 from ..units import Group
 
-__all__ = ["fill", "main_candidates"]
+__all__ = ["fill", "fill_to_fixed_point", "full_reserve", "main_candidates"]
 
 
 def main_candidates(problem: Problem) -> list[Device]:
@@ -41,7 +42,11 @@ def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> d
     # Groups too large to stream through the reserve must stay resident: seat them first, then fill in order.
     must_stay = [grp for grp in groups if grp.stream > reserve]
     rest = [grp for grp in groups if grp.stream <= reserve]
+    # Buffers of groups still to place may all end up pinned on the main device: hold room for them until then.
+    room[main] -= sum(grp.pinned for grp in rest)
     for group in must_stay + rest:
+        if group.stream <= reserve:
+            room[main] += group.pinned
         for d in devices:
             if d in targets:
                 if group.stream > reserve:
@@ -59,3 +64,35 @@ def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> d
         for name in group.names:
             placed[name] = d
     return placed
+
+
+def full_reserve(problem: Problem) -> int:
+    """The reserve that streams anything: the largest chain if every weight were offloaded."""
+    g = problem.graph
+    return stream_reserve(g, ["disk"] * len(g.tensors), {"disk"}, offload_buffers=problem.options.offload_buffers)
+
+
+def _actual_reserve(problem: Problem, placed: dict, main: Device) -> int:
+    g = problem.graph
+    position = {name: device for name, device in placed.items()}
+    devices = []
+    for t in g.tensors:
+        name = t.name
+        while name not in position and name:
+            name = name.rpartition(".")[0]
+        devices.append(position.get(name))
+    return stream_reserve(g, devices, offloaded_devices(main), offload_buffers=problem.options.offload_buffers)
+
+
+def fill_to_fixed_point(problem: Problem, groups: list[Group], main: Device, reserve: int, rounds: int = 8):
+    """``fill`` then raise the reserve to what the offloaded units really stream together (a parent's hook stays
+    active while its children run), until it holds. Returns ``(placed, reserve)`` or ``(None, reserve)``."""
+    for _ in range(rounds):
+        placed = fill(problem, groups, main, reserve)
+        if placed is None:
+            return None, reserve
+        actual = _actual_reserve(problem, placed, main)
+        if actual <= reserve:
+            return placed, reserve
+        reserve = actual
+    return None, reserve

@@ -32,10 +32,30 @@ def score(problem: Problem, device_map) -> tuple[int, int]:
     return resident, -changes
 
 
+def _quick(problem: Problem, placed) -> int:
+    """Bytes a unit map keeps on the fastest tier, from the unit names alone (an upper bound used to order checks)."""
+    g = problem.graph
+    fast = set(problem.budgets.accelerators) or {"cpu"}
+    total = 0
+    for name, device in placed.items():
+        if device in fast:
+            i = g.node_index.get(name)
+            total += g.size[i] if i is not None else g.tensors[g.tensor_index[name]].counted
+    return total
+
+
 def best_of(problem: Problem, candidates, strategy: str) -> Placement:
-    """The best valid candidate ``(unit map, note)``, cleaned as the options say; raises when none is valid."""
+    """The best valid candidate ``(unit map, note)``, cleaned as the options say; raises when none is valid.
+
+    Candidates are checked in decreasing order of their bytes on the fastest tier; once one is valid, only the
+    others with as many bytes are still checked (for fewer device changes).
+    """
+    ranked = sorted(((_quick(problem, placed), k) for k, (placed, _) in enumerate(candidates)), reverse=True)
     best = None
-    for placed, note in candidates:
+    for quick, k in ranked:
+        if best is not None and quick < best[0][0]:
+            break
+        placed, note = candidates[k]
         device_map = clean_device_map(placed) if problem.options.clean_result else dict(placed)
         if check(problem, device_map)[0]:
             continue
