@@ -9,7 +9,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .budgets import Device
+from .budgets import Budgets, Device
+from .errors import InfeasiblePlacement
 from .placement import Placement
 from .problem import Problem, build_problem
 from .runtime import Memory
@@ -87,6 +88,51 @@ def _finish(problem: Problem, placement: Placement) -> Plan:
     )
 
 
+def _with_ram(problem: Problem, ram: int) -> Problem:
+    limits = dict(problem.budgets.limits)
+    limits["cpu"] = ram
+    order = tuple(d for d in problem.budgets.order if d not in ("cpu", "disk")) + ("cpu", "disk")
+    return Problem(problem.graph, Budgets(order=order, limits={d: limits[d] for d in order if d in limits}),
+                   problem.options)
+
+
+def _feasible(problem: Problem, strategy) -> bool:
+    try:
+        placement = run(strategy, problem)
+    except InfeasiblePlacement:
+        return False
+    return not check(problem, placement.device_map)[0]
+
+
+def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
+    """The error for a budget no plan fits, with the smallest RAM budget (other budgets unchanged) that works.
+
+    Found by bisection between the given RAM and a budget that certainly works (the peak of streaming
+    everything from disk, or the whole model in RAM), to 0.1 %; the strategy is run at each step, so the
+    stated minimum is one the strategy really plans for while 0.1 % less fails.
+    """
+    g = problem.graph
+    low = problem.budgets.limit("cpu") or 0
+    relaxed = _with_ram(problem, 2**62)
+    candidates = [check(relaxed, {"": "disk"})[1].peak.get("cpu", 0), check(relaxed, {"": "cpu"})[1].peak["cpu"]]
+    high = min(candidates)
+    if not _feasible(_with_ram(problem, high), strategy):
+        high = max(candidates)
+    while high - low > max(1, high // 1000):
+        middle = (low + high) // 2
+        if _feasible(_with_ram(problem, middle), strategy):
+            high = middle
+        else:
+            low = middle
+    return InfeasiblePlacement(
+        f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: the smallest RAM budget "
+        f"that works with the other budgets unchanged is {_fmt(high)} ({high} B) on 'cpu' (buffers of offloaded "
+        f"modules plus the weights streamed at once must fit there); raise max_memory['cpu'] to at least that, or "
+        f"give accelerators more room.",
+        device="cpu", minimum=high,
+    )
+
+
 def plan(
     model,
     max_memory: Mapping | None = None,
@@ -101,6 +147,7 @@ def plan(
     tied_parameters=None,
     hf_quantizer=None,
     size_fn=None,
+    infer_no_split: bool = True,
 ) -> Plan:
     """Decide where every part of ``model`` lives.
 
@@ -115,6 +162,8 @@ def plan(
         A name in :data:`allocator.STRATEGIES`, ``"auto"``, or ``place(problem) -> Placement``.
     no_split_module_classes : list of str, optional
         United with ``_no_split_modules`` of the model and every sub-model.
+    infer_no_split : bool
+        When nothing is declared, keep the model's repeated blocks whole (logged).
     dtype, special_dtypes, offload_buffers, clean_result, fallback_allocation
         As in accelerate's ``infer_auto_device_map``.
     tied_parameters : list of list of str, optional
@@ -148,10 +197,16 @@ def plan(
         model, max_memory, no_split_module_classes=no_split_module_classes, dtype=dtype,
         special_dtypes=special_dtypes, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
         size_fn=size_fn, offload_buffers=offload_buffers, clean_result=clean_result,
-        fallback_allocation=fallback_allocation,
+        fallback_allocation=fallback_allocation, infer_no_split=infer_no_split,
     )
     resolve(strategy)
-    result = _finish(problem, run(strategy, problem))
+    try:
+        placement = run(strategy, problem)
+    except InfeasiblePlacement as err:
+        if err.minimum is not None:
+            raise
+        raise minimum_ram_error(problem, strategy) from None
+    result = _finish(problem, placement)
     for v in result.violations:
         log.warning("plan by %s breaks a runtime rule: %s", result.strategy, v)
     return result

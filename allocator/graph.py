@@ -81,7 +81,8 @@ class ModelGraph:
     tensors: tuple[TensorNode, ...]
     size: tuple[int, ...]
     size_accelerate: tuple[float, ...]
-    no_split: frozenset[str]
+    no_split: frozenset[str]     # what plans keep whole: declared, or inferred blocks when nothing is declared
+    no_split_declared: frozenset[str]  # the caller's united with every sub-model's ``_no_split_modules``
     tied_groups: tuple[tuple[str, ...], ...]  # shared tensors, in accelerate's find_tied_parameters order
     declared_ties: tuple[tuple[str, ...], ...]  # the model's declared tied keys not already shared
     node_index: Mapping[str, int] = field(repr=False)
@@ -233,6 +234,7 @@ def build_graph(
     special_dtypes: Mapping[str, object] | None = None,
     no_split_module_classes: Iterable[str] | str | None = None,
     discover_no_split: bool = True,
+    infer_no_split: bool = True,
     tied_parameters: Sequence[Sequence[str]] | None = None,
     size_fn: SizeFn | None = None,
 ) -> ModelGraph:
@@ -249,6 +251,9 @@ def build_graph(
     no_split_module_classes : list of str, optional
         Class names never split across devices. United with ``_no_split_modules`` of every sub-model when
         ``discover_no_split``.
+    infer_no_split : bool
+        When nothing is declared, keep the model's repeated blocks whole
+        (:func:`allocator.introspect.infer_blocks`); logged. ``sequential`` ignores them, as accelerate does.
     tied_parameters : list of list of str, optional
         Replaces the tie groups found from shared tensors.
     size_fn : callable, optional
@@ -271,6 +276,15 @@ def build_graph(
         no_split.add(c)
     if discover_no_split:
         no_split |= no_split_classes(model)
+    declared_no_split = frozenset(no_split)
+    if infer_no_split and not no_split:
+        from .introspect import infer_blocks
+
+        no_split = infer_blocks(model)
+        if no_split:
+            log.info("%s declares no no-split classes; keeping its repeated blocks %s whole "
+                     "(pass no_split_module_classes, or infer_no_split=False, to change this)",
+                     type(model).__name__, sorted(no_split))
     target = _as_dtype(dtype, "dtype") if dtype is not None else None
     special = {}
     for key, value in (special_dtypes or {}).items():
@@ -348,14 +362,14 @@ def build_graph(
         all_params = list(model.named_parameters(remove_duplicate=False))
         tied = _find_tied(all_params, dict(model.named_parameters()))
     already = {n for g in tied for n in g}
-    declared = [g for g in _declared_tied_groups(model, set(tensor_index)) if not set(g) <= already]
+    declared_ties = [g for g in _declared_tied_groups(model, set(tensor_index)) if not set(g) <= already]
     if no_split_module_classes:
         present = {n.cls for n in nodes}
         for c in sorted(set(no_split_module_classes) - present):
             log.warning("no-split class %r matches no module of %s; check the spelling.", c, type(model).__name__)
     return ModelGraph(
         nodes=nodes, tensors=tuple(tensors), size=tuple(size), size_accelerate=tuple(size_acc),
-        no_split=frozenset(no_split), tied_groups=tuple(tied), declared_ties=tuple(declared),
+        no_split=frozenset(no_split), no_split_declared=declared_no_split, tied_groups=tuple(tied), declared_ties=tuple(declared_ties),
         node_index={n.name: i for i, n in enumerate(nodes)}, tensor_index=tensor_index,
         model_class=type(model).__name__,
     )

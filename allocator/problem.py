@@ -62,6 +62,7 @@ def build_problem(
     hf_quantizer=None,
     size_fn=None,
     discover_no_split: bool = True,
+    infer_no_split: bool = True,
     **options,
 ) -> Problem:
     """Build the :class:`Problem` once: introspect the model, parse budgets, check options.
@@ -80,7 +81,7 @@ def build_problem(
         size_fn = quantizer_size_fn(model, hf_quantizer)
     graph = build_graph(
         model, dtype=dtype, special_dtypes=special_dtypes, no_split_module_classes=no_split_module_classes,
-        discover_no_split=discover_no_split, tied_parameters=tied_parameters, size_fn=size_fn,
+        discover_no_split=discover_no_split, infer_no_split=infer_no_split, tied_parameters=tied_parameters, size_fn=size_fn,
     )
     budgets = parse_budgets(max_memory)
     if hf_quantizer is not None and hasattr(hf_quantizer, "adjust_max_memory"):

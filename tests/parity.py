@@ -13,10 +13,10 @@ def both(model, max_memory, **kwargs):
     """(accelerate's map or its exception type, our sequential map or the exception) for the same inputs.
 
     The no-split classes given to accelerate are the effective ones our builder found (the caller's united with
-    every sub-model's ``_no_split_modules``), so both algorithms see the same input.
+    every sub-model's ``_no_split_modules``; never the inferred blocks), so both algorithms see the same input.
     """
     problem = allocator.build_problem(model, max_memory, no_split_module_classes=kwargs.get("no_split_module_classes"))
-    no_split = sorted(problem.graph.no_split)
+    no_split = sorted(problem.graph.no_split_declared)
     acc_kwargs = dict(kwargs, no_split_module_classes=no_split)
     try:
         theirs = accelerate.utils.infer_auto_device_map(model, copy.deepcopy(max_memory), **acc_kwargs)

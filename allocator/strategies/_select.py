@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..budgets import Budgets
 from ..errors import InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
@@ -70,15 +69,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
 
 
 def infeasible(problem: Problem) -> InfeasiblePlacement:
-    """The error for a model no plan can run: the smallest RAM budget with which everything streams from disk."""
-    g = problem.graph
-    everything_on_disk = {"": "disk"}
-    relaxed = Problem(g, Budgets(order=("cpu", "disk"), limits={"cpu": 2**62}), problem.options)
-    memory = check(relaxed, everything_on_disk)[1]
-    need = memory.peak.get("cpu", 0)
+    """The error a strategy raises when no candidate is valid (``allocator.plan`` adds the minimum budget)."""
     return InfeasiblePlacement(
-        f"no placement of {g.model_class} fits these budgets {dict(problem.budgets.limits)}: even streaming every "
-        f"weight from disk needs {_fmt(need)} ({need} B) on 'cpu' (buffers plus the largest streamed chain "
-        f"{list(memory.chain)}); give 'cpu' at least that much, or an accelerator at least that much plus what it holds.",
-        device="cpu", minimum=need,
+        f"no placement of {problem.graph.model_class} fits these budgets {dict(problem.budgets.limits)}."
     )

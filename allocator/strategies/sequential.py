@@ -38,6 +38,7 @@ class _Tree:
         self.sizes: dict[str, float] = {n.name: g.size_accelerate[i] for i, n in enumerate(g.nodes)}
         for t in g.tensors:
             self.sizes[t.name] = t.nbytes_accelerate if t.canonical == t._index else 0
+        self.no_split_classes = g.no_split_declared  # accelerate sees only what is declared, never inferred blocks
         self._layer: dict[int, tuple[float, list[str]]] = {}
 
     def size(self, name: str) -> float:
@@ -56,12 +57,12 @@ class _Tree:
 
     def no_split(self, entry) -> bool:
         _, idx = entry
-        return idx >= 0 and self.g.nodes[idx].cls in self.g.no_split
+        return idx >= 0 and self.g.nodes[idx].cls in self.no_split_classes
 
     def layer(self, entry) -> tuple[float, list[str]]:
         """Largest no-split layer under an entry and all names that reach it (``get_max_layer_size``)."""
         name, idx = entry
-        if idx < 0 or not self.g.nodes[idx].children or self.g.nodes[idx].cls in self.g.no_split:
+        if idx < 0 or not self.g.nodes[idx].children or self.g.nodes[idx].cls in self.no_split_classes:
             return self.size(name), [name]
         if idx not in self._layer:
             self._layer[idx] = _fold(self.layer(c) for c in self.children(entry))
