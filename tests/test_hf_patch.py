@@ -1,0 +1,558 @@
+"""``allocator.hf.patch``: transformers' and accelerate's string device maps planned by the planner, end to end.
+
+Five small random models (llama, GPT-2 with tied embeddings, T5, ViT, Segformer) are saved to disk once per module
+and loaded on this CPU machine with half of their size as the RAM budget (CPU main device, the rest on disk). Under
+the patch, ``from_pretrained(device_map="auto")`` must load the planner's map, compute exactly what the fully
+loaded model computes and keep at least as much in RAM as transformers' own map; after the patch transformers'
+maps and the patched module attributes are what they were. Then: modes (``"sequential"`` is accelerate's map,
+``"balanced"`` is ``"auto"`` over the user's budgets), accelerate's ``load_checkpoint_and_dispatch``, nesting,
+errors, the plain-call form, ``_no_placement_params`` and the transformers 4 path.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+import importlib  # noqa: E402
+
+import accelerate.big_modeling as big_modeling  # noqa: E402
+import transformers.modeling_utils as modeling_utils  # noqa: E402
+from accelerate.utils import get_max_memory as accelerate_get_max_memory  # noqa: E402
+
+import allocator  # noqa: E402
+import allocator.hf as hf  # noqa: E402
+from allocator.runtime import device_of, tensor_devices  # noqa: E402
+
+SEED = 0
+BUDGET_SHARE = 0.5
+DTYPE = torch.float32
+TOL = {"rtol": 1e-6, "atol": 1e-6}
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+try:
+    tia = importlib.import_module("transformers.integrations.accelerate")
+except ImportError:  # old transformers 4
+    tia = None
+needs5 = pytest.mark.skipif(
+    TRANSFORMERS_MAJOR < 5, reason=f"transformers 5 route (_get_device_map); installed {transformers.__version__}")
+
+# The attributes string device maps are routed through: transformers 5.24 and accelerate 1.15 (on 4.x:
+# accelerate's two functions imported into modeling_utils).
+PATCHED = tuple(
+    (module, attr)
+    for module, attr in (
+        (tia, "_get_device_map"),
+        (modeling_utils, "_get_device_map" if TRANSFORMERS_MAJOR >= 5 else "infer_auto_device_map"),
+        (modeling_utils, "get_balanced_memory"),
+        (big_modeling, "get_balanced_memory"),
+        (big_modeling, "infer_auto_device_map"),
+    )
+    if module is not None and hasattr(module, attr)
+)
+
+
+def _specs():
+    from transformers import (
+        GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, SegformerConfig, SegformerForSemanticSegmentation,
+        T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification,
+    )
+
+    def tokens(gen, *, decoder=False):
+        out = {"input_ids": torch.randint(0, 1000, (2, 8), generator=gen)}
+        if decoder:
+            out["decoder_input_ids"] = torch.randint(0, 1000, (2, 5), generator=gen)
+        return out
+
+    def pixels(gen):
+        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=gen)}
+
+    return {
+        "llama": (LlamaForCausalLM, LlamaConfig(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+            vocab_size=1000, max_position_embeddings=64, tie_word_embeddings=False), tokens),
+        "gpt2": (GPT2LMHeadModel, GPT2Config(
+            n_embd=64, n_layer=3, n_head=4, vocab_size=1000, n_positions=64, tie_word_embeddings=True), tokens),
+        "t5": (T5ForConditionalGeneration, T5Config(
+            d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=1000),
+            lambda gen: tokens(gen, decoder=True)),
+        "vit": (ViTForImageClassification, ViTConfig(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=32,
+            patch_size=8, num_labels=10), pixels),
+        "segformer": (SegformerForSemanticSegmentation, SegformerConfig(
+            num_encoder_blocks=4, depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 64, 128], decoder_hidden_size=64,
+            num_attention_heads=[1, 2, 4, 8], num_labels=3, image_size=32), pixels),
+    }
+
+
+MODELS = ("llama", "gpt2", "t5", "vit", "segformer")
+
+
+class Case:
+    """One saved model with its meta twin, budget, inputs and reference logits (fully in RAM, no device_map)."""
+
+    def __init__(self, name, cls, config, make_inputs, root):
+        self.name, self.cls, self.config = name, cls, config
+        self.path = str(root / name)
+        torch.manual_seed(SEED)
+        cls(config).to(DTYPE).eval().save_pretrained(self.path)
+        with torch.device("meta"):
+            self.meta = cls(config)
+        self.problem = allocator.build_problem(self.meta, {"cpu": 0})
+        self.max_memory = {"cpu": int(BUDGET_SHARE * self.problem.graph.total)}
+        self.inputs = make_inputs(torch.Generator().manual_seed(SEED))
+        self.reference = self.logits(cls.from_pretrained(self.path, dtype=DTYPE))
+
+    def load(self, device_map, offload_folder):
+        return self.cls.from_pretrained(
+            self.path, dtype=DTYPE, device_map=device_map, max_memory=dict(self.max_memory),
+            offload_folder=str(offload_folder),
+        )
+
+    def logits(self, model):
+        model.eval()
+        with torch.no_grad():
+            return model(**self.inputs).logits
+
+    def transformers_map(self, mode="auto") -> dict:
+        return tia._get_device_map(self.meta, mode, dict(self.max_memory), None)
+
+    def ram_resident(self, device_map) -> int:
+        """Counted bytes ``device_map`` keeps in RAM, from the graph's tensor names alone."""
+        g = self.problem.graph
+        return sum(t.counted for t, d in zip(g.tensors, tensor_devices(g, device_map)) if d == "cpu")
+
+
+@pytest.fixture(scope="module")
+def quiet():
+    """Silence transformers' progress bars and info logs and accelerate's warnings; restore."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    loggers = [logging.getLogger(n) for n in ("accelerate", "accelerate.big_modeling", "accelerate.utils.modeling")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
+    hf_logging.set_verbosity(verbosity)
+    if bars:
+        hf_logging.enable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory, quiet):
+    if TRANSFORMERS_MAJOR < 5:
+        pytest.skip(f"the saved cases load with transformers 5's API; installed {transformers.__version__}")
+    root = tmp_path_factory.mktemp("hf_patch_models")
+    return {name: Case(name, *spec, root) for name, spec in _specs().items()}
+
+
+@pytest.fixture(autouse=True)
+def no_patch_left():
+    """Every test starts and ends with no live patch and the library's own functions in place."""
+    originals = [getattr(module, attr) for module, attr in PATCHED]
+    assert not hf._ACTIVE
+    yield
+    live = list(hf._ACTIVE)
+    while hf.unpatch() is not None:
+        pass
+    assert not live, f"a test left patches on: {live}"
+    assert all(getattr(m, a) is o for (m, a), o in zip(PATCHED, originals))
+
+
+def _snapshot():
+    return [getattr(module, attr) for module, attr in PATCHED]
+
+
+def _same_objects(a, b) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+# -- end to end: from_pretrained under the patch ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_from_pretrained_auto_loads_the_plan_and_restores_transformers(cases, name, tmp_path):
+    case = cases[name]
+    plan = allocator.plan(case.meta, dict(case.max_memory))
+    assert plan.valid and set(plan.device_map.values()) == {"cpu", "disk"}, plan.explain()
+    before, originals = case.transformers_map(), _snapshot()
+
+    with hf.patch() as handle:
+        assert {f"{m.__name__}.{a}" for m, a in PATCHED} <= set(handle.patched)
+        assert all(getattr(m, a) is not o for (m, a), o in zip(PATCHED, originals))
+        assert case.transformers_map() == plan.device_map
+        model = case.load("auto", tmp_path / "ours")
+        assert model.hf_device_map == plan.device_map
+        torch.testing.assert_close(case.logits(model), case.reference, **TOL)
+
+    assert _same_objects(_snapshot(), originals)
+    after = case.transformers_map()
+    assert list(after.items()) == list(before.items())  # same keys, same order, same devices
+    theirs = case.load("auto", tmp_path / "theirs").hf_device_map
+    assert list(theirs.items()) == list(before.items())
+
+    ours_ram, their_ram = case.ram_resident(plan.device_map), case.ram_resident(theirs)
+    assert ours_ram == plan.resident("cpu")
+    assert ours_ram >= their_ram, f"{name}: patched map keeps {ours_ram} B in RAM, transformers' {their_ram} B"
+
+
+def test_from_pretrained_sequential_is_accelerates_map(cases, tmp_path):
+    case = cases["llama"]
+    expected = accelerate.infer_auto_device_map(
+        case.meta, dict(case.max_memory), no_split_module_classes=case.meta._no_split_modules)
+    with hf.patch(strategy="reserve"):
+        model = case.load("sequential", tmp_path / "seq")
+    assert model.hf_device_map == expected
+    torch.testing.assert_close(case.logits(model), case.reference, **TOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sequential_mode_reproduces_accelerate(cases, name):
+    case = cases[name]
+    expected = accelerate.infer_auto_device_map(
+        case.meta, dict(case.max_memory), no_split_module_classes=case.meta._no_split_modules)
+    with hf.patch(strategy="backfill"):
+        assert case.transformers_map("sequential") == expected
+
+
+def test_balanced_modes_plan_auto_over_the_users_budgets(cases):
+    assert hf.MODE_TO_STRATEGY == {
+        "auto": None, "balanced": "auto", "balanced_low_0": "auto", "sequential": "sequential"}
+    meta = cases["llama"].meta
+    total = cases["llama"].problem.graph.total
+    # Two (planned, not present) GPUs: transformers' balanced budgets would cap GPU 0 near half of the model.
+    budgets = {0: int(0.9 * total), 1: int(0.9 * total), "cpu": total}
+    auto = allocator.plan(meta, dict(budgets), strategy="auto").device_map
+    reserve = allocator.plan(meta, dict(budgets), strategy="reserve").device_map
+    given = dict(budgets)
+    with hf.patch(strategy="reserve"):
+        for mode in ("balanced", "balanced_low_0"):
+            assert tia._get_device_map(meta, mode, given, None) == auto, mode
+        assert tia._get_device_map(meta, "auto", given, None) == reserve
+    assert given == budgets
+    balanced = tia.get_balanced_memory(meta, max_memory=dict(budgets), no_split_module_classes=meta._no_split_modules)
+    assert balanced[0] < budgets[0]  # the fudge the patch does not apply, and it would change the map
+    assert allocator.plan(meta, balanced, strategy="auto").device_map != auto
+
+
+# -- accelerate's load_checkpoint_and_dispatch --------------------------------------------------------------------
+
+def test_load_checkpoint_and_dispatch_auto(cases, tmp_path):
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    case = cases["llama"]
+    with init_empty_weights():
+        model = case.cls(case.config)
+    no_split = sorted(model._no_split_modules)
+    expected = allocator.plan(model, dict(case.max_memory), no_split_module_classes=no_split).device_map
+    assert set(expected.values()) == {"cpu", "disk"}
+    given = dict(case.max_memory)
+    with hf.patch():
+        model = load_checkpoint_and_dispatch(
+            model, case.path, device_map="auto", max_memory=given, no_split_module_classes=no_split,
+            offload_folder=str(tmp_path / "offload"), dtype=DTYPE,
+        )
+    assert given == case.max_memory
+    assert model.hf_device_map == expected
+    torch.testing.assert_close(case.logits(model), case.reference, **TOL)
+
+
+def test_accelerate_sequential_and_balanced_low_0_modes(cases):
+    meta = cases["llama"].meta
+    budgets = dict(cases["llama"].max_memory)
+    with hf.patch(strategy="reserve"):
+        # load_checkpoint_and_dispatch(device_map="sequential") skips get_balanced_memory: accelerate's map.
+        no_split = sorted(meta._no_split_modules)
+        assert big_modeling.infer_auto_device_map(meta, dict(budgets), no_split) == (
+            accelerate.utils.infer_auto_device_map(meta, dict(budgets), no_split))
+        # "balanced_low_0": get_balanced_memory(low_zero=True) returns the user's budgets and the mode.
+        got = big_modeling.get_balanced_memory(meta, max_memory=dict(budgets), low_zero=True)
+        assert got == budgets
+        assert big_modeling.infer_auto_device_map(meta, got) == allocator.plan(meta, budgets).device_map
+        got = big_modeling.get_balanced_memory(meta, max_memory=dict(budgets))
+        assert big_modeling.infer_auto_device_map(meta, got) == allocator.plan(
+            meta, budgets, strategy="reserve").device_map
+
+
+# -- the patch itself ----------------------------------------------------------------------------------------------
+
+def test_nesting_restores_the_outer_patch(cases):
+    case = cases["vit"]
+    originals = _snapshot()
+    with hf.patch(strategy="sequential") as outer:
+        outer_attrs = _snapshot()
+        with hf.patch(strategy="backfill") as inner:
+            assert all(a is not b for a, b in zip(_snapshot(), outer_attrs))
+            assert case.transformers_map() == allocator.plan(case.meta, case.max_memory, strategy="backfill").device_map
+            assert hf._ACTIVE == [outer, inner]
+        assert _same_objects(_snapshot(), outer_attrs)
+        assert case.transformers_map() == allocator.plan(case.meta, case.max_memory, strategy="sequential").device_map
+        assert outer.active and not inner.active
+    assert _same_objects(_snapshot(), originals)
+
+
+def test_unpatching_the_outer_patch_first_still_restores_the_originals():
+    originals = _snapshot()
+    outer = hf.patch()
+    inner = hf.patch()
+    inner_attrs = _snapshot()
+    outer.unpatch()
+    assert _same_objects(_snapshot(), inner_attrs) and inner.active
+    inner.unpatch()
+    inner.unpatch()  # idempotent
+    assert _same_objects(_snapshot(), originals)
+
+
+def test_exception_inside_the_block_unpatches():
+    originals = _snapshot()
+    with pytest.raises(RuntimeError, match="boom"):
+        with hf.patch():
+            assert not _same_objects(_snapshot(), originals)
+            raise RuntimeError("boom")
+    assert _same_objects(_snapshot(), originals)
+    assert not hf._ACTIVE
+
+
+def test_planner_error_inside_from_pretrained_path_unpatches(cases):
+    originals = _snapshot()
+    with pytest.raises(allocator.InfeasiblePlacement):
+        with hf.patch():
+            tia._get_device_map(cases["gpt2"].meta, "auto", {"cpu": 10}, None)
+    assert _same_objects(_snapshot(), originals)
+
+
+def test_plain_call_and_module_unpatch(cases):
+    originals = _snapshot()
+    case = cases["t5"]
+    handle = hf.patch(strategy="reserve")
+    assert handle.active and "transformers.modeling_utils._get_device_map" in handle.patched
+    assert modeling_utils._get_device_map is tia._get_device_map  # from_pretrained's name is the patched one
+    assert case.transformers_map() == allocator.plan(case.meta, case.max_memory, strategy="reserve").device_map
+    handle.unpatch()
+    assert _same_objects(_snapshot(), originals) and not handle.active
+
+    second = hf.patch()
+    assert hf.unpatch() is second
+    assert hf.unpatch() is None
+    assert _same_objects(_snapshot(), originals)
+
+
+def test_bad_arguments_patch_nothing():
+    originals = _snapshot()
+    with pytest.raises(allocator.InvalidOption, match="unknown strategy"):
+        hf.patch(strategy="greedy")
+    with pytest.raises(allocator.InvalidOption, match="max_memory"):
+        hf.patch(max_memory={"cpu": 1})
+    assert _same_objects(_snapshot(), originals) and not hf._ACTIVE
+
+
+def test_budgets_as_transformers_reads_them_and_never_modified(cases):
+    meta = cases["llama"].meta
+    given = {"cpu": "700KB"}
+    with hf.patch():
+        assert tia._get_device_map(meta, "auto", given, None) == allocator.plan(meta, {"cpu": 700_000}).device_map
+        assert tia._get_device_map(meta, "auto", None, None) == {"": "cpu"}  # this machine's RAM holds 1.5 MB
+    assert given == {"cpu": "700KB"}
+
+
+def test_declared_ties_are_made_before_planning_an_untied_model(cases):
+    """transformers 5 plans before it ties: the map of the untied model is the map of the tied one, untouched."""
+    case = cases["gpt2"]
+    with torch.device("meta"):
+        untied = case.cls(case.config)
+    untied.lm_head.weight = torch.nn.Parameter(torch.empty_like(untied.lm_head.weight))
+    assert untied.all_tied_weights_keys == {"lm_head.weight": "transformer.wte.weight"}
+    with hf.patch():
+        got = tia._get_device_map(untied, "auto", dict(case.max_memory), None)
+    assert got == allocator.plan(case.meta, case.max_memory).device_map
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+
+
+def test_hf_quantizer_sizes_budgets_and_validation(cases):
+    class Quantizer:
+        """Stands for a transformers ``HfQuantizer``: 1-byte matrices, 10% of every budget held back."""
+
+        def __init__(self):
+            self.validated = []
+
+        def param_element_size(self, model, name, param):
+            return 1 if param.dim() == 2 else param.element_size()
+
+        def adjust_max_memory(self, max_memory):
+            return {device: int(0.9 * size) for device, size in max_memory.items()}
+
+        def validate_environment(self, *args, device_map=None, **kwargs):
+            self.validated.append(device_map)
+
+    meta, budgets = cases["llama"].meta, {"cpu": cases["llama"].max_memory["cpu"] // 2}
+    quantizer = Quantizer()
+    with hf.patch():
+        got = tia._get_device_map(meta, "auto", dict(budgets), quantizer)
+    assert got == allocator.plan(meta, budgets, hf_quantizer=Quantizer()).device_map
+    assert got != allocator.plan(meta, budgets).device_map
+    assert quantizer.validated == [got]
+
+
+def test_dict_device_maps_go_to_transformers(cases):
+    meta = cases["llama"].meta
+    with hf.patch():
+        assert tia._get_device_map(meta, {"": "cpu"}, None, None) == {"": "cpu"}
+
+
+# -- _no_placement_params -----------------------------------------------------------------------------------------
+
+def _no_placement_model():
+    """A transformers model whose no-split blocks hold a large ``big.weight`` listed in ``_no_placement_params``."""
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class NoPlacementConfig(PretrainedConfig):
+        model_type = "allocator_no_placement_test"
+
+        def __init__(self, hidden=8, vocab=512, layers=3, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden, self.vocab, self.layers = hidden, vocab, layers
+
+    class Block(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.big = nn.Embedding(config.vocab, config.hidden)
+            self.proj = nn.Linear(config.hidden, config.hidden)
+
+        def forward(self, ids, hidden):
+            # As models declaring _no_placement_params do: the table may live outside the device map.
+            return self.proj(hidden + self.big(ids.to(self.big.weight.device)).to(hidden.device))
+
+    class NoPlacementModel(PreTrainedModel):
+        config_class = NoPlacementConfig
+        base_model_prefix = "np"
+        _no_split_modules = ["Block"]
+        _no_placement_params = ["big.weight"]
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+            self.head = nn.Linear(config.hidden, config.hidden)
+            self.post_init()
+
+        def forward(self, ids):
+            hidden = torch.zeros(*ids.shape, self.config.hidden)
+            for block in self.blocks:
+                hidden = block(ids, hidden)
+            return self.head(hidden)
+
+    return NoPlacementModel, NoPlacementConfig()
+
+
+@needs5
+def test_no_placement_params_are_left_out_only_when_no_accelerator_holds_them(quiet, tmp_path):
+    cls, config = _no_placement_model()
+    with torch.device("meta"):
+        model = cls(config)
+    bigs = [f"blocks.{i}.big.weight" for i in range(3)]  # 16 KiB each; every other tensor: 288 B
+
+    def patched_map(budgets):
+        with hf.patch():
+            return tia._get_device_map(model, "auto", dict(budgets), None)
+
+    # A GPU too small for one block: the plain plan leaves the blocks in RAM; the patch leaves the big
+    # embeddings out of the map (transformers loads them in RAM) and fits everything else on GPU 0.
+    small = {0: 4000, "cpu": 10**6}
+    device_map = patched_map(small)
+    assert all(device_of(b, device_map) is None for b in bigs), device_map
+    names = [n for n, _ in model.named_parameters()]
+    assert {device_of(n, device_map) for n in names if n not in bigs} == {0}, device_map
+    assert not any(b == k or b.startswith(k + ".") for b in bigs for k in device_map)
+    assert list(device_map) == ["blocks.0.proj", "blocks.1.proj", "blocks.2.proj", "head"]  # model order
+    assert device_of("blocks.0.big.weight", allocator.plan(model, small).device_map) == "cpu"
+
+    # transformers honours such a map: what it leaves out is loaded in RAM. (No GPU here: the GPU entries are
+    # moved to RAM and disk, so that accelerate's hooks stream part of the model.)
+    torch.manual_seed(SEED)
+    reference_model = cls(config).eval()
+    reference_model.save_pretrained(tmp_path / "np")
+    ids = torch.randint(0, config.vocab, (2, 5), generator=torch.Generator().manual_seed(SEED))
+    on_host = {key: "disk" if key in ("blocks.1.proj", "head") else "cpu" for key in device_map}
+    loaded = cls.from_pretrained(tmp_path / "np", device_map=on_host, offload_folder=str(tmp_path / "off")).eval()
+    assert all(loaded.get_parameter(b).device.type == "cpu" for b in bigs)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), reference_model(ids), **TOL)
+
+    # When the GPU holds them, or there is no accelerator, they are planned like any tensor.
+    for budgets in ({0: 10**6, "cpu": 10**6}, {"cpu": 40_000}):
+        assert patched_map(budgets) == allocator.plan(model, dict(budgets)).device_map
+
+
+def test_skip_keys_reach_dispatch_model(cases, tmp_path):
+    """``_skip_keys_device_placement`` is transformers' to pass to ``dispatch_model``; the patch leaves it alone."""
+    case = cases["llama"]
+    with hf.patch():
+        model = case.load("auto", tmp_path / "skip")
+    hooks = [m._hf_hook for m in model.modules() if hasattr(m, "_hf_hook") and hasattr(m._hf_hook, "skip_keys")]
+    assert hooks and all(h.skip_keys == model._skip_keys_device_placement for h in hooks)
+
+
+# -- transformers 4: accelerate's functions imported into transformers.modeling_utils -----------------------------
+
+def test_transformers4_names_in_modeling_utils_are_patched_when_present(cases, monkeypatch):
+    """The 4.x route, simulated on 5.x: ``modeling_utils`` holding accelerate's two functions, called as 4.x does."""
+    monkeypatch.setattr(modeling_utils, "get_balanced_memory", accelerate.utils.get_balanced_memory, raising=False)
+    monkeypatch.setattr(modeling_utils, "infer_auto_device_map", accelerate.utils.infer_auto_device_map, raising=False)
+    case = cases["gpt2"]
+    meta, no_split = case.meta, sorted(case.meta._no_split_modules)
+    with hf.patch() as handle:
+        assert "transformers.modeling_utils.infer_auto_device_map" in handle.patched
+        budgets = modeling_utils.get_balanced_memory(
+            meta, dtype=DTYPE, low_zero=False, max_memory=dict(case.max_memory), no_split_module_classes=no_split)
+        auto = modeling_utils.infer_auto_device_map(
+            meta, dtype=DTYPE, no_split_module_classes=no_split, special_dtypes={}, max_memory=budgets)
+        sequential = modeling_utils.infer_auto_device_map(
+            meta, dtype=DTYPE, no_split_module_classes=no_split, max_memory=accelerate_get_max_memory(
+                dict(case.max_memory)))
+    assert auto == allocator.plan(meta, case.max_memory).device_map
+    assert sequential == accelerate.utils.infer_auto_device_map(
+        meta, dict(case.max_memory), no_split_module_classes=no_split, dtype=DTYPE)
+    assert modeling_utils.infer_auto_device_map is accelerate.utils.infer_auto_device_map
+
+
+@pytest.mark.skipif(
+    TRANSFORMERS_MAJOR != 4,
+    reason=f"transformers 4 route (from_pretrained calling accelerate's get_balanced_memory / infer_auto_device_map "
+           f"through transformers.modeling_utils) needs transformers 4; installed {transformers.__version__}",
+)
+def test_transformers4_from_pretrained(tmp_path, quiet):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=256, vocab_size=1000, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(SEED)
+    LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "llama")
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config)
+    max_memory = {"cpu": int(BUDGET_SHARE * allocator.build_problem(meta, {"cpu": 0}).graph.total)}
+    ids = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(SEED))
+    with torch.no_grad():
+        reference = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()(input_ids=ids).logits
+    originals = (modeling_utils.get_balanced_memory, modeling_utils.infer_auto_device_map)
+    with hf.patch() as handle:
+        assert "transformers.modeling_utils.infer_auto_device_map" in handle.patched
+        model = LlamaForCausalLM.from_pretrained(
+            tmp_path / "llama", device_map="auto", max_memory=dict(max_memory), offload_folder=str(tmp_path / "off"))
+    assert model.hf_device_map == allocator.plan(meta, max_memory).device_map
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=ids).logits, reference, **TOL)
+    assert modeling_utils.get_balanced_memory is originals[0]
+    assert modeling_utils.infer_auto_device_map is originals[1]
