@@ -241,6 +241,89 @@ def test_find_layers_every_stack_of_mask2former():
     ]
 
 
+_SWIN_T = [2, 2, 6, 2]  # Swin-T stage depths
+_RESNET50 = [3, 4, 6, 3]  # bottlenecks per ResNet-50 stage
+
+#: zoo name -> exact stacks, as (container, number of blocks, block class); every stack starts at block 0.
+#: Counts are the checkpoints' published depths (llama-3-8b 32 layers, Qwen2-VL-2B a 32-block ViT and a 28-layer
+#: LLM, ...). With the tests above, find_layers is checked exactly on 34 zoo entries, 31 distinct model classes.
+FIND_LAYERS_EXPECTED = {
+    # dense decoder-only LLMs
+    "llama-8b": [("model.layers", 32, "LlamaDecoderLayer")],
+    "llama-70b": [("model.layers", 80, "LlamaDecoderLayer")],
+    "mistral-7b": [("model.layers", 32, "MistralDecoderLayer")],
+    "gpt2": [("transformer.h", 12, "GPT2Block")],
+    "falcon-7b": [("transformer.h", 32, "FalconDecoderLayer")],
+    "opt-1.3b": [("model.decoder.layers", 24, "OPTDecoderLayer")],
+    "bloom-560m": [("transformer.h", 24, "BloomBlock")],
+    "phi-3-mini": [("model.layers", 32, "Phi3DecoderLayer")],
+    "gemma2-2b": [("model.layers", 26, "Gemma2DecoderLayer")],
+    # MoE: the experts ModuleList inside each layer repeats too, but the search does not enter blocks
+    "mixtral-8x7b": [("model.layers", 32, "MixtralDecoderLayer")],
+    "qwen3-moe-30b-a3b": [("model.layers", 48, "Qwen3MoeDecoderLayer")],
+    # DeepSeek-V2-Lite's layer 0 has a dense MLP (other parameters than its MoE siblings): still in the stack
+    "deepseek-v2-lite": [("model.layers", 27, "DeepseekV2DecoderLayer")],
+    # encoders and encoder-decoders
+    "bert-base": [("bert.encoder.layer", 12, "BertLayer")],
+    "bart-large": [("model.encoder.layers", 12, "BartEncoderLayer"), ("model.decoder.layers", 12, "BartDecoderLayer")],
+    "flan-t5-large": [("encoder.block", 24, "T5Block"), ("decoder.block", 24, "T5Block")],
+    # one block class in two towers: two stacks, text first as CLIPModel defines it
+    "clip-vit-base": [("text_model.encoder.layers", 12, "CLIPEncoderLayer"),
+                      ("vision_model.encoder.layers", 12, "CLIPEncoderLayer")],
+    # vision
+    "vit-base": [("vit.layers", 12, "ViTLayer")],
+    "dinov2-base": [("encoder.layer", 12, "Dinov2Layer")],
+    "swin-tiny": [(f"swin.encoder.layers.{i}.blocks", d, "SwinLayer") for i, d in enumerate(_SWIN_T)],
+    "convnext-tiny": [(f"convnext.encoder.stages.{i}.layers", d, "ConvNextLayer")
+                      for i, d in enumerate([3, 3, 9, 3])],
+    "segformer-b0": [(f"segformer.stages.{i}.blocks", 2, "SegformerLayer") for i in range(4)],
+    # ResNet-50 bottlenecks per stage, the DETR transformer, and the 3 Linears of the box MLP
+    "detr-resnet-50": [
+        *[(f"model.backbone.model.encoder.stages.{i}.layers", d, "ResNetBottleNeckLayer")
+          for i, d in enumerate(_RESNET50)],
+        ("model.encoder.layers", 6, "DetrEncoderLayer"),
+        ("model.decoder.layers", 6, "DetrDecoderLayer"),
+        ("bbox_predictor.layers", 3, "Linear"),
+    ],
+    # the ViT-B image encoder, the 4 point embeddings, the two-way transformer, the 4 hypernetwork MLPs
+    "sam-vit-base": [
+        ("vision_encoder.layers", 12, "SamVisionLayer"),
+        ("prompt_encoder.point_embed", 4, "Embedding"),
+        ("mask_decoder.transformer.layers", 2, "SamTwoWayAttentionBlock"),
+        ("mask_decoder.output_hypernetworks_mlps", 4, "SamFeedForward"),
+    ],
+    # VLMs: the vision tower's stack, then the language model's
+    "qwen2-vl-2b": [("model.visual.blocks", 32, "Qwen2VLVisionBlock"),
+                    ("model.language_model.layers", 28, "Qwen2VLDecoderLayer")],
+    "paligemma-3b": [("model.vision_tower.encoder.layers", 27, "SiglipEncoderLayer"),
+                     ("model.language_model.layers", 18, "GemmaDecoderLayer")],
+    # state-space models
+    "mamba2-130m": [("backbone.layers", 24, "Mamba2Block")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIND_LAYERS_EXPECTED))
+def test_find_layers_exact_stacks_on_the_zoo(name):
+    model = _zoo(name)
+    expected = FIND_LAYERS_EXPECTED[name]
+    stacks = find_layers(model)
+    assert stacks == [_stack(container, n) for container, n, _ in expected]
+    # each stack holds blocks of the one expected class, and the classes are exactly infer_blocks' answer
+    for (_, blocks), (_, _, cls) in zip(stacks, expected, strict=True):
+        assert {type(model.get_submodule(b)).__name__ for b in blocks} == {cls}
+    assert infer_blocks(model) == {cls for _, _, cls in expected}
+
+
+def test_find_layers_covers_ten_architectures_of_the_zoo():
+    """The exact-stack tests of this file span at least ten distinct zoo architectures (model classes)."""
+    here = {"llama-3.2-1b", "mamba-130m", "t5-base", "llava-1.5-7b", "gemma3-4b", "whisper-small", "wav2vec2-base",
+            "mask2former-swin-tiny"} | set(FIND_LAYERS_EXPECTED)
+    assert here <= set(zoo.names())
+    classes = {zoo.ZOO[name].description.rpartition("[")[2].rstrip("]") for name in here}
+    assert len(classes) >= 10, classes  # 31 at present
+    assert {"MambaForCausalLM", "T5ForConditionalGeneration", "LlavaForConditionalGeneration"} <= classes
+
+
 def test_find_layers_custom_root_sequential_and_module_dict():
     model = nn.Sequential(Block(), Block(), Block(), nn.Linear(8, 2))
     assert find_layers(model) == [("", ["0", "1", "2"])]
@@ -539,3 +622,120 @@ def test_unwrap_rejects_cycles_and_non_modules():
         unwrap(loop)
     with pytest.raises(InvalidModel, match="torch.nn.Module"):
         unwrap(object())
+
+
+# --------------------------------------------------------------------------- unwrap: a real llama, real wrappers
+_WRAPPER_SEGMENTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _tiny_llama():
+    """LlamaForCausalLM from a tiny config with real (seeded, CPU) weights; equal weights at every call."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=32, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _fsdp(module, **kwargs):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    # FSDP1 on CPU over gloo (NO_SHARD at world size 1); use_orig_params keeps the original parameter names
+    return FullyShardedDataParallel(module, device_id=torch.device("cpu"), use_orig_params=True, **kwargs)
+
+
+def _ddp_around_ddp_layers(model):
+    # nested DDP: DDP around each decoder layer, then DDP around the model (it constructs on CPU/gloo)
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = nn.parallel.DistributedDataParallel(layers[i])
+    return nn.parallel.DistributedDataParallel(model)
+
+
+def _ddp_around_mixed_layers(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    # DDP around the model; layer 0 in a CheckpointWrapper, layer 1 torch.compile'd, layer 2 in FSDP1
+    layers = model.model.layers
+    layers[0] = checkpoint_wrapper(layers[0])
+    layers[1] = torch.compile(layers[1], backend="eager")
+    layers[2] = _fsdp(layers[2])
+    return nn.parallel.DistributedDataParallel(model)
+
+
+def _compile_around_compiled_layers(model):
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = torch.compile(layers[i], backend="eager")
+    return torch.compile(model, backend="eager")
+
+
+def _fsdp_around_fsdp_layers(model):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    def policy(module, recurse, nonwrapped_numel):
+        return recurse or isinstance(module, LlamaDecoderLayer)
+
+    return _fsdp(model, auto_wrap_policy=policy)  # one FSDP per decoder layer, one around the model
+
+
+def _compile_around_ddp_around_checkpointed_layers(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i])
+    return torch.compile(nn.parallel.DistributedDataParallel(model), backend="eager")
+
+
+#: (top wrapper / per-layer wrapper) -> wrap(model) -> wrapped model; all of them run here (CPU, gloo, world 1).
+LLAMA_WRAPPINGS = {
+    "ddp/ddp": _ddp_around_ddp_layers,
+    "ddp/checkpoint+compile+fsdp": _ddp_around_mixed_layers,
+    "compile/compile": _compile_around_compiled_layers,
+    "fsdp/fsdp": _fsdp_around_fsdp_layers,
+    "compile(ddp)/checkpoint": _compile_around_ddp_around_checkpointed_layers,
+}
+
+
+@pytest.mark.parametrize("wrapping", list(LLAMA_WRAPPINGS))
+def test_unwrap_real_llama_wrapped_at_the_top_and_per_layer(process_group, wrapping):
+    reference = _tiny_llama()
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+
+    model = _tiny_llama()
+    original = {name: (p, p.data_ptr()) for name, p in model.named_parameters()}
+    wrapped = LLAMA_WRAPPINGS[wrapping](model)
+    wrapped_names = [n for n, _ in wrapped.named_parameters()]
+    assert all(any(f".{s}." in f".{n}" for s in _WRAPPER_SEGMENTS) for n in wrapped_names), wrapped_names[:3]
+    before = _snapshot(wrapped)
+
+    result = unwrap(wrapped)
+
+    assert type(result) is type(reference)
+    assert not _names(result) & {"DistributedDataParallel", "OptimizedModule", "FullyShardedDataParallel",
+                                 "CheckpointWrapper"}
+    assert list(result.state_dict()) == list(reference.state_dict())
+    # every tensor is the wrapped model's own tensor (same object, same storage), named without wrapper segments
+    mine = {".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS): t
+            for name, t in [*wrapped.named_parameters(), *wrapped.named_buffers()]}
+    got = dict([*result.named_parameters(), *result.named_buffers()])
+    assert got.keys() == mine.keys()
+    for name, tensor in result.state_dict(keep_vars=True).items():
+        assert tensor is mine[name] and tensor.data_ptr() == mine[name].data_ptr(), name
+    for name, (param, ptr) in original.items():
+        assert got[name] is param, name  # the llama's own Parameter objects (FSDP keeps them with use_orig_params)
+        if "fsdp" not in wrapping:  # FSDP moved their data into its flat parameter; the others left it in place
+            assert got[name].data_ptr() == ptr, name
+    assert _snapshot(wrapped) == before  # the input is not mutated
+
+    with torch.no_grad():
+        torch.testing.assert_close(result(input_ids=ids).logits, expected, rtol=0, atol=0)
+    assert _snapshot(wrapped) == before  # running the result leaves the input alone too
+    if wrapping in ("ddp/ddp", "fsdp/fsdp"):  # and the wrapped model itself still runs, and agrees
+        with torch.no_grad():
+            torch.testing.assert_close(wrapped(input_ids=ids).logits, expected, rtol=0, atol=0)
