@@ -7,6 +7,8 @@
 
 from .api import Plan, infer_auto_device_map, plan
 from .budgets import parse_budgets, parse_size
+from .cost import Cost, estimate
+from .cost_profile import Profile
 from .errors import (
     AllocatorError,
     InfeasiblePlacement,
@@ -16,6 +18,7 @@ from .errors import (
     InvalidOption,
     UnsupportedByAccelerate,
 )
+from .hf import patch, unpatch
 from .placement import Placement
 from .problem import Options, Problem, build_problem
 from .strategies import STRATEGIES
@@ -23,7 +26,7 @@ from .validate import Violation, validate
 
 __all__ = [
     "AllocatorError", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel", "InvalidOption",
-    "UnsupportedByAccelerate", "Options", "Placement", "Plan", "Problem", "STRATEGIES", "Violation",
-    "build_problem", "infer_auto_device_map", "parse_budgets", "parse_size", "plan", "validate",
+    "UnsupportedByAccelerate", "Cost", "Profile", "estimate", "Options", "Placement", "Plan", "Problem", "STRATEGIES", "Violation",
+    "build_problem", "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

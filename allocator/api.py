@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .budgets import Budgets, Device
+from .cost import Cost, estimate
+from .cost_profile import Profile
 from .errors import InfeasiblePlacement
 from .placement import Placement
 from .problem import Problem, build_problem
@@ -36,8 +38,12 @@ class Plan:
         The strategy that produced it.
     main_device : int or str
         Where offloaded modules execute.
+    streamed : int
+        Bytes kept free on the main device for offloaded weights streamed at once.
     violations : tuple of Violation
         Broken runtime rules (only ``sequential`` may return a map with violations: it reproduces accelerate).
+    cost : Cost
+        The cost model's estimate per forward (seconds, streamed bytes, device changes).
     """
 
     device_map: dict
@@ -48,6 +54,12 @@ class Plan:
     violations: tuple[Violation, ...]
     problem: Problem
     placement: Placement
+    cost: Cost
+
+    @property
+    def optimal(self) -> bool | None:
+        """Whether the strategy proved no valid plan is estimated faster (``ilp``); ``None`` when unknown."""
+        return self.placement.optimal
 
     @property
     def valid(self) -> bool:
@@ -63,7 +75,10 @@ class Plan:
     def explain(self) -> str:
         """The plan as text: per-device bytes against budgets, the streaming reserve, then the decisions."""
         g, budgets = self.problem.graph, self.problem.budgets
-        lines = [f"strategy {self.strategy} for {g.model_class} ({_fmt(g.total)}); main device {self.main_device!r}"]
+        lines = [f"strategy {self.strategy} for {g.model_class} ({_fmt(g.total)}); main device {self.main_device!r}",
+                 f"  estimated {self.cost.seconds * 1e3:.3f} ms per forward, {_fmt(self.cost.streamed_bytes)} streamed "
+                 f"per forward, {self.cost.device_changes} device changes"
+                 + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal"))]
         for device in budgets.order:
             if device not in self.peak:
                 continue
@@ -84,7 +99,7 @@ def _finish(problem: Problem, placement: Placement) -> Plan:
     return Plan(
         device_map=dict(placement.device_map), peak=dict(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
-        placement=placement,
+        placement=placement, cost=estimate(problem, placement.device_map),
     )
 
 
@@ -115,9 +130,13 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     low = problem.budgets.limit("cpu") or 0
     relaxed = _with_ram(problem, 2**62)
     candidates = [check(relaxed, {"": "disk"})[1].peak.get("cpu", 0), check(relaxed, {"": "cpu"})[1].peak["cpu"]]
-    high = min(candidates)
-    if not _feasible(_with_ram(problem, high), strategy):
-        high = max(candidates)
+    high, ceiling = min(candidates), 4 * max(candidates) + 1
+    while not _feasible(_with_ram(problem, high), strategy):
+        low, high = high, 2 * high + 1
+        if high > ceiling:
+            return InfeasiblePlacement(
+                f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, and strategy "
+                f"{strategy!r} finds none even with {_fmt(ceiling)} of RAM; try strategy='auto'.")
     while high - low > max(1, high // 1000):
         middle = (low + high) // 2
         if _feasible(_with_ram(problem, middle), strategy):
@@ -148,6 +167,7 @@ def plan(
     hf_quantizer=None,
     size_fn=None,
     infer_no_split: bool = True,
+    profile: Profile | None = None,
 ) -> Plan:
     """Decide where every part of ``model`` lives.
 
@@ -164,6 +184,9 @@ def plan(
         United with ``_no_split_modules`` of the model and every sub-model.
     infer_no_split : bool
         When nothing is declared, keep the model's repeated blocks whole (logged).
+    profile : Profile, optional
+        Bandwidths of the machine the plan will run on (:meth:`Profile.measure`); documented defaults otherwise.
+        ``auto`` and ``ilp`` rank plans by the estimated seconds per forward under it.
     dtype, special_dtypes, offload_buffers, clean_result, fallback_allocation
         As in accelerate's ``infer_auto_device_map``.
     tied_parameters : list of list of str, optional
@@ -197,7 +220,7 @@ def plan(
         model, max_memory, no_split_module_classes=no_split_module_classes, dtype=dtype,
         special_dtypes=special_dtypes, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
         size_fn=size_fn, offload_buffers=offload_buffers, clean_result=clean_result,
-        fallback_allocation=fallback_allocation, infer_no_split=infer_no_split,
+        fallback_allocation=fallback_allocation, infer_no_split=infer_no_split, profile=profile,
     )
     resolve(strategy)
     try:
@@ -231,8 +254,8 @@ def infer_auto_device_map(
     """Drop-in for accelerate's ``infer_auto_device_map``: the same arguments, the same dict shape.
 
     ``strategy="sequential"`` returns exactly accelerate's map. ``verbose`` logs the decisions at INFO on
-    the ``allocator`` logger instead of printing. ``no_placement_params`` (transformers' argument) must name
-    tensors of the model; it is accepted for signature compatibility and otherwise ignored for now.
+    the ``allocator`` logger instead of printing. ``no_placement_params`` (transformers' argument, names relative to
+    a no-split block) is accepted for signature compatibility; :func:`allocator.hf.patch` is where it acts.
 
     Examples
     --------
@@ -249,11 +272,7 @@ def infer_auto_device_map(
         fallback_allocation=fallback_allocation, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
     )
     if no_placement_params:
-        from .errors import InvalidOption
-
-        unknown = [n for n in no_placement_params if n not in result.problem.graph.tensor_index]
-        if unknown:
-            raise InvalidOption(f"no_placement_params names unknown tensors {unknown[:5]}.")
+        log.debug("no_placement_params %s are handled by allocator.hf.patch, not here", sorted(no_placement_params)[:5])
     if verbose:
         log.info("%s", result.explain())
     return result.device_map

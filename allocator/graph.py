@@ -46,12 +46,13 @@ class TensorNode:
     numel: int
     nbytes: int          # real bytes under dtype / special_dtypes / quantizer (bool and int keep their size)
     nbytes_accelerate: float  # bytes as accelerate counts them (a bool element is 1/8 byte there)
-    canonical: int       # index of the first tensor sharing this storage (itself if unshared)
+    canonical: int       # index of the first tensor that is the same object (itself if unshared): accelerate's view
+    storage: int = -1    # index of the tensor whose memory this one uses: ``canonical``, or a declared tie's source
 
     @property
     def counted(self) -> int:
-        """Bytes this name contributes to sizes (0 for the second name of a shared tensor)."""
-        return self.nbytes if self.canonical == self._index else 0
+        """Bytes this name contributes to sizes (0 when it shares another tensor's memory)."""
+        return self.nbytes if self.storage == self._index else 0
 
     _index: int = -1
 
@@ -197,6 +198,26 @@ def _declared_tied_groups(model, names: set[str]) -> list[tuple[str, ...]]:
     return [tuple(sorted(g)) for g in groups.values() if len(g) > 1]
 
 
+def _share_declared_ties(model, tensors: list[TensorNode]) -> list[TensorNode]:
+    """Point each declared tie target (transformers' ``all_tied_weights_keys``: target -> source) at its source's
+    memory. transformers plans a device map before it ties weights, so the two are separate objects then, but they
+    share memory once loaded."""
+    import dataclasses
+
+    out = [dataclasses.replace(t, storage=t.canonical) for t in tensors]
+    declared = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(declared, Mapping):
+        return out
+    index = {t.name: t._index for t in out}
+    for target, source in declared.items():
+        if target in index and source in index:
+            root = out[index[source]].storage
+            i = index[target]
+            if out[i].storage == i and root != i:
+                out[i] = dataclasses.replace(out[i], storage=root)
+    return out
+
+
 def _find_tied(all_params: list[tuple[str, object]], unique: dict[str, object]) -> list[tuple[str, ...]]:
     """accelerate's ``find_tied_parameters``, same grouping and the same group order."""
     tied_names = {n for n, _ in all_params} - set(unique)
@@ -324,6 +345,7 @@ def build_graph(
         node_params.append(tuple(own[0]))
         node_buffers.append(tuple(own[1]))
 
+    tensors = _share_declared_ties(model, tensors)
     unknown_special = set(special) - {t.name for t in tensors}
     if unknown_special:
         raise InvalidOption(
@@ -342,8 +364,9 @@ def build_graph(
     size = [0] * len(nodes)
     size_acc = [0] * len(nodes)
     for t in tensors:
-        if t.canonical == t._index:
+        if t.storage == t._index:
             size[t.module] += t.nbytes
+        if t.canonical == t._index:
             size_acc[t.module] += t.nbytes_accelerate
     for i in range(len(nodes) - 1, 0, -1):  # preorder: children come after parents
         size[nodes[i].parent] += size[i]

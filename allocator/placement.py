@@ -21,6 +21,8 @@ class Placement:
     device_map: Mapping[str, Device]
     strategy: str
     notes: tuple[str, ...] = ()
+    optimal: bool | None = None
+    """``True`` when the strategy proved no valid plan has a lower estimated cost (``ilp``); ``None`` if unknown."""
 
 
 def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") -> dict:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .budgets import Budgets, parse_budgets
+from .cost_profile import Profile
 from .errors import InvalidOption
 from .graph import ModelGraph, build_graph
 
@@ -31,11 +32,15 @@ class Options:
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """A model graph, ordered device budgets and options. Strategies read it and return a placement."""
+    """A model graph, ordered device budgets with their bandwidth profile, and options.
+
+    Strategies read it and return a placement.
+    """
 
     graph: ModelGraph
     budgets: Budgets
     options: Options
+    profile: Profile = field(default_factory=Profile)
 
 
 def quantizer_size_fn(model, hf_quantizer):
@@ -63,6 +68,7 @@ def build_problem(
     size_fn=None,
     discover_no_split: bool = True,
     infer_no_split: bool = True,
+    profile: Profile | None = None,
     **options,
 ) -> Problem:
     """Build the :class:`Problem` once: introspect the model, parse budgets, check options.
@@ -86,4 +92,6 @@ def build_problem(
     budgets = parse_budgets(max_memory)
     if hf_quantizer is not None and hasattr(hf_quantizer, "adjust_max_memory"):
         budgets = parse_budgets(hf_quantizer.adjust_max_memory(dict(budgets.limits)))
-    return Problem(graph=graph, budgets=budgets, options=Options(**options))
+    if profile is not None and not isinstance(profile, Profile):
+        raise InvalidOption(f"profile must be an allocator.Profile, got {type(profile).__name__}.")
+    return Problem(graph=graph, budgets=budgets, options=Options(**options), profile=profile or Profile())

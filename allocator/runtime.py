@@ -140,7 +140,7 @@ def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: boo
         moves = moves_with_weights(t, offload_buffers)
         if device in offloaded and moves:
             streamed[t.module] += t.nbytes  # every name of a shared tensor is copied by its own hook
-        if t.canonical != t._index:
+        if t.storage != t._index:
             continue
         if device in offloaded:
             if not moves:

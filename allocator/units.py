@@ -1,7 +1,8 @@
 """Units: the finest pieces a plan may place, and the tie groups that bind them together.
 
 A unit is a module that cannot be split (a leaf or a no-split class), or a direct tensor of a module that is
-split. Units partition the model's tensors; tied units form one *group* that goes to a single device.
+split. Units partition the model's tensors; tied units form one *group* that goes to a single device. A group with a
+tensor unit may only be resident (accelerators, or cpu when cpu is main): accelerate hooks modules, not tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Unit:
     offload: int       # bytes that leave the main device when it is offloaded (weights, +buffers with offload_buffers)
     pinned: int        # bytes that stay on the main device when it is offloaded (its buffers)
     stream: int        # largest chain of weights its hooks materialise at once on the main device
+    numel: int = 0     # parameter elements (counted once), for the compute term of the cost model
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,13 @@ class Group:
     offload: int
     pinned: int
     stream: int
+    numel: int = 0
+
+    @property
+    def resident_only(self) -> bool:
+        """A group holding a single tensor (a direct tensor of a split module) cannot be offloaded: accelerate's hooks
+        load modules named in the map, never lone tensors."""
+        return any(u.node < 0 for u in self.units)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -44,11 +53,12 @@ def _tensor_unit(g: ModelGraph, t: int, offload_buffers: bool) -> Unit:
     moves = moves_with_weights(tensor, offload_buffers)
     counted = tensor.counted
     return Unit(tensor.name, -1, counted, counted if moves else 0, 0 if moves else counted,
-                tensor.nbytes if tensor.is_param or moves else 0)
+                tensor.nbytes if tensor.is_param or moves else 0,
+                tensor.numel if tensor.is_param and tensor.counted else 0)
 
 
 def _node_unit(g: ModelGraph, i: int, offload_buffers: bool) -> Unit:
-    offload = pinned = 0
+    offload = pinned = numel = 0
     chain = [0] * len(g.nodes)
     stack, order = [i], []
     while stack:
@@ -59,6 +69,8 @@ def _node_unit(g: ModelGraph, i: int, offload_buffers: bool) -> Unit:
         for t in g.nodes[n].params + g.nodes[n].buffers:
             tensor = g.tensors[t]
             moves = moves_with_weights(tensor, offload_buffers)
+            if tensor.is_param and tensor.counted:
+                numel += tensor.numel
             if moves:
                 offload += tensor.counted
                 chain[n] += tensor.nbytes
@@ -68,7 +80,7 @@ def _node_unit(g: ModelGraph, i: int, offload_buffers: bool) -> Unit:
         kids = g.nodes[n].children
         if kids:
             chain[n] += max(chain[c] for c in kids)
-    return Unit(g.nodes[i].name, i, g.size[i], offload, pinned, chain[i])
+    return Unit(g.nodes[i].name, i, g.size[i], offload, pinned, chain[i], numel)
 
 
 def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
@@ -115,6 +127,6 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
         bucket.setdefault(root(k), []).append(u)
     return [
         Group(tuple(us), sum(u.size for u in us), sum(u.offload for u in us), sum(u.pinned for u in us),
-              max(u.stream for u in us))
+              max(u.stream for u in us), sum(u.numel for u in us))
         for _, us in sorted(bucket.items(), key=lambda kv: position[kv[1][0].name])
     ]

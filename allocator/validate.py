@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .budgets import normalize_device
 from .errors import InvalidBudget, InvalidDeviceMap
 from .problem import Problem, build_problem
-from .runtime import Memory, device_of, peaks, tensor_devices
+from .runtime import Memory, device_of, main_device, offloaded_devices, peaks, tensor_devices
 
 __all__ = ["Violation", "check", "validate", "normalize_map"]
 
@@ -16,7 +16,7 @@ __all__ = ["Violation", "check", "validate", "normalize_map"]
 @dataclass(frozen=True, slots=True)
 class Violation:
     """One broken rule. ``kind`` is one of ``coverage``, ``unknown-key``, ``unknown-device``, ``no-split``,
-    ``tied``, ``budget``."""
+    ``tied``, ``unhooked``, ``budget``."""
 
     kind: str
     message: str
@@ -64,6 +64,7 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
             "coverage", f"{len(missing)} tensors have no device, e.g. {missing[:3]}; map them or a parent module."
         ))
     found += _no_split(problem, devices)
+    found += _unhooked(problem, device_map)
     for group in g.all_tie_groups():
         where = {n: device_of(n, device_map) for n in group}
         if len(set(where.values()) - {None}) > 1:
@@ -83,6 +84,19 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
                 f"{_fmt(limit)} ({limit} B); raise it by {used - limit} B or move modules off it."
             ))
     return found, memory
+
+
+def _unhooked(problem: Problem, device_map: dict) -> list[Violation]:
+    """Offloaded tensors named by their own key: ``dispatch_model`` hooks modules named in the map, never single
+    tensors, so such a tensor is never loaded (it stays on meta: wrong outputs, or a device error)."""
+    g = problem.graph
+    main = main_device(device_map.values())
+    offloaded = offloaded_devices(main) if len(set(device_map.values())) > 1 or "disk" in device_map.values() else ()
+    bad = [k for k, d in device_map.items() if d in offloaded and k in g.tensor_index and k not in g.node_index]
+    if not bad:
+        return []
+    return [Violation("unhooked", f"{len(bad)} offloaded tensors are mapped on their own, e.g. {bad[:3]}: accelerate "
+                      "hooks only modules named in the map, so they would never be loaded; map their module instead.")]
 
 
 def _no_split(problem: Problem, devices: list) -> list[Violation]:

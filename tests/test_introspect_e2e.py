@@ -250,29 +250,14 @@ def test_mask2former_map_with_a_directly_read_weight_on_disk_runs(cases, tmp_pat
         torch.testing.assert_close(out[key], case.reference[key], rtol=1e-6, atol=1e-6)
 
 
-_RUNTIME_SPLIT = ("a tensor-level disk key (one tensor of a module on disk, its siblings in RAM) passes validate, but "
-                  "transformers 5.24 / accelerate 1.15 attach no offload hook for it and write nothing to the offload "
-                  "folder: the tensor stays on meta")
-
-
 @pytest.mark.parametrize("name", [
-    # controls: the weight-normed positional conv (a Conv1d with parametrizations.weight.original0/1) runs from
-    # disk whole, or with its whole ParametrizationList on disk
+    # the weight-normed positional conv (a Conv1d with parametrizations.weight.original0/1) runs from disk whole,
+    # or with its whole ParametrizationList on disk
     "wav2vec2.encoder.pos_conv_embed.conv",
     "wav2vec2.encoder.pos_conv_embed.conv.parametrizations",
-    pytest.param("wav2vec2.encoder.pos_conv_embed.conv.parametrizations.weight.original0", marks=pytest.mark.xfail(
-        strict=True, raises=RuntimeError, reason=f"{_RUNTIME_SPLIT}: weight_norm's g on meta and v on cpu at load "
-        "('weight_norm: expected v_in and g_in to be on the same device'); the ilp strategy splits original0/original1 "
-        "between cpu and disk for budgets of 0.4, 0.5, 0.7 and 0.9 of this model, backfill at 0.3")),
-    pytest.param("wav2vec2.encoder.pos_conv_embed.conv.bias", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError, reason=f"{_RUNTIME_SPLIT}: loads and runs, but the logits are wrong "
-        "(max |diff| 0.34); the ilp strategy puts this key alone on disk at 0.8 of the model (logits off by 0.4, "
-        "or NaN)")),
-    pytest.param("lm_head.weight", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError, reason=f"{_RUNTIME_SPLIT}: loads and runs, logits wrong (max |diff| 0.8)")),
 ])
-def test_wav2vec2_map_with_one_module_or_tensor_on_disk_validates_and_runs(cases, name, tmp_path):
-    """A map that :func:`allocator.validate` accepts must run exactly; tensor-level disk keys do not (yet)."""
+def test_wav2vec2_map_with_one_module_on_disk_validates_and_runs(cases, name, tmp_path):
+    """A map that :func:`allocator.validate` accepts runs exactly."""
     case = cases["wav2vec2"]
     max_memory = {"cpu": case.total}
     device_map = _only_on_disk(case.meta, name)
@@ -280,3 +265,19 @@ def test_wav2vec2_map_with_one_module_or_tensor_on_disk_validates_and_runs(cases
     model = case.load(device_map=device_map, offload_folder=str(tmp_path / "offload"), max_memory=dict(max_memory))
     out = case.run(model)
     torch.testing.assert_close(out["logits"], case.reference["logits"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [
+    # transformers 5.24 / accelerate 1.15 attach no offload hook for a tensor-level disk key and write nothing to the
+    # offload folder: the tensor stays on meta. Observed before validate knew the rule: weight_norm's g on meta and v
+    # on cpu ('weight_norm: expected v_in and g_in to be on the same device'); conv.bias alone on disk gave logits off
+    # by 0.34; lm_head.weight alone on disk by 0.8.
+    "wav2vec2.encoder.pos_conv_embed.conv.parametrizations.weight.original0",
+    "wav2vec2.encoder.pos_conv_embed.conv.bias",
+    "lm_head.weight",
+])
+def test_wav2vec2_tensor_alone_on_disk_is_rejected(cases, name):
+    case = cases["wav2vec2"]
+    device_map = _only_on_disk(case.meta, name)
+    kinds = {v.kind for v in allocator.validate(case.meta, device_map, {"cpu": case.total})}
+    assert kinds == {"unhooked"}

@@ -11,7 +11,7 @@ from allocator.validate import check
 from parity import both
 from trees import budgets, module_trees
 
-KINDS = {"coverage", "unknown-key", "unknown-device", "no-split", "tied", "budget"}
+KINDS = {"coverage", "unknown-key", "unknown-device", "no-split", "tied", "unhooked", "budget"}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

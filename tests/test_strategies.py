@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import allocator
 from allocator import zoo
-from allocator.strategies._select import score
+from allocator.cost import estimate
 from allocator.validate import check
 from trees import budgets, module_trees
 
@@ -26,17 +26,28 @@ def total_of(model):
 
 
 def fast_bytes(plan):
-    return score(plan.problem, plan.device_map)[0]
+    return estimate(plan.problem, plan.device_map).resident_fast
 
 
-@pytest.mark.parametrize("name", zoo.names())
-def test_every_cell_valid_and_never_behind_a_valid_accelerate_map(name):
+def seconds(plan):
+    return estimate(plan.problem, plan.device_map).seconds
+
+
+# ``auto`` runs a time-boxed CP-SAT too: every architecture, on a rotating third of the grid (so each cell kind
+# is covered across the zoo) keeps the suite within its time; benchmarks/placement.py runs the whole grid.
+AUTO_CELLS = [list(GRID)[i::3] for i in range(3)]
+
+
+@pytest.mark.parametrize("index,name", list(enumerate(zoo.names())))
+def test_every_cell_valid_and_never_behind_a_valid_accelerate_map(index, name):
     model = zoo.build(name)
     total = total_of(model)
     for cell, fractions in GRID.items():
         budget = {d: int(total * f) for d, f in fractions.items()}
         accelerate_map = allocator.plan(model, budget, strategy="sequential")
         for strategy in PLACERS:
+            if strategy == "auto" and cell not in AUTO_CELLS[index % 3]:
+                continue
             try:
                 ours = allocator.plan(model, budget, strategy=strategy)
             except allocator.InfeasiblePlacement:
@@ -45,7 +56,8 @@ def test_every_cell_valid_and_never_behind_a_valid_accelerate_map(name):
                 continue
             assert ours.valid, f"{name}/{cell}/{strategy}: {ours.violations}"
             if strategy == "auto" and accelerate_map.valid:
-                assert fast_bytes(ours) >= fast_bytes(accelerate_map), f"{name}/{cell}"
+                # ranked by the cost model: never estimated slower than accelerate's valid map
+                assert seconds(ours) <= seconds(accelerate_map) * (1 + 1e-9), f"{name}/{cell}"
 
 
 @pytest.mark.parametrize("name,fraction,at_least", [("segformer-b0", 0.6, 0.35), ("convnext-tiny", 0.6, 0.50)])
@@ -122,4 +134,4 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(data, strategy):
     except allocator.UnsupportedByAccelerate:
         return
     if strategy == "auto" and seq.valid:
-        assert fast_bytes(ours) >= fast_bytes(seq)
+        assert seconds(ours) <= seconds(seq) * (1 + 1e-9)

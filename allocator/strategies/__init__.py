@@ -7,7 +7,7 @@ from collections.abc import Callable
 from ..errors import InvalidOption
 from ..placement import Placement
 from ..problem import Problem
-from . import auto, backfill, reserve, sequential
+from . import auto, backfill, ilp, reserve, sequential
 
 __all__ = ["STRATEGIES", "resolve"]
 
@@ -18,6 +18,7 @@ STRATEGIES: dict[str, Strategy] = {
     "sequential": sequential.place,
     "backfill": backfill.place,
     "reserve": reserve.place,
+    "ilp": ilp.place,
 }
 """Strategy name to ``place`` function."""
 

@@ -4,7 +4,7 @@ Given the main device ``M`` and a reserve ``R`` kept free on it for streamed wei
 order goes to the first device with room: accelerators from ``M`` on (earlier ones stay empty, else they would
 become main), then cpu, then disk. A group may be offloaded only if the weights its hooks materialise at once fit
 in ``R``; its buffers are charged to ``M``. Groups whose streamed chain exceeds ``R`` must stay resident, so they
-are seated first. The result is always re-checked by :func:`allocator.validate.check`.
+are seated first, as are lone tensors (accelerate cannot offload a tensor on its own). The result is always re-checked by :func:`allocator.validate.check`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,17 @@ __all__ = ["fill", "fill_to_fixed_point", "full_reserve", "main_candidates"]
 
 
 def main_candidates(problem: Problem) -> list[Device]:
-    """Every device that can be main: each accelerator with a non-zero budget, then cpu."""
+    """Every device worth trying as main: an accelerator (the ones before it left empty) whose budget is larger than
+    every earlier accelerator's — otherwise relabelling the plan onto an earlier one gives the same plan with a lower
+    index — then cpu."""
     b = problem.budgets
-    return [d for d in b.accelerators if (b.limit(d) or 0) > 0] + (["cpu"] if "cpu" in b.order else [])
+    out, best = [], 0
+    for d in b.accelerators:
+        limit = b.limit(d) or 0
+        if limit > best:
+            out.append(d)
+            best = limit
+    return out + (["cpu"] if "cpu" in b.order else [])
 
 
 def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> dict | None:
@@ -40,16 +48,17 @@ def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> d
         return None
     placed: dict = {}
     # Groups too large to stream through the reserve must stay resident: seat them first, then fill in order.
-    must_stay = [grp for grp in groups if grp.stream > reserve]
-    rest = [grp for grp in groups if grp.stream <= reserve]
+    must_stay = [grp for grp in groups if grp.stream > reserve or grp.resident_only]
+    rest = [grp for grp in groups if grp.stream <= reserve and not grp.resident_only]
     # Buffers of groups still to place may all end up pinned on the main device: hold room for them until then.
     room[main] -= sum(grp.pinned for grp in rest)
     for group in must_stay + rest:
-        if group.stream <= reserve:
+        stays = group.stream > reserve or group.resident_only
+        if not stays:
             room[main] += group.pinned
         for d in devices:
             if d in targets:
-                if group.stream > reserve:
+                if stays:
                     continue
                 need = group.offload if d == "cpu" else (group.offload if b.limit("disk") is not None else 0)
                 if room[d] >= need and room[main] >= group.pinned:

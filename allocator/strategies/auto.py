@@ -1,13 +1,14 @@
-"""``auto``: the best valid plan among the fast strategies.
+"""``auto``: the best valid plan by the cost model among the fast strategies and a time-boxed ``ilp``.
 
-Runs ``sequential`` (accelerate), ``backfill`` and ``reserve`` and keeps the valid plan with the most bytes on the
-fastest tier, then the fewest changes of executing device. Because accelerate's own map is a candidate, the result
-never keeps fewer bytes on the fastest tier than ``sequential`` wherever ``sequential``'s map is valid, and it is
-never invalid: when nothing fits, :class:`allocator.InfeasiblePlacement` says the minimum budget.
+Runs ``sequential`` (accelerate), ``reserve`` and ``backfill``, then ``ilp`` warm-started from the best of them
+within a small deterministic budget (when OR-Tools imports and the model has at most ``ilp.MAX_UNITS`` groups), and
+keeps the valid plan with the lowest estimated seconds per forward. Because accelerate's own map is a candidate, the
+result is never estimated slower than ``sequential`` wherever ``sequential``'s map is valid, and it is never
+invalid: when nothing fits, :class:`allocator.InfeasiblePlacement` says the minimum budget.
 
 Notes
 -----
-The sum of its candidates' costs. Deterministic.
+The sum of its candidates' costs; ``ilp`` gets ``ILP_SECONDS`` of deterministic time. Deterministic.
 """
 
 from __future__ import annotations
@@ -17,37 +18,55 @@ import logging
 from ..errors import AllocatorError
 from ..placement import Placement
 from ..problem import Problem
+from ..units import groups
 from ..validate import check
-from . import backfill, reserve, sequential
+from . import backfill, ilp, reserve, sequential
 from ._select import infeasible, score
 
 __all__ = ["place"]
 
 log = logging.getLogger(__name__)
 CANDIDATES = {"sequential": sequential.place, "reserve": reserve.place, "backfill": backfill.place}
+ILP_SECONDS = 1.0
+
+
+def _ilp_available(problem: Problem) -> bool:
+    try:
+        import ortools.sat.python.cp_model  # noqa: F401
+    except ImportError:
+        return False
+    return len(groups(problem.graph, problem.options.offload_buffers)) <= ilp.MAX_UNITS
 
 
 def place(problem: Problem, **_) -> Placement:
-    """The best valid plan of ``sequential``, ``reserve`` and ``backfill``."""
+    """The best valid plan of ``sequential``, ``reserve``, ``backfill`` and a time-boxed ``ilp``."""
     best, tried = None, []
-    for name, strategy in CANDIDATES.items():
+
+    def consider(name, run):
+        nonlocal best
         try:
-            placement = strategy(problem)
+            placement = run()
         except AllocatorError as err:
             tried.append(f"{name}: {type(err).__name__}")
-            continue
+            return
         if check(problem, placement.device_map)[0]:
             tried.append(f"{name}: invalid")
-            continue
+            return
         key = score(problem, placement.device_map)
-        tried.append(f"{name}: {key[0]} B fast, {-key[1]} changes")
+        tried.append(f"{name}: {-key[0] * 1e3:.3f} ms")
         if best is None or key > best[0]:
             best = (key, placement)
+
+    for name, strategy in CANDIDATES.items():
+        consider(name, lambda strategy=strategy: strategy(problem))
+    if _ilp_available(problem):
+        hint = best[1].device_map if best else None
+        consider("ilp", lambda: ilp.place(problem, time_limit=ILP_SECONDS, hint=hint))
     if best is None:
         raise infeasible(problem)
     placement = best[1]
-    if "cpu" in placement.device_map.values() and not set(placement.device_map.values()) - {"cpu", "disk"} \
-            and problem.budgets.accelerators:
-        log.info("no accelerator plan fits; running everything from RAM (cpu as main device)")
+    used = set(placement.device_map.values())
+    if problem.budgets.accelerators and not used - {"cpu", "disk"}:
+        log.info("no accelerator plan is valid or faster; running everything from RAM (cpu as main device)")
     return Placement(device_map=placement.device_map, strategy=f"auto:{placement.strategy}",
-                     notes=(f"candidates: {'; '.join(tried)}",) + placement.notes)
+                     notes=(f"candidates: {'; '.join(tried)}",) + placement.notes, optimal=placement.optimal)

@@ -1,7 +1,7 @@
 """``backfill``: first-fit over the ordered devices, so a later unit may go back to an earlier device with room.
 
-The reserve on the main device is static, as in accelerate, but measured right: the largest chain of weights that
-offloading everything would stream at once. Every device that could be main is tried (the first accelerator, or a later one with the
+The reserve on the main device is static, as in accelerate, but measured right: the largest streamed size of any
+group that may be offloaded, raised to what the offloaded groups really stream together (nested hooks) if needed. Every device that could be main is tried (the first accelerator, or a later one with the
 earlier ones left empty, or cpu) and the plan that keeps the most bytes on the fastest tier is kept.
 
 Notes
@@ -14,19 +14,19 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ._fill import fill, full_reserve, main_candidates
+from ._fill import fill_to_fixed_point, main_candidates
 from ._select import best_of
 
 __all__ = ["place"]
 
 
 def place(problem: Problem, **_) -> Placement:
-    """Place by first fit with a static streaming reserve (the largest chain offloading everything would stream)."""
+    """Place by first fit with a static streaming reserve (the largest streamed size of an offloadable group)."""
     found = groups(problem.graph, problem.options.offload_buffers)
-    reserve = full_reserve(problem)
+    start = max((grp.stream for grp in found if not grp.resident_only), default=0)
     candidates = []
     for main in main_candidates(problem):
-        placed = fill(problem, found, main, reserve)
+        placed, reserve = fill_to_fixed_point(problem, found, main, start)
         if placed is not None:
             candidates.append((placed, f"main {main!r}, reserve {reserve} B"))
     return best_of(problem, candidates, "backfill")

@@ -1,0 +1,100 @@
+"""Cost model: what a placement costs per forward pass, in bytes moved and estimated seconds.
+
+Per forward, in model order, every unit reads its weights where it executes; an offloaded unit first pays the
+copy to the main device (host to device for ``cpu``; a disk read, then host to device, for ``disk``); a change of
+executing device between consecutive units pays an activation transfer plus a fixed latency. The first-order
+effect: bytes kept resident on accelerators are bytes not copied at every forward.
+
+Default bandwidths are named constants with their source in :mod:`allocator.cost_profile`;
+:meth:`Profile.measure` measures this machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .budgets import is_accelerator
+from .cost_profile import Profile
+from .problem import Problem
+from .runtime import tensor_devices
+
+__all__ = ["Profile", "Cost", "estimate", "execute_seconds", "change_seconds"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What a placement costs per forward pass."""
+
+    seconds: float          # estimated seconds per forward
+    streamed_bytes: int     # weights copied to the main device per forward
+    disk_bytes: int         # of which read from disk
+    device_changes: int     # changes of executing device along the model
+    resident_fast: int      # bytes resident on the fastest tier
+
+
+def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int) -> float:
+    """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device.
+
+    Where it executes: the larger of reading its weights and computing with them (``2 * numel * tokens`` FLOP);
+    offloaded pieces also pay their copy (host to device for ``cpu``; disk read, then host to device, for ``disk``;
+    only the disk read when the CPU is main).
+    """
+    run_on = main if device in ("cpu", "disk") else device
+    if run_on == "cpu":
+        seconds = max(nbytes / profile.cpu_memory, 2 * numel * profile.tokens / profile.cpu_flops)
+    else:
+        seconds = max(nbytes / profile.accelerator_memory, 2 * numel * profile.tokens / profile.accelerator_flops)
+    if device == "disk":
+        seconds += offload / profile.disk_read
+    if device in ("cpu", "disk") and run_on != "cpu" and not (device == "cpu" and main == "mps"):
+        seconds += offload / profile.host_to_device
+    return seconds
+
+
+def change_seconds(profile: Profile) -> float:
+    return profile.activation_bytes / profile.device_to_device + profile.switch_latency
+
+
+def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Cost:
+    """The :class:`Cost` of ``device_map`` for ``problem`` under ``profile`` (the problem's when omitted).
+
+    Examples
+    --------
+    >>> import torch.nn as nn
+    >>> from allocator.problem import build_problem
+    >>> p = build_problem(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)), {0: 10**6, "cpu": 10**6})
+    >>> estimate(p, {"0": 0, "1": "cpu"}).streamed_bytes, estimate(p, {"": 0}).streamed_bytes
+    (263168, 0)
+    """
+    from .validate import check
+
+    profile = profile or problem.profile
+    memory = check(problem, device_map)[1]
+    main = memory.main
+    g = problem.graph
+    devices = tensor_devices(g, device_map)
+    offloaded = {"disk"} if main in ("cpu", "mps") else {"cpu", "disk"}
+    seconds = 0.0
+    streamed = disk = fast = changes = 0
+    last = None
+    fast_tier = set(problem.budgets.accelerators) or {"cpu"}
+    for t, d in zip(g.tensors, devices):
+        if d is None:
+            continue
+        run_on = main if d in offloaded or not is_accelerator(d) else d
+        moves = d in offloaded and (t.is_param or (problem.options.offload_buffers and t.persistent))
+        numel = t.numel if t.is_param and t.counted else 0
+        seconds += execute_seconds(problem, main, profile, d, t.nbytes, numel, t.nbytes if moves else 0)
+        if moves:
+            streamed += t.nbytes
+            disk += t.nbytes if d == "disk" else 0
+        if d in fast_tier and not (d == "cpu" and main != "cpu"):
+            fast += t.counted
+        if t.nbytes:
+            changes += last is not None and run_on != last
+            last = run_on
+    seconds += changes * change_seconds(profile)
+    return Cost(seconds=seconds, streamed_bytes=streamed, disk_bytes=disk, device_changes=changes, resident_fast=fast)

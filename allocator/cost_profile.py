@@ -1,0 +1,144 @@
+"""The bandwidth profile of the machine a plan runs on: named defaults with their sources, or measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+from .errors import InvalidOption
+
+__all__ = ["Profile"]
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+#: HBM2e read bandwidth of an NVIDIA A100 40GB: 1,555 GB/s (NVIDIA A100 datasheet).
+ACCELERATOR_MEMORY = 1555 * GB
+#: Pageable host-to-device copies over PCIe 4.0 x16 reach roughly a third of the 32 GB/s link (pinned memory
+#: gets ~25 GB/s); accelerate's offload hooks copy from pageable memory (CUDA C++ Best Practices Guide, "Pinned
+#: memory"; PCI-SIG PCIe 4.0 specification for the link rate).
+HOST_TO_DEVICE = 10 * GB
+#: Sequential read of a PCIe 4.0 NVMe SSD (e.g. Samsung 980 PRO datasheet: 7 GB/s); halved for 4 KiB-page
+#: memory-mapped reads through the page cache.
+DISK_READ = 3.5 * GB
+#: One-socket DDR4-3200 dual channel: 51.2 GB/s peak, ~20 GB/s for a single-threaded copy or a CPU forward's reads
+#: (JEDEC DDR4 standard; STREAM benchmark figures for a single thread).
+CPU_MEMORY = 20 * GB
+#: Device-to-device over PCIe without NVLink (same link as HOST_TO_DEVICE, pinned buffers).
+DEVICE_TO_DEVICE = 20 * GB
+#: A change of executing device: a synchronising copy and a kernel launch, ~10-20 us (CUDA launch latency).
+SWITCH_LATENCY = 20e-6
+#: Activations moved at a change of device: batch 1 x 512 tokens x 4096 hidden x 2 bytes.
+ACTIVATION_BYTES = 4 * 2**20
+#: Tokens (or patches) per forward: a 512-token prompt. Set 1 to model one decoding step, where reading weights
+#: dominates and running on the CPU can beat streaming weights over PCIe.
+TOKENS = 512
+#: Dense TF32 tensor-core throughput of an NVIDIA A100: 156 TFLOPS (NVIDIA A100 datasheet).
+ACCELERATOR_FLOPS = 156e12
+#: FP32 throughput of a 16-core AVX-512 server CPU: 16 cores x 2.0 GHz x 32 FLOP/cycle ~ 1 TFLOPS.
+CPU_FLOPS = 1e12
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Profile:
+    """Bandwidths (bytes/s) and latencies (s) of the machine a plan will run on."""
+
+    accelerator_memory: float = ACCELERATOR_MEMORY
+    """Reading resident weights on an accelerator."""
+    host_to_device: float = HOST_TO_DEVICE
+    """Copying offloaded weights from RAM to the accelerator (pageable memory)."""
+    disk_read: float = DISK_READ
+    """Reading offloaded weights from disk."""
+    cpu_memory: float = CPU_MEMORY
+    """Reading weights in RAM when the CPU executes."""
+    device_to_device: float = DEVICE_TO_DEVICE
+    """Moving activations between accelerators (or between an accelerator and the host)."""
+    switch_latency: float = SWITCH_LATENCY
+    """Fixed cost of a change of executing device."""
+    activation_bytes: int = ACTIVATION_BYTES
+    """Activation bytes moved at each change of executing device."""
+    tokens: int = TOKENS
+    """Tokens per forward: each parameter costs ``2 * tokens`` FLOP where it executes."""
+    accelerator_flops: float = ACCELERATOR_FLOPS
+    """Arithmetic throughput of an accelerator (FLOP/s)."""
+    cpu_flops: float = CPU_FLOPS
+    """Arithmetic throughput of the CPU (FLOP/s)."""
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or value == float("inf"):
+                raise InvalidOption(f"Profile.{field.name} must be a finite number >= 0, got {value!r}.")
+        for name in ("accelerator_memory", "host_to_device", "disk_read", "cpu_memory", "device_to_device",
+                     "accelerator_flops", "cpu_flops"):
+            if getattr(self, name) == 0:
+                raise InvalidOption(f"Profile.{name} is a bandwidth and must be > 0.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise InvalidOption(f"unknown Profile fields {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}.")
+        return cls(**data)
+
+    @classmethod
+    def measure(cls, *, size: int = 64 * 2**20, repeats: int = 3) -> "Profile":
+        """Measure this machine: RAM copy and disk read always, host-to-device and accelerator memory where CUDA exists.
+
+        Disk reads use a temporary file evicted from the page cache with ``posix_fadvise`` where available.
+        Unmeasured fields keep their defaults.
+        """
+        import numpy as np
+
+        values = {}
+        buf = np.ones(size // 8, dtype=np.float64)
+        values["cpu_memory"] = _best(lambda: buf.copy(), size, repeats)
+        a = np.ones((512, 1024), dtype=np.float32)
+        w = np.ones((1024, 1024), dtype=np.float32)
+        values["cpu_flops"] = _best(lambda: a @ w, 2 * 512 * 1024 * 1024, repeats)
+        with tempfile.NamedTemporaryFile(delete=False) as fh:
+            fh.write(buf.tobytes())
+            path = fh.name
+        try:
+            values["disk_read"] = _best(lambda: _read_uncached(path), size, repeats)
+        finally:
+            os.unlink(path)
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                host = torch.ones(size // 4)
+                dev = host.to("cuda")
+                torch.cuda.synchronize()
+                values["host_to_device"] = _best(lambda: (host.to("cuda"), torch.cuda.synchronize()), size, repeats)
+                values["accelerator_memory"] = 2 * _best(lambda: (dev.clone(), torch.cuda.synchronize()), size, repeats)
+                m = torch.ones((4096, 4096), device="cuda")
+                values["accelerator_flops"] = _best(lambda: (m @ m, torch.cuda.synchronize()), 2 * 4096**3, repeats)
+        except Exception as err:  # a broken driver must not break planning; say so
+            log.warning("could not measure the accelerator (%s); keeping default bandwidths", err)
+        return cls(**values)
+
+
+def _best(fn, size: int, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return size / max(best, 1e-9)
+
+
+def _read_uncached(path: str) -> None:
+    with open(path, "rb") as fh:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        while fh.read(2**22):
+            pass

@@ -1,0 +1,191 @@
+"""Placement benchmark: the zoo x budgets, accelerate and transformers against our strategies, on the meta device.
+
+For every cell it records, per method: the share of the model resident on the fastest tier (accelerators, or RAM
+when there are none), whether the map is valid under accelerate's runtime rules (``allocator.validate``), the
+violations, and the planning time. Writes ``benchmarks/results/placement.csv``, ``placement.md`` and
+``placement.png``.
+
+    python benchmarks/placement.py           # all 41 architectures x 10 budgets
+    python benchmarks/placement.py --quick   # 8 architectures
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import allocator
+from allocator import zoo
+from allocator.cost import estimate
+from allocator.validate import check
+
+GRID = {
+    "gpu15": {0: .15, "cpu": 2}, "gpu30": {0: .30, "cpu": 2}, "gpu50": {0: .50, "cpu": 2},
+    "gpu60": {0: .60, "cpu": 2}, "gpu70": {0: .70, "cpu": 2}, "gpu90": {0: .90, "cpu": 2},
+    "2gpu30": {0: .15, 1: .15, "cpu": 2}, "2gpu60": {0: .30, 1: .30, "cpu": 2}, "2gpu90": {0: .45, 1: .45, "cpu": 2},
+    "ram30": {"cpu": .30}, "ram60": {"cpu": .60},
+}
+QUICK = ["llama-8b", "gpt2", "t5-base", "segformer-b0", "convnext-tiny", "swin-tiny", "gemma3-4b", "mamba-130m"]
+OURS = ["sequential", "backfill", "reserve", "ilp", "auto"]
+OUT = Path(__file__).parent / "results"
+
+
+def accelerate_map(model, budget, problem):
+    import accelerate.utils
+
+    return dict(accelerate.utils.infer_auto_device_map(
+        model, copy.deepcopy(budget), no_split_module_classes=sorted(problem.graph.no_split_declared)))
+
+
+def transformers_map(mode):
+    def run(model, budget, problem):
+        from transformers.integrations.accelerate import _get_device_map
+
+        return dict(_get_device_map(model, mode, copy.deepcopy(budget), None))
+
+    return run
+
+
+def ours(strategy):
+    def run(model, budget, problem):
+        return allocator.plan(model, budget, strategy=strategy).device_map
+
+    return run
+
+
+METHODS = {"accelerate": accelerate_map, "transformers-auto": transformers_map("auto"),
+           "transformers-balanced": transformers_map("balanced"), **{s: ours(s) for s in OURS}}
+
+
+def measure(names, cells):
+    rows = []
+    for name in names:
+        model = zoo.build(name)
+        total = allocator.build_problem(model, {"cpu": 0}).graph.total
+        for cell in cells:
+            budget = {d: int(total * f) for d, f in GRID[cell].items()}
+            problem = allocator.build_problem(model, budget)
+            for method, fn in METHODS.items():
+                start = time.perf_counter()
+                try:
+                    device_map = fn(model, budget, problem)
+                except allocator.InfeasiblePlacement as err:
+                    rows.append(dict(model=name, cell=cell, method=method, share="", est_ms="", valid="infeasible",
+                                     violations="", seconds=f"{time.perf_counter() - start:.4f}",
+                                     minimum_ram=err.minimum))
+                    continue
+                seconds = time.perf_counter() - start
+                violations, _ = check(problem, device_map)
+                cost = estimate(problem, device_map)
+                rows.append(dict(model=name, cell=cell, method=method,
+                                 share=f"{cost.resident_fast / total:.4f}", est_ms=f"{cost.seconds * 1e3:.4f}",
+                                 valid=not violations,
+                                 violations=";".join(sorted({v.kind for v in violations})),
+                                 seconds=f"{seconds:.4f}", minimum_ram=""))
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows, cells) -> str:
+    """Markdown: per model and cell, resident share accelerate -> ours (auto); '!' marks an invalid map."""
+    def cell_text(r):
+        if r["valid"] == "infeasible":
+            return "none fits"
+        return f"{100 * float(r['share']):.0f}%{'' if r['valid'] else '!'}"
+
+    by = {(r["model"], r["cell"], r["method"]): r for r in rows}
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    lines = ["| model | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+    for m in models:
+        parts = [f"{cell_text(by[m, c, 'accelerate'])} → **{cell_text(by[m, c, 'auto'])}**" for c in cells]
+        lines.append(f"| {m} | " + " | ".join(parts) + " |")
+    return "\n".join(lines)
+
+
+def summary(rows) -> str:
+    out = []
+    for method in METHODS:
+        mine = [r for r in rows if r["method"] == method]
+        invalid = sum(1 for r in mine if r["valid"] is False)
+        infeasible = sum(1 for r in mine if r["valid"] == "infeasible")
+        shares = [float(r["share"]) for r in mine if r["valid"] is True]
+        secs = [float(r["seconds"]) for r in mine]
+        out.append(f"| {method} | {len(mine)} | {invalid} | {infeasible} | "
+                   f"{100 * statistics.mean(shares):.1f}% | {1000 * statistics.median(secs):.1f} ms |")
+    gains = []
+    for r in rows:
+        if r["method"] != "auto" or r["valid"] is not True:
+            continue
+        acc = next(x for x in rows if x["model"] == r["model"] and x["cell"] == r["cell"] and x["method"] == "accelerate")
+        if acc["valid"] is True:
+            gains.append(float(r["share"]) - float(acc["share"]))
+    head = ["| method | cells | invalid maps | no valid map | mean resident share (valid maps) | median planning time |",
+            "|---|---|---|---|---|---|"]
+    tail = (f"\nWhere accelerate's map is valid ({len(gains)} cells), `auto` keeps on average "
+            f"{100 * statistics.mean(gains):.1f} points more of the model on the fastest tier "
+            f"(max {100 * max(gains):.1f}, min {100 * min(gains):.1f}).") if gains else ""
+    return "\n".join(head + out) + tail
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in GRID if c.startswith("gpu")]
+    x = [GRID[c][0] * 100 for c in cells]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, style in (("accelerate", "o--"), ("transformers-auto", "s:"), ("auto", "D-")):
+        ys = []
+        for c in cells:
+            vals = [float(r["share"]) for r in rows if r["cell"] == c and r["method"] == method and r["valid"] is True]
+            ys.append(100 * statistics.mean(vals) if vals else float("nan"))
+        ax.plot(x, ys, style, label=f"{method} (valid maps)")
+    ax.plot([0, 100], [0, 100], color="0.8", lw=1, label="budget")
+    ax.set_xlabel("GPU budget, % of the model")
+    ax.set_ylabel("model resident on the GPU, % (mean over models)")
+    ax.set_title("Resident share vs budget, one GPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="8 architectures instead of the whole zoo")
+    parser.add_argument("--models", nargs="*", help="explicit zoo names")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
+    names = args.models or (QUICK if args.quick else zoo.names())
+    cells = list(GRID)
+    start = time.time()
+    rows = measure(names, cells)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "placement.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    text = (f"# Placement benchmark\n\n`python benchmarks/placement.py{' --quick' if args.quick else ''}` — "
+            f"{len(names)} architectures x {len(cells)} budgets, {time.time() - start:.0f} s.\n\n"
+            f"{summary(rows)}\n\nResident share on the fastest tier, accelerate → ours (`auto`); "
+            f"`!` = the map breaks a runtime rule (it would run out of memory or fail); "
+            f"'none fits' = no valid map exists for these budgets and `auto` says the minimum RAM.\n\n"
+            f"{table(rows, cells)}\n")
+    (args.out / "placement.md").write_text(text)
+    plot(rows, args.out / "placement.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
