@@ -1,99 +1,577 @@
-"""Command line: ``allocator demo`` and ``allocator plan``.
+"""Command line: ``allocator plan``, ``allocator demo`` and ``allocator profile``.
 
-Bad input exits with status 2 and one line on stderr, never a traceback.
+::
+
+    allocator plan SOURCE [--max-memory 0=20GiB,1=20GiB,cpu=64GiB] [--dtype bfloat16] [--strategy auto]
+                          [--compare] [--explain] [--json FILE] [--plot FILE] [--profile FILE]
+    allocator plan --list
+    allocator demo [--model t5-base] [--strategy auto]
+    allocator profile [--out FILE]
+
+``SOURCE`` is a local model folder holding a ``config.json``, a ``config.json`` path, or a built-in example
+(``allocator plan --list``). Models are built from their config on the meta device: nothing is downloaded and no
+weights are read.
+
+Bad input exits with status 2 and one line on stderr starting with ``allocator: error:``, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
+import re
 import sys
+from collections.abc import Mapping
 
-from .errors import AllocatorError
+from .errors import AllocatorError, InvalidBudget, InvalidModel, InvalidOption
 
-__all__ = ["main", "parse_max_memory"]
+__all__ = ["main", "parse_max_memory", "load_model", "load_profile", "device_table", "compare_text",
+           "side_by_side", "plot_plans", "DEMO_SCENARIOS"]
+
+log = logging.getLogger(__name__)
+
+ACCELERATE = "sequential"
+"""The strategy that reproduces accelerate's ``infer_auto_device_map`` output for output."""
+
+DEMO_SCENARIOS: dict[str, dict] = {
+    "one GPU at 60% of the model, RAM for the rest": {0: 0.60, "cpu": 1.0},
+    "two GPUs at 15% each, RAM at 50%": {0: 0.15, 1: 0.15, "cpu": 0.50},
+    "RAM only, 50% of the model (the rest on disk)": {"cpu": 0.50},
+}
+"""Budgets of ``allocator demo`` as fractions of the model's size."""
+
+_MAX_MESSAGE = 400
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line, like every other error of the command."""
+
+    def error(self, message):  # noqa: D102 - argparse's hook
+        _fail(f"{message} (see '{self.prog} --help')")
+        raise SystemExit(2)
+
+
+def _one_line(text: str, limit: int = _MAX_MESSAGE) -> str:
+    """``text`` on one line, cut to ``limit`` characters.
+
+    >>> _one_line("a\\n  b")
+    'a b'
+    >>> len(_one_line("x" * 1000))
+    400
+    """
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fail(message: str) -> int:
+    print(f"allocator: error: {_one_line(message, 10 * _MAX_MESSAGE)}", file=sys.stderr)
+    return 2
+
+
+# -- inputs ----------------------------------------------------------------------------------------------------------
 
 
 def parse_max_memory(text: str) -> dict:
-    """``"0=20GiB,1=20GiB,cpu=64GiB"`` -> ``{0: "20GiB", 1: "20GiB", "cpu": "64GiB"}`` (sizes parsed later).
+    """``"0=20GiB,1=20GiB,cpu=64GiB"`` -> ``{0: "20GiB", 1: "20GiB", "cpu": "64GiB"}``, checked.
 
+    Raises
+    ------
+    InvalidBudget
+        An entry that is not ``DEVICE=SIZE``, an unknown device or a malformed size.
+
+    Examples
+    --------
     >>> parse_max_memory("0=20GiB,cpu=64GiB")
     {0: '20GiB', 'cpu': '64GiB'}
+    >>> parse_max_memory("gpu=1GiB")
+    Traceback (most recent call last):
+    ...
+    allocator.errors.InvalidBudget: unknown device 'gpu': use an accelerator index (0, 1, ... or 'cuda:1', 'xpu:0'), 'mps', 'cpu' or 'disk'.
     """
-    from .errors import InvalidBudget
+    from .budgets import parse_budgets
 
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
+        key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or not key or not value:
             raise InvalidBudget(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB.")
         out[int(key) if key.isdigit() else key] = value
     if not out:
         raise InvalidBudget("--max-memory is empty; write e.g. 0=20GiB,cpu=64GiB.")
+    parse_budgets(out)  # unknown devices, malformed sizes, a device named twice: before building any model
     return out
 
 
-def _demo(args) -> int:
-    from . import plan, zoo
-    from .problem import build_problem
+def load_profile(path: str):
+    """The :class:`~allocator.Profile` stored in ``path`` by ``allocator profile --out`` (or ``Profile.to_dict``).
 
-    name = args.model
-    model = zoo.build(name)
-    total = build_problem(model, {"cpu": 0}).graph.total
-    scenarios = {
-        "one GPU at 60% of the model, RAM for the rest": {0: int(total * 0.6), "cpu": total},
-        "two GPUs at 15% each, RAM at 50%": {0: int(total * 0.15), 1: int(total * 0.15), "cpu": int(total * 0.5)},
-        "RAM only, 50% of the model": {"cpu": int(total * 0.5)},
-    }
-    print(f"allocator demo: {name} ({zoo.ZOO[name].description.splitlines()[0]})\n")
-    for title, budget in scenarios.items():
-        result = plan(model, budget, strategy=args.strategy)
-        print(f"== {title}")
-        print(_summary(result))
-        print()
+    Raises
+    ------
+    InvalidOption
+        The file cannot be read, is not JSON, not an object, or has unknown or invalid fields.
+    """
+    from .cost_profile import Profile
+
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise InvalidOption(f"cannot read profile {path}: {reason}; write one with 'allocator profile --out FILE'.") \
+            from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidOption(f"profile {path} is not JSON ({err}); write one with 'allocator profile --out FILE'.") from None
+    if not isinstance(data, dict):
+        raise InvalidOption(f"profile {path} holds a JSON {type(data).__name__}, expected an object of Profile fields.")
+    try:
+        return Profile.from_dict(data)
+    except InvalidOption as err:
+        raise InvalidOption(f"profile {path}: {err}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model built on the meta device, with where it came from."""
+
+    model: object
+    source: str
+    """What was built, for the report: ``"t5-base (built-in example: ...)"`` or ``"LlamaForCausalLM from DIR"``."""
+    dtype: object = None
+    """The dtype the config declares (``config.dtype``), used when ``--dtype`` is not given."""
+
+
+def load_model(source: str) -> LoadedModel:
+    """Build ``source`` on the meta device: a folder with ``config.json``, a config file, or a built-in example.
+
+    A path that exists wins over an example of the same name. The class is the first of ``config.architectures``
+    that transformers defines, else ``transformers.AutoModel``. Nothing is downloaded.
+
+    Raises
+    ------
+    InvalidModel
+        No such folder, file or example; no ``config.json`` in the folder; or transformers cannot read the config
+        or build the model from it.
+    """
+    from . import zoo
+
+    if os.path.exists(source):
+        return _from_config(source)
+    if source in zoo.ZOO:
+        entry = zoo.ZOO[source]
+        return LoadedModel(zoo.build(source), f"{source} (built-in example: {entry.description})")
+    hint = (" This command never downloads: fetch the config first, e.g. "
+            f"'hf download {source} config.json --local-dir DIR', and pass DIR.") if _HUB_ID.match(source) else ""
+    raise InvalidModel(f"{source!r} is neither a model folder, a config.json, nor a built-in example "
+                       f"(see 'allocator plan --list').{hint}")
+
+
+def _from_config(path: str) -> LoadedModel:
+    import torch
+
+    from .zoo import _move_strays_to_meta, _quiet
+
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise InvalidModel(f"folder {path} has no config.json; pass a model folder saved by save_pretrained, "
+                           f"a config.json, or a built-in example.")
+    try:
+        import transformers
+    except ImportError:
+        raise InvalidModel("building a model from a config needs transformers: pip install 'allocator[hf]'.") from None
+    with _quiet():
+        try:
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as err:  # a config's own checks raise anything (ZeroDivisionError for 0 heads, ...)
+            raise InvalidModel(f"transformers cannot read the config {path}: "
+                               f"{type(err).__name__}: {_one_line(err)}") from None
+        declared = list(getattr(config, "architectures", None) or [])
+        cls = next((c for c in (getattr(transformers, name, None) for name in declared)
+                    if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)), None)
+        name = cls.__name__ if cls else f"AutoModel for {type(config).__name__}"
+        try:
+            with torch.device("meta"):
+                model = cls(config) if cls else transformers.AutoModel.from_config(config)
+        except Exception as err:  # anything the model's constructor raises is a config it cannot build
+            raise InvalidModel(f"transformers cannot build {name} from {path}: "
+                               f"{type(err).__name__}: {_one_line(err)}") from None
+    _move_strays_to_meta(model)
+    model.eval()
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    note = "" if cls else f" (config.architectures {'names no class transformers defines' if declared else 'is empty'})"
+    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype)
+
+
+def _check_writable(path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InvalidOption(f"{flag} {path}: folder {folder} does not exist.")
+
+
+# -- reports ---------------------------------------------------------------------------------------------------------
+
+
+def _size(n: int | None) -> str:
+    """Bytes in binary units with one decimal.
+
+    >>> _size(0), _size(1536), _size(3 * 2**30), _size(None)
+    ('0 B', '1.5 KiB', '3.0 GiB', 'unlimited')
+    """
+    if n is None:
+        return "unlimited"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds * 1e3:,.0f} ms"
+
+
+def _devices(*plans) -> list:
+    """Devices with a budget or holding something, in the budgets' order."""
+    order = plans[0].problem.budgets.order
+    return [d for d in order
+            if any(d in p.problem.budgets.limits or p.resident(d) or p.peak.get(d) for p in plans)]
+
+
+def _streamed_from(result, device) -> int:
+    """Bytes copied from ``device`` to the main device per forward."""
+    if device == "disk":
+        return result.cost.disk_bytes
+    if device == "cpu":
+        return result.cost.streamed_bytes - result.cost.disk_bytes
     return 0
 
 
-def _summary(result) -> str:
-    lines = result.explain().splitlines()
-    return "\n".join(line for line in lines if not line.startswith("  - "))
+def _headline(result) -> str:
+    proof = {None: "", True: ", proven optimal", False: ", not proven optimal"}[result.optimal]
+    return (f"strategy {result.strategy}{proof}; main device {result.main_device!r}; estimated "
+            f"{_ms(result.cost.seconds)} per forward, {_size(result.cost.streamed_bytes)} streamed per forward, "
+            f"{result.cost.device_changes} device changes")
 
 
-def _plan(args) -> int:
-    from . import plan, zoo
+def device_table(result) -> str:
+    """One row per device: budget, resident bytes (and share of the model), bytes streamed from it per forward,
+    the streaming reserve, the peak and its share of the budget; then the strategy, estimate and violations."""
+    total = result.problem.graph.total
+    header = ("device", "budget", "resident", "of model", "streamed/fwd", "reserve", "peak", "of budget")
+    rows = [header]
+    for d in _devices(result):
+        limit = result.problem.budgets.limit(d)
+        peak = result.peak.get(d, 0)
+        rows.append((
+            str(d), _size(limit), _size(result.resident(d)), f"{result.resident(d) / total:.1%}" if total else "-",
+            _size(_streamed_from(result, d)), _size(result.streamed if d == result.main_device else 0),
+            _size(peak), f"{peak / limit:.0%}" if limit else "-",
+        ))
+    lines = _align(rows)
+    lines.append(_headline(result))
+    lines += [f"VIOLATION {v}" for v in result.violations]
+    return "\n".join(lines)
 
-    if args.source not in zoo.ZOO:
-        raise AllocatorError(f"unknown model {args.source!r}; built-in examples: {', '.join(zoo.names())}.")
-    model = zoo.build(args.source)
-    result = plan(model, parse_max_memory(args.max_memory), strategy=args.strategy, dtype=args.dtype)
-    print(_summary(result))
+
+def _align(rows) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows]
+
+
+def compare_text(ours, theirs, *, violations: bool = True) -> str:
+    """What ``ours`` changes against accelerate's plan ``theirs``: resident bytes on the fastest tier, estimated
+    time per forward, and (with ``violations``) the rules accelerate's map breaks when it is invalid."""
+    total = ours.problem.graph.total
+    fast = "accelerators" if ours.problem.budgets.accelerators else "RAM; no accelerator"
+    a, o = theirs.cost.resident_fast, ours.cost.resident_fast
+    lines = [f"resident on the fastest tier ({fast}): accelerate {_size(a)} ({a / total:.1%}) -> allocator "
+             f"{_size(o)} ({o / total:.1%}), {'+' if o >= a else '-'}{_size(abs(o - a))}"]
+    ratio = theirs.cost.seconds / ours.cost.seconds if ours.cost.seconds else float("inf")
+    verdict = (f"{ratio:.2f}x faster" if ratio > 1.005 else f"{1 / ratio:.2f}x slower" if ratio < 0.995
+               else "the same")
+    lines.append(f"estimated time per forward: accelerate {_ms(theirs.cost.seconds)} -> allocator "
+                 f"{_ms(ours.cost.seconds)} ({verdict})")
+    if theirs.violations:
+        lines.append(f"accelerate's map is INVALID: it breaks {len(theirs.violations)} runtime rule(s) "
+                     f"(it would fail or run out of memory){':' if violations else ', listed above.'}")
+        lines += [f"  {v}" for v in theirs.violations] if violations else []
+    else:
+        lines.append("accelerate's map is valid.")
+    if ours.device_map == theirs.device_map:
+        lines.append("Both plans are the same device map.")
+    return "\n".join(lines)
+
+
+def side_by_side(ours, theirs) -> str:
+    """accelerate's plan and ours in one table: resident and peak bytes per device, then the estimate."""
+    rows = [("", "", "accelerate", "", f"allocator {ours.strategy}", ""),
+            ("device", "budget", "resident", "peak", "resident", "peak")]
+    for d in _devices(ours, theirs):
+        limit = ours.problem.budgets.limit(d)
+
+        def peak(p):
+            value = p.peak.get(d, 0)
+            return _size(value) + (f" ({value / limit:.0%})" if limit else "")
+
+        rows.append((str(d), _size(limit), _size(theirs.resident(d)), peak(theirs), _size(ours.resident(d)), peak(ours)))
+    rows.append(("est. forward", "", "", _ms(theirs.cost.seconds), "", _ms(ours.cost.seconds)))
+    rows.append(("valid", "", "", "no" if theirs.violations else "yes", "", "no" if ours.violations else "yes"))
+    return "\n".join(_align(rows))
+
+
+def plot_plans(plans: Mapping[str, object], path: str, *, title: str | None = None) -> None:
+    """A PNG bar chart of bytes per device for each labelled plan: resident bytes, the streaming reserve stacked
+    on the main device, and each device's budget as a black tick.
+
+    Needs matplotlib; uses its Agg canvas, so no display and no global pyplot state.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise InvalidOption("--plot needs matplotlib: pip install 'allocator[plot]'.") from None
+    items = list(plans.items())
+    first = items[0][1]
+    budgets = first.problem.budgets
+    devices = _devices(*(p for _, p in items))
+    scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                        if first.problem.graph.total >= 4 * s), (1, "B"))
+    fig = Figure(figsize=(max(6.0, 1.2 + 1.3 * len(devices) * len(items)), 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    width = 0.8 / len(items)
+    colors = ["#c44e52", "#4c72b0", "#55a868", "#8172b2", "#ccb974"]
+    tallest = 0.0
+    for i, (label, p) in enumerate(items):
+        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(devices))]
+        resident = [p.resident(d) / scale for d in devices]
+        reserve = [(p.streamed if d == p.main_device else 0) / scale for d in devices]
+        color = colors[i % len(colors)]
+        bars = ax.bar(xs, resident, width, color=color, label=f"{label}: resident")
+        if any(reserve):
+            ax.bar(xs, reserve, width, bottom=resident, color=color, alpha=0.35, hatch="//",
+                   label=f"{label}: streaming reserve")
+        total = p.problem.graph.total
+        for bar, d, r in zip(bars, devices, reserve):
+            ax.annotate(f"{p.resident(d) / total:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height() + r),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+        tallest = max([tallest] + [a + b for a, b in zip(resident, reserve)])
+    limits = [(j, budgets.limit(d) / scale) for j, d in enumerate(devices) if budgets.limit(d) is not None]
+    top = 1.2 * max([tallest] + [b for _, b in limits if b <= 2 * tallest]) or 1.0
+    for j, limit in limits:
+        if limit <= top:
+            ax.hlines(limit, j - 0.45, j + 0.45, colors="black", linewidth=1.5)
+        else:  # a budget far above everything placed: say it rather than squash the bars
+            ax.annotate(f"budget {_size(int(limit * scale))} \u2191", (j, top), ha="center", va="top", fontsize=8)
+    if any(b <= top for _, b in limits):
+        from matplotlib.lines import Line2D
+
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles + [Line2D([], [], color="black", linewidth=1.5)], labels + ["budget"], fontsize=8)
+    else:
+        ax.legend(fontsize=8)
+    ax.set_ylim(0, top)
+    ax.set_xticks(range(len(devices)), [f"GPU {d}" if isinstance(d, int) else str(d) for d in devices])
+    ax.set_ylabel(unit)
+    ax.set_title(title or f"{first.problem.graph.model_class} ({_size(first.problem.graph.total)}): bytes per device",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- commands --------------------------------------------------------------------------------------------------------
+
+
+def _list() -> int:
+    from . import zoo
+
+    rows = [("name", "family", "what it is")] + [(n, e.family, e.description) for n, e in zoo.ZOO.items()]
+    print("\n".join(_align_left(rows)))
+    print("\nallocator plan NAME --max-memory 0=8GiB,cpu=64GiB   (built on the meta device; nothing is downloaded)")
+    return 0
+
+
+def _align_left(rows) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def _cmd_plan(args) -> int:
+    from . import plan
+    from .strategies import resolve
+
+    if args.list:
+        return _list()
+    if args.source is None:
+        raise InvalidOption("plan needs a SOURCE: a model folder, a config.json or a built-in example "
+                            "(see 'allocator plan --list').")
+    max_memory = parse_max_memory(args.max_memory) if args.max_memory is not None else None
+    resolve(args.strategy)
+    if args.dtype is not None:
+        from .graph import _as_dtype
+
+        _as_dtype(args.dtype, "--dtype")
+    profile = load_profile(args.profile) if args.profile else None
+    _check_writable(args.json, "--json")
+    _check_writable(args.plot, "--plot")
+    loaded = load_model(args.source)
+    dtype = args.dtype or loaded.dtype
+    options = dict(dtype=dtype, profile=profile)
+    ours = plan(loaded.model, max_memory, strategy=args.strategy, **options)
+    print(f"{loaded.source}")
+    print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
+          f"{f' in {_dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
+    print()
+    print(device_table(ours))
+    if args.explain:
+        print()
+        print(ours.explain())
+    plans = {f"allocator ({ours.strategy})": ours}
+    if args.compare:
+        theirs = _accelerate(loaded.model, max_memory, options)
+        print()
+        if isinstance(theirs, AllocatorError):
+            print(f"accelerate (strategy {ACCELERATE}) finds no map: {_one_line(theirs)}")
+        else:
+            print(f"accelerate's infer_auto_device_map (strategy {ACCELERATE}, reproduced output for output):")
+            print(device_table(theirs))
+            print()
+            print(compare_text(ours, theirs, violations=False))
+            plans = {"accelerate": theirs, **plans}
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(result.device_map, fh, indent=1)
+            json.dump(ours.device_map, fh, indent=1)
+        print(f"\ndevice map written to {args.json} (pass it as device_map= to from_pretrained or dispatch_model)")
+    if args.plot:
+        plot_plans(plans, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
+
+
+def _accelerate(model, max_memory, options):
+    """accelerate's plan, or the error saying it finds none (a valid outcome to report, not a failure)."""
+    from . import plan
+
+    try:
+        return plan(model, max_memory, strategy=ACCELERATE, **options)
+    except AllocatorError as err:
+        return err
+
+
+def _cmd_demo(args) -> int:
+    from . import build_problem, plan, zoo
+    from .strategies import resolve
+
+    resolve(args.strategy)
+    if args.model not in zoo.ZOO:
+        raise InvalidModel(f"unknown built-in example {args.model!r}; see 'allocator plan --list'.")
+    model = zoo.build(args.model)
+    total = build_problem(model, {"cpu": 0}).graph.total
+    print(f"allocator demo: {args.model}, {_size(total)} in float32 ({zoo.ZOO[args.model].description}),")
+    print("built on the meta device. accelerate's infer_auto_device_map against allocator's plan, per budget.")
+    for title, shares in DEMO_SCENARIOS.items():
+        budget = {d: int(total * f) for d, f in shares.items()}
+        ours = plan(model, budget, strategy=args.strategy)
+        theirs = _accelerate(model, budget, {})
+        spec = ",".join(f"{d}={_size(b).replace(' ', '')}" for d, b in budget.items())
+        print(f"\n== {title}   (--max-memory {spec})")
+        if isinstance(theirs, AllocatorError):
+            print(device_table(ours))
+            print(f"accelerate finds no map: {_one_line(theirs)}")
+            continue
+        print(side_by_side(ours, theirs))
+        print(compare_text(ours, theirs))
+    print(f"\nNext: allocator plan {args.model} --max-memory 0=300MiB,cpu=2GiB --compare --plot plan.png; "
+          f"allocator plan --list")
+    return 0
+
+
+def _cmd_profile(args) -> int:
+    from .cost_profile import Profile
+
+    _check_writable(args.out, "--out")
+    measured = Profile.measure()
+    default = Profile()
+    rows = [("field", "value", "")]
+    for field in dataclasses.fields(Profile):
+        value = getattr(measured, field.name)
+        rows.append((field.name, _quantity(field.name, value),
+                     "default" if value == getattr(default, field.name) else "measured"))
+    print("\n".join(_align(rows)))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(measured.to_dict(), fh, indent=1)
+        print(f"\nprofile written to {args.out}; use it with: allocator plan SOURCE --profile {args.out}")
+    return 0
+
+
+def _quantity(name: str, value: float) -> str:
+    """A Profile field with its unit.
+
+    >>> _quantity("host_to_device", 1e10), _quantity("switch_latency", 2e-5), _quantity("tokens", 512)
+    ('10.0 GB/s', '20.0 us', '512')
+    """
+    if name.endswith("flops"):
+        return f"{value / 1e12:.2f} TFLOP/s"
+    if name == "switch_latency":
+        return f"{value * 1e6:.1f} us"
+    if name == "activation_bytes":
+        return _size(int(value))
+    if name == "tokens":
+        return f"{value:g}"
+    return f"{value / 1e9:.1f} GB/s"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .strategies import STRATEGIES
+
+    strategies = ", ".join(STRATEGIES)
+    parser = _Parser(prog="allocator", description="Plan where each part of a model lives: accelerators, RAM, disk.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo,profile}")
+    p = sub.add_parser("plan", help="plan a model folder, a config.json or a built-in example",
+                       description="Plan a model built on the meta device from its config (nothing is downloaded).")
+    p.add_argument("source", nargs="?", help="a folder with config.json, a config.json, or a built-in example name")
+    p.add_argument("--list", action="store_true", help="list the built-in examples and exit")
+    p.add_argument("--max-memory", metavar="DEV=SIZE,...",
+                   help="budgets, e.g. 0=20GiB,1=20GiB,cpu=64GiB (default: what this machine has)")
+    p.add_argument("--dtype", help="dtype the weights will be loaded in, e.g. bfloat16 (default: the config's)")
+    p.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
+    p.add_argument("--compare", action="store_true", help="also plan with accelerate's algorithm and compare")
+    p.add_argument("--explain", action="store_true", help="print every decision of the strategy")
+    p.add_argument("--json", metavar="FILE", help="write the device map as JSON")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of bytes per device")
+    p.add_argument("--profile", metavar="FILE", help="bandwidths written by 'allocator profile --out FILE'")
+    d = sub.add_parser("demo", help="accelerate vs allocator on a built-in example under three budgets")
+    d.add_argument("--model", default="t5-base", help="a built-in example (default: t5-base)")
+    d.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
+    f = sub.add_parser("profile", help="measure this machine's bandwidths")
+    f.add_argument("--out", metavar="FILE", help="write them as JSON for 'allocator plan --profile FILE'")
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="allocator", description="Plan where each part of a model lives.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="plan a built-in example under three budgets")
-    demo.add_argument("--model", default="t5-base")
-    demo.add_argument("--strategy", default="auto")
-    p = sub.add_parser("plan", help="plan a built-in example")
-    p.add_argument("source", help="a built-in example name (see 'allocator plan --list')")
-    p.add_argument("--max-memory", required=True, help="e.g. 0=20GiB,1=20GiB,cpu=64GiB")
-    p.add_argument("--strategy", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--json", default=None, help="write the device map to this file")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR, format="%(message)s")
+    """Run the command line; returns the exit status (0, or 2 on bad input with one line on stderr)."""
+    parser = _parser()
     try:
-        if args.command == "demo":
-            if args.model not in __import__("allocator.zoo", fromlist=["ZOO"]).ZOO:
-                raise AllocatorError(f"unknown model {args.model!r}; see 'allocator plan --help'.")
-            return _demo(args)
-        return _plan(args)
-    except (AllocatorError, OSError) as err:
-        print(f"allocator: error: {err}", file=sys.stderr)
-        return 2
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    logging.basicConfig(level=logging.ERROR, format="allocator: %(message)s")
+    commands = {"plan": _cmd_plan, "demo": _cmd_demo, "profile": _cmd_profile}
+    try:
+        return commands[args.command](args)
+    except (AllocatorError, OSError) as err:  # every AllocatorError is a ValueError; typed and worded for users
+        return _fail(str(err))
+    except KeyboardInterrupt:
+        print("allocator: interrupted", file=sys.stderr)
+        return 130

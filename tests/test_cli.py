@@ -1,0 +1,269 @@
+"""The command line: ``allocator plan`` (example, model folder, config.json, --compare, --json, --plot, --profile),
+``allocator demo``, ``allocator profile``, and every kind of bad input (exit 2, one line, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import allocator
+from allocator import cli, zoo
+from allocator.cost_profile import Profile
+
+SEG = "segformer-b0"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def seg():
+    """The Segformer-b0 meta model, its size, and the budget of one GPU at 60% of it (accelerate: ~4% on the GPU)."""
+    model = zoo.build(SEG)
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    budget = {0: int(0.6 * total), "cpu": 2 * total}
+    return model, total, budget
+
+
+def spec(budget) -> str:
+    return ",".join(f"{d}={b}" for d, b in budget.items())
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def llama_folder(path, **config):
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+    transformers.LlamaConfig(**{**cfg, **config}).save_pretrained(path)
+    return path
+
+
+# -- plan ------------------------------------------------------------------------------------------------------------
+
+
+def test_list_in_a_subprocess():
+    done = subprocess.run([sys.executable, "-m", "allocator", "plan", "--list"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in zoo.names():
+        assert f"\n{name} " in done.stdout
+    assert done.stderr == ""
+
+
+def test_bad_input_in_a_subprocess_is_one_line():
+    done = subprocess.run([sys.executable, "-m", "allocator", "plan", "nope-7b"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("allocator: error: 'nope-7b' is neither")
+
+
+def test_plan_example(capsys, seg):
+    model, total, budget = seg
+    code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget))
+    assert code == 0 and err == ""
+    ours = allocator.plan(model, budget)
+    assert out.startswith(f"{SEG} (built-in example: ")
+    table = out[out.index("device "):]
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[1:3]}
+    assert set(rows) == {"0", "cpu"}
+    assert " ".join(rows["0"][3:5]) == cli._size(ours.resident(0))
+    assert f"{ours.resident(0) / total:.1%}" in rows["0"]
+    assert f"strategy {ours.strategy}" in out and f"estimated {cli._ms(ours.cost.seconds)} per forward" in out
+    assert "accelerate" not in out
+
+
+def test_plan_compare_against_accelerate(capsys, seg):
+    model, total, budget = seg
+    code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget), "--compare")
+    assert code == 0 and err == ""
+    ours = allocator.plan(model, budget)
+    theirs = allocator.plan(model, budget, strategy="sequential")
+    assert theirs.cost.resident_fast < 0.1 * total < 0.5 * total < ours.cost.resident_fast  # the Segformer imbalance
+    assert f"accelerate {cli._size(theirs.cost.resident_fast)} ({theirs.cost.resident_fast / total:.1%}) -> " \
+           f"allocator {cli._size(ours.cost.resident_fast)} ({ours.cost.resident_fast / total:.1%})" in out
+    assert f"({theirs.cost.seconds / ours.cost.seconds:.2f}x faster)" in out
+    assert "accelerate's map is valid." in out
+    assert out.count("\ndevice ") == 2  # our table and accelerate's
+
+
+def test_plan_compare_reports_accelerate_violations(capsys, seg):
+    model, total, _ = seg
+    budget = {0: int(0.15 * total), 1: int(0.15 * total), "cpu": 2 * total}
+    theirs = allocator.plan(model, budget, strategy="sequential")
+    assert theirs.violations
+    code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget), "--compare", "--strategy", "reserve")
+    assert code == 0 and err == ""
+    assert "accelerate's map is INVALID" in out
+    assert out.count("VIOLATION ") == len(theirs.violations)
+    assert "strategy reserve" in out
+
+
+def test_plan_json_is_a_valid_device_map(capsys, seg, tmp_path):
+    model, _, budget = seg
+    path = tmp_path / "map.json"
+    code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget), "--json", path)
+    assert code == 0 and err == "" and f"written to {path}" in out
+    device_map = json.loads(path.read_text())
+    assert device_map == allocator.plan(model, budget).device_map
+    assert 0 in device_map.values()  # indices stay integers, as dispatch_model needs
+    assert allocator.validate(model, device_map, budget) == []
+
+
+def test_plan_plot_is_a_png(capsys, seg, tmp_path):
+    _, _, budget = seg
+    for extra in ([], ["--compare"]):
+        path = tmp_path / f"plot{len(extra)}.png"
+        code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget), "--plot", path, *extra)
+        assert code == 0 and err == ""
+        assert path.read_bytes()[:8] == PNG and path.stat().st_size > 5000
+
+
+def test_plan_profile_round_trip(capsys, seg, tmp_path):
+    model, _, budget = seg
+    slow = Profile(host_to_device=1e9, cpu_memory=5e9)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(slow.to_dict()))
+    code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget), "--profile", path, "--strategy", "reserve")
+    assert code == 0 and err == ""
+    expected = allocator.plan(model, budget, strategy="reserve", profile=slow).cost.seconds
+    default = allocator.plan(model, budget, strategy="reserve").cost.seconds
+    assert cli._ms(expected) != cli._ms(default)
+    assert f"estimated {cli._ms(expected)} per forward" in out and f"bandwidths from {path}" in out
+
+
+def test_plan_local_folder_and_config_json(capsys, tmp_path):
+    folder = llama_folder(tmp_path / "llama", architectures=["LlamaForCausalLM"])
+    outputs = []
+    for source in (folder, folder / "config.json"):
+        code, out, err = run(capsys, "plan", source, "--max-memory", "0=100KiB,cpu=10MiB", "--compare")
+        assert code == 0 and err == ""
+        assert out.startswith(f"LlamaForCausalLM from {source}\n")
+        outputs.append(out.split("\n", 1)[1])
+    assert outputs[0] == outputs[1]
+
+
+def test_plan_local_folder_without_architectures_uses_automodel(capsys, tmp_path):
+    folder = llama_folder(tmp_path / "bare")
+    code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB")
+    assert code == 0 and err == ""
+    assert out.startswith(f"LlamaModel from {folder} (config.architectures is empty)")
+
+
+def test_plan_dtype_from_config_and_flag(capsys, tmp_path):
+    torch = pytest.importorskip("torch")
+    folder = llama_folder(tmp_path / "bf16", architectures=["LlamaForCausalLM"], dtype="bfloat16")
+    sizes = {}
+    for flag in ([], ["--dtype", "float32"], ["--dtype", "float16"]):
+        code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB", *flag)
+        assert code == 0 and err == ""
+        sizes[tuple(flag)] = out.splitlines()[1]
+    with torch.device("meta"):
+        import transformers
+
+        model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folder))
+    half = allocator.build_problem(model, {"cpu": 0}, dtype=torch.bfloat16).graph.total
+    assert sizes[()] == f"LlamaForCausalLM: {cli._size(half)} in bfloat16"
+    assert sizes[("--dtype", "float16")] == f"LlamaForCausalLM: {cli._size(half)} in float16"
+    assert sizes[("--dtype", "float32")].startswith(f"LlamaForCausalLM: {cli._size(2 * half)}")
+
+
+# -- demo and profile ------------------------------------------------------------------------------------------------
+
+
+def test_demo(capsys):
+    code, out, err = run(capsys, "demo")
+    assert code == 0 and err == ""
+    assert out.startswith("allocator demo: t5-base")
+    assert out.count("\n== ") == len(cli.DEMO_SCENARIOS)
+    assert "accelerate's map is INVALID" in out  # two GPUs at 15%: GPU 1 becomes main with no room to stream
+    assert out.count("x faster)") == len(cli.DEMO_SCENARIOS)
+
+
+def test_profile_out(capsys, tmp_path):
+    path = tmp_path / "p.json"
+    code, out, err = run(capsys, "profile", "--out", path)
+    assert code == 0 and err == ""
+    measured = Profile.from_dict(json.loads(path.read_text()))
+    assert measured.cpu_memory != Profile().cpu_memory
+    assert "cpu_memory" in out and "measured" in out and f"--profile {path}" in out
+    assert cli.load_profile(str(path)) == measured
+
+
+# -- bad input -------------------------------------------------------------------------------------------------------
+
+
+def _bad_cases(tmp):
+    empty = tmp / "empty"
+    empty.mkdir()
+    unknown_type = tmp / "unknown_type"
+    unknown_type.mkdir()
+    (unknown_type / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    not_json = tmp / "not_json"
+    not_json.mkdir()
+    (not_json / "config.json").write_text("{model_type: llama")
+    unbuildable = tmp / "unbuildable"
+    unbuildable.mkdir()
+    (unbuildable / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+         "num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": -5}))
+    zero_heads = tmp / "zero_heads"
+    zero_heads.mkdir()
+    (zero_heads / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 0}')
+    profiles = {
+        "not_json": "{", "list": "[1, 2]", "unknown": '{"warp_speed": 1}', "negative": '{"disk_read": -1}',
+        "binary": b"\xff\xfe\x00",
+    }
+    for name, text in profiles.items():
+        (tmp / f"{name}.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    mm = ["--max-memory", "0=5MiB,cpu=1GiB"]
+    return {
+        "unknown device": (["plan", SEG, "--max-memory", "gpu0=1GiB"], "unknown device 'gpu0'"),
+        "malformed size": (["plan", SEG, "--max-memory", "0=lots"], "'lots' is not a size"),
+        "entry without size": (["plan", SEG, "--max-memory", "0,cpu=1GiB"], "is not DEVICE=SIZE"),
+        "empty max memory": (["plan", SEG, "--max-memory", ","], "--max-memory is empty"),
+        "device twice": (["plan", SEG, "--max-memory", "0=1GiB,cuda:0=1GiB"], "appears twice"),
+        "missing folder": (["plan", str(tmp / "missing"), *mm], "is neither a model folder"),
+        "hub id": (["plan", "meta-llama/Llama-3-8B", *mm], "never downloads"),
+        "folder without config": (["plan", str(empty), *mm], "has no config.json"),
+        "unknown model type": (["plan", str(unknown_type), *mm], "transformers cannot read the config"),
+        "config not json": (["plan", str(not_json / "config.json"), *mm], "transformers cannot read the config"),
+        "config fails its checks": (["plan", str(zero_heads), *mm], "ZeroDivisionError"),
+        "config cannot build": (["plan", str(unbuildable), *mm], "transformers cannot build LlamaForCausalLM"),
+        "unknown strategy": (["plan", SEG, *mm, "--strategy", "fast"], "unknown strategy 'fast'"),
+        "unknown example": (["plan", "nope-7b", *mm], "'nope-7b' is neither"),
+        "unknown demo model": (["demo", "--model", "nope-7b"], "unknown built-in example 'nope-7b'"),
+        "unknown demo strategy": (["demo", "--strategy", "fast"], "unknown strategy 'fast'"),
+        "missing profile": (["plan", SEG, *mm, "--profile", str(tmp / "none.json")], "cannot read profile"),
+        "binary profile": (["plan", SEG, *mm, "--profile", str(tmp / "binary.json")], "cannot read profile"),
+        "profile not json": (["plan", SEG, *mm, "--profile", str(tmp / "not_json.json")], "is not JSON"),
+        "profile a list": (["plan", SEG, *mm, "--profile", str(tmp / "list.json")], "expected an object"),
+        "profile unknown field": (["plan", SEG, *mm, "--profile", str(tmp / "unknown.json")], "unknown Profile fields"),
+        "profile negative": (["plan", SEG, *mm, "--profile", str(tmp / "negative.json")], "finite number >= 0"),
+        "bad dtype": (["plan", SEG, *mm, "--dtype", "int9"], "'int9' is not a torch dtype"),
+        "infeasible": (["plan", SEG, "--max-memory", "cpu=1MiB"], "smallest RAM budget that works"),
+        "json folder missing": (["plan", SEG, *mm, "--json", str(tmp / "no" / "m.json")], "does not exist"),
+        "plot folder missing": (["plan", SEG, *mm, "--plot", str(tmp / "no" / "p.png")], "does not exist"),
+        "profile out folder missing": (["profile", "--out", str(tmp / "no" / "p.json")], "does not exist"),
+        "no source": (["plan", *mm], "plan needs a SOURCE"),
+        "no command": ([], "required"),
+        "unknown command": (["frob"], "invalid choice: 'frob'"),
+        "unknown flag": (["plan", SEG, "--bogus"], "unrecognized arguments: --bogus"),
+    }
+
+
+def test_bad_input_exits_2_with_one_line(capsys, tmp_path):
+    failures = []
+    for name, (argv, expected) in _bad_cases(tmp_path).items():
+        code, out, err = run(capsys, *argv)
+        ok = (code == 2 and out == "" and err.startswith("allocator: error: ") and err.count("\n") == 1
+              and "Traceback" not in err and expected in err)
+        if not ok:
+            failures.append(f"{name}: exit {code}, stdout {out[:200]!r}, stderr {err[:400]!r}")
+    assert not failures, "\n".join(failures)
