@@ -123,8 +123,8 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     """The error for a budget no plan fits, with the smallest RAM budget (other budgets unchanged) that works.
 
     Found by bisection between the given RAM and a budget that certainly works (the peak of streaming
-    everything from disk, or the whole model in RAM), to 0.1 %; the strategy is run at each step, so the
-    stated minimum is one the strategy really plans for while 0.1 % less fails.
+    everything from disk, or the whole model in RAM), to 1 %; the strategy is run at each step, so the
+    stated minimum is one the strategy really plans for while 1 % less fails.
     """
     g = problem.graph
     low = problem.budgets.limit("cpu") or 0
@@ -137,7 +137,7 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
             return InfeasiblePlacement(
                 f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, and strategy "
                 f"{strategy!r} finds none even with {_fmt(ceiling)} of RAM; try strategy='auto'.")
-    while high - low > max(1, high // 1000):
+    while high - low > max(1, high // 100):
         middle = (low + high) // 2
         if _feasible(_with_ram(problem, middle), strategy):
             high = middle

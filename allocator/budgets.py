@@ -22,7 +22,7 @@ Device = int | str
 
 _ACCELERATOR_TYPES = ("cuda", "xpu", "npu", "mlu", "musa", "sdaa", "hpu")
 _NAMED = ("mps", "cpu", "disk")
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B|[KMGT]b|B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B|[KMGT]b|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ from .errors import InvalidOption
 from .graph import ModelGraph, build_graph
 
 __all__ = ["Options", "Problem", "build_problem"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +59,23 @@ def quantizer_size_fn(model, hf_quantizer):
     return size
 
 
+def _note_missing_accelerators(budgets: Budgets) -> None:
+    """Plans may target another machine (accelerate's own tests plan for GPUs on CPU-only hosts): say so, once."""
+    indices = [d for d in budgets.accelerators if isinstance(d, int)]
+    if not indices:
+        return
+    try:
+        import torch
+
+        present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver: planning does not need it
+        present = 0
+    missing = [d for d in indices if d >= present]
+    if missing:
+        log.info("planning for accelerators %s that this machine does not have (it has %d); the plan is for a machine "
+                 "that has them, and dispatching it here will fail", missing, present)
+
+
 def build_problem(
     model,
     max_memory: Mapping | None = None,
@@ -90,6 +110,7 @@ def build_problem(
         discover_no_split=discover_no_split, infer_no_split=infer_no_split, tied_parameters=tied_parameters, size_fn=size_fn,
     )
     budgets = parse_budgets(max_memory)
+    _note_missing_accelerators(budgets)
     if hf_quantizer is not None and hasattr(hf_quantizer, "adjust_max_memory"):
         budgets = parse_budgets(hf_quantizer.adjust_max_memory(dict(budgets.limits)))
     if profile is not None and not isinstance(profile, Profile):

@@ -36,12 +36,9 @@ class Group:
     pinned: int
     stream: int
     numel: int = 0
-
-    @property
-    def resident_only(self) -> bool:
-        """A group holding a single tensor (a direct tensor of a split module) cannot be offloaded: accelerate's hooks
-        load modules named in the map, never lone tensors."""
-        return any(u.node < 0 for u in self.units)
+    resident_only: bool = False
+    """Holds a lone tensor (a direct tensor of a split module): it cannot be offloaded, since accelerate's hooks
+    load modules named in the map, never lone tensors."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -127,6 +124,6 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
         bucket.setdefault(root(k), []).append(u)
     return [
         Group(tuple(us), sum(u.size for u in us), sum(u.offload for u in us), sum(u.pinned for u in us),
-              max(u.stream for u in us), sum(u.numel for u in us))
+              max(u.stream for u in us), sum(u.numel for u in us), any(u.node < 0 for u in us))
         for _, us in sorted(bucket.items(), key=lambda kv: position[kv[1][0].name])
     ]

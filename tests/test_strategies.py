@@ -108,13 +108,18 @@ def test_infeasible_states_a_minimum_that_works():
     assert info.value.device == "cpu" and str(minimum) in str(info.value)
     assert allocator.plan(model, {"cpu": minimum}).valid
     with pytest.raises(allocator.InfeasiblePlacement):
-        allocator.plan(model, {"cpu": minimum - max(1, minimum // 1000)})
+        allocator.plan(model, {"cpu": minimum - max(1, minimum // 100)})
 
 
+@pytest.mark.parametrize("strategy", [s for s in allocator.STRATEGIES if s != "sequential"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), strategy=st.sampled_from(PLACERS))
-def test_random_trees_valid_or_infeasible_with_a_true_minimum(data, strategy):
-    model = data.draw(module_trees())
+@given(data=st.data())
+def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
+    """Every strategy but ``sequential`` (whose property is parity with accelerate, tests/test_parity_random.py).
+
+    The strategies that run CP-SAT get shallower trees so that 200 examples each fit the suite's time."""
+    heavy = strategy in ("auto", "ilp")
+    model = data.draw(module_trees(max_depth=2 if heavy else 3, max_children=3 if heavy else 4))
     total = max(total_of(model), 1)
     budget = data.draw(budgets(total))
     offload_buffers = data.draw(st.booleans())
@@ -124,14 +129,14 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(data, strategy):
         if set(budget) == {"cpu"}:
             kwargs = dict(strategy=strategy, offload_buffers=offload_buffers)
             assert allocator.plan(model, {"cpu": err.minimum}, **kwargs).valid
-            if err.minimum > 0:  # 0.1 % less (at least a byte) is not enough
+            if err.minimum > 0:  # 1 % less (at least a byte) is not enough
                 with pytest.raises(allocator.InfeasiblePlacement):
-                    allocator.plan(model, {"cpu": err.minimum - max(1, err.minimum // 1000)}, **kwargs)
+                    allocator.plan(model, {"cpu": err.minimum - max(1, err.minimum // 100)}, **kwargs)
         return
     assert ours.valid, ours.violations
     try:
         seq = allocator.plan(model, budget, strategy="sequential", offload_buffers=offload_buffers)
     except allocator.UnsupportedByAccelerate:
         return
-    if strategy == "auto" and seq.valid:
-        assert seconds(ours) <= seconds(seq) * (1 + 1e-9)
+    if strategy in ("auto", "ilp") and seq.valid and (strategy == "auto" or ours.optimal):
+        assert seconds(ours) <= seconds(seq) * (1 + 1e-6)

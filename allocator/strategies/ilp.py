@@ -4,7 +4,7 @@ Model, for each device that could be main (``M``): one device per tie group; acc
 ``M`` holds at least one group; budgets with the exact reservation on ``M`` — the largest *chain* of weights that
 offloaded units stream at once (a variable per split module: its offloaded direct weights plus its largest child
 chain) — plus the buffers of offloaded groups; RAM holds cpu-offloaded weights; a disk budget holds disk weights when
-given. The objective is :func:`allocator.cost.estimate` in nanoseconds: reading weights where they execute, copying
+given. The objective is :func:`allocator.cost.estimate` in picoseconds: reading weights where they execute, copying
 offloaded ones, and each change of executing device between consecutive units.
 
 Deterministic: one worker, a fixed seed, a deterministic time limit (``max_deterministic_time``), warm-started from
@@ -35,7 +35,7 @@ __all__ = ["place"]
 log = logging.getLogger(__name__)
 
 MAX_UNITS = 400
-NS = 1e9
+NS = 1e12  # picoseconds: tiny models must not round every cost to zero
 
 
 def _coarsen(found: list[Group], limit: int) -> tuple[list[Group], int]:
@@ -48,7 +48,7 @@ def _coarsen(found: list[Group], limit: int) -> tuple[list[Group], int]:
             b = found[i + 1] if i + 1 < len(found) else None
             if b is not None and len(a.units) == 1 and len(b.units) == 1 and len(out) + len(found) - i > limit:
                 out.append(Group(a.units + b.units, a.size + b.size, a.offload + b.offload, a.pinned + b.pinned,
-                                 max(a.stream, b.stream), a.numel + b.numel))
+                                 max(a.stream, b.stream), a.numel + b.numel, a.resident_only or b.resident_only))
                 merged += 1
                 i += 2
             else:
@@ -123,7 +123,7 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
         else:
             model.Add(sum(grp.size * x[k, d] for k, grp in enumerate(found)) <= limit)
 
-    # Objective: reads, copies, changes of executing device (in nanoseconds).
+    # Objective: reads, copies, changes of executing device (in picoseconds).
     terms = []
     for k, grp in enumerate(found):
         for d in devices:
@@ -133,7 +133,7 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
     accelerators = [d for d in devices if d not in ("cpu", "disk")]
     if main != "cpu" and len(accelerators) > 1 or (main != "cpu" and targets):
         sequence = [unit_group[name] for name in _unit_order(found, g) if unit_by_name[name].size]
-        change_ns = int(round(change_seconds(profile) * NS))
+        change_ps = int(round(change_seconds(profile) * NS))
         for k1, k2 in zip(sequence, sequence[1:]):
             if k1 == k2:
                 continue
@@ -143,7 +143,7 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
                 e2 = x[k2, a] + (off[k2] if a == main else 0)
                 model.Add(ch >= e1 - e2)
                 model.Add(ch >= e2 - e1)
-            terms.append(change_ns * ch)
+            terms.append(change_ps * ch)
     model.Minimize(sum(terms))
     if hint:
         for k, grp in enumerate(found):
