@@ -109,6 +109,18 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
         return var
 
     reserve = chain(0)
+    # Redundant staircase cuts: "the reserve is at least level j" as booleans, so the solver can branch on the
+    # reserve first (once it is fixed, what remains is a knapsack).
+    levels = sorted({grp.stream for grp in found if grp.stream and not grp.resident_only})
+    steps = [model.NewBoolVar(f"r{j}") for j in range(len(levels))]
+    for j in range(1, len(steps)):
+        model.AddImplication(steps[j], steps[j - 1])
+    if steps:
+        model.Add(reserve >= sum((levels[j] - (levels[j - 1] if j else 0)) * steps[j] for j in range(len(steps))))
+        at = {level: j for j, level in enumerate(levels)}
+        for k, grp in enumerate(found):
+            if grp.stream and not grp.resident_only:
+                model.Add(off[k] <= steps[at[grp.stream]])
     pinned = sum(grp.pinned * off[k] for k, grp in enumerate(found))
     for d in devices:
         limit = b.limit(d)
