@@ -15,7 +15,6 @@ from .cost_profile import Profile
 from .errors import InfeasiblePlacement
 from .placement import Placement
 from .problem import Problem, build_problem
-from .runtime import Memory
 from .strategies import resolve, run
 from .validate import Violation, _fmt, check
 

@@ -23,7 +23,6 @@ The patch rebinds module attributes, so it is process-global: every thread sees 
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -162,7 +161,6 @@ class Patch:
         options["no_split_module_classes"] = sorted(
             set(_names(no_split)) | set(_names(self.options.get("no_split_module_classes")))
         )
-        model = _tied_view(model)
         result = plan(model, dict(budgets), strategy=strategy, hf_quantizer=hf_quantizer, **options)
         escaped = _to_escape(model, result, options["no_split_module_classes"])
         if escaped:
@@ -403,36 +401,6 @@ def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:
         if len(accelerators) == 1 and isinstance(accelerators[0], int):
             budgets[accelerators[0]] = int(budgets[accelerators[0]] * 0.9)
     return budgets
-
-
-def _tied_view(model):
-    """``model`` as it will run: with the ties it declares (``all_tied_weights_keys``) made.
-
-    transformers 5 builds the device map before loading and ties weights after, so a declared alias is still a
-    tensor of its own, which the graph would count twice. The planner gets a copy of the module tree that shares
-    every tensor with ``model`` (nothing is copied but module objects) and has the ties made; ``model`` itself is
-    never touched. Returns ``model`` when nothing is to tie, or when the tree cannot be copied (logged).
-    """
-    declared = getattr(model, "all_tied_weights_keys", None)
-    if not isinstance(declared, Mapping) or not declared:
-        return model
-    params = dict(model.named_parameters(remove_duplicate=False))
-    untied = [(target, source) for target, source in declared.items()
-              if target in params and source in params and params[target] is not params[source]]
-    if not untied:
-        return model
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    try:
-        view = copy.deepcopy(model, memo=shared)
-    except Exception as err:  # a module holding something uncopyable: plan the untied model, conservatively
-        log.warning("%s: could not copy the module tree to make the declared ties %s (%s); planned untied, "
-                    "counting each tied weight once per name", type(model).__name__, untied, err)
-        return model
-    for target, source in untied:
-        parent, _, leaf = target.rpartition(".")
-        setattr(view.get_submodule(parent), leaf, view.get_parameter(source))
-    log.debug("%s: planned with the declared ties %s made", type(model).__name__, untied)
-    return view
 
 
 def _no_placement_tensors(model, no_split: Iterable[str]) -> list[str]:

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -15,7 +14,7 @@ import allocator
 from allocator import zoo
 from allocator.cost import change_seconds, estimate
 from allocator.errors import InvalidOption
-from allocator.strategies import STRATEGIES, ilp
+from allocator.strategies import ilp
 from trees import budgets, module_trees
 
 

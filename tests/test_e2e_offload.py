@@ -14,7 +14,6 @@ each model the tests check, against the real runtime:
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 
 import pytest

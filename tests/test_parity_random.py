@@ -1,6 +1,5 @@
 """Differential property test: strategy="sequential" gives accelerate's map on random module trees."""
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

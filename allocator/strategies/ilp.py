@@ -63,7 +63,7 @@ def _coarsen(found: list[Group], limit: int) -> tuple[list[Group], int]:
 def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile, seconds: float, hint: dict | None):
     from ortools.sat.python import cp_model
 
-    g, b, opts = problem.graph, problem.budgets, problem.options
+    g, b = problem.graph, problem.budgets
     if main == "cpu":
         devices = ["cpu", "disk"]
     else:
