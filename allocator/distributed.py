@@ -192,13 +192,14 @@ def apply_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     Notes
     -----
     The blocks are the instances of :func:`block_classes` (``isinstance``, as ``ModuleWrapPolicy`` matches),
-    so this shards the same units as FSDP1 with :func:`fsdp_wrap_policy`. Nested blocks are sharded before
-    the blocks holding them, as FSDP2 requires. ``fully_shard`` is ``torch.distributed.fsdp.fully_shard``
-    (torch >= 2.6) or ``torch.distributed._composable.fsdp.fully_shard`` (torch 2.4, 2.5).
+    so this shards the same units as FSDP1 with :func:`fsdp_wrap_policy`. They are sharded in reversed
+    definition order, which puts nested blocks before the blocks holding them, as FSDP2 requires; the root
+    last. ``fully_shard`` is ``torch.distributed.fsdp.fully_shard`` (torch >= 2.6) or
+    ``torch.distributed._composable.fsdp.fully_shard`` (torch 2.4, 2.5).
 
     Examples
     --------
-    The modules it shards, in order (the call itself needs a process group, so it is not run here):
+    The blocks it shards before the root (the call itself needs a process group, so it is not run here):
 
     >>> import torch.nn as nn
     >>> class Block(nn.Module):
@@ -206,9 +207,9 @@ def apply_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     ...         super().__init__()
     ...         self.attn, self.mlp = nn.Linear(8, 8), nn.Linear(8, 8)
     >>> model = nn.Sequential(nn.Embedding(10, 8), Block(), Block(), nn.Linear(8, 10))
-    >>> _shard_order(model)
-    ['2', '1', '']
-    >>> apply_fully_shard(model)  # doctest: +SKIP
+    >>> [name for name, m in model.named_modules() if isinstance(m, block_classes(model))]
+    ['1', '2']
+    >>> apply_fully_shard(model, reshard_after_forward=True)  # doctest: +SKIP
     """
     fully_shard = _fully_shard()
     modules = dict(model.named_modules())
@@ -518,7 +519,9 @@ def _stage_budgets(stage_budgets, n_stages: int) -> tuple[int, ...] | None:
             f"stage_budgets must be a sequence of {n_stages} sizes such as ['2GiB', '2GiB'], got {stage_budgets!r}."
         )
     if len(stage_budgets) != n_stages:
-        raise InvalidOption(f"stage_budgets must give one size per stage: {n_stages} expected, got {len(stage_budgets)}.")
+        raise InvalidOption(
+            f"stage_budgets must give one size per stage: {n_stages} expected, got {len(stage_budgets)}."
+        )
     return tuple(parse_size(b, what=f"stage_budgets[{j}]") for j, b in enumerate(stage_budgets))
 
 
