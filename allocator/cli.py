@@ -28,10 +28,8 @@ from collections.abc import Mapping
 
 from .errors import AllocatorError, InvalidBudget, InvalidModel, InvalidOption
 
-__all__ = ["main", "parse_max_memory", "load_model", "load_profile", "device_table", "compare_text",
+__all__ = ["main", "parse_max_memory", "LoadedModel", "load_model", "load_profile", "device_table", "compare_text",
            "side_by_side", "plot_plans", "DEMO_SCENARIOS"]
-
-log = logging.getLogger(__name__)
 
 ACCELERATE = "sequential"
 """The strategy that reproduces accelerate's ``infer_auto_device_map`` output for output."""
@@ -87,10 +85,10 @@ def parse_max_memory(text: str) -> dict:
     --------
     >>> parse_max_memory("0=20GiB,cpu=64GiB")
     {0: '20GiB', 'cpu': '64GiB'}
-    >>> parse_max_memory("gpu=1GiB")
+    >>> parse_max_memory("gpu=1GiB")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    allocator.errors.InvalidBudget: unknown device 'gpu': use an accelerator index (0, 1, ... or 'cuda:1', 'xpu:0'), 'mps', 'cpu' or 'disk'.
+    allocator.errors.InvalidBudget: unknown device 'gpu': use an accelerator index ...
     """
     from .budgets import parse_budgets
 
@@ -126,7 +124,8 @@ def load_profile(path: str):
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise InvalidOption(f"profile {path} is not JSON ({err}); write one with 'allocator profile --out FILE'.") from None
+        raise InvalidOption(f"profile {path} is not JSON ({err}); write one with 'allocator profile --out FILE'.") \
+            from None
     if not isinstance(data, dict):
         raise InvalidOption(f"profile {path} holds a JSON {type(data).__name__}, expected an object of Profile fields.")
     try:
@@ -135,7 +134,7 @@ def load_profile(path: str):
         raise InvalidOption(f"profile {path}: {err}") from None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class LoadedModel:
     """A model built on the meta device, with where it came from."""
 
@@ -323,7 +322,8 @@ def side_by_side(ours, theirs) -> str:
             value = p.peak.get(d, 0)
             return _size(value) + (f" ({value / limit:.0%})" if limit else "")
 
-        rows.append((str(d), _size(limit), _size(theirs.resident(d)), peak(theirs), _size(ours.resident(d)), peak(ours)))
+        rows.append((str(d), _size(limit), _size(theirs.resident(d)), peak(theirs),
+                     _size(ours.resident(d)), peak(ours)))
     rows.append(("est. forward", "", "", _ms(theirs.cost.seconds), "", _ms(ours.cost.seconds)))
     rows.append(("valid", "", "", "no" if theirs.violations else "yes", "", "no" if ours.violations else "yes"))
     return "\n".join(_align(rows))
@@ -481,18 +481,23 @@ def _cmd_demo(args) -> int:
     print("built on the meta device. accelerate's infer_auto_device_map against allocator's plan, per budget.")
     for title, shares in DEMO_SCENARIOS.items():
         budget = {d: int(total * f) for d, f in shares.items()}
-        ours = plan(model, budget, strategy=args.strategy)
-        theirs = _accelerate(model, budget, {})
         spec = ",".join(f"{d}={_size(b).replace(' ', '')}" for d, b in budget.items())
         print(f"\n== {title}   (--max-memory {spec})")
+        try:
+            ours = plan(model, budget, strategy=args.strategy)
+        except AllocatorError as err:
+            print(f"allocator finds no map: {_one_line(err)}")
+            continue
+        theirs = _accelerate(model, budget, {})
         if isinstance(theirs, AllocatorError):
             print(device_table(ours))
             print(f"accelerate finds no map: {_one_line(theirs)}")
             continue
         print(side_by_side(ours, theirs))
         print(compare_text(ours, theirs))
-    print(f"\nNext: allocator plan {args.model} --max-memory 0=300MiB,cpu=2GiB --compare --plot plan.png; "
-          f"allocator plan --list")
+    gpu, ram = (_size(int(f * total)).replace(" ", "") for f in (0.4, 2))
+    print(f"\nNext: allocator plan {args.model} --max-memory 0={gpu},cpu={ram} --compare --plot plan.png; "
+          f"allocator plan --list{'' if args.model == 'segformer-b0' else '; allocator demo --model segformer-b0'}")
     return 0
 
 
@@ -566,8 +571,12 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    logging.basicConfig(level=logging.ERROR, format="allocator: %(message)s")
     commands = {"plan": _cmd_plan, "demo": _cmd_demo, "profile": _cmd_profile}
+    # The report states violations itself: keep the library's warnings about them off stderr, without touching
+    # the caller's logging configuration (main also runs inside notebooks and tests).
+    library = logging.getLogger("allocator")
+    level = library.level
+    library.setLevel(logging.ERROR)
     try:
         return commands[args.command](args)
     except (AllocatorError, OSError) as err:  # every AllocatorError is a ValueError; typed and worded for users
@@ -575,3 +584,5 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("allocator: interrupted", file=sys.stderr)
         return 130
+    finally:
+        library.setLevel(level)
