@@ -18,6 +18,7 @@ strategy follows it (the builder records the groups in accelerate's order).
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 from ..errors import UnsupportedByAccelerate
@@ -70,6 +71,56 @@ class _Tree:
 
     def max_layer(self, entries) -> tuple[float, list[str]]:
         return _fold(self.layer(e) for e in entries)
+
+
+class _Queue:
+    """accelerate's list of entries to treat, stored reversed so that taking the next one is O(1)."""
+
+    def __init__(self, entries):
+        self._rev = list(reversed(entries))
+
+    def __bool__(self) -> bool:
+        return bool(self._rev)
+
+    def __contains__(self, entry) -> bool:
+        return entry in self._rev
+
+    def pop(self):
+        return self._rev.pop()
+
+    def push(self, front: list) -> None:
+        """Put ``front`` before every entry, in its order."""
+        self._rev.extend(reversed(front))
+
+    def remove(self, entry) -> None:
+        self._rev.remove(entry)
+
+    def replace(self, entry, by: list) -> None:
+        j = self._rev.index(entry)
+        self._rev[j:j + 1] = list(reversed(by))
+
+    def in_order(self) -> list:
+        return list(reversed(self._rev))
+
+    def modules(self) -> list:
+        return [e for e in self._rev if e[1] >= 0]
+
+
+class _Names:
+    """The names realising the largest layer; only emptiness and removal of a subtree matter (sorted, bisected)."""
+
+    def __init__(self, names):
+        self._sorted = sorted(names)
+
+    def __bool__(self) -> bool:
+        return bool(self._sorted)
+
+    def discard_subtree(self, name: str) -> None:
+        """Drop ``name`` and every name under it (``name.``...), in O(log n) plus what is removed."""
+        for low, high in ((name, name + "\x00"), (name + ".", name + "/")):
+            i = bisect.bisect_left(self._sorted, low)
+            j = bisect.bisect_left(self._sorted, high)
+            del self._sorted[i:j]
 
 
 def _fold(results) -> tuple[float, list[str]]:
@@ -179,14 +230,17 @@ def place(problem: Problem, **_) -> Placement:
     used = {d: 0 for d in devices}
     minimum: dict = {}
     notes: list[str] = []
-    max_layer, max_names = tree.max_layer(entries)
+    max_layer, found_names = tree.max_layer(entries)
+    max_names = _Names(found_names)
+    entries = _Queue(entries)
 
     while entries:
-        entry = entries.pop(0)
+        entry = entries.pop()
         name = entry[0]
-        max_names = [n for n in max_names if n != name and not n.startswith(name + ".")]
+        max_names.discard_subtree(name)
         if not max_names:
-            max_layer, max_names = tree.max_layer([e for e in entries if e[1] >= 0])
+            max_layer, found_names = tree.max_layer(entries.modules())
+            max_names = _Names(found_names)
         module_size = tree.size(name)
         partners = _tie_partners(name, tied_groups)
 
@@ -196,7 +250,7 @@ def place(problem: Problem, **_) -> Placement:
         if device in main_devices:
             limit = limit - max_layer
             reserved = max_layer
-        size_with_ties, tied_entries = _with_ties(tree, partners, module_size, entries)
+        size_with_ties, tied_entries = _with_ties(tree, partners, module_size, entries.in_order() if partners else ())
 
         if limit is None or used[device] + size_with_ties <= limit:
             used[device] += size_with_ties
@@ -213,9 +267,10 @@ def place(problem: Problem, **_) -> Placement:
             for tied in tied_entries:
                 if not tree.children(tied) or tree.no_split(tied):
                     continue
-                k = entries.index(tied)
-                entries = [entry] + entries[:k] + tree.split(tied) + entries[k + 1:]
-                max_layer, max_names = tree.max_layer([e for e in entries if e[1] >= 0])
+                entries.replace(tied, tree.split(tied))
+                entries.push([entry])
+                max_layer, found_names = tree.max_layer(entries.modules())
+                max_names = _Names(found_names)
                 split = True
                 break
             if split:
@@ -223,15 +278,16 @@ def place(problem: Problem, **_) -> Placement:
 
         if used[device] + module_size >= limit:
             if tree.children(entry) and not tree.no_split(entry):
-                entries = tree.split(entry) + entries
-                max_layer, max_names = tree.max_layer([e for e in entries if e[1] >= 0])
+                entries.push(tree.split(entry))
+                max_layer, found_names = tree.max_layer(entries.modules())
+                max_names = _Names(found_names)
                 continue
 
         if used[device] == 0 and opts.fallback_allocation and device != "disk":
             fallback_limit = limits[device] - max(max_layer, size_with_ties)
-            found, rest = _fallback(tree, entries, fallback_limit - used[device], tied_groups)
+            found, rest = _fallback(tree, entries.in_order(), fallback_limit - used[device], tied_groups)
             if found is not None:
-                entries = [found, entry] + rest
+                entries = _Queue([found, entry] + rest)
                 continue
 
         if used[device] == 0:
@@ -239,7 +295,7 @@ def place(problem: Problem, **_) -> Placement:
         used[device] += reserved
         notes.append(f"{device} full at {name} (reserving {reserved} for the largest layer); next device")
         current += 1
-        entries = [entry] + entries
+        entries.push([entry])
 
     if minimum:
         log.info("no module could be assigned to %s; minimum bytes that would have taken one: %s", list(minimum), minimum)
