@@ -1,0 +1,56 @@
+"""Smoke tests: every benchmark script runs end to end in a subprocess and writes its CSV and markdown.
+
+Each script runs in its smallest mode into a temporary ``--out`` folder (placement: one architecture; latency:
+``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls; gpu: ``--dry-run``,
+tiny models with the CPU as the device). The numbers are not checked, only that the files appear with rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TIMEOUT = 240  # seconds per script; each takes 10-30 s on 2 shared cores, most of it importing torch/transformers
+
+CASES = {
+    "placement": (["--models", "segformer-b0"], "placement"),
+    "latency": (["--smoke"], "latency"),
+    "planning_speed": (["--sizes", "1000", "--repeat-seconds", "0"], "planning_speed"),
+    "gpu": (["--dry-run"], "gpu"),
+}
+
+
+def _table_rows(markdown: str) -> list[str]:
+    """Body rows of the markdown tables (lines starting with '|', minus headers and separators)."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    return [line for i, line in enumerate(lines) if not line.startswith("|---")
+            and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))]
+
+
+@pytest.mark.parametrize("script", list(CASES))
+def test_benchmark_script_writes_results(script, tmp_path):
+    args, stem = CASES[script]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=BENCHMARKS.parent,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-4000:]}"
+    with open(tmp_path / f"{stem}.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert rows, f"{stem}.csv has no rows"
+    markdown = (tmp_path / f"{stem}.md").read_text()
+    assert _table_rows(markdown), f"{stem}.md has no table rows:\n{markdown}"
+    assert markdown in proc.stdout, "the script prints the markdown it writes"
+    if script == "latency":  # both methods timed side by side, and the plan's map is the one loaded
+        by = {r["method"]: r for r in rows}
+        assert {"auto", "ours"} <= set(by)
+        assert all(int(r["warm_n"]) == 3 and float(r["warm_median_ms"]) > 0 for r in by.values())
+        assert by["ours"]["matches_plan"] == "True"
