@@ -739,3 +739,15 @@ def test_unwrap_real_llama_wrapped_at_the_top_and_per_layer(process_group, wrapp
     if wrapping in ("ddp/ddp", "fsdp/fsdp"):  # and the wrapped model itself still runs, and agrees
         with torch.no_grad():
             torch.testing.assert_close(wrapped(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
+def test_llava_next_no_split_includes_the_clip_tower_layer():
+    """The case behind transformers PR #38141 / peft PR #2570: the CLIP tower declares its own layer class."""
+    import torch
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    with torch.device("meta"):
+        model = LlavaNextForConditionalGeneration(LlavaNextConfig())
+    found = no_split_classes(model)
+    assert {"CLIPEncoderLayer", "LlamaDecoderLayer"} <= found
+    assert "CLIPEncoderLayer" not in set(getattr(model.model.language_model, "_no_split_modules", None) or ())
