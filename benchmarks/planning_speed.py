@@ -33,6 +33,7 @@ import copy
 import cProfile
 import csv
 import datetime
+import gc
 import importlib.metadata
 import io
 import logging
@@ -116,6 +117,9 @@ class Timeout(Exception):
 
 
 def _child(fn, conn) -> None:
+    # The parent's objects (the model) stay out of this process's garbage collections, as long-lived objects do in
+    # a process of their own; otherwise the first full collection walks (and copies) the whole inherited heap.
+    gc.freeze()
     try:
         conn.send(("ok", fn()))
     except BaseException as err:  # report, do not die silently
