@@ -11,3 +11,12 @@ def _quiet_accelerate():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+@pytest.fixture(scope="module")
+def quiet():
+    """transformers' progress bars and accelerate's warnings silenced for a module's end-to-end loads."""
+    from models import quiet_hf
+
+    with quiet_hf():
+        yield

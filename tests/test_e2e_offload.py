@@ -13,9 +13,6 @@ each model the tests check, against the real runtime:
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import pytest
 import torch
 
@@ -25,115 +22,24 @@ accelerate_hooks = pytest.importorskip("accelerate.hooks")
 import allocator  # noqa: E402
 from allocator.runtime import tensor_devices  # noqa: E402
 from allocator.validate import check  # noqa: E402
-
-SEED = 0
-BUDGET_SHARE = 0.5
-DTYPE = torch.float32
-
-
-def _specs():
-    from transformers import (
-        LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification,
-    )
-
-    def token_inputs(gen, *, decoder=False):
-        ids = torch.randint(0, 1000, (2, 8), generator=gen)
-        if decoder:
-            return {"input_ids": ids, "decoder_input_ids": torch.randint(0, 1000, (2, 5), generator=gen)}
-        return {"input_ids": ids}
-
-    return {
-        "llama": (
-            LlamaForCausalLM,
-            LlamaConfig(
-                hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=256, vocab_size=1000, max_position_embeddings=64, tie_word_embeddings=False,
-            ),
-            lambda gen: token_inputs(gen),
-        ),
-        "t5": (
-            T5ForConditionalGeneration,
-            T5Config(
-                d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=1000,
-            ),
-            lambda gen: token_inputs(gen, decoder=True),
-        ),
-        "vit": (
-            ViTForImageClassification,
-            ViTConfig(
-                hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=32,
-                patch_size=8, num_labels=10,
-            ),
-            lambda gen: {"pixel_values": torch.randn(2, 3, 32, 32, generator=gen)},
-        ),
-    }
-
+from models import SavedModel, tiny_specs  # noqa: E402
 
 MODELS = ("llama", "t5", "vit")
 
 
-class Case:
-    """One saved model with its meta twin, budget, inputs and reference logits (fully in RAM, no device_map)."""
+class Case(SavedModel):
+    """A saved model (tests/models.py) with the planner's plan for its budget."""
 
-    def __init__(self, name, cls, config, make_inputs, root):
-        self.name, self.cls, self.config = name, cls, config
-        self.path = str(root / name)
-        torch.manual_seed(SEED)
-        cls(config).to(DTYPE).eval().save_pretrained(self.path)
-        with torch.device("meta"):
-            self.meta = cls(config)
-        self.total = allocator.build_problem(self.meta, {"cpu": 0}).graph.total
-        self.budget = int(BUDGET_SHARE * self.total)
-        self.max_memory = {"cpu": self.budget}
-        self.inputs = make_inputs(torch.Generator().manual_seed(SEED))
-        self.reference = self.logits(self.cls.from_pretrained(self.path, dtype=DTYPE))
+    def __init__(self, *args):
+        super().__init__(*args)
         self.plan = allocator.plan(self.meta, dict(self.max_memory))
-        self.problem = allocator.build_problem(self.meta, dict(self.max_memory))
-
-    def load(self, device_map, offload_folder):
-        return self.cls.from_pretrained(
-            self.path, dtype=DTYPE, device_map=device_map, max_memory=dict(self.max_memory),
-            offload_folder=str(offload_folder),
-        )
-
-    def logits(self, model):
-        model.eval()
-        with torch.no_grad():
-            return model(**self.inputs).logits
-
-    def ram_resident(self, device_map) -> int:
-        """Counted bytes ``device_map`` keeps in RAM, by the graph's tensor names alone (no planner involved)."""
-        g = self.problem.graph
-        return sum(t.counted for t, d in zip(g.tensors, tensor_devices(g, device_map)) if d == "cpu")
-
-
-@pytest.fixture(scope="module")
-def quiet():
-    """Silence transformers' progress bars and accelerate's 'parameters on the meta device' warnings; restore."""
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    loggers = [logging.getLogger(n) for n in ("accelerate", "accelerate.big_modeling", "accelerate.utils.modeling")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
-    hf_logging.set_verbosity(verbosity)
-    if bars:
-        hf_logging.enable_progress_bar()
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory, quiet):
     root = tmp_path_factory.mktemp("e2e_models")
-    return {name: Case(name, *spec, root) for name, spec in _specs().items()}
+    specs = tiny_specs()
+    return {name: Case(name, *specs[name], root) for name in MODELS}
 
 
 class StreamMeter:

@@ -11,9 +11,6 @@ errors, the plain-call form, ``_no_placement_params`` and the transformers 4 pat
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import pytest
 import torch
 
@@ -28,11 +25,10 @@ from accelerate.utils import get_max_memory as accelerate_get_max_memory  # noqa
 
 import allocator  # noqa: E402
 import allocator.hf as hf  # noqa: E402
-from allocator.runtime import device_of, tensor_devices  # noqa: E402
+from allocator.runtime import device_of  # noqa: E402
+from models import DTYPE, SEED, SavedModel, tiny_specs  # noqa: E402
 
-SEED = 0
 BUDGET_SHARE = 0.5
-DTYPE = torch.float32
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
@@ -58,98 +54,14 @@ PATCHED = tuple(
 )
 
 
-def _specs():
-    from transformers import (
-        GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, SegformerConfig, SegformerForSemanticSegmentation,
-        T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification,
-    )
-
-    def tokens(gen, *, decoder=False):
-        out = {"input_ids": torch.randint(0, 1000, (2, 8), generator=gen)}
-        if decoder:
-            out["decoder_input_ids"] = torch.randint(0, 1000, (2, 5), generator=gen)
-        return out
-
-    def pixels(gen):
-        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=gen)}
-
-    return {
-        "llama": (LlamaForCausalLM, LlamaConfig(
-            hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
-            vocab_size=1000, max_position_embeddings=64, tie_word_embeddings=False), tokens),
-        "gpt2": (GPT2LMHeadModel, GPT2Config(
-            n_embd=64, n_layer=3, n_head=4, vocab_size=1000, n_positions=64, tie_word_embeddings=True), tokens),
-        "t5": (T5ForConditionalGeneration, T5Config(
-            d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=1000),
-            lambda gen: tokens(gen, decoder=True)),
-        "vit": (ViTForImageClassification, ViTConfig(
-            hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, image_size=32,
-            patch_size=8, num_labels=10), pixels),
-        "segformer": (SegformerForSemanticSegmentation, SegformerConfig(
-            num_encoder_blocks=4, depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 64, 128], decoder_hidden_size=64,
-            num_attention_heads=[1, 2, 4, 8], num_labels=3, image_size=32), pixels),
-    }
-
-
 MODELS = ("llama", "gpt2", "t5", "vit", "segformer")
 
 
-class Case:
-    """One saved model with its meta twin, budget, inputs and reference logits (fully in RAM, no device_map)."""
-
-    def __init__(self, name, cls, config, make_inputs, root):
-        self.name, self.cls, self.config = name, cls, config
-        self.path = str(root / name)
-        torch.manual_seed(SEED)
-        cls(config).to(DTYPE).eval().save_pretrained(self.path)
-        with torch.device("meta"):
-            self.meta = cls(config)
-        self.problem = allocator.build_problem(self.meta, {"cpu": 0})
-        self.max_memory = {"cpu": int(BUDGET_SHARE * self.problem.graph.total)}
-        self.inputs = make_inputs(torch.Generator().manual_seed(SEED))
-        self.reference = self.logits(cls.from_pretrained(self.path, dtype=DTYPE))
-
-    def load(self, device_map, offload_folder):
-        return self.cls.from_pretrained(
-            self.path, dtype=DTYPE, device_map=device_map, max_memory=dict(self.max_memory),
-            offload_folder=str(offload_folder),
-        )
-
-    def logits(self, model):
-        model.eval()
-        with torch.no_grad():
-            return model(**self.inputs).logits
+class Case(SavedModel):
+    """A saved model (tests/models.py) and transformers' own map for it."""
 
     def transformers_map(self, mode="auto") -> dict:
         return tia._get_device_map(self.meta, mode, dict(self.max_memory), None)
-
-    def ram_resident(self, device_map) -> int:
-        """Counted bytes ``device_map`` keeps in RAM, from the graph's tensor names alone."""
-        g = self.problem.graph
-        return sum(t.counted for t, d in zip(g.tensors, tensor_devices(g, device_map)) if d == "cpu")
-
-
-@pytest.fixture(scope="module")
-def quiet():
-    """Silence transformers' progress bars and info logs and accelerate's warnings; restore."""
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    loggers = [logging.getLogger(n) for n in ("accelerate", "accelerate.big_modeling", "accelerate.utils.modeling")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
-    hf_logging.set_verbosity(verbosity)
-    if bars:
-        hf_logging.enable_progress_bar()
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +69,7 @@ def cases(tmp_path_factory, quiet):
     if TRANSFORMERS_MAJOR < 5:
         pytest.skip(f"the saved cases load with transformers 5's API; installed {transformers.__version__}")
     root = tmp_path_factory.mktemp("hf_patch_models")
-    return {name: Case(name, *spec, root) for name, spec in _specs().items()}
+    return {name: Case(name, *spec, root) for name, spec in tiny_specs().items()}
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,6 @@ scipy (used only by Mask2Former's training loss), timm and torchvision are not n
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import pytest
 import torch
@@ -113,27 +112,6 @@ class Case:
         with torch.no_grad():
             out = model(**self.inputs)
         return {key: out[key] for key in self.outputs}
-
-
-@pytest.fixture(scope="module")
-def quiet():
-    """Silence transformers' progress bars and 'parameters on the meta device' warnings; restore after."""
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    loggers = [logging.getLogger(n) for n in ("accelerate", "accelerate.big_modeling", "accelerate.utils.modeling")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
-    hf_logging.set_verbosity(verbosity)
-    if bars:
-        hf_logging.enable_progress_bar()
 
 
 @pytest.fixture(scope="module")
