@@ -246,8 +246,7 @@ def test_balanced_modes_plan_the_balanced_strategies_over_the_users_budgets(case
     assert given == budgets
     assert expected["balanced"] != expected["balanced_low_0"]
     balanced = tia.get_balanced_memory(meta, max_memory=dict(budgets), no_split_module_classes=meta._no_split_modules)
-    assert balanced[0] < budgets[0]  # the fudge the patch does not apply, and it would change the map
-    assert allocator.plan(meta, balanced, strategy="balanced").device_map != expected["balanced"]
+    assert balanced[0] < budgets[0]  # the fudge the patch does not apply
 
 
 # -- accelerate's load_checkpoint_and_dispatch --------------------------------------------------------------------
