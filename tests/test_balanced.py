@@ -68,6 +68,9 @@ def optimal_contiguous(sizes: list[int], n: int) -> int:
 # (layers, vocab, tied, accelerators, budget per accelerator as a share of the model): the largest leaf (the tied
 # embedding+head of 2.05 MB, or the untied embedding and head of 1.02 MB each) exceeds total / n.
 SPILLS = {"tied-2gpu": (4, 8000, True, 2, 1.4), "untied-4gpu": (6, 4000, False, 4, 1.2)}
+# Whether transformers' map is valid at all: in the 4-GPU case GPU 1 becomes the main device (GPU 0 is left empty)
+# and must hold the embeddings plus the streamed head, 2.05 MB of its 1.06 MB.
+THEIRS_VALID = {"tied-2gpu": True, "untied-4gpu": False}
 
 
 @pytest.mark.parametrize("case", list(SPILLS))
@@ -86,6 +89,9 @@ def test_transformers_balanced_spills_to_cpu_where_ours_fits_the_accelerators(ca
     balanced_memory = accelerate_utils.get_balanced_memory(model, copy.deepcopy(budget), no_split_module_classes=no_split)
     theirs_accelerate = accelerate_utils.infer_auto_device_map(model, balanced_memory, no_split_module_classes=no_split)
     assert "cpu" in theirs.values() and "cpu" in theirs_accelerate.values()
+    assert 0 not in theirs.values()  # GPU 0 left empty by the reservation of the largest layer
+    assert allocator.plan(model, budget, strategy=lambda p: allocator.Placement(dict(theirs), "transformers")).valid \
+        == THEIRS_VALID[case]
 
     ours = allocator.plan(model, budget, strategy="balanced")
     assert ours.valid, ours.violations
