@@ -39,7 +39,7 @@ is valid and not less balanced (for ``balanced_low_0``: not heavier on the main 
 
 Notes
 -----
-O(n · g · log B) for ``n`` accelerators, ``g`` groups and ``B`` the largest budget (``balanced_low_0``: O(n · g²)),
+O(n · g · (log B + log g)) for ``n`` accelerators, ``g`` groups and ``B`` the largest budget,
 plus ``reserve`` when something must be offloaded. Deterministic. Every result passes
 :func:`allocator.validate.check`; when no plan fits, :class:`allocator.InfeasiblePlacement` (from ``reserve``).
 
@@ -117,15 +117,12 @@ def _low_first(loads: Sequence[int], budgets: Sequence[int], offsets: Sequence[i
     devices, which are then balanced; ``None`` when nothing fits."""
     if len(budgets) == 1:
         return _balance(loads, budgets, offsets, first_min)
-    prefix = prefix_sums(loads)
     room = [b - o for b, o in zip(budgets[1:], offsets[1:])]
-    for k in range(first_min, len(loads) + 1):
-        if prefix[k] + offsets[0] > budgets[0]:
-            return None  # a longer first part is heavier still
-        if split(loads[k:], room, [0] * len(room)) is not None:
-            rest = _balance(loads[k:], budgets[1:], offsets[1:], 0)
-            return [k] + [k + c for c in rest]
-    return None
+    # The rest fits for every k from some k0 on (a shorter suffix of a contiguous split is one): bisect for k0.
+    k = least_feasible(lambda k: split(loads[k:], room, [0] * len(room)) is not None, first_min, len(loads))
+    if k is None or sum(loads[:k]) + offsets[0] > budgets[0]:
+        return None
+    return [k] + [k + c for c in _balance(loads[k:], budgets[1:], offsets[1:], 0)]
 
 
 def _runs(cuts: Sequence[int], count: int) -> list[range]:
