@@ -32,7 +32,8 @@ def prefix_sums(sizes: Sequence[int]) -> list[int]:
     return list(accumulate(sizes, initial=0))
 
 
-def reachable(prefix: Sequence[int], limits: Sequence[int], mins: Sequence[int] | None = None) -> list[list[int]] | None:
+def reachable(prefix: Sequence[int], limits: Sequence[int],
+              mins: Sequence[int] | None = None) -> list[list[int]] | None:
     """For each ``j``, the sorted end positions of the first ``j`` parts over all splits whose part ``i < j`` sums to
     at most ``limits[i]`` and holds at least ``mins[i]`` items, leaving enough items for the remaining parts' minimums;
     ``None`` when no split of the whole sequence exists.

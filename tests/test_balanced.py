@@ -1,5 +1,6 @@
-"""``balanced`` / ``balanced_low_0``: the spill of transformers' "balanced" reproduced and avoided, optimality on the zoo
-against an independent exact DP, ties, unequal budgets, offloading, ``low_0``, determinism, and the transformers route.
+"""``balanced`` / ``balanced_low_0``: the spill of transformers' "balanced" reproduced and avoided, optimality on the
+zoo against an independent exact DP, ties, unequal budgets, offloading, ``low_0``, determinism, and the transformers
+route.
 
 Models are built on the meta device from configs (nothing is downloaded); accelerators are planned for, not present.
 """
@@ -86,7 +87,8 @@ def test_transformers_balanced_spills_to_cpu_where_ours_fits_the_accelerators(ca
     theirs = tia._get_device_map(model, "balanced", copy.deepcopy(budget), None)
     # accelerate's functions, as transformers 4 and load_checkpoint_and_dispatch call them
     no_split = model._no_split_modules
-    balanced_memory = accelerate_utils.get_balanced_memory(model, copy.deepcopy(budget), no_split_module_classes=no_split)
+    balanced_memory = accelerate_utils.get_balanced_memory(
+        model, copy.deepcopy(budget), no_split_module_classes=no_split)
     theirs_accelerate = accelerate_utils.infer_auto_device_map(model, balanced_memory, no_split_module_classes=no_split)
     assert "cpu" in theirs.values() and "cpu" in theirs_accelerate.values()
     assert 0 not in theirs.values()  # GPU 0 left empty by the reservation of the largest layer
@@ -112,7 +114,8 @@ def test_transformers_balanced_mode_is_ours_under_the_patch():
     assert hf.MODE_TO_STRATEGY["balanced_low_0"] == "balanced_low_0"
     with hf.patch():
         # from_pretrained calls modeling_utils._get_device_map (transformers 5)
-        got = {mode: modeling_utils._get_device_map(model, mode, given, None) for mode in ("balanced", "balanced_low_0")}
+        got = {mode: modeling_utils._get_device_map(model, mode, given, None)
+               for mode in ("balanced", "balanced_low_0")}
     assert given == budget
     for mode, device_map in got.items():
         assert device_map == allocator.plan(model, budget, strategy=mode).device_map, mode
@@ -194,6 +197,13 @@ def test_unequal_budgets_minimise_the_largest_fill(widths, budgets):
         if all(sum(sizes[a:b]) <= c for a, b, c in zip((0, *cuts), (*cuts, len(sizes)), budgets))
     )
     assert best <= fill <= best + 1 / max(budgets)
+
+
+def test_optimal_splits_are_evened_out():
+    """The min-max is set by the two 2 KiB ends; the six 256 B layers between them are shared 3 | 3, not 1 | 5."""
+    model = Chain([64, 8, 8, 8, 8, 8, 8, 64])
+    plan = allocator.plan(model, {0: 10**5, 1: 10**5, 2: 10**5, 3: 10**5, "cpu": 10**6}, strategy="balanced")
+    assert plan.valid and [plan.peak[d] for d in range(4)] == [2048, 768, 768, 2048]
 
 
 def test_offloads_only_what_the_accelerators_cannot_hold_and_balances_the_rest():

@@ -23,7 +23,9 @@ minimised exactly over all contiguous splits that fit the budgets:
 Among the optimal splits, one that gives every accelerator a group is preferred, with the earliest devices as light
 as possible (cuts as early as possible, the first first): GPU 0 also holds the inputs and what ``generate()`` adds.
 When no optimal split gives every accelerator something (fewer groups than accelerators, or a budget too small for
-the group at its position), the last accelerators are left empty, and the plan's notes say so.
+the group at its position), the last accelerators are left empty, and the plan's notes say so. Then adjacent devices
+are evened out: two neighbours are re-split while that lowers the larger of their two fills, so devices that the
+largest fill does not constrain are not left uneven (the largest fill never rises).
 
 ``balanced_low_0`` keeps the first accelerator as light as possible (transformers' meaning, for ``generate()``): its
 run is the shortest prefix with which the rest of the model fits the other accelerators, which are then balanced as
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from fractions import Fraction
 
 from ..budgets import Device
 from ..partition import least_feasible, prefix_sums, reachable, split
@@ -94,25 +97,68 @@ def load(group: Group) -> int:
 
 def _balance(loads: Sequence[int], budgets: Sequence[int], offsets: Sequence[int], first_min: int) -> list[int] | None:
     """Cuts of ``loads`` over the devices minimising the largest ``(offset + part) / budget`` within the budgets, or
-    ``None``. The first part holds at least ``first_min`` items; a split giving every part an item is preferred."""
-    n, scale = len(budgets), max(budgets)
+    ``None``. The first part holds at least ``first_min`` items; a split giving every part an item is preferred; then
+    adjacent parts are evened out (:func:`_smooth`)."""
+    n = len(budgets)
+    some = [first_min] + [0] * (n - 1)
+    found = _min_max(loads, budgets, offsets, some)
+    if found is None:
+        return None
+    t, limits = found
+    cuts = split(loads, limits(t), [1] * n, late=False) if len(loads) >= n else None
+    if cuts is None:
+        cuts = split(loads, limits(t), some, late=True)
+    return _smooth(loads, budgets, offsets, cuts)
+
+
+def _min_max(loads: Sequence[int], budgets: Sequence[int], offsets: Sequence[int], mins: Sequence[int]):
+    """``(t, limits)`` for the least ``t`` such that a split with part ``j`` at most
+    ``limits(t)[j] = t · budgets[j] // max(budgets) - offsets[j]`` exists (the least largest fill, as
+    ``t / max(budgets)``), or ``None``."""
+    scale = max(budgets)
 
     def limits(t: int) -> list[int]:
         return [(t * b // scale if scale else 0) - o for b, o in zip(budgets, offsets)]
 
-    some = [first_min] + [0] * (n - 1)
     prefix = prefix_sums(loads)
-    t = least_feasible(lambda t: reachable(prefix, limits(t), some) is not None, 0, scale)
-    if t is None:
-        return None
-    if len(loads) >= n:
-        cuts = split(loads, limits(t), [1] * n, late=False)
-        if cuts is not None:
-            return cuts
-    return split(loads, limits(t), some, late=True)
+    t = least_feasible(lambda t: reachable(prefix, limits(t), mins) is not None, 0, scale)
+    return None if t is None else (t, limits)
 
 
-def _low_first(loads: Sequence[int], budgets: Sequence[int], offsets: Sequence[int], first_min: int) -> list[int] | None:
+def _smooth(loads: Sequence[int], budgets: Sequence[int], offsets: Sequence[int], cuts: list[int]) -> list[int]:
+    """Re-split adjacent parts while that lowers the larger fill of the two.
+
+    The largest fill never rises, non-empty parts stay non-empty, and each accepted step lowers the fills sorted in
+    decreasing order lexicographically, so it ends; sweeps are capped at ``4 n`` all the same. Among optimal splits
+    it evens out the ones the min-max leaves uneven (4 GPUs holding embeddings | 2 layers | 4 layers | head get
+    3 | 3 layers), which matters for what grows with the layers a device runs (KV cache, activations).
+    """
+    cuts, prefix, n = list(cuts), prefix_sums(loads), len(budgets)
+
+    def fill(j: int, a: int, b: int) -> Fraction:
+        return Fraction(prefix[b] - prefix[a] + offsets[j], budgets[j])
+
+    for _ in range(4 * n):
+        changed = False
+        for j in range(n - 1):
+            if not budgets[j] or not budgets[j + 1]:
+                continue
+            a, m, e = ([0, *cuts, len(loads)])[j:j + 3]
+            mins = [int(m > a), int(e > m)]
+            found = _min_max(loads[a:e], budgets[j:j + 2], offsets[j:j + 2], mins)
+            if found is None:
+                continue
+            t, limits = found
+            c = a + split(loads[a:e], limits(t), mins, late=False)[0]
+            if max(fill(j, a, c), fill(j + 1, c, e)) < max(fill(j, a, m), fill(j + 1, m, e)):
+                cuts[j], changed = c, True
+        if not changed:
+            break
+    return cuts
+
+
+def _low_first(loads: Sequence[int], budgets: Sequence[int], offsets: Sequence[int],
+               first_min: int) -> list[int] | None:
     """Cuts with the first part as short as possible (at least ``first_min`` items) such that the rest fits the other
     devices, which are then balanced; ``None`` when nothing fits."""
     if len(budgets) == 1:
@@ -182,7 +228,8 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     base = reserve.place(problem)  # InfeasiblePlacement when nothing fits: allocator.plan adds the minimum budget
     if not problem.budgets.accelerators:
         return _relabel(base, name, "no accelerator in the budgets: reserve's plan over cpu and disk")
-    lead = "the accelerators together cannot hold the model in a contiguous split: reserve's plan keeps the most resident"
+    lead = ("the accelerators together cannot hold the model in a contiguous split: "
+            "reserve's plan keeps the most resident")
     main = main_device(base.device_map.values())
     devices = [d for d in problem.budgets.accelerators if isinstance(d, int) and isinstance(main, int) and d >= main]
     if len(devices) < 2:
@@ -195,7 +242,8 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     splitter = _low_first if low_0 else _balance
     cuts = splitter([load(found[k]) for k in resident], budgets, [extra] + [0] * (len(devices) - 1), 1)
     if cuts is None:
-        return _relabel(base, name, f"{lead}; no contiguous split of its {len(resident)} resident groups fits: kept as is")
+        return _relabel(base, name,
+                        f"{lead}; no contiguous split of its {len(resident)} resident groups fits: kept as is")
     placed = {}
     for k, device in enumerate(where):
         placed.update(dict.fromkeys(found[k].names, device))
