@@ -18,6 +18,7 @@ from torch import nn
 import allocator
 from allocator import zoo
 from allocator.budgets import parse_budgets
+from allocator.cost import estimate
 from allocator.problem import Options, Problem
 from allocator.runtime import device_of
 from allocator.strategies import STRATEGIES
@@ -218,6 +219,18 @@ def test_offloads_only_what_the_accelerators_cannot_hold_and_balances_the_rest()
     fill = max(accelerator_peaks(ours).values())
     assert fill <= max(accelerator_peaks(base).values())
     assert any("cannot hold the model" in note for note in ours.placement.notes)
+
+
+@pytest.mark.parametrize("name", zoo.names()[::5])
+def test_zoo_offloading_cells_valid_and_never_less_resident_than_reserve(name):
+    graph = zoo_graph(name)
+    for shares in ((.3, .3), (.3, .3, .3), (.15, .15, .15, .15)):
+        problem = problem_for(graph, {**{d: int(f * graph.total) for d, f in enumerate(shares)}, "cpu": 2 * graph.total})
+        base = STRATEGIES["reserve"](problem)
+        for strategy in ("balanced", "balanced_low_0"):
+            placement = STRATEGIES[strategy](problem)
+            assert not check(problem, placement.device_map)[0], (strategy, shares)
+            assert estimate(problem, placement.device_map).resident_fast >= estimate(problem, base.device_map).resident_fast
 
 
 def test_no_accelerator_delegates_to_reserve():
