@@ -5,7 +5,7 @@ when there are none), whether the map is valid under accelerate's runtime rules 
 violations, and the planning time. Writes ``benchmarks/results/placement.csv``, ``placement.md`` and
 ``placement.png``.
 
-    python benchmarks/placement.py           # all 41 architectures x 10 budgets
+    python benchmarks/placement.py           # all 41 architectures x 13 budgets
     python benchmarks/placement.py --quick   # 8 architectures
 """
 
