@@ -234,6 +234,14 @@ def test_zoo_offloading_cells_valid_and_never_less_resident_than_reserve(name):
             assert estimate(problem, placement.device_map).resident_fast >= resident, (strategy, shares)
 
 
+def test_idle_accelerators_are_explained():
+    model = zoo.build("gemma3-4b")  # 15 % per GPU: no GPU can be main (tests/test_strategies.py), all runs from RAM
+    total = total_of(model)
+    plan = allocator.plan(model, {0: int(.15 * total), 1: int(.15 * total), "cpu": 2 * total}, strategy="balanced")
+    assert plan.valid and plan.main_device == "cpu"
+    assert any(note.startswith("accelerators [0, 1] get nothing") for note in plan.placement.notes)
+
+
 def test_no_accelerator_delegates_to_reserve():
     model = zoo.build("gpt2")
     budget = {"cpu": int(0.5 * total_of(model))}

@@ -227,13 +227,13 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     """``reserve``'s plan (the most bytes resident), its accelerator groups re-split by the balanced rule."""
     base = reserve.place(problem)  # InfeasiblePlacement when nothing fits: allocator.plan adds the minimum budget
     if not problem.budgets.accelerators:
-        return _relabel(base, name, "no accelerator in the budgets: reserve's plan over cpu and disk")
+        return _relabel(problem, base, name, "no accelerator in the budgets: reserve's plan over cpu and disk")
     lead = ("the accelerators together cannot hold the model in a contiguous split: "
             "reserve's plan keeps the most resident")
     main = main_device(base.device_map.values())
     devices = [d for d in problem.budgets.accelerators if isinstance(d, int) and isinstance(main, int) and d >= main]
     if len(devices) < 2:
-        return _relabel(base, name, f"{lead}; main device {main!r}, no other accelerator to balance with")
+        return _relabel(problem, base, name, f"{lead}; main device {main!r}, no other accelerator to balance with")
     where = [device_of(g.names[0], base.device_map) for g in found]
     resident = [k for k, d in enumerate(where) if d in devices]
     memory = check(problem, base.device_map)[1]
@@ -242,7 +242,7 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     splitter = _low_first if low_0 else _balance
     cuts = splitter([load(found[k]) for k in resident], budgets, [extra] + [0] * (len(devices) - 1), 1)
     if cuts is None:
-        return _relabel(base, name,
+        return _relabel(problem, base, name,
                         f"{lead}; no contiguous split of its {len(resident)} resident groups fits: kept as is")
     placed = {}
     for k, device in enumerate(where):
@@ -252,10 +252,34 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
             placed.update(dict.fromkeys(found[resident[i]].names, device))
     note = (f"{lead}; its {len(resident)} resident groups re-split contiguously over {devices}, main device {main!r} "
             f"charged {_fmt(extra)} for offloaded buffers and streaming")
-    balanced = _checked(problem, placed, name, [note] + _empty_notes(devices, cuts, len(resident), False))
+    balanced = _checked(problem, placed, name, [note])
     if balanced is None or not _no_worse(problem, balanced, base, main, low_0):
-        return _relabel(base, name, f"{lead}; re-splitting its resident groups is not more balanced: kept as is")
-    return balanced
+        return _relabel(problem, base, name,
+                        f"{lead}; re-splitting its resident groups is not more balanced: kept as is")
+    return Placement(device_map=balanced.device_map, strategy=name,
+                     notes=balanced.notes + _idle(problem, balanced.device_map, "no contiguous split of the resident "
+                                                  "groups that gives them one is as balanced within the budgets"))
+
+
+def _idle(problem: Problem, device_map, why_after: str) -> tuple[str, ...]:
+    """A note naming the accelerators that get nothing in a plan with offloaded groups, and why."""
+    used = set(device_map.values())
+    idle = [d for d in problem.budgets.accelerators if d not in used]
+    main = main_device(used)
+    if not idle:
+        return ()
+    if main in ("cpu", "disk"):
+        return (f"accelerators {idle} get nothing: no plan with one of them as the main device fits, or none is "
+                "estimated faster than running everything from RAM",)
+    before = [d for d in idle if isinstance(d, int) and isinstance(main, int) and d < main]
+    after = [d for d in idle if d not in before]
+    out = []
+    if before:
+        out.append(f"accelerators {before} get nothing: holding anything would make one of them the main device, "
+                   f"which keeps room for the streaming reserve; the plan with {main!r} as main keeps more resident")
+    if after:
+        out.append(f"accelerators {after} get nothing: {why_after}")
+    return tuple(out)
 
 
 def _fill(problem: Problem, device_map, device: Device | None = None) -> float:
@@ -271,8 +295,9 @@ def _no_worse(problem: Problem, new: Placement, old: Placement, main: Device, lo
     return _fill(problem, new.device_map, focus) <= _fill(problem, old.device_map, focus)
 
 
-def _relabel(base: Placement, name: str, note: str) -> Placement:
-    return Placement(device_map=base.device_map, strategy=name, notes=(note,) + base.notes, optimal=None)
+def _relabel(problem: Problem, base: Placement, name: str, note: str) -> Placement:
+    return Placement(device_map=base.device_map, strategy=name, optimal=None,
+                     notes=(note,) + base.notes + _idle(problem, base.device_map, "reserve's plan fits before them"))
 
 
 def _checked(problem: Problem, placed: dict, name: str, notes: list[str]) -> Placement | None:
