@@ -30,10 +30,8 @@ charged bytes
 from __future__ import annotations
 
 import logging
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 from numbers import Integral
 
 import torch.nn as nn
@@ -42,6 +40,7 @@ from .budgets import parse_size
 from .errors import InfeasiblePlacement, InvalidModel, InvalidOption
 from .graph import build_graph, no_split_classes
 from .introspect import find_layers, infer_blocks
+from .partition import least_feasible, split
 from .validate import _fmt
 
 __all__ = [
@@ -263,8 +262,8 @@ def contiguous_min_max(sizes: Sequence[int], n: int, *, capacities: Sequence[int
     Method: binary search on the integer bottleneck ``B`` in ``[max(max(sizes), ceil(sum / n)), sum]``. For a
     given ``B`` the positions reachable by ``j`` parts, each within ``min(B, capacities[j])``, are computed
     from those reachable by ``j - 1`` with a two-pointer sweep over the prefix sums; ``B`` is feasible iff
-    ``len(sizes)`` is reachable by ``n`` parts. This is exact where a greedy fill is not (with capacities, or
-    when a part must be left an item).
+    ``len(sizes)`` is reachable by ``n`` parts (:func:`allocator.partition.split`, shared with the ``balanced``
+    strategy). This is exact where a greedy fill is not (with capacities, or when a part must be left an item).
 
     Complexity: O(n · N · log S) time and O(n · N) memory, for ``N = len(sizes)`` and ``S = sum(sizes)``.
 
@@ -279,53 +278,21 @@ def contiguous_min_max(sizes: Sequence[int], n: int, *, capacities: Sequence[int
     if isinstance(n, bool) or not isinstance(n, Integral) or not 1 <= n <= len(sizes):
         raise InvalidOption(f"n must be an int in [1, {len(sizes)}] (one item at least per part), got {n!r}.")
     caps = _check_capacities(capacities, n)
-    prefix = list(accumulate(sizes, initial=0))
-    lo, hi = max(max(sizes), -(-prefix[-1] // n)), prefix[-1]
-    if _reachable(prefix, [_limit(hi, c) for c in caps]) is None:
-        best = _bottleneck(sizes, contiguous_min_max(sizes, n))
+    total = sum(sizes)
+    lo, hi = max(max(sizes), -(-total // n)), total
+    best = least_feasible(lambda bound: split(sizes, [_limit(bound, c) for c in caps]) is not None, lo, hi)
+    if best is None:
+        worst = _bottleneck(sizes, contiguous_min_max(sizes, n))
         raise InfeasiblePlacement(
             f"no split of the {len(sizes)} items into {n} contiguous parts fits capacities {list(capacities)}; "
-            f"every split has a part of at least {best}: raise the capacities to at least that.",
-            minimum=best,
+            f"every split has a part of at least {worst}: raise the capacities to at least that.",
+            minimum=worst,
         )
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _reachable(prefix, [_limit(mid, c) for c in caps]) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    layers = _reachable(prefix, [_limit(lo, c) for c in caps])
-    cuts, end = [], len(sizes)
-    for reached in layers[-2:0:-1]:  # the latest cut reachable with one part fewer ends each part
-        end = reached[bisect_left(reached, end) - 1]
-        cuts.append(end)
-    return cuts[::-1]
+    return split(sizes, [_limit(best, c) for c in caps])
 
 
 def _limit(bound: int, capacity: int | None) -> int:
     return bound if capacity is None else min(bound, capacity)
-
-
-def _reachable(prefix: list[int], limits: list[int]) -> list[list[int]] | None:
-    """For each ``j``, the sorted end positions of the first ``j`` parts over all splits whose part ``i < j``
-    sums to at most ``limits[i]``, keeping one item at least per remaining part; ``None`` when the last
-    part cannot end at the end."""
-    total, n = len(prefix) - 1, len(limits)
-    layers = [[0]]
-    for j, limit in enumerate(limits, 1):
-        previous, current = layers[-1], []
-        low = q = 0
-        for end in range(j, total - (n - j) + 1):
-            while prefix[end] - prefix[low] > limit:  # low: the earliest start whose part fits
-                low += 1
-            while q < len(previous) and previous[q] < low:
-                q += 1
-            if q < len(previous) and previous[q] < end:
-                current.append(end)
-        if not current:
-            return None
-        layers.append(current)
-    return layers if layers[-1][-1] == total else None
 
 
 def _bottleneck(sizes: Sequence[int], cuts: Sequence[int]) -> int:

@@ -41,14 +41,15 @@ log = logging.getLogger("allocator.hf")
 
 MODE_TO_STRATEGY: dict[str, str | None] = {
     "auto": None,
-    "balanced": "auto",
-    "balanced_low_0": "auto",
+    "balanced": "balanced",
+    "balanced_low_0": "balanced_low_0",
     "sequential": "sequential",
 }
 """String ``device_map`` modes to the strategy that plans them; ``None`` means the strategy given to :func:`patch`.
 
-``"balanced"`` and ``"balanced_low_0"`` have no strategy of their own yet: they get ``"auto"`` over the budgets
-the user gave (not transformers' balanced budgets). ``"sequential"`` is accelerate's algorithm, output for output.
+``"balanced"`` and ``"balanced_low_0"`` are the strategies of those names (:mod:`allocator.strategies.balanced`:
+an exact contiguous min-max split over the accelerators, the first one kept light for ``_low_0``) over the budgets the
+user gave, not over transformers' balanced budgets. ``"sequential"`` is accelerate's algorithm, output for output.
 """
 
 _RESERVED = frozenset({"model", "max_memory", "strategy", "hf_quantizer"})
@@ -278,12 +279,12 @@ def patch(strategy="auto", **options) -> Patch:
     -----
     What the planner is given, per mode and per caller:
 
-    - Modes map to strategies through :data:`MODE_TO_STRATEGY`. ``"balanced"`` and ``"balanced_low_0"`` have no
-      balanced strategy yet: they are planned with ``"auto"`` over the user's ``max_memory``, not over transformers'
-      / accelerate's ``get_balanced_memory`` (which caps every GPU but the last at 1/n of the model plus 1.25× the
-      largest layer); ``low_zero`` is therefore not honoured. accelerate and transformers 4 call
+    - Modes map to strategies through :data:`MODE_TO_STRATEGY`. ``"balanced"`` and ``"balanced_low_0"`` are planned
+      by the ``balanced`` and ``balanced_low_0`` strategies over the user's ``max_memory``, not over transformers' /
+      accelerate's ``get_balanced_memory`` (which caps every GPU but the last at 1/n of the model plus 1.25× the
+      largest layer, and can spill to RAM a model the GPUs hold together). accelerate and transformers 4 call
       ``get_balanced_memory(low_zero=False)`` for both ``"auto"`` and ``"balanced"``, so on those routes the two
-      cannot be told apart: both get the patch's ``strategy``.
+      cannot be told apart: both get the patch's ``strategy``; ``low_zero=True`` gets ``balanced_low_0``.
     - Budgets are the user's ``max_memory`` as the library normalises it (its ``get_max_memory``, so a budget
       transformers would reject is rejected the same way). Without ``max_memory`` the machine's free memory is
       used as the library reads it, and, as the library does for every mode but ``"sequential"``, 90% of the only

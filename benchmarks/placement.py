@@ -5,7 +5,7 @@ when there are none), whether the map is valid under accelerate's runtime rules 
 violations, and the planning time. Writes ``benchmarks/results/placement.csv``, ``placement.md`` and
 ``placement.png``.
 
-    python benchmarks/placement.py           # all 41 architectures x 10 budgets
+    python benchmarks/placement.py           # all 41 architectures x 13 budgets
     python benchmarks/placement.py --quick   # 8 architectures
 """
 
@@ -30,10 +30,11 @@ GRID = {
     "gpu15": {0: .15, "cpu": 2}, "gpu30": {0: .30, "cpu": 2}, "gpu50": {0: .50, "cpu": 2},
     "gpu60": {0: .60, "cpu": 2}, "gpu70": {0: .70, "cpu": 2}, "gpu90": {0: .90, "cpu": 2},
     "2gpu30": {0: .15, 1: .15, "cpu": 2}, "2gpu60": {0: .30, 1: .30, "cpu": 2}, "2gpu90": {0: .45, 1: .45, "cpu": 2},
+    "2gpu120": {0: .60, 1: .60, "cpu": 2}, "4gpu120": {0: .30, 1: .30, 2: .30, 3: .30, "cpu": 2},
     "ram30": {"cpu": .30}, "ram60": {"cpu": .60},
 }
 QUICK = ["llama-8b", "gpt2", "t5-base", "segformer-b0", "convnext-tiny", "swin-tiny", "gemma3-4b", "mamba-130m"]
-OURS = ["sequential", "backfill", "reserve", "ilp", "auto"]
+OURS = ["sequential", "backfill", "reserve", "ilp", "auto", "balanced"]
 OUT = Path(__file__).parent / "results"
 
 
@@ -45,6 +46,9 @@ def accelerate_map(model, budget, problem):
 
 
 def transformers_map(mode):
+    """transformers 5's own route for a string ``device_map``: ``_get_device_map`` (its ``get_balanced_memory`` with
+    ``low_zero`` for the balanced modes, then its ``infer_auto_device_map``), unpatched."""
+
     def run(model, budget, problem):
         from transformers.integrations.accelerate import _get_device_map
 
@@ -79,16 +83,19 @@ def measure(names, cells):
                 except allocator.InfeasiblePlacement as err:
                     rows.append(dict(model=name, cell=cell, method=method, share="", est_ms="", valid="infeasible",
                                      violations="", seconds=f"{time.perf_counter() - start:.4f}",
-                                     minimum_ram=err.minimum))
+                                     minimum_ram=err.minimum, largest="", offloaded=""))
                     continue
                 seconds = time.perf_counter() - start
-                violations, _ = check(problem, device_map)
+                violations, memory = check(problem, device_map)
                 cost = estimate(problem, device_map)
+                accelerators = [memory.peak[d] for d in problem.budgets.accelerators if d in memory.peak]
                 rows.append(dict(model=name, cell=cell, method=method,
                                  share=f"{cost.resident_fast / total:.4f}", est_ms=f"{cost.seconds * 1e3:.4f}",
                                  valid=not violations,
                                  violations=";".join(sorted({v.kind for v in violations})),
-                                 seconds=f"{seconds:.4f}", minimum_ram=""))
+                                 seconds=f"{seconds:.4f}", minimum_ram="",
+                                 largest=f"{max(accelerators) / total:.4f}" if accelerators else "",
+                                 offloaded=bool({"cpu", "disk"} & set(device_map.values()))))
         print(f"{name}: done", file=sys.stderr, flush=True)
     return rows
 
@@ -153,6 +160,31 @@ def summary(rows) -> str:
     return "\n".join(head + out) + tail
 
 
+def balanced_summary(rows) -> str:
+    """Multi-accelerator cells: transformers' "balanced" against ours, by spills and by the largest accelerator peak."""
+    by = {(r["model"], r["cell"], r["method"]): r for r in rows}
+    cells = [c for c in GRID if sum(1 for d in GRID[c] if d not in ("cpu", "disk")) > 1]
+    spills, ratios, n = 0, [], 0
+    for (model, cell, method), ours in by.items():
+        if method != "balanced" or cell not in cells or ours["valid"] is not True:
+            continue
+        theirs = by[model, cell, "transformers-balanced"]
+        n += 1
+        if theirs["valid"] is True and theirs["offloaded"] is True and ours["offloaded"] is False:
+            spills += 1
+        if theirs["valid"] is True and ours["offloaded"] is False and theirs["offloaded"] is False and theirs["largest"]:
+            ratios.append(float(ours["largest"]) / float(theirs["largest"]))
+    if not n:
+        return ""
+    text = (f"Multi-accelerator cells ({', '.join(cells)}; {n} with a valid `balanced` map): transformers' "
+            f'`device_map="balanced"` offloads to cpu/disk in {spills} of them where `balanced` keeps the whole model '
+            f"on the accelerators")
+    if ratios:
+        text += (f"; where both keep it all resident ({len(ratios)} cells), `balanced`'s largest accelerator peak is "
+                 f"{statistics.geometric_mean(ratios):.3f}x transformers' (geometric mean; worst {max(ratios):.3f}x)")
+    return text + "."
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -196,7 +228,7 @@ def main(argv=None) -> int:
         writer.writerows(rows)
     text = (f"# Placement benchmark\n\n`python benchmarks/placement.py{' --quick' if args.quick else ''}` — "
             f"{len(names)} architectures x {len(cells)} budgets, {time.time() - start:.0f} s.\n\n"
-            f"{summary(rows)}\n\nResident share on the fastest tier, accelerate → ours (`auto`); "
+            f"{summary(rows)}\n\n{balanced_summary(rows)}\n\nResident share on the fastest tier, accelerate → ours (`auto`); "
             f"`!` = the map breaks a runtime rule (it would run out of memory or fail); "
             f"'none fits' = no valid map exists for these budgets and `auto` says the minimum RAM.\n\n"
             f"{table(rows, cells)}\n\nEstimated milliseconds per forward (`allocator.cost.estimate`, default "

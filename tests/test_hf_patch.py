@@ -5,7 +5,7 @@ and loaded on this CPU machine with half of their size as the RAM budget (CPU ma
 the patch, ``from_pretrained(device_map="auto")`` must load the planner's map, compute exactly what the fully
 loaded model computes and keep at least as much in RAM as transformers' own map; after the patch transformers'
 maps and the patched module attributes are what they were. Then: modes (``"sequential"`` is accelerate's map,
-``"balanced"`` is ``"auto"`` over the user's budgets), accelerate's ``load_checkpoint_and_dispatch``, nesting,
+``"balanced"`` is the ``balanced`` strategy over the user's budgets), accelerate's ``load_checkpoint_and_dispatch``, nesting,
 errors, the plain-call form, ``_no_placement_params`` and the transformers 4 path.
 """
 
@@ -140,24 +140,25 @@ def test_sequential_mode_reproduces_accelerate(cases, name):
         assert case.transformers_map("sequential") == expected
 
 
-def test_balanced_modes_plan_auto_over_the_users_budgets(cases):
+def test_balanced_modes_plan_the_balanced_strategies_over_the_users_budgets(cases):
     assert hf.MODE_TO_STRATEGY == {
-        "auto": None, "balanced": "auto", "balanced_low_0": "auto", "sequential": "sequential"}
+        "auto": None, "balanced": "balanced", "balanced_low_0": "balanced_low_0", "sequential": "sequential"}
     meta = cases["llama"].meta
     total = cases["llama"].problem.graph.total
     # Two (planned, not present) GPUs: transformers' balanced budgets would cap GPU 0 near half of the model.
     budgets = {0: int(0.9 * total), 1: int(0.9 * total), "cpu": total}
-    auto = allocator.plan(meta, dict(budgets), strategy="auto").device_map
+    expected = {mode: allocator.plan(meta, dict(budgets), strategy=mode).device_map
+                for mode in ("balanced", "balanced_low_0")}
     reserve = allocator.plan(meta, dict(budgets), strategy="reserve").device_map
     given = dict(budgets)
     with hf.patch(strategy="reserve"):
         for mode in ("balanced", "balanced_low_0"):
-            assert tia._get_device_map(meta, mode, given, None) == auto, mode
+            assert tia._get_device_map(meta, mode, given, None) == expected[mode], mode
         assert tia._get_device_map(meta, "auto", given, None) == reserve
     assert given == budgets
+    assert expected["balanced"] != expected["balanced_low_0"]
     balanced = tia.get_balanced_memory(meta, max_memory=dict(budgets), no_split_module_classes=meta._no_split_modules)
-    assert balanced[0] < budgets[0]  # the fudge the patch does not apply, and it would change the map
-    assert allocator.plan(meta, balanced, strategy="auto").device_map != auto
+    assert balanced[0] < budgets[0]  # the fudge the patch does not apply
 
 
 # -- accelerate's load_checkpoint_and_dispatch --------------------------------------------------------------------
@@ -193,7 +194,8 @@ def test_accelerate_sequential_and_balanced_low_0_modes(cases):
         # "balanced_low_0": get_balanced_memory(low_zero=True) returns the user's budgets and the mode.
         got = big_modeling.get_balanced_memory(meta, max_memory=dict(budgets), low_zero=True)
         assert got == budgets
-        assert big_modeling.infer_auto_device_map(meta, got) == allocator.plan(meta, budgets).device_map
+        assert big_modeling.infer_auto_device_map(meta, got) == allocator.plan(
+            meta, budgets, strategy="balanced_low_0").device_map
         got = big_modeling.get_balanced_memory(meta, max_memory=dict(budgets))
         assert big_modeling.infer_auto_device_map(meta, got) == allocator.plan(
             meta, budgets, strategy="reserve").device_map

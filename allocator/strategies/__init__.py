@@ -7,7 +7,7 @@ from collections.abc import Callable
 from ..errors import InvalidOption
 from ..placement import Placement
 from ..problem import Problem
-from . import auto, backfill, ilp, reserve, sequential
+from . import auto, backfill, balanced, ilp, reserve, sequential
 
 __all__ = ["STRATEGIES", "resolve"]
 
@@ -19,6 +19,8 @@ STRATEGIES: dict[str, Strategy] = {
     "backfill": backfill.place,
     "reserve": reserve.place,
     "ilp": ilp.place,
+    "balanced": balanced.place,
+    "balanced_low_0": balanced.place_low_0,
 }
 """Strategy name to ``place`` function."""
 
