@@ -79,6 +79,9 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
             extra = ""
             if device == memory.main and memory.streamed:
                 extra = f", of which {_fmt(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
+            if memory.generation.get(device):
+                extra += f"{', and' if extra else ', of which'} {_fmt(memory.generation[device])} is for generate " \
+                         "(KV cache, logits, activations)"
             found.append(Violation(
                 "budget", f"device {device!r} needs {_fmt(used)} ({used} B){extra} but its budget is "
                 f"{_fmt(limit)} ({limit} B); raise it by {used - limit} B or move modules off it."

@@ -1,0 +1,421 @@
+"""Memory that ``generate`` needs beyond the weights: the KV cache, the logits, the activations.
+
+A :class:`GenerationBudget` passed to :func:`allocator.plan` (``generation=``) is turned once, by the problem
+builder, into bytes attached to the model graph (:attr:`ModelGraph.extra`, :attr:`ModelGraph.workspace`,
+:attr:`ModelGraph.main_workspace`). Strategies never see the budget: the bytes enter the units like the buffers of a
+module (they live where the module *executes*: its device when resident, the main device when offloaded), and
+:func:`allocator.runtime.peaks` — the one place per-device peaks are computed — adds them. So every strategy that
+respects the validator's peaks respects the generation budget too.
+
+What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's ``cache_utils`` and
+``GenerationMixin._sample``):
+
+KV cache
+    Per attention module that owns a cache layer (a module with an integer ``layer_idx`` and key/value projections),
+    ``batch × tokens × (k width + v width) × bytes``, where the widths are the out features of its key and value
+    projections (``num_key_value_heads × head_dim``, so GQA is exact) and ``tokens`` is:
+
+    - full attention: ``max_length - 1`` (the last generated token is never fed back);
+    - sliding window ``W`` (layer types from ``DynamicCache(config=...)``, i.e. ``config.layer_types`` /
+      ``sliding_window``): ``max(prefill, min(max_length - 1, W))`` — the layer keeps a view of the last
+      ``W - 1`` tokens of a tensor of up to ``W`` tokens, but right after the prefill it still holds the whole prompt;
+    - cross-attention (encoder-decoder models): the encoder length (``prompt_length``).
+
+    The key bytes are charged to the key projection, the value bytes to the value projection (the cache tensors are
+    their outputs, so they live on the device those modules execute on).
+Logits
+    The output head's output for the positions generate asks for (``logits_to_keep=1`` when the model supports it,
+    else the whole prefill) on the head's executing device, and on the main device the float32 next-token logits,
+    the processed scores and the sampling probabilities (``3 × batch × vocab × 4`` bytes).
+Activations
+    On every device that executes part of the model, an estimate of the largest forward's working set: the prefill
+    of ``batch × prefill tokens`` through one block (two hidden-state copies, then the larger of the attention
+    projections — query, key, value, output — and three MLP intermediates), the eager attention probabilities when
+    the model uses eager attention, and one layer's key (or value) tensor copied when the cache grows (``torch.cat``
+    allocates the new tensor before the old one is freed).
+
+Unknown architectures (no attention module with ``layer_idx`` and key/value projections, or cache layers that are
+neither full nor sliding attention, such as state-space or linear-attention layers) raise
+:class:`allocator.InvalidOption` rather than planning with a cache of unknown size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, field
+
+from .errors import InvalidOption
+
+__all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs"]
+
+log = logging.getLogger(__name__)
+
+KEY_NAMES = ("k_proj", "k", "key", "k_lin", "to_k")
+VALUE_NAMES = ("v_proj", "v", "value", "v_lin", "to_v")
+FUSED_NAMES = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv", "in_proj")
+CROSS_NAMES = ("EncDecAttention", "encoder_attn", "crossattention", "cross_attn", "cross_attention")
+SCORE_COPIES = 3  # float32 next-token logits, processed scores, sampling probabilities (GenerationMixin._sample)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationBudget:
+    """The largest ``generate`` call a plan must have room for.
+
+    Parameters
+    ----------
+    batch_size : int
+        Sequences generated together.
+    max_length : int
+        The longest sequence ``generate`` produces, prompt included (its ``max_length``: prompt length plus
+        ``max_new_tokens``). For encoder-decoder models, the decoder's length, its start token included.
+    dtype : torch.dtype or str, optional
+        The dtype of the cache and activations; by default the dtype the weights are planned in (``plan(dtype=)``,
+        else the key projection's).
+    prompt_length : int, optional
+        Keyword only. The longest prompt: the prefill length of a decoder-only model (default and at most
+        ``max_length - 1``); for encoder-decoder models the encoder's input length, which sizes the cross-attention
+        cache (default ``max_length``).
+
+    Raises
+    ------
+    InvalidOption
+        Non-integer or non-positive sizes, a prompt longer than allowed, a dtype torch does not know.
+
+    Examples
+    --------
+    >>> GenerationBudget(4, 2048, "bfloat16")
+    GenerationBudget(batch_size=4, max_length=2048, dtype=torch.bfloat16, prompt_length=None)
+    >>> GenerationBudget(0, 2048)
+    Traceback (most recent call last):
+    ...
+    allocator.errors.InvalidOption: GenerationBudget.batch_size must be a positive int, got 0; pass e.g. batch_size=1.
+    """
+
+    batch_size: int
+    max_length: int
+    dtype: object = None
+    _: KW_ONLY
+    prompt_length: int | None = None
+
+    def __post_init__(self):
+        for name, example in (("batch_size", 1), ("max_length", 2048)):
+            _positive(name, getattr(self, name), example)
+        if self.max_length < 2:
+            raise InvalidOption(f"GenerationBudget.max_length must be at least 2 (a prompt token and a generated "
+                                f"one), got {self.max_length}.")
+        if self.prompt_length is not None:
+            _positive("prompt_length", self.prompt_length, self.max_length - 1)
+        if self.dtype is not None:
+            from .graph import _as_dtype
+
+            object.__setattr__(self, "dtype", _as_dtype(self.dtype, "GenerationBudget.dtype"))
+
+
+def _positive(name: str, value, example: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidOption(f"GenerationBudget.{name} must be a positive int, got {value!r}; pass e.g. "
+                            f"{name}={example}.")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayer:
+    """One cache layer as planned: the attention module, its kind, the tokens it holds, its bytes."""
+
+    module: str
+    index: int         # its ``layer_idx``: the layer of the (self- or cross-attention) cache it fills
+    kind: str          # "full", "sliding", or "cross"
+    tokens: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationNeeds:
+    """The bytes a :class:`GenerationBudget` adds, attributed to graph nodes (built by :func:`generation_needs`)."""
+
+    budget: GenerationBudget
+    cache: Mapping[int, int]        # node -> KV bytes (keys on the key projection, values on the value projection)
+    logits: Mapping[int, int]       # output head node -> bytes of its output
+    scores: int                     # main device: float32 next-token logits, processed scores, probabilities
+    activations: int                # every executing device
+    layers: tuple[CacheLayer, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the whole KV cache."""
+        return sum(self.cache.values())
+
+    def node_bytes(self) -> dict[int, int]:
+        """Cache and logits bytes per node: what :attr:`ModelGraph.extra` holds."""
+        out = dict(self.cache)
+        for node, nbytes in self.logits.items():
+            out[node] = out.get(node, 0) + nbytes
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- builder
+
+def _child(module, names):
+    for name in names:
+        child = getattr(module, name, None)
+        if child is not None and hasattr(child, "weight") and getattr(child.weight, "ndim", 0) == 2:
+            return name, child
+    return None, None
+
+
+def _out_features(linear) -> int:
+    out = getattr(linear, "out_features", None)
+    return int(out) if isinstance(out, int) else int(linear.weight.shape[0])
+
+
+def _in_features(linear) -> int:
+    inp = getattr(linear, "in_features", None)
+    return int(inp) if isinstance(inp, int) else int(linear.weight.shape[1])
+
+
+def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
+    import torch
+
+    from .graph import _as_dtype, dtype_bytes
+
+    if budget.dtype is not None:
+        return dtype_bytes(budget.dtype)[0]
+    own = weight.dtype if weight.is_floating_point() else _as_dtype(getattr(config, "dtype", None) or torch.float32,
+                                                                     "config.dtype")
+    if plan_dtype is not None:
+        return min(dtype_bytes(_as_dtype(plan_dtype, "dtype"))[0], dtype_bytes(own)[0])
+    return dtype_bytes(own)[0]
+
+
+def _is_cross(name: str, module) -> bool:
+    if getattr(module, "is_cross_attention", None) is True:
+        return True
+    if name.rpartition(".")[2] in CROSS_NAMES:
+        return True
+    return getattr(module, "is_causal", True) is False
+
+
+def _cache_layer_kinds(config, count: int) -> list[tuple[str, int | None]]:
+    """``(kind, window)`` per self-attention layer, as ``DynamicCache(config=...)`` builds them."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception as err:  # a config DynamicCache cannot read: every layer is then a full DynamicLayer
+        log.info("DynamicCache(config=...) failed for %s (%s); treating every layer as full attention",
+                 type(config).__name__, err)
+        return [("full", None)] * count
+    kinds = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            kinds.append(("sliding", int(layer.sliding_window)))
+        elif type(layer) is DynamicLayer:
+            kinds.append(("full", None))
+        else:
+            raise InvalidOption(
+                f"cache layer {i} of {type(config).__name__} is a {type(layer).__name__}, whose memory allocator does "
+                "not model (only full and sliding-window attention); plan without generation= and keep headroom.")
+    return kinds + [("full", None)] * (count - len(kinds))
+
+
+def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> GenerationNeeds:
+    """The bytes ``budget`` adds for ``model``, attributed to the nodes of ``graph`` (see the module notes).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A generative transformers model (meta device is fine). Never modified.
+    graph : ModelGraph
+        Its graph, as :func:`allocator.graph.build_graph` made it.
+    budget : GenerationBudget
+    dtype : torch.dtype, optional
+        The dtype the plan loads the weights in (``plan(dtype=)``).
+
+    Raises
+    ------
+    InvalidOption
+        When ``budget`` is not a :class:`GenerationBudget`, or the model has no attention module with a
+        ``layer_idx`` and key/value projections, or its cache has layers allocator does not model.
+
+    Notes
+    -----
+    O(number of modules).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from allocator.graph import build_graph
+    >>> with torch.device("meta"):
+    ...     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                              num_key_value_heads=2, intermediate_size=128, vocab_size=100))
+    >>> needs = generation_needs(model, build_graph(model), GenerationBudget(2, 16))
+    >>> needs.cache_bytes  # 2 layers x (K + V) x batch 2 x 15 tokens x 2 kv heads x 16 dims x 4 bytes
+    15360
+    """
+    if not isinstance(budget, GenerationBudget):
+        raise InvalidOption(f"generation must be an allocator.GenerationBudget, got {type(budget).__name__}; pass "
+                            "generation=allocator.GenerationBudget(batch_size, max_length).")
+    config = getattr(model, "config", None)
+    if config is None:
+        raise InvalidOption(f"{type(model).__name__} has no transformers config: a generation budget needs a "
+                            "transformers model (PreTrainedModel) to size its cache.")
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    L = budget.max_length
+    if encoder_decoder:
+        encoder_tokens = budget.prompt_length or L
+        prefill = 1  # the decoder starts from its start token
+    else:
+        if budget.prompt_length is not None and budget.prompt_length > L - 1:
+            raise InvalidOption(f"GenerationBudget.prompt_length {budget.prompt_length} leaves no token to generate "
+                                f"within max_length {L}; use prompt_length <= {L - 1}.")
+        encoder_tokens = 0
+        prefill = budget.prompt_length or L - 1
+    encoder = model.get_encoder() if encoder_decoder and hasattr(model, "get_encoder") else None
+    encoder_prefix = None
+    names = {}
+    for name, module in model.named_modules():
+        names.setdefault(id(module), name)
+        if encoder is not None and module is encoder and encoder_prefix is None:
+            encoder_prefix = name
+
+    self_layers, cross_layers = [], []
+    for name, module in model.named_modules():
+        if names[id(module)] != name or not isinstance(getattr(module, "layer_idx", None), int):
+            continue
+        if encoder_prefix is not None and (name == encoder_prefix or name.startswith(encoder_prefix + ".")):
+            continue  # the encoder runs once and caches nothing
+        k_name, k = _child(module, KEY_NAMES)
+        v_name, v = _child(module, VALUE_NAMES)
+        if k is None or v is None:
+            fused_name, fused = _child(module, FUSED_NAMES)
+            if fused is None:
+                continue  # a block that carries layer_idx; its attention module is found on its own
+            width = _kv_width_from_config(config, name)
+            k_name = v_name = fused_name
+            k = v = fused
+            widths = (width, width)
+        else:
+            widths = (_out_features(k), _out_features(v))
+        cross = encoder_decoder and _is_cross(name, module)
+        if not cross and not encoder_decoder and getattr(module, "is_causal", True) is False:
+            continue  # a bidirectional encoder inside a decoder-only model (e.g. a vision tower)
+        entry = (name, module.layer_idx, (f"{name}.{k_name}", f"{name}.{v_name}"), widths, k)
+        (cross_layers if cross else self_layers).append(entry)
+    if not self_layers:
+        raise InvalidOption(
+            f"{type(model).__name__} has no attention module with a layer_idx and key/value projections, so the size "
+            "of its generation cache is unknown to allocator; plan without generation= and keep headroom on the "
+            "devices instead.")
+
+    ebytes = _element_bytes(budget, dtype, self_layers[0][4].weight, config)
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = _cache_layer_kinds(config, max(i for _, i, _, _, _ in self_layers) + 1)
+    B = budget.batch_size
+    cache: dict[int, int] = {}
+    layers: list[CacheLayer] = []
+    largest_tensor = 0
+    for kind_of, entries in (("self", self_layers), ("cross", cross_layers)):
+        for name, idx, (k_path, v_path), (kw, vw), _ in entries:
+            if kind_of == "cross":
+                kind, tokens = "cross", encoder_tokens
+            else:
+                kind, window = kinds[idx]
+                tokens = L - 1 if kind == "full" else max(prefill, min(L - 1, window))
+            k_bytes, v_bytes = B * tokens * kw * ebytes, B * tokens * vw * ebytes
+            for path, nbytes in ((k_path, k_bytes), (v_path, v_bytes)):
+                node = _leaf_with_tensors(graph, graph.node_index[path])
+                cache[node] = cache.get(node, 0) + nbytes
+            layers.append(CacheLayer(name, idx, kind, tokens, k_bytes + v_bytes))
+            largest_tensor = max(largest_tensor, k_bytes, v_bytes)
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    logits: dict[int, int] = {}
+    scores = 0
+    vocab = int(getattr(text_config, "vocab_size", 0) or 0)
+    if head is not None and hasattr(head, "weight"):
+        vocab = _out_features(head)
+        keep = 1 if encoder_decoder or "logits_to_keep" in inspect.signature(model.forward).parameters else prefill
+        head_node = _leaf_with_tensors(graph, graph.node_index[names[id(head)]])
+        logits[head_node] = B * keep * vocab * ebytes
+        scores = SCORE_COPIES * B * vocab * 4
+    activations = _activations(model, config, text_config, self_layers, B * max(prefill, encoder_tokens),
+                               max(prefill, encoder_tokens), ebytes) + largest_tensor
+    notes = (f"generation: batch {B}, max_length {L}, prefill {prefill}"
+             + (f", encoder {encoder_tokens}" if encoder_decoder else "") + f", {ebytes} bytes per element",)
+    return GenerationNeeds(budget=budget, cache=cache, logits=logits, scores=scores, activations=activations,
+                           layers=tuple(layers), notes=notes)
+
+
+def _kv_width_from_config(config, name: str) -> int:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if not kv or not head_dim:
+        raise InvalidOption(f"{name} projects keys and values together and its config does not say their width "
+                            "(num_key_value_heads, head_dim); plan without generation= and keep headroom.")
+    return int(kv * head_dim)
+
+
+def _leaf_with_tensors(graph, node: int) -> int:
+    """``node`` itself when it is a leaf, else its first descendant leaf with tensors (extras stay on one unit)."""
+    while graph.nodes[node].children and not (graph.nodes[node].params or graph.nodes[node].buffers):
+        node = graph.nodes[node].children[0]
+    return node
+
+
+def _activations(model, config, text_config, self_layers, tokens: int, length: int, ebytes: int) -> int:
+    """Working set of the largest block forward of ``tokens`` tokens (see the module notes)."""
+    import torch
+
+    _, _, _, (kw, vw), k = self_layers[0]
+    hidden = _in_features(k)
+    attention = self_layers[0]
+    module = model.get_submodule(attention[0])
+    _, q = _child(module, ("q_proj", "q", "query", "q_lin", "to_q"))
+    q_width = _out_features(q) if q is not None else hidden
+    vocab = getattr(text_config, "vocab_size", None)
+    intermediate = 0
+    for sub in model.modules():
+        if isinstance(sub, torch.nn.Linear) and sub.out_features != vocab:
+            intermediate = max(intermediate, sub.out_features)
+    for key in ("intermediate_size", "d_ff", "decoder_ffn_dim", "ffn_dim"):
+        value = getattr(text_config, key, None)
+        if isinstance(value, int):
+            intermediate = max(intermediate, value)
+    per_token = 2 * hidden + max(q_width + kw + vw + hidden, 3 * intermediate)
+    total = tokens * per_token * ebytes
+    if getattr(config, "_attn_implementation", None) == "eager":
+        heads = getattr(text_config, "num_attention_heads", None) or max(1, q_width // 64)
+        total += tokens * heads * length * (ebytes + 4)  # scores, and their float32 softmax
+    return total
+
+
+def breakdown(needs: GenerationNeeds | None, graph, device_map: Mapping, memory) -> dict:
+    """Per device of ``memory.peak`` (from :func:`allocator.validate.check`): ``weights``, ``cache``, ``logits`` and
+    ``activations`` bytes, summing to the peak (``weights`` includes buffers and the streaming reserve)."""
+    from .runtime import executes_on, extra_by_device, offloaded_devices, tensor_devices
+
+    devices = tensor_devices(graph, device_map)
+    used = set(device_map.values())
+    hooks = len(used) > 1 or "disk" in used
+    offloaded = offloaded_devices(memory.main) if hooks else frozenset()
+    out = {}
+    cache = logits = {}
+    if needs is not None:
+        cache = extra_by_device(graph, devices, needs.cache, memory.main, offloaded, hooks)
+        logits = extra_by_device(graph, devices, needs.logits, memory.main, offloaded, hooks)
+    executing = {executes_on(d, memory.main, offloaded, hooks) for d in used} | {memory.main}
+    for device, peak in memory.peak.items():
+        parts = {"cache": cache.get(device, 0), "logits": logits.get(device, 0), "activations": 0}
+        if needs is not None and device in executing and device != "disk":
+            parts["activations"] = graph.workspace
+            if device == memory.main:
+                parts["logits"] += graph.main_workspace
+        parts = {"weights": peak - sum(parts.values()), **parts}
+        out[device] = parts
+    return out
