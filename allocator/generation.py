@@ -387,11 +387,17 @@ def _activations(model, config, text_config, self_layers, tokens: int, length: i
         value = getattr(text_config, key, None)
         if isinstance(value, int):
             intermediate = max(intermediate, value)
-    per_token = 2 * hidden + max(q_width + kw + vw + hidden, 3 * intermediate)
+    # Hidden-state copies alive in a block: its input (still held by the caller), the embeddings (held by the model
+    # while the first block runs), the residual and the normalised input; then the larger of the attention
+    # projections (query and key twice: before and after rotary embeddings) and the MLP's three intermediates.
+    per_token = 4 * hidden + max(2 * q_width + 2 * kw + vw + hidden, 3 * intermediate)
     total = tokens * per_token * ebytes
-    if getattr(config, "_attn_implementation", None) == "eager":
-        heads = getattr(text_config, "num_attention_heads", None) or max(1, q_width // 64)
-        total += tokens * heads * length * (ebytes + 4)  # scores, and their float32 softmax
+    heads = getattr(text_config, "num_attention_heads", None) or max(1, q_width // 64)
+    if getattr(config, "_attn_implementation", None) == "eager" or any(
+            hasattr(m, "relative_attention_bias") for m in model.modules()):
+        total += tokens * heads * length * (ebytes + 4)  # materialised scores, and their float32 softmax
+    else:
+        total += tokens * length  # the boolean 4-D attention mask
     return total
 
 
