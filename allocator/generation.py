@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 KEY_NAMES = ("k_proj", "k", "key", "k_lin", "to_k")
 VALUE_NAMES = ("v_proj", "v", "value", "v_lin", "to_v")
-FUSED_NAMES = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv", "in_proj")
+FUSED_NAMES = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv")
 CROSS_NAMES = ("EncDecAttention", "encoder_attn", "crossattention", "cross_attn", "cross_attention")
 SCORE_COPIES = 3  # float32 next-token logits, processed scores, sampling probabilities (GenerationMixin._sample)
 
@@ -262,6 +262,9 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
     if config is None:
         raise InvalidOption(f"{type(model).__name__} has no transformers config: a generation budget needs a "
                             "transformers model (PreTrainedModel) to size its cache.")
+    if callable(getattr(model, "can_generate", None)) and not model.can_generate():
+        raise InvalidOption(f"{type(model).__name__} cannot generate (transformers' can_generate() is False); plan "
+                            "without generation=, or load its generative variant (e.g. ...ForCausalLM).")
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     L = budget.max_length
     if encoder_decoder:
@@ -274,34 +277,37 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
         encoder_tokens = 0
         prefill = budget.prompt_length or L - 1
     encoder = model.get_encoder() if encoder_decoder and hasattr(model, "get_encoder") else None
-    encoder_prefix = None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    encoder_prefix = decoder_prefix = None
     names = {}
     for name, module in model.named_modules():
         names.setdefault(id(module), name)
         if encoder is not None and module is encoder and encoder_prefix is None:
             encoder_prefix = name
+        if decoder is not None and module is decoder and decoder_prefix is None:
+            decoder_prefix = name
 
     self_layers, cross_layers = [], []
     for name, module in model.named_modules():
         if names[id(module)] != name or not isinstance(getattr(module, "layer_idx", None), int):
             continue
-        if encoder_prefix is not None and (name == encoder_prefix or name.startswith(encoder_prefix + ".")):
+        if encoder_prefix is not None and _under(name, encoder_prefix):
             continue  # the encoder runs once and caches nothing
+        if decoder_prefix is not None and not _under(name, decoder_prefix):
+            continue  # e.g. a vision tower beside the language model
         k_name, k = _child(module, KEY_NAMES)
         v_name, v = _child(module, VALUE_NAMES)
         if k is None or v is None:
             fused_name, fused = _child(module, FUSED_NAMES)
-            if fused is None:
-                continue  # a block that carries layer_idx; its attention module is found on its own
-            width = _kv_width_from_config(config, name)
+            width = _fused_kv_width(module, config) if fused is not None else None
+            if width is None:
+                continue  # a block that carries layer_idx (its attention is found on its own), or no attention
             k_name = v_name = fused_name
             k = v = fused
             widths = (width, width)
         else:
             widths = (_out_features(k), _out_features(v))
         cross = encoder_decoder and _is_cross(name, module)
-        if not cross and not encoder_decoder and getattr(module, "is_causal", True) is False:
-            continue  # a bidirectional encoder inside a decoder-only model (e.g. a vision tower)
         entry = (name, module.layer_idx, (f"{name}.{k_name}", f"{name}.{v_name}"), widths, k)
         (cross_layers if cross else self_layers).append(entry)
     if not self_layers:
@@ -349,16 +355,26 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
                            layers=tuple(layers), notes=notes)
 
 
-def _kv_width_from_config(config, name: str) -> int:
+def _under(name: str, prefix: str) -> bool:
+    return not prefix or name == prefix or name.startswith(prefix + ".")
+
+
+def _first_int(*values):
+    return next((int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+
+
+def _fused_kv_width(module, config) -> int | None:
+    """Key (= value) width of an attention module whose projections are fused: key/value heads × head dim, from the
+    module's own attributes first (Falcon's ``num_kv_heads``), then its config; ``None`` when neither says."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
+    heads = _first_int(getattr(module, "num_heads", None), getattr(text, "num_attention_heads", None))
+    kv = _first_int(getattr(module, "num_key_value_heads", None), getattr(module, "num_kv_heads", None),
+                    getattr(text, "num_key_value_heads", None), getattr(text, "num_kv_heads", None),
+                    1 if getattr(text, "multi_query", False) is True else None, heads)
     hidden = getattr(text, "hidden_size", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
-    if not kv or not head_dim:
-        raise InvalidOption(f"{name} projects keys and values together and its config does not say their width "
-                            "(num_key_value_heads, head_dim); plan without generation= and keep headroom.")
-    return int(kv * head_dim)
+    head_dim = _first_int(getattr(module, "head_dim", None), getattr(text, "head_dim", None),
+                          hidden // heads if isinstance(hidden, int) and heads else None)
+    return kv * head_dim if kv and head_dim else None
 
 
 def _leaf_with_tensors(graph, node: int) -> int:

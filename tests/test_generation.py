@@ -105,6 +105,28 @@ def test_llama_cache_bytes_equal_dynamic_cache(models):
     assert sum(predicted.values()) == 4 * 2 * 2 * (PROMPT + NEW - 1) * 2 * 16 * 4 == 24576
 
 
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=64))
+
+
+def _falcon():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          multi_query=True, new_decoder_architecture=False, vocab_size=1000))
+
+
+@pytest.mark.parametrize("make", [_gpt2, _falcon], ids=["gpt2", "falcon-multi-query"])
+def test_fused_projection_cache_bytes_equal_dynamic_cache(make):
+    """Keys and values from one fused projection: the width comes from the module's heads (Falcon: one kv head)."""
+    torch.manual_seed(0)
+    model = make().eval()
+    measured = _measured_layers(_generate(model, NEW).past_key_values)
+    assert _predicted_layers(model, GenerationBudget(BATCH, PROMPT + NEW)) == measured
+
+
 def test_t5_self_and_cross_cache_bytes_equal_encoder_decoder_cache(models):
     model = models["t5"]
     out = _generate(model, NEW)
@@ -261,7 +283,16 @@ def test_generation_errors_say_the_fix(meta_llama):
         allocator.plan(meta_llama, {"cpu": 10**9}, generation=(1, 10))
     with pytest.raises(InvalidOption, match="transformers config"):
         allocator.plan(torch.nn.Linear(4, 4), {"cpu": 10**9}, generation=GenerationBudget(1, 10))
-    from transformers import ViTConfig, ViTModel
+    from transformers import BertConfig, BertForMaskedLM, MambaConfig, MambaForCausalLM, ViTConfig, ViTModel
+
+    with torch.device("meta"):
+        bert = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=64, vocab_size=100))
+        mamba = MambaForCausalLM(MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=100))
+    with pytest.raises(InvalidOption, match="cannot generate"):
+        allocator.plan(bert, {"cpu": 10**9}, generation=GenerationBudget(1, 10))
+    with pytest.raises(InvalidOption, match="no attention module with a layer_idx"):  # a state-space cache
+        allocator.plan(mamba, {"cpu": 10**9}, generation=GenerationBudget(1, 10))
 
     with torch.device("meta"):
         vit = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
