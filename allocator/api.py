@@ -147,6 +147,7 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
             return InfeasiblePlacement(
                 f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, and strategy "
                 f"{strategy!r} finds none even with {_fmt(ceiling)} of RAM; try strategy='auto'.")
+    generation = ", and what generate needs on the devices that run the model" if problem.generation else ""
     while high - low > max(1, high // 100):
         middle = (low + high) // 2
         if _feasible(_with_ram(problem, middle), strategy):
@@ -156,7 +157,7 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     return InfeasiblePlacement(
         f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: the smallest RAM budget "
         f"that works with the other budgets unchanged is {_fmt(high)} ({high} B) on 'cpu' (buffers of offloaded "
-        f"modules plus the weights streamed at once must fit there); raise max_memory['cpu'] to at least that, or "
+        f"modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to at least that, or "
         f"give accelerators more room.",
         device="cpu", minimum=high,
     )

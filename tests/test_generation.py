@@ -311,3 +311,27 @@ def test_inputs_are_not_modified(models):
     assert model.config.to_dict() == config
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_cli_generation_flag(capsys):
+    from allocator import cli
+
+    code = cli.main(["plan", "llama-3.2-1b", "--max-memory", "0=3GiB,cpu=30GiB", "--dtype", "bfloat16",
+                     "--generation", "8,4096", "--explain"])
+    out = capsys.readouterr().out
+    assert code == 0 and "+ cache 1023.75 MiB" in out  # 16 layers x 2 x 8 x 4095 tokens x 512 x 2 bytes
+    assert cli.main(["plan", "llama-3.2-1b", "--generation", "8"]) != 0
+    assert "--generation takes BATCH,MAX_LENGTH" in capsys.readouterr().err
+
+
+def test_minimum_ram_error_counts_generation(meta_llama):
+    with pytest.raises(allocator.InfeasiblePlacement, match="what generate needs") as err:
+        allocator.plan(meta_llama, {"cpu": 2_000_000}, generation=BUDGET)
+    minimum = err.value.minimum
+    with pytest.raises(allocator.InfeasiblePlacement) as plain:
+        allocator.plan(meta_llama, {"cpu": 100_000})
+    needs = allocator.build_problem(meta_llama, {"cpu": 1}, generation=BUDGET).generation
+    assert minimum > plain.value.minimum + needs.cache_bytes + needs.activations
+    assert allocator.plan(meta_llama, {"cpu": minimum}, generation=BUDGET).valid
+    with pytest.raises(allocator.InfeasiblePlacement):
+        allocator.plan(meta_llama, {"cpu": int(minimum * 0.98)}, generation=BUDGET)
