@@ -335,3 +335,25 @@ def test_minimum_ram_error_counts_generation(meta_llama):
     assert allocator.plan(meta_llama, {"cpu": minimum}, generation=BUDGET).valid
     with pytest.raises(allocator.InfeasiblePlacement):
         allocator.plan(meta_llama, {"cpu": int(minimum * 0.98)}, generation=BUDGET)
+
+
+def test_patched_from_pretrained_plans_with_generation_and_generates(tmp_path):
+    """``allocator.patch(generation=...)``: transformers' ``device_map="auto"`` gets the plan made with the generation
+    budget; the dispatched model (layers streamed from disk) generates, and fills the cache that was predicted."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    _llama().save_pretrained(tmp_path / "model")
+    with torch.device("meta"):
+        meta = _llama()
+    budget = GenerationBudget(BATCH, PROMPT + NEW)
+    max_memory = {"cpu": 1_600_000}  # the weights (1,497,408 B) fit, not with what generate needs too
+    expected = allocator.plan(meta, dict(max_memory), generation=budget)
+    assert expected.valid and "disk" in expected.device_map.values()
+    with allocator.patch(generation=budget):
+        model = LlamaForCausalLM.from_pretrained(tmp_path / "model", device_map="auto", max_memory=dict(max_memory),
+                                                 offload_folder=str(tmp_path / "offload"))
+    assert model.hf_device_map == expected.device_map
+    cache = _generate(model, NEW).past_key_values
+    assert sum(_measured_layers(cache).values()) == expected.problem.generation.cache_bytes
+    assert sum(p["cache"] for p in expected.parts.values()) == expected.problem.generation.cache_bytes
