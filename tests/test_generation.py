@@ -357,3 +357,10 @@ def test_patched_from_pretrained_plans_with_generation_and_generates(tmp_path):
     cache = _generate(model, NEW).past_key_values
     assert sum(_measured_layers(cache).values()) == expected.problem.generation.cache_bytes
     assert sum(p["cache"] for p in expected.parts.values()) == expected.problem.generation.cache_bytes
+
+
+def test_validate_counts_generation(meta_llama):
+    budgets = {0: 2_000_000, "cpu": 10**8}  # the weights (1,497,408 B) fit on GPU 0, not with generate's needs
+    assert allocator.validate(meta_llama, {"": 0}, budgets) == []
+    found = allocator.validate(meta_llama, {"": 0}, budgets, generation=BUDGET)
+    assert [v.kind for v in found] == ["budget"] and "is for generate" in found[0].message
