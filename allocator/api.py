@@ -96,6 +96,8 @@ class Plan:
                                                         ("weights", "cache", "logits", "activations")))
         if self.streamed:
             lines.append(f"  streaming reserve on {self.main_device!r}: {_fmt(self.streamed)}")
+        if self.problem.generation is not None:
+            lines.append(f"  {self.problem.generation.summary()}")
         lines += [f"  violation {v}" for v in self.violations]
         lines += [f"  - {note}" for note in self.placement.notes[:200]]
         if len(self.placement.notes) > 200:

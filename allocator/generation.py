@@ -11,9 +11,11 @@ What is counted, for transformers' default ``DynamicCache`` (checked against tra
 ``GenerationMixin._sample``):
 
 KV cache
-    Per attention module that owns a cache layer (a module with an integer ``layer_idx`` and key/value projections),
-    ``batch × tokens × (k width + v width) × bytes``, where the widths are the out features of its key and value
-    projections (``num_key_value_heads × head_dim``, so GQA is exact) and ``tokens`` is:
+    Per attention module that owns a cache layer (a module with an integer ``layer_idx`` and key/value projections,
+    under the model's ``get_decoder()``), ``batch × tokens × (k width + v width) × bytes``, where the widths are the
+    out features of its key and value projections (``num_key_value_heads × head_dim``, so GQA is exact; for fused
+    projections such as GPT-2's ``c_attn`` or Falcon's ``query_key_value``, the module's or config's key/value heads
+    × head dim) and ``tokens`` is:
 
     - full attention: ``max_length - 1`` (the last generated token is never fed back);
     - sliding window ``W`` (layer types from ``DynamicCache(config=...)``, i.e. ``config.layer_types`` /
@@ -22,17 +24,24 @@ KV cache
     - cross-attention (encoder-decoder models): the encoder length (``prompt_length``).
 
     The key bytes are charged to the key projection, the value bytes to the value projection (the cache tensors are
-    their outputs, so they live on the device those modules execute on).
+    their outputs, so they live on the device those modules execute on). Each layer is counted at its own largest,
+    so with sliding and full layers mixed and a prompt longer than the window the sum is an upper bound.
+    Other caches (``cache_implementation="static"``, quantized or offloaded caches) are not modelled.
 Logits
     The output head's output for the positions generate asks for (``logits_to_keep=1`` when the model supports it,
     else the whole prefill) on the head's executing device, and on the main device the float32 next-token logits,
     the processed scores and the sampling probabilities (``3 × batch × vocab × 4`` bytes).
 Activations
     On every device that executes part of the model, an estimate of the largest forward's working set: the prefill
-    of ``batch × prefill tokens`` through one block (two hidden-state copies, then the larger of the attention
-    projections — query, key, value, output — and three MLP intermediates), the eager attention probabilities when
-    the model uses eager attention, and one layer's key (or value) tensor copied when the cache grows (``torch.cat``
-    allocates the new tensor before the old one is freed).
+    of ``batch × tokens`` (the prompt, or the encoder input of an encoder-decoder model) through one block — four
+    hidden-state copies (the block's input, held by its caller; the embeddings, held while the first block runs; the
+    residual; the normalised input), then the larger of the attention projections (query and key twice, before and
+    after rotary embeddings; value; output) and the MLP's three intermediates — plus the attention scores and their
+    float32 softmax when they are materialised (eager attention, T5-style position bias) or else the boolean 4-D
+    mask, plus one layer's key (or value) tensor copied when the cache grows (``torch.cat`` allocates the new tensor
+    before the old one is freed). Measured on CPU against every allocation ``generate`` makes (torch profiler,
+    ``tests/test_generation.py``): llama 0.84-0.96 of the prediction; T5 about half (its position bias is counted
+    as float32 scores).
 
 Unknown architectures (no attention module with ``layer_idx`` and key/value projections, or cache layers that are
 neither full nor sliding attention, such as state-space or linear-attention layers) raise
@@ -147,6 +156,18 @@ class GenerationNeeds:
         """Bytes of the whole KV cache."""
         return sum(self.cache.values())
 
+    def summary(self) -> str:
+        """One line: the budget, the cache by kind of layer, logits, scores and activations."""
+        kinds: dict[str, list[int]] = {}
+        for layer in self.layers:
+            kinds.setdefault(layer.kind, []).append(layer.nbytes)
+        from .validate import _fmt
+
+        cache = ", ".join(f"{len(v)} {k} layers {_fmt(sum(v))}" for k, v in kinds.items())
+        return (f"{self.notes[0] if self.notes else 'generate'}: KV cache {_fmt(self.cache_bytes)} ({cache}), logits "
+                f"{_fmt(sum(self.logits.values()))} where the head runs, scores {_fmt(self.scores)} on the main "
+                f"device, activations {_fmt(self.activations)} on every device that runs the model")
+
     def node_bytes(self) -> dict[int, int]:
         """Cache and logits bytes per node: what :attr:`ModelGraph.extra` holds."""
         out = dict(self.cache)
@@ -255,6 +276,47 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
     >>> needs.cache_bytes  # 2 layers x (K + V) x batch 2 x 15 tokens x 2 kv heads x 16 dims x 4 bytes
     15360
     """
+    config = _generative_config(model, budget)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    prefill, encoder_tokens = _lengths(budget, encoder_decoder)
+    names: dict[int, str] = {}
+    for name, module in model.named_modules():
+        names.setdefault(id(module), name)
+    attentions = _attention_modules(model, config, encoder_decoder, names)
+    self_layers = [a for a in attentions if not a.cross]
+    if not self_layers:
+        raise InvalidOption(
+            f"{type(model).__name__} has no attention module with a layer_idx and key/value projections, so the size "
+            "of its generation cache is unknown to allocator; plan without generation= and keep headroom on the "
+            "devices instead.")
+    ebytes = _element_bytes(budget, dtype, self_layers[0].key_module.weight, config)
+    kinds = _cache_layer_kinds(config, max(a.index for a in self_layers) + 1)
+    B, L = budget.batch_size, budget.max_length
+    cache: dict[int, int] = {}
+    layers: list[CacheLayer] = []
+    for a in attentions:
+        if a.cross:
+            kind, tokens = "cross", encoder_tokens
+        else:
+            kind, window = kinds[a.index]
+            tokens = L - 1 if kind == "full" else max(prefill, min(L - 1, window))
+        for path, width in ((a.key_path, a.key_width), (a.value_path, a.value_width)):
+            node = _leaf_with_tensors(graph, graph.node_index[path])
+            cache[node] = cache.get(node, 0) + B * tokens * width * ebytes
+        layers.append(CacheLayer(a.name, a.index, kind, tokens, B * tokens * (a.key_width + a.value_width) * ebytes))
+    largest_tensor = max(B * layer.tokens * max(a.key_width, a.value_width) * ebytes
+                         for layer, a in zip(layers, attentions))
+    logits, scores = _logits(model, graph, names, B, 1 if encoder_decoder else prefill, ebytes)
+    tokens = max(prefill, encoder_tokens)
+    activations = _activations(model, config, self_layers[0], B * tokens, tokens, ebytes) + largest_tensor
+    notes = (f"generate: batch {B}, max_length {L}, prefill {prefill}"
+             + (f", encoder {encoder_tokens}" if encoder_decoder else "") + f" tokens, {ebytes} bytes per element",)
+    return GenerationNeeds(budget=budget, cache=cache, logits=logits, scores=scores, activations=activations,
+                           layers=tuple(layers), notes=notes)
+
+
+def _generative_config(model, budget):
+    """The model's config, after checking it can generate; typed errors otherwise."""
     if not isinstance(budget, GenerationBudget):
         raise InvalidOption(f"generation must be an allocator.GenerationBudget, got {type(budget).__name__}; pass "
                             "generation=allocator.GenerationBudget(batch_size, max_length).")
@@ -265,94 +327,72 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
     if callable(getattr(model, "can_generate", None)) and not model.can_generate():
         raise InvalidOption(f"{type(model).__name__} cannot generate (transformers' can_generate() is False); plan "
                             "without generation=, or load its generative variant (e.g. ...ForCausalLM).")
-    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    return config
+
+
+def _lengths(budget: GenerationBudget, encoder_decoder: bool) -> tuple[int, int]:
+    """(tokens of the decoder's prefill, tokens of the encoder input or 0)."""
     L = budget.max_length
     if encoder_decoder:
-        encoder_tokens = budget.prompt_length or L
-        prefill = 1  # the decoder starts from its start token
-    else:
-        if budget.prompt_length is not None and budget.prompt_length > L - 1:
-            raise InvalidOption(f"GenerationBudget.prompt_length {budget.prompt_length} leaves no token to generate "
-                                f"within max_length {L}; use prompt_length <= {L - 1}.")
-        encoder_tokens = 0
-        prefill = budget.prompt_length or L - 1
-    encoder = model.get_encoder() if encoder_decoder and hasattr(model, "get_encoder") else None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    encoder_prefix = decoder_prefix = None
-    names = {}
-    for name, module in model.named_modules():
-        names.setdefault(id(module), name)
-        if encoder is not None and module is encoder and encoder_prefix is None:
-            encoder_prefix = name
-        if decoder is not None and module is decoder and decoder_prefix is None:
-            decoder_prefix = name
+        return 1, budget.prompt_length or L  # the decoder starts from its start token
+    if budget.prompt_length is not None and budget.prompt_length > L - 1:
+        raise InvalidOption(f"GenerationBudget.prompt_length {budget.prompt_length} leaves no token to generate "
+                            f"within max_length {L}; use prompt_length <= {L - 1}.")
+    return budget.prompt_length or L - 1, 0
 
-    self_layers, cross_layers = [], []
+
+@dataclass(frozen=True, slots=True)
+class _Attention:
+    name: str
+    index: int
+    cross: bool
+    key_path: str
+    value_path: str
+    key_width: int
+    value_width: int
+    key_module: object
+
+
+def _attention_modules(model, config, encoder_decoder: bool, names: Mapping[int, str]) -> list[_Attention]:
+    """Attention modules that fill a cache layer: an integer ``layer_idx`` and key/value projections, under
+    ``get_decoder()`` (not a vision tower), not in the encoder, in model order."""
+    prefixes = {}
+    for role, getter in (("encoder", "get_encoder"), ("decoder", "get_decoder")):
+        if (role == "decoder" or encoder_decoder) and callable(getattr(model, getter, None)):
+            prefixes[role] = names.get(id(getattr(model, getter)()))
+    found = []
     for name, module in model.named_modules():
         if names[id(module)] != name or not isinstance(getattr(module, "layer_idx", None), int):
             continue
-        if encoder_prefix is not None and _under(name, encoder_prefix):
+        if prefixes.get("encoder") is not None and _under(name, prefixes["encoder"]):
             continue  # the encoder runs once and caches nothing
-        if decoder_prefix is not None and not _under(name, decoder_prefix):
+        if prefixes.get("decoder") is not None and not _under(name, prefixes["decoder"]):
             continue  # e.g. a vision tower beside the language model
         k_name, k = _child(module, KEY_NAMES)
         v_name, v = _child(module, VALUE_NAMES)
-        if k is None or v is None:
-            fused_name, fused = _child(module, FUSED_NAMES)
-            width = _fused_kv_width(module, config) if fused is not None else None
+        if k is not None and v is not None:
+            widths = (_out_features(k), _out_features(v))
+        else:
+            k_name, k = _child(module, FUSED_NAMES)
+            v_name = k_name
+            width = _fused_kv_width(module, config) if k is not None else None
             if width is None:
                 continue  # a block that carries layer_idx (its attention is found on its own), or no attention
-            k_name = v_name = fused_name
-            k = v = fused
             widths = (width, width)
-        else:
-            widths = (_out_features(k), _out_features(v))
-        cross = encoder_decoder and _is_cross(name, module)
-        entry = (name, module.layer_idx, (f"{name}.{k_name}", f"{name}.{v_name}"), widths, k)
-        (cross_layers if cross else self_layers).append(entry)
-    if not self_layers:
-        raise InvalidOption(
-            f"{type(model).__name__} has no attention module with a layer_idx and key/value projections, so the size "
-            "of its generation cache is unknown to allocator; plan without generation= and keep headroom on the "
-            "devices instead.")
+        found.append(_Attention(name, module.layer_idx, encoder_decoder and _is_cross(name, module),
+                                f"{name}.{k_name}", f"{name}.{v_name}", *widths, k))
+    return found
 
-    ebytes = _element_bytes(budget, dtype, self_layers[0][4].weight, config)
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    kinds = _cache_layer_kinds(config, max(i for _, i, _, _, _ in self_layers) + 1)
-    B = budget.batch_size
-    cache: dict[int, int] = {}
-    layers: list[CacheLayer] = []
-    largest_tensor = 0
-    for kind_of, entries in (("self", self_layers), ("cross", cross_layers)):
-        for name, idx, (k_path, v_path), (kw, vw), _ in entries:
-            if kind_of == "cross":
-                kind, tokens = "cross", encoder_tokens
-            else:
-                kind, window = kinds[idx]
-                tokens = L - 1 if kind == "full" else max(prefill, min(L - 1, window))
-            k_bytes, v_bytes = B * tokens * kw * ebytes, B * tokens * vw * ebytes
-            for path, nbytes in ((k_path, k_bytes), (v_path, v_bytes)):
-                node = _leaf_with_tensors(graph, graph.node_index[path])
-                cache[node] = cache.get(node, 0) + nbytes
-            layers.append(CacheLayer(name, idx, kind, tokens, k_bytes + v_bytes))
-            largest_tensor = max(largest_tensor, k_bytes, v_bytes)
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    logits: dict[int, int] = {}
-    scores = 0
-    vocab = int(getattr(text_config, "vocab_size", 0) or 0)
-    if head is not None and hasattr(head, "weight"):
-        vocab = _out_features(head)
-        keep = 1 if encoder_decoder or "logits_to_keep" in inspect.signature(model.forward).parameters else prefill
-        head_node = _leaf_with_tensors(graph, graph.node_index[names[id(head)]])
-        logits[head_node] = B * keep * vocab * ebytes
-        scores = SCORE_COPIES * B * vocab * 4
-    activations = _activations(model, config, text_config, self_layers, B * max(prefill, encoder_tokens),
-                               max(prefill, encoder_tokens), ebytes) + largest_tensor
-    notes = (f"generation: batch {B}, max_length {L}, prefill {prefill}"
-             + (f", encoder {encoder_tokens}" if encoder_decoder else "") + f", {ebytes} bytes per element",)
-    return GenerationNeeds(budget=budget, cache=cache, logits=logits, scores=scores, activations=activations,
-                           layers=tuple(layers), notes=notes)
+def _logits(model, graph, names, batch: int, prefill: int, ebytes: int) -> tuple[dict, int]:
+    """Bytes of the output head's output per head node, and of the float32 scores on the main device."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is None or not hasattr(head, "weight") or id(head) not in names:
+        return {}, 0
+    vocab = _out_features(head)
+    keep = 1 if "logits_to_keep" in inspect.signature(model.forward).parameters else prefill
+    node = _leaf_with_tensors(graph, graph.node_index[names[id(head)]])
+    return {node: batch * keep * vocab * ebytes}, SCORE_COPIES * batch * vocab * 4
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -384,15 +424,14 @@ def _leaf_with_tensors(graph, node: int) -> int:
     return node
 
 
-def _activations(model, config, text_config, self_layers, tokens: int, length: int, ebytes: int) -> int:
-    """Working set of the largest block forward of ``tokens`` tokens (see the module notes)."""
+def _activations(model, config, attention: _Attention, tokens: int, length: int, ebytes: int) -> int:
+    """Working set of the largest block forward of ``tokens`` tokens over ``length`` positions (module notes)."""
     import torch
 
-    _, _, _, (kw, vw), k = self_layers[0]
-    hidden = _in_features(k)
-    attention = self_layers[0]
-    module = model.get_submodule(attention[0])
-    _, q = _child(module, ("q_proj", "q", "query", "q_lin", "to_q"))
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kw, vw = attention.key_width, attention.value_width
+    hidden = _in_features(attention.key_module)
+    _, q = _child(model.get_submodule(attention.name), ("q_proj", "q", "query", "q_lin", "to_q"))
     q_width = _out_features(q) if q is not None else hidden
     vocab = getattr(text_config, "vocab_size", None)
     intermediate = 0
@@ -403,9 +442,6 @@ def _activations(model, config, text_config, self_layers, tokens: int, length: i
         value = getattr(text_config, key, None)
         if isinstance(value, int):
             intermediate = max(intermediate, value)
-    # Hidden-state copies alive in a block: its input (still held by the caller), the embeddings (held by the model
-    # while the first block runs), the residual and the normalised input; then the larger of the attention
-    # projections (query and key twice: before and after rotary embeddings) and the MLP's three intermediates.
     per_token = 4 * hidden + max(2 * q_width + 2 * kw + vw + hidden, 3 * intermediate)
     total = tokens * per_token * ebytes
     heads = getattr(text_config, "num_attention_heads", None) or max(1, q_width // 64)
