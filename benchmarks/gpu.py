@@ -244,7 +244,8 @@ def run_generate(path, device_map, budget, device: Device, args, offload) -> dic
         after_load = device.allocated()
         prompt = args.gen_length - args.gen_new
         ids = torch.randint(3, 2000, (args.gen_batch, prompt), generator=torch.Generator().manual_seed(0))
-        main = main_device(loaded_map.values()) if loaded_map else "cpu"  # where the hooks return outputs
+        # Inputs on the main device, where the hooks return outputs and generate keeps its scores.
+        main = main_device(loaded_map.values()) if loaded_map else ("cpu" if device.dry_run else 0)
         ids = ids.to(f"cuda:{main}" if isinstance(main, int) else "cpu")
         if not device.dry_run:
             torch.cuda.reset_peak_memory_stats()  # the peak of generate, not of loading
