@@ -84,8 +84,8 @@ class GenerationBudget:
         else the key projection's).
     prompt_length : int, optional
         Keyword only. The longest prompt: the prefill length of a decoder-only model (default and at most
-        ``max_length - 1``); for encoder-decoder models the encoder's input length, which sizes the cross-attention
-        cache (default ``max_length``).
+        ``max_length - 1``); for encoder-decoder models the number of encoder positions the cross-attention cache
+        holds (default ``max_length``): the input tokens for T5 or BART, 1500 audio frames for Whisper.
 
     Raises
     ------
@@ -224,9 +224,9 @@ def _cache_layer_kinds(config, count: int) -> list[tuple[str, int | None]]:
 
     try:
         layers = DynamicCache(config=config).layers
-    except Exception as err:  # a config DynamicCache cannot read: every layer is then a full DynamicLayer
-        log.info("DynamicCache(config=...) failed for %s (%s); treating every layer as full attention",
-                 type(config).__name__, err)
+    except Exception as err:  # a config DynamicCache cannot read: count every layer as full (an upper bound)
+        log.warning("DynamicCache(config=...) failed for %s (%s); counting every cache layer as full attention, "
+                    "which over-counts sliding-window layers", type(config).__name__, err)
         return [("full", None)] * count
     kinds = []
     for i, layer in enumerate(layers):
