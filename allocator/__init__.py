@@ -18,6 +18,7 @@ from .errors import (
     InvalidOption,
     UnsupportedByAccelerate,
 )
+from .generation import GenerationBudget
 from .hf import patch, unpatch
 from .placement import Placement
 from .problem import Options, Problem, build_problem
@@ -26,7 +27,7 @@ from .validate import Violation, validate
 
 __all__ = [
     "AllocatorError", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel", "InvalidOption",
-    "UnsupportedByAccelerate", "Cost", "Profile", "estimate", "Options", "Placement", "Plan", "Problem", "STRATEGIES", "Violation",
+    "UnsupportedByAccelerate", "Cost", "GenerationBudget", "Profile", "estimate", "Options", "Placement", "Plan", "Problem", "STRATEGIES", "Violation",
     "build_problem", "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .budgets import Budgets, Device
 from .cost import Cost, estimate
@@ -16,7 +16,8 @@ from .errors import InfeasiblePlacement
 from .placement import Placement
 from .problem import Problem, build_problem
 from .strategies import resolve, run
-from .validate import Violation, _fmt, check
+from .generation import GenerationBudget, breakdown
+from .validate import Violation, _fmt, check, normalize_map
 
 __all__ = ["Plan", "plan", "infer_auto_device_map"]
 
@@ -32,13 +33,17 @@ class Plan:
     device_map : dict
         Accepted as ``device_map=`` by ``from_pretrained``, ``dispatch_model`` and ``load_checkpoint_and_dispatch``.
     peak : dict
-        Bytes per device at the peak of a forward (main device: resident + offloaded buffers + streamed chain).
+        Bytes per device at the peak of a forward (main device: resident + offloaded buffers + streamed chain), and
+        with a generation budget at the peak of ``generate`` (plus KV cache, logits and activations).
     strategy : str
         The strategy that produced it.
     main_device : int or str
         Where offloaded modules execute.
     streamed : int
         Bytes kept free on the main device for offloaded weights streamed at once.
+    parts : dict
+        Per device, what its peak is made of: ``weights`` (with buffers and the streaming reserve), and with a
+        generation budget ``cache``, ``logits`` and ``activations``; the parts sum to ``peak``.
     violations : tuple of Violation
         Broken runtime rules (only ``sequential`` may return a map with violations: it reproduces accelerate).
     cost : Cost
@@ -54,6 +59,7 @@ class Plan:
     problem: Problem
     placement: Placement
     cost: Cost
+    parts: dict = field(default_factory=dict)
 
     @property
     def optimal(self) -> bool | None:
@@ -84,8 +90,14 @@ class Plan:
             limit = budgets.limit(device)
             share = f" of {_fmt(limit)} ({self.peak[device] / limit:.0%})" if limit else ""
             lines.append(f"  {device!s:>5}: resident {_fmt(self.resident(device))}, peak {_fmt(self.peak[device])}{share}")
+            parts = self.parts.get(device, {})
+            if any(parts.get(k) for k in ("cache", "logits", "activations")):
+                lines.append("         = " + " + ".join(f"{k} {_fmt(parts[k])}" for k in
+                                                        ("weights", "cache", "logits", "activations")))
         if self.streamed:
             lines.append(f"  streaming reserve on {self.main_device!r}: {_fmt(self.streamed)}")
+        if self.problem.generation is not None:
+            lines.append(f"  {self.problem.generation.summary()}")
         lines += [f"  violation {v}" for v in self.violations]
         lines += [f"  - {note}" for note in self.placement.notes[:200]]
         if len(self.placement.notes) > 200:
@@ -95,10 +107,11 @@ class Plan:
 
 def _finish(problem: Problem, placement: Placement) -> Plan:
     violations, memory = check(problem, placement.device_map)
+    parts = breakdown(problem.generation, problem.graph, normalize_map(placement.device_map), memory)
     return Plan(
         device_map=dict(placement.device_map), peak=dict(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
-        placement=placement, cost=estimate(problem, placement.device_map),
+        placement=placement, cost=estimate(problem, placement.device_map), parts=parts,
     )
 
 
@@ -136,6 +149,7 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
             return InfeasiblePlacement(
                 f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, and strategy "
                 f"{strategy!r} finds none even with {_fmt(ceiling)} of RAM; try strategy='auto'.")
+    generation = ", and what generate needs on the devices that run the model" if problem.generation else ""
     while high - low > max(1, high // 100):
         middle = (low + high) // 2
         if _feasible(_with_ram(problem, middle), strategy):
@@ -145,7 +159,7 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     return InfeasiblePlacement(
         f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: the smallest RAM budget "
         f"that works with the other budgets unchanged is {_fmt(high)} ({high} B) on 'cpu' (buffers of offloaded "
-        f"modules plus the weights streamed at once must fit there); raise max_memory['cpu'] to at least that, or "
+        f"modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to at least that, or "
         f"give accelerators more room.",
         device="cpu", minimum=high,
     )
@@ -167,6 +181,7 @@ def plan(
     size_fn=None,
     infer_no_split: bool = True,
     profile: Profile | None = None,
+    generation: GenerationBudget | None = None,
 ) -> Plan:
     """Decide where every part of ``model`` lives.
 
@@ -192,6 +207,9 @@ def plan(
         Tie groups to use instead of the ones found from shared tensors.
     hf_quantizer, size_fn
         Sizes of quantized weights (transformers' quantizer, or ``size_fn(name, tensor) -> bytes``).
+    generation : GenerationBudget, optional
+        Room for ``generate`` (KV cache, logits, activations) on the devices where they live; every strategy but
+        ``sequential`` (accelerate's algorithm, unchanged) keeps each device's peak with them within its budget.
 
     Returns
     -------
@@ -220,6 +238,7 @@ def plan(
         special_dtypes=special_dtypes, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
         size_fn=size_fn, offload_buffers=offload_buffers, clean_result=clean_result,
         fallback_allocation=fallback_allocation, infer_no_split=infer_no_split, profile=profile,
+        generation=generation,
     )
     resolve(strategy)
     try:

@@ -73,6 +73,22 @@ def _fail(message: str) -> int:
 # -- inputs ----------------------------------------------------------------------------------------------------------
 
 
+def parse_generation(text: str):
+    """``"4,2048"`` or ``"4,2048,1024"`` -> ``GenerationBudget(4, 2048, prompt_length=1024)``, checked.
+
+    >>> parse_generation("4,2048,1024")
+    GenerationBudget(batch_size=4, max_length=2048, dtype=None, prompt_length=1024)
+    """
+    from .generation import GenerationBudget
+
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+        raise InvalidOption(f"--generation takes BATCH,MAX_LENGTH or BATCH,MAX_LENGTH,PROMPT as integers, got "
+                            f"{text!r}; e.g. --generation 4,2048.")
+    batch, length, *prompt = map(int, parts)
+    return GenerationBudget(batch, length, prompt_length=prompt[0] if prompt else None)
+
+
 def parse_max_memory(text: str) -> dict:
     """``"0=20GiB,1=20GiB,cpu=64GiB"`` -> ``{0: "20GiB", 1: "20GiB", "cpu": "64GiB"}``, checked.
 
@@ -422,11 +438,12 @@ def _cmd_plan(args) -> int:
 
         _as_dtype(args.dtype, "--dtype")
     profile = load_profile(args.profile) if args.profile else None
+    generation = parse_generation(args.generation) if args.generation is not None else None
     _check_writable(args.json, "--json")
     _check_writable(args.plot, "--plot")
     loaded = load_model(args.source)
     dtype = args.dtype or loaded.dtype
-    options = dict(dtype=dtype, profile=profile)
+    options = dict(dtype=dtype, profile=profile, generation=generation)
     ours = plan(loaded.model, max_memory, strategy=args.strategy, **options)
     print(f"{loaded.source}")
     print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
@@ -556,6 +573,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the device map as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of bytes per device")
     p.add_argument("--profile", metavar="FILE", help="bandwidths written by 'allocator profile --out FILE'")
+    p.add_argument("--generation", metavar="BATCH,MAX_LENGTH[,PROMPT]",
+                   help="keep room for generate: KV cache, logits and activations (allocator.GenerationBudget)")
     d = sub.add_parser("demo", help="accelerate vs allocator on a built-in example under three budgets")
     d.add_argument("--model", default="t5-base", help="a built-in example (default: t5-base)")
     d.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")

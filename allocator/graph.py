@@ -89,6 +89,14 @@ class ModelGraph:
     node_index: Mapping[str, int] = field(repr=False)
     tensor_index: Mapping[str, int] = field(repr=False)
     model_class: str = ""
+    extra: Mapping[int, int] = field(default_factory=dict, repr=False)
+    """Bytes that live where a node *executes*, beyond its tensors (a generation budget's KV cache and logits,
+    :mod:`allocator.generation`): on its device when resident, on the main device when offloaded — like the
+    buffers of an offloaded module. Empty without a generation budget."""
+    workspace: int = 0
+    """Bytes every device that executes part of the model needs for activations (0 without a generation budget)."""
+    main_workspace: int = 0
+    """Bytes the main device needs on top of ``workspace`` (generate's float32 next-token scores live there)."""
 
     @property
     def total(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from .budgets import Budgets, parse_budgets
 from .cost_profile import Profile
 from .errors import InvalidOption
+from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .graph import ModelGraph, build_graph
 
 __all__ = ["Options", "Problem", "build_problem"]
@@ -44,6 +46,8 @@ class Problem:
     budgets: Budgets
     options: Options
     profile: Profile = field(default_factory=Profile)
+    generation: GenerationNeeds | None = None
+    """What a generation budget adds (already folded into ``graph``; kept for reports)."""
 
 
 def quantizer_size_fn(model, hf_quantizer):
@@ -89,11 +93,13 @@ def build_problem(
     discover_no_split: bool = True,
     infer_no_split: bool = True,
     profile: Profile | None = None,
+    generation: GenerationBudget | None = None,
     **options,
 ) -> Problem:
     """Build the :class:`Problem` once: introspect the model, parse budgets, check options.
 
-    ``options`` are the fields of :class:`Options`. ``hf_quantizer`` supplies sizes (``param_element_size``) and
+    ``generation`` (a :class:`allocator.GenerationBudget`) adds the KV cache, logits and activations of ``generate``
+    to the graph (:mod:`allocator.generation`). ``options`` are the fields of :class:`Options`. ``hf_quantizer`` supplies sizes (``param_element_size``) and
     may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is modified.
 
     Examples
@@ -109,10 +115,16 @@ def build_problem(
         model, dtype=dtype, special_dtypes=special_dtypes, no_split_module_classes=no_split_module_classes,
         discover_no_split=discover_no_split, infer_no_split=infer_no_split, tied_parameters=tied_parameters, size_fn=size_fn,
     )
+    needs = None
+    if generation is not None:
+        needs = generation_needs(model, graph, generation, dtype=dtype)
+        graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
+                                    main_workspace=needs.scores)
     budgets = parse_budgets(max_memory)
     _note_missing_accelerators(budgets)
     if hf_quantizer is not None and hasattr(hf_quantizer, "adjust_max_memory"):
         budgets = parse_budgets(hf_quantizer.adjust_max_memory(dict(budgets.limits)))
     if profile is not None and not isinstance(profile, Profile):
         raise InvalidOption(f"profile must be an allocator.Profile, got {type(profile).__name__}.")
-    return Problem(graph=graph, budgets=budgets, options=Options(**options), profile=profile or Profile())
+    return Problem(graph=graph, budgets=budgets, options=Options(**options), profile=profile or Profile(),
+                   generation=needs)

@@ -18,12 +18,12 @@ Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignD
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .budgets import Device
 from .graph import ModelGraph
 
-__all__ = ["Memory", "device_of", "main_device", "moves_with_weights", "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
+__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "main_device", "moves_with_weights", "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,8 @@ class Memory:
     main: Device
     streamed: int
     chain: tuple[str, ...]
+    generation: Mapping = field(default_factory=dict)
+    """Of ``peak``, the bytes per device a generation budget adds (KV cache, logits, activations)."""
 
 
 def main_device(devices) -> Device:
@@ -76,6 +78,44 @@ def moves_with_weights(tensor, offload_buffers: bool) -> bool:
     """A tensor leaves the main device with its offloaded module: parameters, and persistent buffers when
     ``offload_buffers`` (non-persistent buffers always stay)."""
     return tensor.is_param or (offload_buffers and tensor.persistent)
+
+
+def executes_on(device: Device, main: Device, offloaded, hooks: bool) -> Device:
+    """Where a module mapped to ``device`` runs: the main device when offloaded; ``mps`` for ``cpu`` modules when
+    ``mps`` is main (they move there at dispatch); else its own device.
+
+    >>> executes_on("cpu", 0, {"cpu", "disk"}, True), executes_on(1, 0, {"cpu", "disk"}, True)
+    (0, 1)
+    """
+    if device in offloaded:
+        return main
+    if device == "cpu" and main == "mps" and hooks:
+        return "mps"
+    return device
+
+
+def _node_device(graph: ModelGraph, devices: list, node: int) -> Device | None:
+    """The device of a node's first tensor, itself or below it (``None`` when it has none on the map)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for t in graph.nodes[n].params + graph.nodes[n].buffers:
+            if devices[t] is not None:
+                return devices[t]
+        stack.extend(reversed(graph.nodes[n].children))
+    return None
+
+
+def extra_by_device(graph: ModelGraph, devices: list, node_bytes: Mapping[int, int], main: Device, offloaded,
+                    hooks: bool) -> dict:
+    """Bytes per device of ``node_bytes`` (node -> bytes that live where the node executes)."""
+    out: dict = {}
+    for node, nbytes in node_bytes.items():
+        device = _node_device(graph, devices, node)
+        if device is not None and nbytes:
+            home = executes_on(device, main, offloaded, hooks)
+            out[home] = out.get(home, 0) + nbytes
+    return out
 
 
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
@@ -156,4 +196,19 @@ def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: boo
         resident[home] = resident.get(home, 0) + t.nbytes
     reserve, chain = streamed_chain(graph, streamed)
     resident[main] = resident.get(main, 0) + reserve
-    return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes[i].name for i in chain))
+    generation = _generation_bytes(graph, devices, main, offloaded, hooks)
+    for device, nbytes in generation.items():
+        resident[device] = resident.get(device, 0) + nbytes
+    return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes[i].name for i in chain),
+                  generation=generation)
+
+
+def _generation_bytes(graph: ModelGraph, devices: list, main: Device, offloaded, hooks: bool) -> dict:
+    """Generation bytes per device: each node's extra where it executes, the workspace on every executing device."""
+    if not (graph.extra or graph.workspace or graph.main_workspace):
+        return {}
+    out = extra_by_device(graph, devices, graph.extra, main, offloaded, hooks)
+    executing = {executes_on(d, main, offloaded, hooks) for d in devices if d is not None} | {main}
+    for device in executing - {"disk"}:
+        out[device] = out.get(device, 0) + graph.workspace + (graph.main_workspace if device == main else 0)
+    return out

@@ -19,9 +19,9 @@ __all__ = ["Unit", "Group", "units", "groups"]
 class Unit:
     name: str
     node: int          # graph node index, or -1 for a tensor unit
-    size: int          # counted bytes of its tensors
+    size: int          # counted bytes of its tensors, plus generation bytes (``ModelGraph.extra``) of its nodes
     offload: int       # bytes that leave the main device when it is offloaded (weights, +buffers with offload_buffers)
-    pinned: int        # bytes that stay on the main device when it is offloaded (its buffers)
+    pinned: int        # bytes that stay on the main device when it is offloaded (its buffers, its generation bytes)
     stream: int        # largest chain of weights its hooks materialise at once on the main device
     numel: int = 0     # parameter elements (counted once), for the compute term of the cost model
 
@@ -63,6 +63,8 @@ def _node_unit(g: ModelGraph, i: int, offload_buffers: bool) -> Unit:
         order.append(n)
         stack.extend(g.nodes[n].children)
     for n in order:
+        if g.extra:  # generation bytes live where the unit executes: like its buffers when offloaded
+            pinned += g.extra.get(n, 0)
         for t in g.nodes[n].params + g.nodes[n].buffers:
             tensor = g.tensors[t]
             moves = moves_with_weights(tensor, offload_buffers)
@@ -77,7 +79,8 @@ def _node_unit(g: ModelGraph, i: int, offload_buffers: bool) -> Unit:
         kids = g.nodes[n].children
         if kids:
             chain[n] += max(chain[c] for c in kids)
-    return Unit(g.nodes[i].name, i, g.size[i], offload, pinned, chain[i], numel)
+    extra = sum(g.extra.get(n, 0) for n in order) if g.extra else 0
+    return Unit(g.nodes[i].name, i, g.size[i] + extra, offload, pinned, chain[i], numel)
 
 
 def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:

@@ -79,6 +79,9 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
             extra = ""
             if device == memory.main and memory.streamed:
                 extra = f", of which {_fmt(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
+            if memory.generation.get(device):
+                extra += f"{', and' if extra else ', of which'} {_fmt(memory.generation[device])} is for generate " \
+                         "(KV cache, logits, activations)"
             found.append(Violation(
                 "budget", f"device {device!r} needs {_fmt(used)} ({used} B){extra} but its budget is "
                 f"{_fmt(limit)} ({limit} B); raise it by {used - limit} B or move modules off it."
@@ -124,7 +127,7 @@ def _no_split(problem: Problem, devices: list) -> list[Violation]:
 
 
 def validate(model, device_map, max_memory=None, *, no_split_module_classes=None, offload_buffers=False,
-             dtype=None, special_dtypes=None) -> list[Violation]:
+             dtype=None, special_dtypes=None, generation=None) -> list[Violation]:
     """Every way ``device_map`` breaks accelerate's runtime rules for ``model`` under ``max_memory``.
 
     Checks coverage (every tensor has a device, every key names something), no-split modules kept whole,
@@ -142,6 +145,9 @@ def validate(model, device_map, max_memory=None, *, no_split_module_classes=None
         United with the model's own ``_no_split_modules`` (and its sub-models').
     offload_buffers : bool
         As passed to ``dispatch_model``.
+    generation : GenerationBudget, optional
+        Also count what ``generate`` needs where it runs: KV cache, logits, activations
+        (:mod:`allocator.generation`).
 
     Returns
     -------
@@ -159,6 +165,6 @@ def validate(model, device_map, max_memory=None, *, no_split_module_classes=None
     """
     problem = build_problem(
         model, max_memory, no_split_module_classes=no_split_module_classes, offload_buffers=offload_buffers,
-        dtype=dtype, special_dtypes=special_dtypes,
+        dtype=dtype, special_dtypes=special_dtypes, generation=generation,
     )
     return check(problem, device_map)[0]

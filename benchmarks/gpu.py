@@ -10,8 +10,16 @@ budget).device_map``. Per load: median latency of 20 forwards after 3 warm-ups (
 loading), the memory allocated after loading, the bytes the map keeps on GPU 0, and the peak on GPU 0 that
 ``allocator`` predicts for the map (``plan.peak[0]`` for ours; :func:`allocator.validate.check` for auto's).
 
+Generate case: per model, one budget (``--gen-budget`` of the model on GPU 0) and a :class:`allocator.GenerationBudget`
+(``--gen-batch`` sequences of ``--gen-length`` tokens, the last ``--gen-new`` of them generated). Both maps — ``auto``
+and ``allocator.plan(..., generation=budget)`` — are loaded and run ``generate``; the table compares
+``torch.cuda.max_memory_allocated`` during ``generate`` (minus what was allocated before loading) with the peak
+``allocator`` predicts for the map *with* the generation budget (weights + KV cache + logits + activations), and says
+which map stays within the budget. In a dry run the CPU is the device and the measured peak is the RAM the loaded
+model holds plus what ``generate`` allocates at once (every allocation, traced by the torch profiler).
+
 Built to finish within 8 minutes on one GPU: configurations left when ``--time-limit`` seconds have passed are
-reported as skipped. Writes ``gpu.csv`` and ``gpu.md`` into ``--out``.
+reported as skipped. Writes ``gpu.csv``, ``gpu_generate.csv`` and ``gpu.md`` into ``--out``.
 
     python benchmarks/gpu.py              # on a machine with a CUDA GPU
     python benchmarks/gpu.py --dry-run    # anywhere, in seconds: tiny models, the CPU as the device, disk offload
@@ -20,6 +28,7 @@ reported as skipped. Writes ``gpu.csv`` and ``gpu.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import gc
@@ -37,7 +46,7 @@ from pathlib import Path
 import torch
 
 import allocator
-from allocator.runtime import tensor_devices
+from allocator.runtime import main_device, tensor_devices
 from allocator.validate import check
 
 OUT = Path(__file__).parent / "results"
@@ -147,6 +156,27 @@ class Device:
     def allocated(self) -> int | None:
         return None if self.dry_run else torch.cuda.memory_allocated()
 
+    @contextlib.contextmanager
+    def tracking(self, mapped=()):
+        """Dry run: trace every CPU allocation of the block with the torch profiler; ``traced`` is their peak.
+
+        Allocations of exactly a size in ``mapped`` are left out: they are memory maps of the checkpoint files
+        (safetensors maps a whole file to read one offloaded tensor), paged in lazily from the page cache."""
+        self.traced = None
+        if not self.dry_run:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield
+        events = sorted((e for e in prof.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and abs(e.nbytes()) not in mapped), key=lambda e: e.start_ns())
+        current = self.traced = 0
+        for e in events:
+            current += e.nbytes()
+            self.traced = max(self.traced, current)
+
     def budget(self, f: float, total: int) -> dict:
         # Dry run: the CPU is main and the rest goes to disk, as on a machine without an accelerator.
         return {"cpu": int(f * total)} if self.dry_run else {0: int(f * total), "cpu": 2 * total}
@@ -185,6 +215,85 @@ def run_load(path, device_map, budget, device: Device, inputs, args, offload) ->
                     after_load=None, peak=None)
     finally:
         del model  # collected by the next load's reset
+
+
+def generation_budget(args) -> allocator.GenerationBudget:
+    return allocator.GenerationBudget(args.gen_batch, args.gen_length, prompt_length=args.gen_length - args.gen_new)
+
+
+def _ram_held(model) -> int:
+    """Bytes of the loaded model's tensors really in RAM (not meta), each storage once."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "cpu" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    return total
+
+
+def run_generate(path, device_map, budget, device: Device, args, offload) -> dict:
+    """Load once and run ``generate`` with the generation budget's batch and lengths; its peak memory."""
+    from transformers import LlamaForCausalLM
+
+    model = None
+    base = device.reset()
+    try:
+        model = LlamaForCausalLM.from_pretrained(path, dtype=args.dtype, device_map=device_map,
+                                                 max_memory=dict(budget), offload_folder=offload).eval()
+        loaded_map = dict(getattr(model, "hf_device_map", {}))
+        after_load = device.allocated()
+        prompt = args.gen_length - args.gen_new
+        ids = torch.randint(3, 2000, (args.gen_batch, prompt), generator=torch.Generator().manual_seed(0))
+        # Inputs on the main device, where the hooks return outputs and generate keeps its scores.
+        main = main_device(loaded_map.values()) if loaded_map else ("cpu" if device.dry_run else 0)
+        ids = ids.to(f"cuda:{main}" if isinstance(main, int) else "cpu")
+        if not device.dry_run:
+            torch.cuda.reset_peak_memory_stats()  # the peak of generate, not of loading
+        mapped = {p.stat().st_size for p in Path(path).glob("*.safetensors")}
+        with torch.no_grad(), device.tracking(mapped):
+            device.sync()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=args.gen_new, min_new_tokens=args.gen_new, do_sample=False,
+                           pad_token_id=0)
+            device.sync()
+            seconds = time.perf_counter() - start
+        peak = _ram_held(model) + device.traced if device.dry_run else device.peak() - base
+        return dict(status="ok", device_map=loaded_map, times=[seconds],
+                    after_load=None if after_load is None else after_load - base, peak=peak)
+    except torch.cuda.OutOfMemoryError as err:
+        return dict(status=f"out of memory: {str(err).splitlines()[0][:120]}", device_map=None, times=[],
+                    after_load=None, peak=None)
+    finally:
+        del model
+
+
+def measure_generate(args, device: Device, workdir: Path, name, layers, total, meta, path, deadline) -> list[dict]:
+    """The generate case of one saved model: ``auto`` and our plan with the generation budget."""
+    f = args.gen_budget
+    budget = device.budget(f, total)
+    problem = allocator.build_problem(meta, dict(budget), generation=generation_budget(args))
+    try:
+        plan, no_plan = allocator.plan(meta, dict(budget), generation=generation_budget(args)), None
+    except allocator.InfeasiblePlacement as err:
+        plan, no_plan = None, f"no plan: needs {err.minimum} B on {err.device!r}"
+    rows = []
+    for method in METHODS:
+        if time.time() > deadline:
+            result = dict(status="skipped: time limit", device_map=None, times=[], after_load=None, peak=None)
+        elif method == "ours" and plan is None:
+            result = dict(status=no_plan, device_map=None, times=[], after_load=None, peak=None)
+        else:
+            with tempfile.TemporaryDirectory(dir=workdir) as offload:
+                result = run_generate(path, "auto" if method == "auto" else plan.device_map, budget, device, args,
+                                      offload)
+        row = _row(name, layers, total, f, method, budget, problem, plan, result, device)
+        row["generate_s"] = f"{result['times'][0]:.3f}" if result["times"] else ""
+        for key in ("n", "median_ms", "q1_ms", "q3_ms"):
+            del row[key]
+        rows.append(row)
+        print(f"{name} generate {f:.0%} {method}: {row['status']}, peak {row['measured_peak_bytes'] or '—'} B, "
+              f"predicted {row['predicted_peak_bytes'] or '—'} B", file=sys.stderr, flush=True)
+    return rows
 
 
 def measure(args, device: Device, workdir: Path, deadline: float) -> tuple[list[dict], dict]:
@@ -234,6 +343,9 @@ def measure(args, device: Device, workdir: Path, deadline: float) -> tuple[list[
                 rows.append(_row(name, layers, total, f, method, budget, problem, plan, result, device))
                 print(f"{name} {f:.0%} {method}: {rows[-1]['status']}, {rows[-1]['median_ms'] or '—'} ms",
                       file=sys.stderr, flush=True)
+        if args.gen_budget:
+            info.setdefault("generate", []).extend(
+                measure_generate(args, device, workdir, name, layers, total, meta, path, deadline))
         shutil.rmtree(path, ignore_errors=True)
     return rows, info
 
@@ -303,6 +415,22 @@ def table(rows, dry_run: bool) -> str:
     return "\n".join(lines)
 
 
+def generate_table(rows, dry_run: bool) -> str:
+    unit, scale = ("MiB", 2**20) if dry_run else ("GiB", 2**30)
+
+    def size(n):
+        return "—" if n == "" else f"{int(n) / scale:.3f}"
+
+    lines = [f"| model | budget ({unit}) | method | on device ({unit}) | peak measured / predicted ({unit}) | "
+             "within budget | generate s | status |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        within = "" if r["within_budget"] == "" else ("yes" if r["within_budget"] else "**no**")
+        lines.append(f"| {r['model']} | {float(r['budget']):.0%} = {size(r['device_budget_bytes'])} | {r['method']} | "
+                     f"{size(r['resident_device_bytes'])} | {size(r['measured_peak_bytes'])} / "
+                     f"{size(r['predicted_peak_bytes'])} | {within} | {r['generate_s'] or '—'} | {r['status']} |")
+    return "\n".join(lines)
+
+
 def report(rows, info, args, device: Device, command, seconds) -> str:
     ok = [(a, o) for a in rows for o in rows if a["method"] == "auto" and o["method"] == "ours"
           and (a["model"], a["budget"]) == (o["model"], o["budget"]) and a["median_ms"] and o["median_ms"]]
@@ -327,6 +455,13 @@ def report(rows, info, args, device: Device, command, seconds) -> str:
         f"Ours faster by the median in {wins}/{len(ok)} measured cells; where the maps keep different bytes on the "
         f"device: {wins_differ}/{len(differ)}.",
     ]
+    if info.get("generate"):
+        g = generation_budget(args)
+        parts.append(
+            f"\n## generate: batch {g.batch_size}, {g.prompt_length}-token prompt, {args.gen_new} new tokens\n\n"
+            "Predicted: the peak `allocator` computes for the map with this generation budget (weights + KV cache + "
+            "logits + activations); ours is planned with it, auto is not.\n\n" + generate_table(info["generate"],
+                                                                                             args.dry_run))
     skipped = [r for r in rows if r["status"].startswith("skipped")]
     if skipped:
         parts.append(f"\n{len(skipped)} loads skipped at the {args.time_limit:.0f} s time limit.")
@@ -343,6 +478,11 @@ def main(argv=None) -> int:
     parser.add_argument("--forwards", type=int, help="timed forwards per load (default 20; 3 in a dry run)")
     parser.add_argument("--warmup", type=int, help="untimed forwards per load (default 3; 1 in a dry run)")
     parser.add_argument("--tokens", type=int, default=32, help="input length (batch 1)")
+    parser.add_argument("--gen-budget", type=float, default=0.7,
+                        help="generate case: the device budget as a fraction of the model (0 skips the case)")
+    parser.add_argument("--gen-batch", type=int, help="generate case: batch size (default 8; 2 in a dry run)")
+    parser.add_argument("--gen-length", type=int, help="generate case: prompt + new tokens (default 2048; 32 dry)")
+    parser.add_argument("--gen-new", type=int, help="generate case: new tokens (default 16; 4 in a dry run)")
     parser.add_argument("--time-limit", type=float, default=420.0,
                         help="seconds after which remaining loads are skipped (default 420: done within 8 minutes)")
     parser.add_argument("--workdir", type=Path, help="where models are saved (default: a temporary directory)")
@@ -353,6 +493,9 @@ def main(argv=None) -> int:
     args.forwards = args.forwards or (3 if args.dry_run else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 3)
     args.dtype = torch.float32 if args.dry_run else torch.bfloat16
+    args.gen_batch = args.gen_batch or (2 if args.dry_run else 8)
+    args.gen_length = args.gen_length or (32 if args.dry_run else 2048)
+    args.gen_new = args.gen_new or (4 if args.dry_run else 16)
     start = time.time()
     if args.dry_run:
         torch.set_num_threads(1)  # tiny matmuls: more threads only spin on a shared machine
@@ -366,6 +509,11 @@ def main(argv=None) -> int:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    if info.get("generate"):
+        with open(args.out / "gpu_generate.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(info["generate"][0]))
+            writer.writeheader()
+            writer.writerows(info["generate"])
     text = report(rows, info, args, device, command, time.time() - start)
     (args.out / "gpu.md").write_text(text)
     print(text)

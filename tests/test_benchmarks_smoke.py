@@ -2,7 +2,7 @@
 
 Each script runs in its smallest mode into a temporary ``--out`` folder (placement: one architecture; latency:
 ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls; gpu: ``--dry-run``,
-tiny models with the CPU as the device). The numbers are not checked, only that the files appear with rows.
+tiny models with the CPU as the device, and its generate case). The numbers are not checked, only that the files appear with rows.
 """
 
 from __future__ import annotations
@@ -54,3 +54,11 @@ def test_benchmark_script_writes_results(script, tmp_path):
         assert {"auto", "ours"} <= set(by)
         assert all(int(r["warm_n"]) == 3 and float(r["warm_median_ms"]) > 0 for r in by.values())
         assert by["ours"]["matches_plan"] == "True"
+    if script == "gpu":  # the generate case: both maps run generate; ours is planned within the budget with it
+        with open(tmp_path / "gpu_generate.csv", newline="") as fh:
+            generate = list(csv.DictReader(fh))
+        assert {r["method"] for r in generate} == {"auto", "ours"}
+        for r in generate:
+            assert r["status"] == "ok" and int(r["measured_peak_bytes"]) > 0, r
+            if r["method"] == "ours":
+                assert r["valid"] == "True" and int(r["predicted_peak_bytes"]) <= int(r["device_budget_bytes"]), r

@@ -44,6 +44,12 @@ def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> d
     targets = {"disk"} if main in ("cpu", "mps") else {"cpu", "disk"}
     room = {d: (b.limit(d) if b.limit(d) is not None else math.inf) for d in devices}
     room[main] -= reserve
+    # Generation: every device that runs something holds activations; the main device also the next-token scores.
+    # A device left with negative room gets nothing, so it runs nothing and needs no workspace.
+    for d in devices:
+        if d not in targets:
+            room[d] -= problem.graph.workspace
+    room[main] -= problem.graph.main_workspace
     if room[main] < 0:
         return None
     placed: dict = {}

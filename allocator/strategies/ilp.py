@@ -126,12 +126,18 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
         limit = b.limit(d)
         if d == main:
             resident = sum(grp.size * x[k, d] for k, grp in enumerate(found))
-            model.Add(resident + pinned + reserve <= limit)
+            workspace = g.workspace + g.main_workspace  # generation: activations and next-token scores
+            model.Add(resident + pinned + reserve + workspace <= limit)
             if is_accelerator(d):
                 model.Add(sum(x[k, d] for k in range(len(found))) >= 1)
         elif d in targets:
             if d == "cpu" or limit is not None:
                 model.Add(sum(grp.offload * x[k, d] for k, grp in enumerate(found)) <= limit)
+        elif g.workspace:  # a device that runs anything also holds the activations of a generation budget
+            used = model.NewBoolVar(f"used_{d}")
+            for k in range(len(found)):
+                model.AddImplication(x[k, d], used)
+            model.Add(sum(grp.size * x[k, d] for k, grp in enumerate(found)) + g.workspace * used <= limit)
         else:
             model.Add(sum(grp.size * x[k, d] for k, grp in enumerate(found)) <= limit)
 
