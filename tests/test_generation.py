@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import allocator  # noqa: E402
 from allocator import GenerationBudget, InvalidOption  # noqa: E402
+from allocator.units import groups  # noqa: E402
 from allocator.validate import check  # noqa: E402
 
 BATCH, PROMPT, NEW = 2, 7, 6
@@ -364,3 +365,19 @@ def test_validate_counts_generation(meta_llama):
     assert allocator.validate(meta_llama, {"": 0}, budgets) == []
     found = allocator.validate(meta_llama, {"": 0}, budgets, generation=BUDGET)
     assert [v.kind for v in found] == ["budget"] and "is for generate" in found[0].message
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "balanced_low_0"])
+def test_balanced_split_leaves_room_for_generation(meta_llama, strategy):
+    """Two GPUs that hold the weights, the cache and the activations together only when the split counts them."""
+    problem = allocator.build_problem(meta_llama, {"cpu": 10**12}, generation=BUDGET)
+    g = problem.graph
+    need = sum(grp.size for grp in groups(g)) + 2 * g.workspace + g.main_workspace
+    budgets = {0: need * 11 // 20, 1: need * 11 // 20, "cpu": 10 * need}
+    p = allocator.plan(meta_llama, dict(budgets), strategy=strategy, generation=BUDGET)
+    assert p.valid, p.explain()
+    assert set(p.device_map.values()) <= {0, 1}, p.device_map  # nothing offloaded
+    for device in (0, 1):
+        assert p.parts[device]["activations"] == g.workspace
+        assert p.peak[device] <= budgets[device]
+    assert sum(p.parts[d]["cache"] for d in p.parts) == p.problem.generation.cache_bytes

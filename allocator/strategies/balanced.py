@@ -32,7 +32,9 @@ run is the shortest prefix with which the rest of the model fits the other accel
 above. When the others hold the whole model it gets nothing.
 
 Peaks are the validator's (:func:`allocator.validate.check`): with everything on accelerators, a device's peak is the
-bytes resident there. When the accelerators together cannot hold the model, the plan with the most bytes resident is
+bytes resident there (with a generation budget, the groups' sizes include the KV cache of the layers they hold, and
+each device also keeps the activations' workspace, the first one the next-token scores too). When the accelerators
+together cannot hold the model, the plan with the most bytes resident is
 ``reserve``'s (size-aware streaming reserve, every possible main device); the groups it keeps on accelerators are then
 re-split by the same rule over the main device and the ones after it, with the main device charged what the validator
 charges it beyond its own groups (the buffers of offloaded groups and the streaming reserve) and kept non-empty so that
@@ -91,6 +93,13 @@ def place_low_0(problem: Problem, **_) -> Placement:
 def load(group: Group) -> int:
     """Bytes a group adds to the peak of the accelerator it is resident on."""
     return group.size
+
+
+def _workspace(problem: Problem, count: int) -> list[int]:
+    """What each of ``count`` accelerators needs beyond its groups when it runs something, the first being the main
+    device: a generation budget's activations everywhere, and its next-token scores on the main device."""
+    g = problem.graph
+    return [g.workspace + g.main_workspace] + [g.workspace] * (count - 1)
 
 
 # -- splitting ----------------------------------------------------------------------------------------------------
@@ -193,7 +202,7 @@ def _all_resident(problem: Problem, found: list[Group], devices: list[Device], l
     budgets = [problem.budgets.limit(d) or 0 for d in devices]
     loads = [load(g) for g in found]
     splitter = _low_first if low_0 else _balance
-    cuts = splitter(loads, budgets, [0] * len(devices), 0)
+    cuts = splitter(loads, budgets, _workspace(problem, len(devices)), 0)
     if cuts is None:
         return None
     placed = {}
@@ -240,7 +249,8 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     extra = memory.peak[main] - sum(load(found[k]) for k in resident if where[k] == main)
     budgets = [problem.budgets.limit(d) or 0 for d in devices]
     splitter = _low_first if low_0 else _balance
-    cuts = splitter([load(found[k]) for k in resident], budgets, [extra] + [0] * (len(devices) - 1), 1)
+    offsets = [extra] + _workspace(problem, len(devices))[1:]  # the main device's peak already holds its own
+    cuts = splitter([load(found[k]) for k in resident], budgets, offsets, 1)
     if cuts is None:
         return _relabel(problem, base, name,
                         f"{lead}; no contiguous split of its {len(resident)} resident groups fits: kept as is")
