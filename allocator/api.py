@@ -5,9 +5,10 @@ The whole composition: build the problem once -> run a strategy -> check the res
 
 from __future__ import annotations
 
+
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .budgets import Budgets, Device
 from .cost import Cost, estimate
@@ -119,8 +120,7 @@ def _with_ram(problem: Problem, ram: int) -> Problem:
     limits = dict(problem.budgets.limits)
     limits["cpu"] = ram
     order = tuple(d for d in problem.budgets.order if d not in ("cpu", "disk")) + ("cpu", "disk")
-    return Problem(problem.graph, Budgets(order=order, limits={d: limits[d] for d in order if d in limits}),
-                   problem.options)
+    return replace(problem, budgets=Budgets(order=order, limits={d: limits[d] for d in order if d in limits}))
 
 
 def _feasible(problem: Problem, strategy) -> bool:
@@ -136,7 +136,10 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
 
     Found by bisection between the given RAM and a budget that certainly works (the peak of streaming
     everything from disk, or the whole model in RAM), to 1 %; the strategy is run at each step, so the
-    stated minimum is one the strategy really plans for while 1 % less fails.
+    stated minimum is one the strategy really plans for while 1 % less fails. Where feasibility is not monotone in
+    the budget (``sequential``, and so ``auto``, can fail at a budget between two that work), the search goes on
+    below any budget found to work 1 % under the answer, so the answer is a local minimum: it works, 1 % less does
+    not, though a much smaller budget may work again.
     """
     g = problem.graph
     low = problem.budgets.limit("cpu") or 0
@@ -150,15 +153,23 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
                 f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, and strategy "
                 f"{strategy!r} finds none even with {_fmt(ceiling)} of RAM; try strategy='auto'.")
     generation = ", and what generate needs on the devices that run the model" if problem.generation else ""
-    while high - low > max(1, high // 100):
-        middle = (low + high) // 2
-        if _feasible(_with_ram(problem, middle), strategy):
-            high = middle
-        else:
-            low = middle
+    floor = low  # the caller's budget, or the last one the doubling found failing
+    for _ in range(16):
+        while high - low > max(1, high // 100):
+            middle = (low + high) // 2
+            if _feasible(_with_ram(problem, middle), strategy):
+                high = middle
+            else:
+                low = middle
+        # Feasibility need not be monotone in the budget (accelerate's algorithm, inside "auto", is not): search on
+        # below a budget that works 1 % under the one found, so that the stated minimum really has 1 % less failing.
+        below = high - max(1, high // 100)
+        if below <= floor or not _feasible(_with_ram(problem, below), strategy):
+            break
+        high, low = below, floor
     return InfeasiblePlacement(
         f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: the smallest RAM budget "
-        f"that works with the other budgets unchanged is {_fmt(high)} ({high} B) on 'cpu' (buffers of offloaded "
+        f"found to work with the other budgets unchanged is {_fmt(high)} ({high} B) on 'cpu' (buffers of offloaded "
         f"modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to at least that, or "
         f"give accelerators more room.",
         device="cpu", minimum=high,

@@ -247,7 +247,7 @@ def _bad_cases(tmp):
         "profile unknown field": (["plan", SEG, *mm, "--profile", str(tmp / "unknown.json")], "unknown Profile fields"),
         "profile negative": (["plan", SEG, *mm, "--profile", str(tmp / "negative.json")], "finite number >= 0"),
         "bad dtype": (["plan", SEG, *mm, "--dtype", "int9"], "'int9' is not a torch dtype"),
-        "infeasible": (["plan", SEG, "--max-memory", "cpu=1MiB"], "smallest RAM budget that works"),
+        "infeasible": (["plan", SEG, "--max-memory", "cpu=1MiB"], "smallest RAM budget found to work"),
         "json folder missing": (["plan", SEG, *mm, "--json", str(tmp / "no" / "m.json")], "does not exist"),
         "plot folder missing": (["plan", SEG, *mm, "--plot", str(tmp / "no" / "p.png")], "does not exist"),
         "profile out folder missing": (["profile", "--out", str(tmp / "no" / "p.json")], "does not exist"),

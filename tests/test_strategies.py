@@ -3,6 +3,8 @@
 import logging
 
 import pytest
+import torch
+from torch import nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -140,3 +142,26 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
         return
     if strategy in ("auto", "ilp") and seq.valid and (strategy == "auto" or ours.optimal):
         assert seconds(ours) <= seconds(seq) * (1 + 1e-6)
+
+
+def test_minimum_ram_where_auto_is_not_monotone_in_the_budget():
+    """accelerate's algorithm (one of auto's candidates) fails at 20,520 B of RAM while it plans at 16,484 B and
+    20,600 B for this tree (a module whose direct tensors can only go to disk with it whole): the stated minimum
+    must work, 1 % less must not, and the search must not stop at the upper region."""
+    block = type("Block", (nn.Module,), {})
+
+    def param(n):
+        return nn.Parameter(torch.empty(n, device="meta"))
+
+    model = block()
+    model.c0, model.c1, model.c2 = block(), block(), block()
+    model.c0.c0, model.c0.c1, model.c1.c0 = block(), block(), block()
+    model.c0.c0.w0, model.c1.w0, model.c1.w1, model.c2.w0, model.c2.w1 = (param(n) for n in (1, 1024, 16, 4096, 0))
+    model.c0.c1.register_buffer("buf", torch.empty(8, device="meta"), persistent=False)
+    assert allocator.plan(model, {"cpu": 16_484}).valid and allocator.plan(model, {"cpu": 20_600}).valid
+    with pytest.raises(allocator.InfeasiblePlacement) as err:
+        allocator.plan(model, {"cpu": 0})
+    minimum = err.value.minimum
+    assert minimum < 20_000 and allocator.plan(model, {"cpu": minimum}).valid
+    with pytest.raises(allocator.InfeasiblePlacement):
+        allocator.plan(model, {"cpu": minimum - max(1, minimum // 100)})
