@@ -38,19 +38,25 @@ def test_estimate_by_hand():
     model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 1000))  # 4,004,000 B and 1,001,000 params each
     profile = allocator.Profile(accelerator_memory=1e12, host_to_device=1e10, disk_read=1e9, cpu_memory=1e10,
                                 device_to_device=1e10, switch_latency=1e-5, activation_bytes=10**6, tokens=1,
-                                accelerator_flops=1e14, cpu_flops=1e11)
+                                accelerator_flops=1e14, cpu_flops=1e11, offload_tensor_latency=1e-5,
+                                disk_tensor_latency=1e-4)
     p = allocator.build_problem(model, {0: 10**8, "cpu": 10**8}, profile=profile)
     size, numel = 4_004_000, 1_001_000
     resident = max(size / 1e12, 2 * numel / 1e14)
     # both on GPU 0: read each where it executes, no copy, no change
     assert estimate(p, {"": 0}).seconds == pytest.approx(2 * resident)
-    # second layer on cpu: executes on GPU 0 after a host-to-device copy; no change of executing device
+    # second layer on cpu: executes on GPU 0 after a host-to-device copy of its 2 tensors; no change of device
     c = estimate(p, {"0": 0, "1": "cpu"})
-    assert c.seconds == pytest.approx(2 * resident + size / 1e10)
+    assert c.seconds == pytest.approx(2 * resident + size / 1e10 + 2 * 1e-5)
     assert (c.streamed_bytes, c.disk_bytes, c.device_changes) == (size, 0, 0)
-    # on disk: disk read then host to device
+    # on disk: disk read then host to device, and each tensor opened from disk
     c = estimate(p, {"0": 0, "1": "disk"})
-    assert c.seconds == pytest.approx(2 * resident + size / 1e9 + size / 1e10) and c.disk_bytes == size
+    assert c.seconds == pytest.approx(2 * resident + size / 1e9 + size / 1e10 + 2 * (1e-4 + 1e-5))
+    assert c.disk_bytes == size
+    # the CPU as main device: only disk is streamed (no host-to-device copy), each tensor pays both latencies
+    p4 = allocator.build_problem(model, {"cpu": 10**8}, profile=profile)
+    ram = max(size / 1e10, 2 * numel / 1e11)
+    assert estimate(p4, {"0": "cpu", "1": "disk"}).seconds == pytest.approx(2 * ram + size / 1e9 + 2 * 1.1e-4)
     # two GPUs: one change of executing device
     p2 = allocator.build_problem(model, {0: 10**8, 1: 10**8}, profile=profile)
     c = estimate(p2, {"0": 0, "1": 1})
@@ -153,6 +159,7 @@ def test_ilp_on_random_trees(data):
     except allocator.InfeasiblePlacement:
         return
     assert best.valid, best.violations
+    assert _ilp_objective(best.placement) == pytest.approx(best.cost.seconds, rel=1e-9, abs=2e-9)
     for other in ("backfill", "reserve"):
         try:
             theirs = allocator.plan(model, budget, strategy=other)
@@ -160,3 +167,50 @@ def test_ilp_on_random_trees(data):
             continue
         if best.optimal:
             assert best.cost.seconds <= theirs.cost.seconds * (1 + 1e-6)
+
+
+def _ilp_objective(placement) -> float:
+    """The objective CP-SAT reached, in seconds, from the ilp's note (printed to the nanosecond)."""
+    import re
+
+    return float(re.search(r"estimated ([0-9.]+) ms per forward", placement.notes[0]).group(1)) / 1e3
+
+
+def _three_equal_layers():
+    """Three layers of 4,096 float32 each (16,384 B): one tensor, two tensors (weight and bias), one tensor."""
+    return nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(63, 64), nn.Linear(64, 64, bias=False))
+
+
+def test_estimate_charges_each_streamed_tensor():
+    profile = allocator.Profile(disk_tensor_latency=1e-3, offload_tensor_latency=1e-4)
+    p = allocator.build_problem(_three_equal_layers(), {"cpu": 2 * 16384}, profile=profile)
+    one = estimate(p, {"0": "disk", "1": "cpu", "2": "disk"})    # 2 tensors read from disk
+    three = estimate(p, {"0": "cpu", "1": "disk", "2": "disk"})  # 3 tensors, the same bytes
+    assert one.streamed_bytes == three.streamed_bytes == one.disk_bytes == 2 * 16384
+    assert three.seconds - one.seconds == pytest.approx(1e-3 + 1e-4)
+    # with an accelerator as main, a tensor streamed from RAM pays only the hook's latency
+    p = allocator.build_problem(_three_equal_layers(), {0: 2 * 16384, "cpu": 10**6}, profile=profile)
+    assert (estimate(p, {"0": "cpu", "1": 0, "2": 0}).seconds - estimate(p, {"0": 0, "1": "cpu", "2": 0}).seconds
+            == pytest.approx(-1e-4))
+
+
+def test_ilp_streams_fewer_tensors_when_bytes_tie():
+    # RAM for one resident layer plus one streamed at a time: two of the three layers go to disk, same bytes
+    # whichever two; keeping the two-tensor layer in RAM reads 2 tensors from disk instead of 3
+    placement = allocator.plan(_three_equal_layers(), {"cpu": 2 * 16384}, strategy="ilp")
+    assert placement.valid and placement.optimal
+    from allocator.runtime import device_of
+
+    assert [device_of(f"{i}.weight", placement.device_map) for i in range(3)] == ["disk", "cpu", "disk"]
+    assert allocator.plan(_three_equal_layers(), {"cpu": 2 * 16384}).device_map == placement.device_map
+
+
+@pytest.mark.parametrize("name", ["t5-base", "segformer-b0", "llama-3.2-1b"])
+def test_ilp_objective_is_the_estimate(name):
+    model = zoo.build(name)
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    for fractions in ({0: .3, "cpu": 2}, {0: .3, 1: .3, "cpu": 2}, {"cpu": .4}, {0: .15, "cpu": .3}):
+        problem = allocator.build_problem(model, {d: int(total * f) for d, f in fractions.items()})
+        placement = ilp.place(problem)
+        assert _ilp_objective(placement) == pytest.approx(estimate(problem, placement.device_map).seconds,
+                                                          rel=1e-9, abs=2e-9), (name, fractions)

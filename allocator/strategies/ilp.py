@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from ..budgets import is_accelerator
-from ..cost import Profile, change_seconds, execute_seconds
+from ..cost import Profile, change_seconds, tensor_seconds
 from ..errors import AllocatorError
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
@@ -71,6 +71,7 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
         devices += ["disk"] if main == "mps" else ["cpu", "disk"]
     targets = {"disk"} if main in ("cpu", "mps") else {"cpu", "disk"}
     model = cp_model.CpModel()
+    tensors = [[t for u in grp.units for t in _unit_tensors(g, u)] for grp in found]
     x = {(k, d): model.NewBoolVar(f"x{k}_{d}") for k in range(len(found)) for d in devices}
     off = {}
     for k, grp in enumerate(found):
@@ -135,16 +136,19 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
         else:
             model.Add(sum(grp.size * x[k, d] for k, grp in enumerate(found)) <= limit)
 
-    # Objective: reads, copies, changes of executing device (in picoseconds).
+    # Objective: the estimate, tensor by tensor (reads, copies, per-tensor latencies), and the changes of executing
+    # device, in picoseconds.
     terms = []
     for k, grp in enumerate(found):
         for d in devices:
-            cost = execute_seconds(problem, main, profile, d, grp.size, grp.numel, grp.offload if d in targets else 0)
+            cost = sum(tensor_seconds(problem, main, profile, g.tensors[t], d) for t in tensors[k])
             if cost:
                 terms.append(int(round(cost * NS)) * x[k, d])
     accelerators = [d for d in devices if d not in ("cpu", "disk")]
     if main != "cpu" and len(accelerators) > 1 or (main != "cpu" and targets):
-        sequence = [unit_group[name] for name in _unit_order(found, g) if unit_by_name[name].size]
+        weighted = {u.name for k, grp in enumerate(found) for u in grp.units
+                    if any(g.tensors[t].nbytes for t in _unit_tensors(g, u))}
+        sequence = [unit_group[name] for name in _unit_order(found, g) if name in weighted]
         change_ps = int(round(change_seconds(profile) * NS))
         for k1, k2 in zip(sequence, sequence[1:]):
             if k1 == k2:
@@ -178,6 +182,18 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
     return placed, status == cp_model.OPTIMAL, solver.ObjectiveValue() / NS
 
 
+def _unit_tensors(g, unit) -> list[int]:
+    """Indices of the graph tensors a unit holds (its subtree's, or the one tensor of a tensor unit)."""
+    if unit.node < 0:
+        return [g.tensor_index[unit.name]]
+    out, stack = [], [unit.node]
+    while stack:
+        n = stack.pop()
+        out += g.nodes[n].params + g.nodes[n].buffers
+        stack.extend(g.nodes[n].children)
+    return out
+
+
 def _unit_order(found: list[Group], g) -> list[str]:
     names = [u.name for grp in found for u in grp.units]
     position = {}
@@ -196,7 +212,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     ----------
     problem : Problem
     profile : Profile, optional
-        Bandwidths of the target machine (defaults when omitted).
+        Bandwidths of the target machine (the problem's when omitted).
     time_limit : float
         Deterministic time for CP-SAT, shared by the main-device candidates.
     max_units : int
@@ -211,7 +227,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     """
     from ._select import infeasible
 
-    profile = profile or Profile()
+    profile = profile or problem.profile
     found = unit_groups(problem.graph, problem.options.offload_buffers)
     found, merged = _coarsen(found, max_units)
     mains = main_candidates(problem)
@@ -233,7 +249,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if violations:
         raise AllocatorError(f"ilp produced an invalid plan (a modelling bug, please report): {violations[:3]}")
     notes = [f"CP-SAT over {len(found)} groups for main devices {mains}: best main {main!r}, "
-             f"estimated {objective * 1e3:.3f} ms per forward, {'proven optimal' if proven else 'not proven optimal'}"]
+             f"estimated {objective * 1e3:.6f} ms per forward, {'proven optimal' if proven else 'not proven optimal'}"]
     if merged:
         notes.append(f"coarsened: {merged} merges of consecutive units to stay under {max_units} groups")
     return Placement(device_map=device_map, strategy="ilp", notes=tuple(notes), optimal=proven and not merged)
