@@ -277,23 +277,36 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
         incumbent = (estimate(problem, hint, profile).seconds, dict(hint))
     mains = main_candidates(problem)
     hinted = main_device(hint.values()) if hint else None
-    mains.sort(key=lambda m: m != hinted)  # the hint's main first: its optimum is the cutoff for the others
+    # The other mains first, bounded by the hint's cost (most are pruned at once); the hint's main gets the time
+    # left; mains still unproven then share what remains, from their best plan and below the best cost.
+    mains.sort(key=lambda m: m == hinted)
     unit_hint = {u.name: device_of(u.name, hint) for grp in found for u in grp.units} if hint else None
-    best, proven, left = None, True, time_limit
-    for i, main in enumerate(mains):
-        cutoff = best[0] if best else None
-        if incumbent is not None:  # the hint's cost, with room for the per-group rounding of the objective
-            slack = int(round(incumbent[0] * NS)) + len(found) + len(sequence)
-            cutoff = slack if cutoff is None else min(cutoff, slack)
-        solved = _solve_for_main(problem, found, tensors, sequence, main, profile, left / (len(mains) - i),
-                                 unit_hint if main == hinted else None, cutoff)
-        left = max(0.0, left - solved.work)
-        proven = proven and solved.proven
-        if solved.placed is not None and (best is None or solved.objective < best[0]):
-            best = (solved.objective, main, solved.placed)
+    slack = len(found) + len(sequence)  # the objective rounds each group's cost and each change to a picosecond
+    best, left, hints, todo = None, time_limit, {}, list(mains)
+    for _ in range(2):
+        pending = []
+        for i, main in enumerate(todo):
+            cutoff = best[0] if best else None
+            if incumbent is not None:
+                bound = int(round(incumbent[0] * NS)) + slack
+                cutoff = bound if cutoff is None else min(cutoff, bound)
+            start = hints.get(main, unit_hint if main == hinted else None)
+            solved = _solve_for_main(problem, found, tensors, sequence, main, profile, left / (len(todo) - i), start,
+                                     cutoff)
+            left = max(0.0, left - solved.work)
+            if not solved.proven:
+                pending.append(main)
+            if solved.placed is not None:
+                hints[main] = solved.placed
+                if best is None or solved.objective < best[0]:
+                    best = (solved.objective, main, solved.placed)
+        if not pending or left <= 0:
+            break
+        todo = pending
+    proven = not pending
     if best is None and incumbent is None:
         raise infeasible(problem)
-    if best is None or (incumbent is not None and best[0] / NS > incumbent[0] + (len(found) + len(sequence)) / NS):
+    if best is None or (incumbent is not None and best[0] / NS > incumbent[0] + slack / NS):
         # CP-SAT found nothing at or below the hint: the hint is the plan (optimal when every main was proven)
         objective, main, placed = incumbent[0] * NS, main_device(incumbent[1].values()), incumbent[1]
         kept = "; no better plan than the warm start"
