@@ -1,19 +1,29 @@
 """``ilp``: an optimal plan by OR-Tools CP-SAT over the finest legal units.
 
 Model, for each device that could be main (``M``): one device per tie group; accelerators before ``M`` stay empty and
-``M`` holds at least one group; budgets with the exact reservation on ``M`` — the largest *chain* of weights that
-offloaded units stream at once (a variable per split module: its offloaded direct weights plus its largest child
-chain) — plus the buffers of offloaded groups; RAM holds cpu-offloaded weights; a disk budget holds disk weights when
-given. The objective is :func:`allocator.cost.estimate` in picoseconds: reading weights where they execute, copying
-offloaded ones, and each change of executing device between consecutive units.
+``M`` holds at least one group; budgets with the exact reservation on ``M`` — the largest streamed chain of what is
+offloaded, which is the largest ``stream`` of an offloaded group (only whole-module units are ever offloaded, and a
+root-to-leaf chain crosses one unit at most), as a staircase of booleans — plus the buffers of offloaded groups; RAM
+holds cpu-offloaded weights; a disk budget holds disk weights when given. The objective is
+:func:`allocator.cost.estimate` in picoseconds, priced tensor by tensor with :func:`allocator.cost.tensor_seconds`
+(reads, copies, per-tensor latencies) plus each change of executing device between consecutive units, so a plan's
+objective is its estimate up to rounding.
 
-Deterministic: one worker, a fixed seed, a deterministic time limit (``max_deterministic_time``), warm-started from
-the best heuristic plan. ``Placement.optimal`` says whether optimality was proven for every main device.
+Search: warm-started from the best valid plan of ``sequential``, ``reserve`` and ``backfill`` (or the caller's
+``hint``), whose cost also bounds every main device's objective from above; the other main devices are solved first
+(most are pruned at once by that bound), then the hint's main gets the deterministic time left; mains still unproven
+get a second round. Interchangeable groups (same sizes, streams and costs) take devices in a fixed order, and with
+two executing devices runs of identical neighbours are ordered one way or the other.
+
+Deterministic: one worker, a fixed seed, deterministic time limits (``max_deterministic_time``). ``Placement.optimal``
+is ``True`` only when every main device was solved to optimality or proven unable to beat the returned plan. When
+CP-SAT finds nothing at or below the warm start, the warm start is returned, so ``ilp`` is never estimated slower
+than the best of those heuristics.
 
 Notes
 -----
 Beyond ``max_units`` groups, consecutive single-unit groups are merged (a merged group goes to one device, so the
-plan stays legal but may lose a little); ``explain()`` says so.
+plan stays legal but may lose a little, and it is not called optimal); ``explain()`` says so.
 """
 
 from __future__ import annotations
@@ -249,16 +259,23 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     profile : Profile, optional
         Bandwidths of the target machine (the problem's when omitted).
     time_limit : float
-        Deterministic time for CP-SAT, shared by the main-device candidates.
+        Deterministic time for CP-SAT (``max_deterministic_time``, roughly seconds of one core), shared by the
+        main-device candidates; time one leaves unused goes to the next.
     max_units : int
         Beyond this many tie groups, consecutive groups are merged.
     hint : dict, optional
-        A device map to warm-start from (e.g. the best heuristic's).
+        A device map to warm-start from and to beat; when omitted, the best valid plan of ``sequential``,
+        ``reserve`` and ``backfill``.
+
+    Returns
+    -------
+    Placement
+        ``optimal`` is ``True`` when proven for every main device.
 
     Raises
     ------
     InfeasiblePlacement
-        When no main device admits a plan (CP-SAT proves it, or finds nothing in time).
+        When no main device admits a plan (CP-SAT proves it, or finds nothing in time) and the hint is not valid.
     """
     from ._select import infeasible
 
