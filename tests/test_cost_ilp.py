@@ -32,6 +32,8 @@ def test_profile_rejects_bad_values_and_round_trips():
 def test_profile_measure_gives_positive_bandwidths():
     p = allocator.Profile.measure(size=2**22, repeats=1)
     assert p.cpu_memory > 1e8 and p.disk_read > 1e6 and p.cpu_flops > 1e8
+    # accelerate's hooks timed per tensor: reading from a safetensors file costs more than serving from RAM
+    assert 0 < p.offload_tensor_latency < 0.1 and 0 < p.disk_tensor_latency < 0.1
 
 
 def test_estimate_by_hand():
@@ -214,3 +216,46 @@ def test_ilp_objective_is_the_estimate(name):
         placement = ilp.place(problem)
         assert _ilp_objective(placement) == pytest.approx(estimate(problem, placement.device_map).seconds,
                                                           rel=1e-9, abs=2e-9), (name, fractions)
+
+
+def _brute_force(problem) -> float:
+    """The lowest estimate over every assignment of tie groups to devices that ``check`` accepts."""
+    import itertools
+
+    from allocator.units import groups
+    from allocator.validate import check
+
+    found = groups(problem.graph)
+    devices = list(problem.budgets.order)
+    best = float("inf")
+    for choice in itertools.product(devices, repeat=len(found)):
+        device_map = {u.name: d for grp, d in zip(found, choice) for u in grp.units}
+        if not check(problem, device_map)[0]:
+            best = min(best, estimate(problem, device_map).seconds)
+    return best
+
+
+def _blocks(*widths):
+    return nn.Sequential(*[nn.Linear(w, w) for w in widths])
+
+
+SMALL, LARGE, MID = 32 * 33 * 4, 64 * 65 * 4, 48 * 49 * 4
+BRUTE_CASES = [
+    (_blocks(32, 32, 64, 32, 32, 32), {0: 2 * SMALL + LARGE, 1: 2 * SMALL, "cpu": SMALL}),
+    (_blocks(32, 32, 64, 32, 32, 32), {0: 3 * SMALL, 1: LARGE + SMALL, "cpu": 10**6}),
+    (_blocks(32, 32, 64, 32, 32, 32), {"cpu": LARGE + 2 * SMALL}),
+    # the run of identical blocks must go GPU 1 first, then GPU 0: only the descending order of the run is optimal
+    (_blocks(64, 32, 32, 32, 48), {0: MID + SMALL, 1: LARGE + 2 * SMALL, "cpu": SMALL}),
+]
+
+
+@pytest.mark.parametrize("switch_latency", [20e-6, 5e-3])
+@pytest.mark.parametrize("case", range(len(BRUTE_CASES)))
+def test_ilp_matches_brute_force_with_identical_blocks(case, switch_latency):
+    # Runs of identical blocks (symmetry broken by the model) around larger ones, two GPUs, RAM and disk; a large
+    # switch latency makes fewer changes of executing device worth streaming more.
+    model, budget = BRUTE_CASES[case]
+    problem = allocator.build_problem(model, budget, profile=allocator.Profile(switch_latency=switch_latency))
+    placement = ilp.place(problem, hint={})  # no warm start: the model alone must find the optimum
+    assert placement.optimal
+    assert estimate(problem, placement.device_map).seconds == pytest.approx(_brute_force(problem), rel=1e-9)
