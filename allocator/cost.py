@@ -52,7 +52,8 @@ def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: in
     else:
         seconds = max(nbytes / profile.accelerator_memory, 2 * numel * profile.tokens / profile.accelerator_flops)
     if device == "disk":
-        seconds += offload / profile.disk_read + tensors * (profile.disk_tensor_latency + profile.offload_tensor_latency)
+        seconds += offload / profile.disk_read
+        seconds += tensors * (profile.disk_tensor_latency + profile.offload_tensor_latency)
     if device in ("cpu", "disk") and run_on != "cpu" and not (device == "cpu" and main == "mps"):
         seconds += offload / profile.host_to_device
         if device == "cpu":

@@ -203,5 +203,6 @@ def _tensor_latencies(repeats: int, layers: int = 64) -> dict:
                   "offload_tensor_latency": max(from_ram - plain, 0.0) / len(state)}
         if torch.cuda.is_available():
             plain = seconds(build().to("cuda"), "cuda")
-            values["offload_tensor_latency"] = max(seconds(build("cpu", main_device=0), "cuda") - plain, 0.0) / len(state)
+            to_device = seconds(build("cpu", main_device=0), "cuda")
+            values["offload_tensor_latency"] = max(to_device - plain, 0.0) / len(state)
     return values

@@ -66,12 +66,13 @@ def cells_table(rows) -> tuple[str, dict]:
                 beaten.append(f"{model} {cell}: {s} {e:.6g} ms < ilp {mine}")
         if mine is not None and acc:
             ratios.append(mine / acc)
-        lines.append(f"| {model} | {cell} | {'' if ilp['valid'] == 'infeasible' else 'yes' if ilp['optimal'] is True else '**no**'} "
-                     f"| {float(ilp['seconds']):.2f} | {float(ilp['cpu_seconds']):.2f} | " + " | ".join(costs) + " | "
-                     + " | ".join(rel) + " |")
+        proof = "" if ilp["valid"] == "infeasible" else "yes" if ilp["optimal"] is True else "**no**"
+        lines.append(f"| {model} | {cell} | {proof} | {float(ilp['seconds']):.2f} | {float(ilp['cpu_seconds']):.2f} | "
+                     + " | ".join(costs + rel) + " |")
     figures = dict(cells=len(keys), plans=plans, proven=proven, infeasible=infeasible, beaten=beaten,
                    slowest=max(walls), max_cpu=max(cpus), median_wall=statistics.median(w[0] for w in walls),
-                   over5=sum(w[0] > 5 for w in walls), ratio=statistics.geometric_mean(ratios) if ratios else float("nan"),
+                   over5=sum(w[0] > 5 for w in walls),
+                   ratio=statistics.geometric_mean(ratios) if ratios else float("nan"),
                    unproven=[f"{r['model']} {r['cell']}" for r in rows
                              if r["method"] == "ilp" and r["valid"] is True and r["optimal"] is not True])
     return "\n".join(head + lines), figures
@@ -81,8 +82,8 @@ def summary(f: dict) -> str:
     wall, model, cell = f["slowest"]
     return "\n".join([
         f"- `ilp` proved its plan optimal in **{f['proven']} / {f['plans']}** cells with a plan "
-        f"({100 * f['proven'] / max(f['plans'], 1):.1f} %); {f['infeasible']} cell(s) have no valid plan (every strategy "
-        f"raises `InfeasiblePlacement`). Unproven: {', '.join(f['unproven']) or 'none'}.",
+        f"({100 * f['proven'] / max(f['plans'], 1):.1f} %); {f['infeasible']} cell(s) have no valid plan "
+        f"(every strategy raises `InfeasiblePlacement`). Unproven: {', '.join(f['unproven']) or 'none'}.",
         f"- Planning time of `ilp` (wall, `allocator.plan` including building the problem): median "
         f"{f['median_wall']:.2f} s, max {wall:.2f} s ({model} {cell}); {f['over5']} cell(s) over 5 s; max CPU time "
         f"{f['max_cpu']:.2f} s.",

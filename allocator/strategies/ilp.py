@@ -95,7 +95,8 @@ def _runs(found: list[Group], sequence: list[int], cost: list[dict], changes: bo
     """
     def key(k):
         grp = found[k]
-        return (grp.size, grp.offload, grp.pinned, grp.stream, grp.resident_only, tuple(sorted(cost[k].items(), key=str)))
+        return (grp.size, grp.offload, grp.pinned, grp.stream, grp.resident_only,
+                tuple(sorted(cost[k].items(), key=str)))
 
     single = {k for k, grp in enumerate(found) if len(grp.units) == 1}
     if not changes:
@@ -336,7 +337,8 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if violations:
         raise AllocatorError(f"ilp produced an invalid plan (a modelling bug, please report): {violations[:3]}")
     notes = [f"CP-SAT over {len(found)} groups for main devices {mains}: best main {main!r}, "
-             f"estimated {objective * 1e3:.6f} ms per forward, {'proven optimal' if proven else 'not proven optimal'}{kept}"]
+             f"estimated {objective * 1e3:.6f} ms per forward, "
+             f"{'proven optimal' if proven else 'not proven optimal'}{kept}"]
     if merged:
         notes.append(f"coarsened: {merged} merges of consecutive units to stay under {max_units} groups")
     return Placement(device_map=device_map, strategy="ilp", notes=tuple(notes), optimal=proven and not merged)
