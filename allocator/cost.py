@@ -1,7 +1,8 @@
 """Cost model: what a placement costs per forward pass, in bytes moved and estimated seconds.
 
 Per forward, in model order, every unit reads its weights where it executes; an offloaded unit first pays the
-copy to the main device (host to device for ``cpu``; a disk read, then host to device, for ``disk``); a change of
+copy to the main device (host to device for ``cpu``; a disk read, then host to device, for ``disk``) and a fixed
+latency per tensor its hooks stream (more from disk: accelerate opens the checkpoint for each tensor); a change of
 executing device between consecutive units pays an activation transfer plus a fixed latency. The first-order
 effect: bytes kept resident on accelerators are bytes not copied at every forward.
 
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 from .budgets import is_accelerator
 from .cost_profile import Profile
 from .problem import Problem
-from .runtime import tensor_devices
+from .runtime import moves_with_weights, offloaded_devices, tensor_devices
 
-__all__ = ["Profile", "Cost", "estimate", "execute_seconds", "change_seconds"]
+__all__ = ["Profile", "Cost", "estimate", "execute_seconds", "tensor_seconds", "change_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,15 @@ class Cost:
     resident_fast: int      # bytes resident on the fastest tier
 
 
-def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int) -> float:
+def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
+                    tensors: int = 0) -> float:
     """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device.
 
     Where it executes: the larger of reading its weights and computing with them (``2 * numel * tokens`` FLOP);
     offloaded pieces also pay their copy (host to device for ``cpu``; disk read, then host to device, for ``disk``;
-    only the disk read when the CPU is main).
+    only the disk read when the CPU is main), and a fixed latency for each of the ``tensors`` their hooks stream
+    (``offload_tensor_latency``, plus ``disk_tensor_latency`` from disk). ``offload`` and ``tensors`` are 0 for a
+    piece that is not streamed.
     """
     run_on = main if device in ("cpu", "disk") else device
     if run_on == "cpu":
@@ -49,9 +53,24 @@ def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: in
         seconds = max(nbytes / profile.accelerator_memory, 2 * numel * profile.tokens / profile.accelerator_flops)
     if device == "disk":
         seconds += offload / profile.disk_read
+        seconds += tensors * (profile.disk_tensor_latency + profile.offload_tensor_latency)
     if device in ("cpu", "disk") and run_on != "cpu" and not (device == "cpu" and main == "mps"):
         seconds += offload / profile.host_to_device
+        if device == "cpu":
+            seconds += tensors * profile.offload_tensor_latency
     return seconds
+
+
+def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
+    """Seconds one tensor of the graph costs per forward on ``device`` with ``main`` as the main device.
+
+    :func:`estimate` is the sum of this over the tensors plus the changes of executing device; ``ilp`` prices its
+    groups with it, so its objective is the estimate.
+    """
+    moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
+    numel = tensor.numel if tensor.is_param and tensor.counted else 0
+    return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
+                           int(moves))
 
 
 def change_seconds(profile: Profile) -> float:
@@ -76,7 +95,7 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
     main = memory.main
     g = problem.graph
     devices = tensor_devices(g, device_map)
-    offloaded = {"disk"} if main in ("cpu", "mps") else {"cpu", "disk"}
+    offloaded = offloaded_devices(main)
     seconds = 0.0
     streamed = disk = fast = changes = 0
     last = None
@@ -85,9 +104,8 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
         if d is None:
             continue
         run_on = main if d in offloaded or not is_accelerator(d) else d
-        moves = d in offloaded and (t.is_param or (problem.options.offload_buffers and t.persistent))
-        numel = t.numel if t.is_param and t.counted else 0
-        seconds += execute_seconds(problem, main, profile, d, t.nbytes, numel, t.nbytes if moves else 0)
+        moves = d in offloaded and moves_with_weights(t, problem.options.offload_buffers)
+        seconds += tensor_seconds(problem, main, profile, t, d)
         if moves:
             streamed += t.nbytes
             disk += t.nbytes if d == "disk" else 0

@@ -37,6 +37,19 @@ ACTIVATION_BYTES = 4 * 2**20
 #: Tokens (or patches) per forward: a 512-token prompt. Set 1 to model one decoding step, where reading weights
 #: dominates and running on the CPU can beat streaming weights over PCIe.
 TOKENS = 512
+#: Per tensor streamed to the main device at each forward, whatever its size: accelerate's ``AlignDevicesHook``
+#: fetches each offloaded tensor from its weights map and swaps it in with ``set_module_tensor_to_device`` (then
+#: back to meta after the module ran). 66 us measured on the machine of ``benchmarks/results/latency.md`` (x86_64,
+#: 2 shared cores, accelerate 1.15): 64 ``Linear(4, 4)`` (128 tensors) hooked with their weights served from a
+#: state dict in RAM, forward time minus the same model without hooks, per tensor (``Profile.measure`` repeats
+#: it, and with an accelerator as the target when CUDA exists; a small copy to an accelerator adds its launch).
+OFFLOAD_TENSOR_LATENCY = 66e-6
+#: Per tensor read from disk at each forward, on top of :data:`OFFLOAD_TENSOR_LATENCY` and the bytes: accelerate's
+#: ``OffloadedWeightsLoader.__getitem__`` opens the safetensors checkpoint (``safe_open``: header parse, mmap) for
+#: *each* tensor. Measured as above with the weights served from a safetensors file (page cache warm): 352 us per
+#: tensor in all, minus the 66 us hook path. The least-squares fit of benchmarks/results/latency.md over whole
+#: models gives 0.35-0.8 ms per disk tensor in all.
+DISK_TENSOR_LATENCY = 286e-6
 #: Dense TF32 tensor-core throughput of an NVIDIA A100: 156 TFLOPS (NVIDIA A100 datasheet).
 ACCELERATOR_FLOPS = 156e12
 #: FP32 throughput of a 16-core AVX-512 server CPU: 16 cores x 2.0 GHz x 32 FLOP/cycle ~ 1 TFLOPS.
@@ -59,6 +72,10 @@ class Profile:
     """Moving activations between accelerators (or between an accelerator and the host)."""
     switch_latency: float = SWITCH_LATENCY
     """Fixed cost of a change of executing device."""
+    offload_tensor_latency: float = OFFLOAD_TENSOR_LATENCY
+    """Fixed cost per offloaded tensor streamed to the main device per forward (the hook's fetch and swap)."""
+    disk_tensor_latency: float = DISK_TENSOR_LATENCY
+    """Further fixed cost per tensor read from disk per forward (accelerate opens the checkpoint per tensor)."""
     activation_bytes: int = ACTIVATION_BYTES
     """Activation bytes moved at each change of executing device."""
     tokens: int = TOKENS
@@ -92,7 +109,10 @@ class Profile:
     def measure(cls, *, size: int = 64 * 2**20, repeats: int = 3) -> "Profile":
         """Measure this machine: RAM copy and disk read always, host-to-device and accelerator memory where CUDA exists.
 
-        Disk reads use a temporary file evicted from the page cache with ``posix_fadvise`` where available.
+        Disk reads use a temporary file evicted from the page cache with ``posix_fadvise`` where available. The
+        per-tensor latencies time accelerate's own hooks (when accelerate and safetensors import) on 64 tiny
+        ``Linear`` layers, page cache warm: weights served from RAM (to the accelerator where CUDA exists) for
+        ``offload_tensor_latency``, from a safetensors file minus that for ``disk_tensor_latency``.
         Unmeasured fields keep their defaults.
         """
         import numpy as np
@@ -110,6 +130,10 @@ class Profile:
             values["disk_read"] = _best(lambda: _read_uncached(path), size, repeats)
         finally:
             os.unlink(path)
+        try:
+            values.update(_tensor_latencies(repeats))
+        except ImportError as err:
+            log.warning("could not time accelerate's offload hooks (%s); keeping default per-tensor latencies", err)
         try:
             import torch
 
@@ -142,3 +166,43 @@ def _read_uncached(path: str) -> None:
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         while fh.read(2**22):
             pass
+
+
+def _tensor_latencies(repeats: int, layers: int = 64) -> dict:
+    """Seconds per tensor of accelerate's offload hooks: the hook path from RAM, and the extra of a disk read.
+
+    Times forwards of ``layers`` ``Linear(4, 4)`` (bytes negligible) dispatched by ``accelerate.dispatch_model``:
+    without hooks, with every layer offloaded and its weights served from a state dict in RAM, and served from a
+    safetensors file (what ``from_pretrained`` sets up); the differences divided by the tensor count. With CUDA,
+    the hook path is timed with the accelerator as the main device (it then includes the copy's launch).
+    """
+    import torch
+    from accelerate import dispatch_model
+    from safetensors.torch import save_file
+
+    def build(to=None, **dispatch):
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)]).eval()
+        if to is not None:
+            dispatch_model(model, {str(i): to for i in range(layers)}, **dispatch)
+        return model
+
+    def seconds(model, device="cpu") -> float:
+        x = torch.ones(1, 4, device=device)
+        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+        return 1 / _best(lambda: (model(x), sync()), 1, max(repeats, 3))
+
+    state = {k: v.contiguous() for k, v in build().state_dict().items()}
+    with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "weights.safetensors")
+        save_file(state, path)
+        plain = seconds(build())
+        from_ram = seconds(build("disk", main_device="cpu", state_dict=state, offload_index={k: {} for k in state}))
+        from_disk = seconds(build("disk", main_device="cpu", offload_index={
+            k: {"safetensors_file": path, "weight_name": k} for k in state}))
+        values = {"disk_tensor_latency": max(from_disk - from_ram, 0.0) / len(state),
+                  "offload_tensor_latency": max(from_ram - plain, 0.0) / len(state)}
+        if torch.cuda.is_available():
+            plain = seconds(build().to("cuda"), "cuda")
+            to_device = seconds(build("cpu", main_device=0), "cuda")
+            values["offload_tensor_latency"] = max(to_device - plain, 0.0) / len(state)
+    return values

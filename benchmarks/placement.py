@@ -1,8 +1,9 @@
 """Placement benchmark: the zoo x budgets, accelerate and transformers against our strategies, on the meta device.
 
 For every cell it records, per method: the share of the model resident on the fastest tier (accelerators, or RAM
-when there are none), whether the map is valid under accelerate's runtime rules (``allocator.validate``), the
-violations, and the planning time. Writes ``benchmarks/results/placement.csv``, ``placement.md`` and
+when there are none), the estimated time per forward, whether the map is valid under accelerate's runtime rules
+(``allocator.validate``), the violations, the planning time (wall and CPU) and, for our strategies, whether the plan
+is proven optimal (``Plan.optimal``; ``ilp``). Writes ``benchmarks/results/placement.csv``, ``placement.md`` and
 ``placement.png``.
 
     python benchmarks/placement.py           # all 41 architectures x 13 budgets
@@ -59,7 +60,7 @@ def transformers_map(mode):
 
 def ours(strategy):
     def run(model, budget, problem):
-        return allocator.plan(model, budget, strategy=strategy).device_map
+        return allocator.plan(model, budget, strategy=strategy)
 
     return run
 
@@ -68,7 +69,9 @@ METHODS = {"accelerate": accelerate_map, "transformers-auto": transformers_map("
            "transformers-balanced": transformers_map("balanced"), **{s: ours(s) for s in OURS}}
 
 
-def measure(names, cells):
+def measure(names, cells, methods=None):
+    """One row per (architecture, budget cell, method) of ``methods`` (a subset of :data:`METHODS`; all when omitted)."""
+    methods = {m: METHODS[m] for m in (methods or METHODS)}
     rows = []
     for name in names:
         model = zoo.build(name)
@@ -76,16 +79,19 @@ def measure(names, cells):
         for cell in cells:
             budget = {d: int(total * f) for d, f in GRID[cell].items()}
             problem = allocator.build_problem(model, budget)
-            for method, fn in METHODS.items():
-                start = time.perf_counter()
+            for method, fn in methods.items():
+                start, cpu = time.perf_counter(), time.process_time()
                 try:
                     device_map = fn(model, budget, problem)
                 except allocator.InfeasiblePlacement as err:
                     rows.append(dict(model=name, cell=cell, method=method, share="", est_ms="", valid="infeasible",
                                      violations="", seconds=f"{time.perf_counter() - start:.4f}",
+                                     cpu_seconds=f"{time.process_time() - cpu:.4f}", optimal="",
                                      minimum_ram=err.minimum, largest="", offloaded=""))
                     continue
-                seconds = time.perf_counter() - start
+                seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+                optimal = getattr(device_map, "optimal", None)
+                device_map = getattr(device_map, "device_map", device_map)
                 violations, memory = check(problem, device_map)
                 cost = estimate(problem, device_map)
                 accelerators = [memory.peak[d] for d in problem.budgets.accelerators if d in memory.peak]
@@ -93,7 +99,8 @@ def measure(names, cells):
                                  share=f"{cost.resident_fast / total:.4f}", est_ms=f"{cost.seconds * 1e3:.4f}",
                                  valid=not violations,
                                  violations=";".join(sorted({v.kind for v in violations})),
-                                 seconds=f"{seconds:.4f}", minimum_ram="",
+                                 seconds=f"{seconds:.4f}", cpu_seconds=f"{cpu:.4f}",
+                                 optimal="" if optimal is None else optimal, minimum_ram="",
                                  largest=f"{max(accelerators) / total:.4f}" if accelerators else "",
                                  offloaded=bool({"cpu", "disk"} & set(device_map.values()))))
         print(f"{name}: done", file=sys.stderr, flush=True)

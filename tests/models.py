@@ -88,6 +88,11 @@ class SavedModel:
         g = self.problem.graph
         return sum(t.counted for t, d in zip(g.tensors, tensor_devices(g, device_map)) if d == "cpu")
 
+    def disk_tensors(self, device_map) -> int:
+        """Parameters ``device_map`` leaves on disk: each is read (one ``safe_open``) at every forward."""
+        g = self.problem.graph
+        return sum(t.is_param for t, d in zip(g.tensors, tensor_devices(g, device_map)) if d == "disk")
+
 
 @contextlib.contextmanager
 def quiet_hf():

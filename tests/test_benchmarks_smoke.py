@@ -1,8 +1,9 @@
 """Smoke tests: every benchmark script runs end to end in a subprocess and writes its CSV and markdown.
 
-Each script runs in its smallest mode into a temporary ``--out`` folder (placement: one architecture; latency:
-``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls; gpu: ``--dry-run``,
-tiny models with the CPU as the device, and its generate case). The numbers are not checked, only that the files appear with rows.
+Each script runs in its smallest mode into a temporary ``--out`` folder (placement and ilp_optimality: one
+architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
+gpu: ``--dry-run``, tiny models with the CPU as the device, and its generate case). The numbers are not checked, only
+that the files appear with rows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ TIMEOUT = 240  # seconds per script; each takes 10-30 s on 2 shared cores, most 
 
 CASES = {
     "placement": (["--models", "segformer-b0"], "placement"),
+    "ilp_optimality": (["--models", "segformer-b0"], "ilp"),
     "latency": (["--smoke"], "latency"),
     "planning_speed": (["--sizes", "1000", "--repeat-seconds", "0"], "planning_speed"),
     "gpu": (["--dry-run"], "gpu"),

@@ -85,7 +85,7 @@ def test_plan_compare_against_accelerate(capsys, seg):
     assert code == 0 and err == ""
     ours = allocator.plan(model, budget)
     theirs = allocator.plan(model, budget, strategy="sequential")
-    assert theirs.cost.resident_fast < 0.1 * total < 0.5 * total < ours.cost.resident_fast  # the Segformer imbalance
+    assert theirs.cost.resident_fast < 0.1 * total < 0.4 * total < ours.cost.resident_fast  # the Segformer imbalance
     assert f"accelerate {cli._size(theirs.cost.resident_fast)} ({theirs.cost.resident_fast / total:.1%}) -> " \
            f"allocator {cli._size(ours.cost.resident_fast)} ({ours.cost.resident_fast / total:.1%})" in out
     assert f"({theirs.cost.seconds / ours.cost.seconds:.2f}x faster)" in out

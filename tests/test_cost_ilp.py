@@ -32,25 +32,33 @@ def test_profile_rejects_bad_values_and_round_trips():
 def test_profile_measure_gives_positive_bandwidths():
     p = allocator.Profile.measure(size=2**22, repeats=1)
     assert p.cpu_memory > 1e8 and p.disk_read > 1e6 and p.cpu_flops > 1e8
+    # accelerate's hooks timed per tensor: reading from a safetensors file costs more than serving from RAM
+    assert 0 < p.offload_tensor_latency < 0.1 and 0 < p.disk_tensor_latency < 0.1
 
 
 def test_estimate_by_hand():
     model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 1000))  # 4,004,000 B and 1,001,000 params each
     profile = allocator.Profile(accelerator_memory=1e12, host_to_device=1e10, disk_read=1e9, cpu_memory=1e10,
                                 device_to_device=1e10, switch_latency=1e-5, activation_bytes=10**6, tokens=1,
-                                accelerator_flops=1e14, cpu_flops=1e11)
+                                accelerator_flops=1e14, cpu_flops=1e11, offload_tensor_latency=1e-5,
+                                disk_tensor_latency=1e-4)
     p = allocator.build_problem(model, {0: 10**8, "cpu": 10**8}, profile=profile)
     size, numel = 4_004_000, 1_001_000
     resident = max(size / 1e12, 2 * numel / 1e14)
     # both on GPU 0: read each where it executes, no copy, no change
     assert estimate(p, {"": 0}).seconds == pytest.approx(2 * resident)
-    # second layer on cpu: executes on GPU 0 after a host-to-device copy; no change of executing device
+    # second layer on cpu: executes on GPU 0 after a host-to-device copy of its 2 tensors; no change of device
     c = estimate(p, {"0": 0, "1": "cpu"})
-    assert c.seconds == pytest.approx(2 * resident + size / 1e10)
+    assert c.seconds == pytest.approx(2 * resident + size / 1e10 + 2 * 1e-5)
     assert (c.streamed_bytes, c.disk_bytes, c.device_changes) == (size, 0, 0)
-    # on disk: disk read then host to device
+    # on disk: disk read then host to device, and each tensor opened from disk
     c = estimate(p, {"0": 0, "1": "disk"})
-    assert c.seconds == pytest.approx(2 * resident + size / 1e9 + size / 1e10) and c.disk_bytes == size
+    assert c.seconds == pytest.approx(2 * resident + size / 1e9 + size / 1e10 + 2 * (1e-4 + 1e-5))
+    assert c.disk_bytes == size
+    # the CPU as main device: only disk is streamed (no host-to-device copy), each tensor pays both latencies
+    p4 = allocator.build_problem(model, {"cpu": 10**8}, profile=profile)
+    ram = max(size / 1e10, 2 * numel / 1e11)
+    assert estimate(p4, {"0": "cpu", "1": "disk"}).seconds == pytest.approx(2 * ram + size / 1e9 + 2 * 1.1e-4)
     # two GPUs: one change of executing device
     p2 = allocator.build_problem(model, {0: 10**8, 1: 10**8}, profile=profile)
     c = estimate(p2, {"0": 0, "1": 1})
@@ -153,6 +161,7 @@ def test_ilp_on_random_trees(data):
     except allocator.InfeasiblePlacement:
         return
     assert best.valid, best.violations
+    assert _ilp_objective(best.placement) == pytest.approx(best.cost.seconds, rel=1e-9, abs=2e-9)
     for other in ("backfill", "reserve"):
         try:
             theirs = allocator.plan(model, budget, strategy=other)
@@ -160,3 +169,93 @@ def test_ilp_on_random_trees(data):
             continue
         if best.optimal:
             assert best.cost.seconds <= theirs.cost.seconds * (1 + 1e-6)
+
+
+def _ilp_objective(placement) -> float:
+    """The objective CP-SAT reached, in seconds, from the ilp's note (printed to the nanosecond)."""
+    import re
+
+    return float(re.search(r"estimated ([0-9.]+) ms per forward", placement.notes[0]).group(1)) / 1e3
+
+
+def _three_equal_layers():
+    """Three layers of 4,096 float32 each (16,384 B): one tensor, two tensors (weight and bias), one tensor."""
+    return nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(63, 64), nn.Linear(64, 64, bias=False))
+
+
+def test_estimate_charges_each_streamed_tensor():
+    profile = allocator.Profile(disk_tensor_latency=1e-3, offload_tensor_latency=1e-4)
+    p = allocator.build_problem(_three_equal_layers(), {"cpu": 2 * 16384}, profile=profile)
+    one = estimate(p, {"0": "disk", "1": "cpu", "2": "disk"})    # 2 tensors read from disk
+    three = estimate(p, {"0": "cpu", "1": "disk", "2": "disk"})  # 3 tensors, the same bytes
+    assert one.streamed_bytes == three.streamed_bytes == one.disk_bytes == 2 * 16384
+    assert three.seconds - one.seconds == pytest.approx(1e-3 + 1e-4)
+    # with an accelerator as main, a tensor streamed from RAM pays only the hook's latency
+    p = allocator.build_problem(_three_equal_layers(), {0: 2 * 16384, "cpu": 10**6}, profile=profile)
+    assert (estimate(p, {"0": "cpu", "1": 0, "2": 0}).seconds - estimate(p, {"0": 0, "1": "cpu", "2": 0}).seconds
+            == pytest.approx(-1e-4))
+
+
+def test_ilp_streams_fewer_tensors_when_bytes_tie():
+    # RAM for one resident layer plus one streamed at a time: two of the three layers go to disk, same bytes
+    # whichever two; keeping the two-tensor layer in RAM reads 2 tensors from disk instead of 3
+    placement = allocator.plan(_three_equal_layers(), {"cpu": 2 * 16384}, strategy="ilp")
+    assert placement.valid and placement.optimal
+    from allocator.runtime import device_of
+
+    assert [device_of(f"{i}.weight", placement.device_map) for i in range(3)] == ["disk", "cpu", "disk"]
+    assert allocator.plan(_three_equal_layers(), {"cpu": 2 * 16384}).device_map == placement.device_map
+
+
+@pytest.mark.parametrize("name", ["t5-base", "segformer-b0", "llama-3.2-1b"])
+def test_ilp_objective_is_the_estimate(name):
+    model = zoo.build(name)
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    for fractions in ({0: .3, "cpu": 2}, {0: .3, 1: .3, "cpu": 2}, {"cpu": .4}, {0: .15, "cpu": .3}):
+        problem = allocator.build_problem(model, {d: int(total * f) for d, f in fractions.items()})
+        placement = ilp.place(problem)
+        assert _ilp_objective(placement) == pytest.approx(estimate(problem, placement.device_map).seconds,
+                                                          rel=1e-9, abs=2e-9), (name, fractions)
+
+
+def _brute_force(problem) -> float:
+    """The lowest estimate over every assignment of tie groups to devices that ``check`` accepts."""
+    import itertools
+
+    from allocator.units import groups
+    from allocator.validate import check
+
+    found = groups(problem.graph)
+    devices = list(problem.budgets.order)
+    best = float("inf")
+    for choice in itertools.product(devices, repeat=len(found)):
+        device_map = {u.name: d for grp, d in zip(found, choice) for u in grp.units}
+        if not check(problem, device_map)[0]:
+            best = min(best, estimate(problem, device_map).seconds)
+    return best
+
+
+def _blocks(*widths):
+    return nn.Sequential(*[nn.Linear(w, w) for w in widths])
+
+
+SMALL, LARGE, MID = 32 * 33 * 4, 64 * 65 * 4, 48 * 49 * 4
+BRUTE_CASES = [
+    (_blocks(32, 32, 64, 32, 32, 32), {0: 2 * SMALL + LARGE, 1: 2 * SMALL, "cpu": SMALL}),
+    (_blocks(32, 32, 64, 32, 32, 32), {0: 3 * SMALL, 1: LARGE + SMALL, "cpu": 10**6}),
+    (_blocks(32, 32, 64, 32, 32, 32), {"cpu": LARGE + 2 * SMALL}),
+    # the run of identical blocks must go GPU 1 first, then GPU 0: only the descending order of the run is optimal
+    (_blocks(64, 32, 32, 32, 48), {0: MID + SMALL, 1: LARGE + 2 * SMALL, "cpu": SMALL}),
+]
+
+
+@pytest.mark.parametrize("switch_latency", [20e-6, 5e-3])
+@pytest.mark.parametrize("case", range(len(BRUTE_CASES)))
+def test_ilp_matches_brute_force_with_identical_blocks(case, switch_latency):
+    # Runs of identical blocks (symmetry broken by the model) around larger ones, two GPUs, RAM and disk; a large
+    # switch latency makes fewer changes of executing device worth streaming more.
+    model, budget = BRUTE_CASES[case]
+    problem = allocator.build_problem(model, budget, profile=allocator.Profile(switch_latency=switch_latency))
+    placement = ilp.place(problem, hint={})  # no warm start: the model alone must find the optimum
+    assert placement.optimal
+    assert estimate(problem, placement.device_map).seconds == pytest.approx(_brute_force(problem), rel=1e-9)

@@ -67,10 +67,15 @@ def test_measured_targets(name, fraction, at_least):
     model = zoo.build(name)
     total = total_of(model)
     budget = {0: int(total * fraction), "cpu": 2 * total}
-    ours = allocator.plan(model, budget)
-    theirs = allocator.plan(model, budget, strategy="sequential")
+    # The targets count resident bytes: price bytes only. With the default per-tensor latencies, ConvNeXt's optimum
+    # keeps fewer bytes (46 %) on the GPU to stream 31 tensors instead of 116.
+    bytes_only = allocator.Profile(offload_tensor_latency=0, disk_tensor_latency=0)
+    ours = allocator.plan(model, budget, profile=bytes_only)
+    theirs = allocator.plan(model, budget, strategy="sequential", profile=bytes_only)
     assert fast_bytes(ours) >= at_least * total
     assert fast_bytes(theirs) < 0.05 * total  # what accelerate leaves on the GPU
+    by_default = allocator.plan(model, budget)
+    assert by_default.cost.seconds < allocator.plan(model, budget, strategy="sequential").cost.seconds
 
 
 @pytest.mark.parametrize("name", ["t5-base", "whisper-small", "mamba-130m"])

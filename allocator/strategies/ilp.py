@@ -1,31 +1,42 @@
 """``ilp``: an optimal plan by OR-Tools CP-SAT over the finest legal units.
 
 Model, for each device that could be main (``M``): one device per tie group; accelerators before ``M`` stay empty and
-``M`` holds at least one group; budgets with the exact reservation on ``M`` — the largest *chain* of weights that
-offloaded units stream at once (a variable per split module: its offloaded direct weights plus its largest child
-chain) — plus the buffers of offloaded groups; RAM holds cpu-offloaded weights; a disk budget holds disk weights when
-given. The objective is :func:`allocator.cost.estimate` in picoseconds: reading weights where they execute, copying
-offloaded ones, and each change of executing device between consecutive units.
+``M`` holds at least one group; budgets with the exact reservation on ``M`` — the largest streamed chain of what is
+offloaded, which is the largest ``stream`` of an offloaded group (only whole-module units are ever offloaded, and a
+root-to-leaf chain crosses one unit at most), as a staircase of booleans — plus the buffers of offloaded groups; RAM
+holds cpu-offloaded weights; a disk budget holds disk weights when given. The objective is
+:func:`allocator.cost.estimate` in picoseconds, priced tensor by tensor with :func:`allocator.cost.tensor_seconds`
+(reads, copies, per-tensor latencies) plus each change of executing device between consecutive units, so a plan's
+objective is its estimate up to rounding.
 
-Deterministic: one worker, a fixed seed, a deterministic time limit (``max_deterministic_time``), warm-started from
-the best heuristic plan. ``Placement.optimal`` says whether optimality was proven for every main device.
+Search: warm-started from the best valid plan of ``sequential``, ``reserve`` and ``backfill`` (or the caller's
+``hint``), whose cost also bounds every main device's objective from above; the other main devices are solved first
+(most are pruned at once by that bound), then the hint's main gets the deterministic time left; mains still unproven
+get a second round. Interchangeable groups (same sizes, streams and costs) take devices in a fixed order, and with
+two executing devices runs of identical neighbours are ordered one way or the other.
+
+Deterministic: one worker, a fixed seed, deterministic time limits (``max_deterministic_time``). ``Placement.optimal``
+is ``True`` only when every main device was solved to optimality or proven unable to beat the returned plan. When
+CP-SAT finds nothing at or below the warm start, the warm start is returned, so ``ilp`` is never estimated slower
+than the best of those heuristics.
 
 Notes
 -----
 Beyond ``max_units`` groups, consecutive single-unit groups are merged (a merged group goes to one device, so the
-plan stays legal but may lose a little); ``explain()`` says so.
+plan stays legal but may lose a little, and it is not called optimal); ``explain()`` says so.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ..budgets import is_accelerator
-from ..cost import Profile, change_seconds, execute_seconds
+from ..cost import Profile, change_seconds, estimate, tensor_seconds
 from ..errors import AllocatorError
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runtime import device_of
+from ..runtime import device_of, main_device, offloaded_devices
 from ..units import Group, groups as unit_groups
 from ..validate import check
 from ._fill import main_candidates
@@ -60,16 +71,60 @@ def _coarsen(found: list[Group], limit: int) -> tuple[list[Group], int]:
     return found, merged
 
 
-def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile, seconds: float, hint: dict | None):
+@dataclass(frozen=True, slots=True)
+class _Solved:
+    placed: dict | None   # unit name -> device, or None when nothing was found at or below the cutoff
+    proven: bool          # optimal, or proven that nothing beats the cutoff (or that nothing fits)
+    objective: int        # picoseconds (meaningful when ``placed``)
+    work: float           # deterministic time spent
+
+
+def _devices(problem: Problem, main) -> list:
+    b = problem.budgets
+    if main == "cpu":
+        return ["cpu", "disk"]
+    devices = [d for d in b.accelerators if b.order.index(d) >= b.order.index(main)]
+    return devices + (["disk"] if main == "mps" else ["cpu", "disk"])
+
+
+def _runs(found: list[Group], sequence: list[int], cost: list[dict], changes: bool) -> list[list[int]]:
+    """Classes of interchangeable groups: same sizes, streams and costs on every device; each a single unit.
+
+    Without changes of executing device any two such groups can swap devices; with them, only neighbours in the
+    execution sequence (a run), so a class is a maximal run of consecutive identical groups.
+    """
+    def key(k):
+        grp = found[k]
+        return (grp.size, grp.offload, grp.pinned, grp.stream, grp.resident_only,
+                tuple(sorted(cost[k].items(), key=str)))
+
+    single = {k for k, grp in enumerate(found) if len(grp.units) == 1}
+    if not changes:
+        classes: dict = {}
+        for k in sorted(single):
+            classes.setdefault(key(k), []).append(k)
+        return [ks for ks in classes.values() if len(ks) > 1]
+    runs, current = [], []
+    for k in sequence:
+        if k in single and current and key(k) == key(current[-1]) and k != current[-1]:
+            current.append(k)
+            continue
+        if len(current) > 1:
+            runs.append(current)
+        current = [k] if k in single else []
+    if len(current) > 1:
+        runs.append(current)
+    return runs
+
+
+def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]], sequence: list[int], main,
+                    profile: Profile, seconds: float, hint: dict | None, cutoff: int | None) -> _Solved:
+    """CP-SAT for one main device; ``cutoff`` (picoseconds) bounds the objective from above when given."""
     from ortools.sat.python import cp_model
 
     g, b = problem.graph, problem.budgets
-    if main == "cpu":
-        devices = ["cpu", "disk"]
-    else:
-        devices = [d for d in b.accelerators if b.order.index(d) >= b.order.index(main)]
-        devices += ["disk"] if main == "mps" else ["cpu", "disk"]
-    targets = {"disk"} if main in ("cpu", "mps") else {"cpu", "disk"}
+    devices = _devices(problem, main)
+    targets = offloaded_devices(main)
     model = cp_model.CpModel()
     x = {(k, d): model.NewBoolVar(f"x{k}_{d}") for k in range(len(found)) for d in devices}
     off = {}
@@ -81,46 +136,18 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
                 if d in targets:
                     model.Add(x[k, d] == 0)
 
-    # The exact streaming reserve: chains through the split-module tree.
-    unit_group = {u.name: k for k, grp in enumerate(found) for u in grp.units}
-    unit_by_name = {u.name: u for grp in found for u in grp.units}
-    upper = sum(grp.stream for grp in found) + 1
-    chain_var: dict[int, object] = {}
-
-    def chain(node: int):
-        if node in chain_var:
-            return chain_var[node]
-        name = g.nodes[node].name
-        if name in unit_by_name:  # a whole-module unit
-            expr = unit_by_name[name].stream * off[unit_group[name]]
-            chain_var[node] = expr
-            return expr
-        own = []
-        for t in g.nodes[node].params + g.nodes[node].buffers:
-            tname = g.tensors[t].name
-            if tname in unit_by_name and unit_by_name[tname].stream:
-                own.append(unit_by_name[tname].stream * off[unit_group[tname]])
-        var = model.NewIntVar(0, upper, f"c{node}")
-        own_sum = sum(own) if own else 0
-        model.Add(var >= own_sum)
-        for child in g.nodes[node].children:
-            model.Add(var >= own_sum + chain(child))
-        chain_var[node] = var
-        return var
-
-    reserve = chain(0)
-    # Redundant staircase cuts: "the reserve is at least level j" as booleans, so the solver can branch on the
-    # reserve first (once it is fixed, what remains is a knapsack).
+    # The exact streaming reserve. Only whole-module units are ever offloaded (tensor units are resident-only) and
+    # a root-to-leaf chain crosses at most one unit's subtree, so the reserve is the largest ``stream`` offloaded:
+    # a staircase of booleans "the reserve is at least level j", each implied by offloading a group of that level.
     levels = sorted({grp.stream for grp in found if grp.stream and not grp.resident_only})
     steps = [model.NewBoolVar(f"r{j}") for j in range(len(levels))]
     for j in range(1, len(steps)):
         model.AddImplication(steps[j], steps[j - 1])
-    if steps:
-        model.Add(reserve >= sum((levels[j] - (levels[j - 1] if j else 0)) * steps[j] for j in range(len(steps))))
-        at = {level: j for j, level in enumerate(levels)}
-        for k, grp in enumerate(found):
-            if grp.stream and not grp.resident_only:
-                model.Add(off[k] <= steps[at[grp.stream]])
+    reserve = sum((levels[j] - (levels[j - 1] if j else 0)) * steps[j] for j in range(len(steps)))
+    at = {level: j for j, level in enumerate(levels)}
+    for k, grp in enumerate(found):
+        if grp.stream and not grp.resident_only:
+            model.Add(off[k] <= steps[at[grp.stream]])
     pinned = sum(grp.pinned * off[k] for k, grp in enumerate(found))
     for d in devices:
         limit = b.limit(d)
@@ -141,28 +168,50 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
         else:
             model.Add(sum(grp.size * x[k, d] for k, grp in enumerate(found)) <= limit)
 
-    # Objective: reads, copies, changes of executing device (in picoseconds).
-    terms = []
-    for k, grp in enumerate(found):
-        for d in devices:
-            cost = execute_seconds(problem, main, profile, d, grp.size, grp.numel, grp.offload if d in targets else 0)
-            if cost:
-                terms.append(int(round(cost * NS)) * x[k, d])
-    accelerators = [d for d in devices if d not in ("cpu", "disk")]
-    if main != "cpu" and len(accelerators) > 1 or (main != "cpu" and targets):
-        sequence = [unit_group[name] for name in _unit_order(found, g) if unit_by_name[name].size]
+    # Objective: the estimate, tensor by tensor (reads, copies, per-tensor latencies), and the changes of executing
+    # device, in picoseconds.
+    cost = [{d: int(round(sum(tensor_seconds(problem, main, profile, g.tensors[t], d) for t in tensors[k]) * NS))
+             for d in devices} for k in range(len(found))]
+    terms = [cost[k][d] * x[k, d] for k in range(len(found)) for d in devices if cost[k][d]]
+    executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
+    changes = len(executing) > 1
+    if changes:
         change_ps = int(round(change_seconds(profile) * NS))
         for k1, k2 in zip(sequence, sequence[1:]):
             if k1 == k2:
                 continue
             ch = model.NewBoolVar("")
-            for a in accelerators:
+            for a in executing:
                 e1 = x[k1, a] + (off[k1] if a == main else 0)
                 e2 = x[k2, a] + (off[k2] if a == main else 0)
                 model.Add(ch >= e1 - e2)
                 model.Add(ch >= e2 - e1)
             terms.append(change_ps * ch)
-    model.Minimize(sum(terms))
+    objective = sum(terms)
+    model.Minimize(objective)
+    if cutoff is not None:
+        model.Add(objective <= cutoff)
+
+    # Symmetry: interchangeable groups take devices in a fixed order of rank (the main device's executing devices
+    # first). With changes of executing device, a run of identical neighbours is ordered one way or the other: with
+    # at most two executing devices, one of the two monotone orders has the fewest changes for the same counts.
+    rank_of = {d: i for i, d in enumerate([main] + [d for d in devices if d in targets]
+                                         + [d for d in executing if d != main])}
+    if len(executing) <= 2:
+        for run in _runs(found, sequence, cost, changes):
+            ranks = [sum(rank_of[d] * x[k, d] for d in devices) for k in run]
+            up = model.NewBoolVar("") if changes else None
+            for r1, r2 in zip(ranks, ranks[1:]):
+                if up is None:
+                    model.Add(r1 <= r2)
+                else:
+                    model.Add(r1 <= r2).OnlyEnforceIf(up)
+                    model.Add(r1 >= r2).OnlyEnforceIf(up.Not())
+            if hint:
+                ordered = sorted((hint.get(found[k].units[0].name) for k in run), key=lambda d: rank_of.get(d, 0))
+                hint = dict(hint) | {found[k].units[0].name: d for k, d in zip(run, ordered)}
+                if up is not None:
+                    model.AddHint(up, True)
     if hint:
         for k, grp in enumerate(found):
             d = hint.get(grp.units[0].name)
@@ -174,14 +223,27 @@ def _solve_for_main(problem: Problem, found: list[Group], main, profile: Profile
     solver.parameters.max_deterministic_time = seconds
     solver.parameters.linearization_level = 2  # proves more 2-GPU cells of the zoo within the same budget
     status = solver.Solve(model)
+    work = solver.response_proto.deterministic_time
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, status == cp_model.INFEASIBLE, None
+        return _Solved(None, status == cp_model.INFEASIBLE, 0, work)
     placed = {}
     for k, grp in enumerate(found):
         d = next(dev for dev in devices if solver.Value(x[k, dev]))
         for u in grp.units:
             placed[u.name] = d
-    return placed, status == cp_model.OPTIMAL, solver.ObjectiveValue() / NS
+    return _Solved(placed, status == cp_model.OPTIMAL, int(solver.ObjectiveValue()), work)
+
+
+def _unit_tensors(g, unit) -> list[int]:
+    """Indices of the graph tensors a unit holds (its subtree's, or the one tensor of a tensor unit)."""
+    if unit.node < 0:
+        return [g.tensor_index[unit.name]]
+    out, stack = [], [unit.node]
+    while stack:
+        n = stack.pop()
+        out += g.nodes[n].params + g.nodes[n].buffers
+        stack.extend(g.nodes[n].children)
+    return out
 
 
 def _unit_order(found: list[Group], g) -> list[str]:
@@ -202,52 +264,104 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     ----------
     problem : Problem
     profile : Profile, optional
-        Bandwidths of the target machine (defaults when omitted).
+        Bandwidths of the target machine (the problem's when omitted).
     time_limit : float
-        Deterministic time for CP-SAT, shared by the main-device candidates.
+        Deterministic time for CP-SAT (``max_deterministic_time``, roughly seconds of one core), shared by the
+        main-device candidates; time one leaves unused goes to the next.
     max_units : int
         Beyond this many tie groups, consecutive groups are merged.
     hint : dict, optional
-        A device map to warm-start from (e.g. the best heuristic's).
+        A device map to warm-start from and to beat; when omitted, the best valid plan of ``sequential``,
+        ``reserve`` and ``backfill``.
+
+    Returns
+    -------
+    Placement
+        ``optimal`` is ``True`` when proven for every main device.
 
     Raises
     ------
     InfeasiblePlacement
-        When no main device admits a plan (CP-SAT proves it, or finds nothing in time).
+        When no main device admits a plan (CP-SAT proves it, or finds nothing in time) and the hint is not valid.
     """
     from ._select import infeasible
 
-    profile = profile or Profile()
-    found = unit_groups(problem.graph, problem.options.offload_buffers)
+    profile = profile or problem.profile
+    g = problem.graph
+    found = unit_groups(g, problem.options.offload_buffers)
     found, merged = _coarsen(found, max_units)
+    tensors = [[t for u in grp.units for t in _unit_tensors(g, u)] for grp in found]
+    unit_group = {u.name: k for k, grp in enumerate(found) for u in grp.units}
+    weighted = {u.name for grp in found for u in grp.units if any(g.tensors[t].nbytes for t in _unit_tensors(g, u))}
+    sequence = [unit_group[name] for name in _unit_order(found, g) if name in weighted]
+    if hint is None:
+        hint = _heuristic(problem, profile)
+    incumbent = None  # (estimated seconds, device map): the hint, kept when CP-SAT finds nothing better
+    if hint is not None and not check(problem, hint)[0]:
+        incumbent = (estimate(problem, hint, profile).seconds, dict(hint))
     mains = main_candidates(problem)
-    unit_hint = None
-    if hint:
-        unit_hint = {u.name: device_of(u.name, hint) for grp in found for u in grp.units}
-    results, proven = [], True
-    for main in mains:
-        placed, proven_here, objective = _solve_for_main(
-            problem, found, main, profile, time_limit / max(1, len(mains)), unit_hint if _hint_main(hint, main) else None)
-        proven = proven and proven_here
-        if placed is not None:
-            results.append((objective, main, placed))
-    if not results:
+    hinted = main_device(hint.values()) if hint else None
+    # The other mains first, bounded by the hint's cost (most are pruned at once); the hint's main gets the time
+    # left; mains still unproven then share what remains, from their best plan and below the best cost.
+    mains.sort(key=lambda m: m == hinted)
+    unit_hint = {u.name: device_of(u.name, hint) for grp in found for u in grp.units} if hint else None
+    slack = len(found) + len(sequence)  # the objective rounds each group's cost and each change to a picosecond
+    best, left, hints, todo = None, time_limit, {}, list(mains)
+    for _ in range(2):
+        pending = []
+        for i, main in enumerate(todo):
+            cutoff = best[0] if best else None
+            if incumbent is not None:
+                bound = int(round(incumbent[0] * NS)) + slack
+                cutoff = bound if cutoff is None else min(cutoff, bound)
+            start = hints.get(main, unit_hint if main == hinted else None)
+            solved = _solve_for_main(problem, found, tensors, sequence, main, profile, left / (len(todo) - i), start,
+                                     cutoff)
+            left = max(0.0, left - solved.work)
+            if not solved.proven:
+                pending.append(main)
+            if solved.placed is not None:
+                hints[main] = solved.placed
+                if best is None or solved.objective < best[0]:
+                    best = (solved.objective, main, solved.placed)
+        if not pending or left <= 0:
+            break
+        todo = pending
+    proven = not pending
+    if best is None and incumbent is None:
         raise infeasible(problem)
-    objective, main, placed = min(results, key=lambda r: r[0])
+    if best is None or (incumbent is not None and best[0] / NS > incumbent[0] + slack / NS):
+        # CP-SAT found nothing at or below the hint: the hint is the plan (optimal when every main was proven)
+        objective, main, placed = incumbent[0] * NS, main_device(incumbent[1].values()), incumbent[1]
+        kept = "; no better plan than the warm start"
+    else:
+        objective, main, placed = best
+        kept = ""
+    objective /= NS
     device_map = clean_device_map(placed) if problem.options.clean_result else placed
     violations = check(problem, device_map)[0]
     if violations:
         raise AllocatorError(f"ilp produced an invalid plan (a modelling bug, please report): {violations[:3]}")
     notes = [f"CP-SAT over {len(found)} groups for main devices {mains}: best main {main!r}, "
-             f"estimated {objective * 1e3:.3f} ms per forward, {'proven optimal' if proven else 'not proven optimal'}"]
+             f"estimated {objective * 1e3:.6f} ms per forward, "
+             f"{'proven optimal' if proven else 'not proven optimal'}{kept}"]
     if merged:
         notes.append(f"coarsened: {merged} merges of consecutive units to stay under {max_units} groups")
     return Placement(device_map=device_map, strategy="ilp", notes=tuple(notes), optimal=proven and not merged)
 
 
-def _hint_main(hint, main) -> bool:
-    if not hint:
-        return False
-    from ..runtime import main_device
+def _heuristic(problem: Problem, profile: Profile) -> dict | None:
+    """The best valid map of the fast strategies (the warm start and first cutoff), or ``None``."""
+    from . import backfill, reserve, sequential
 
-    return main_device(hint.values()) == main
+    best = None
+    for strategy in (sequential, reserve, backfill):
+        try:
+            device_map = strategy.place(problem).device_map
+        except AllocatorError:
+            continue
+        if not check(problem, device_map)[0]:
+            seconds = estimate(problem, device_map, profile).seconds
+            if best is None or seconds < best[0]:
+                best = (seconds, device_map)
+    return best[1] if best else None
