@@ -234,6 +234,18 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
     return _Solved(placed, status == cp_model.OPTIMAL, int(solver.ObjectiveValue()), work)
 
 
+def _home_weightless(found, placed: dict, main) -> dict:
+    """Groups that stream nothing (buffers only, which stay on the main device anyway) put on the main device rather
+    than wherever the solver left them: the same memory and cost, and no ``disk`` in a map that needs no offload
+    folder."""
+    offloaded = offloaded_devices(main)
+    out = dict(placed)
+    for grp in found:
+        if grp.offload == 0 and not grp.resident_only and out.get(grp.units[0].name) in offloaded:
+            out.update(dict.fromkeys(grp.names, main))
+    return out
+
+
 def _unit_tensors(g, unit) -> list[int]:
     """Indices of the graph tensors a unit holds (its subtree's, or the one tensor of a tensor unit)."""
     if unit.node < 0:
@@ -338,6 +350,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
         objective, main, placed = best
         kept = ""
     objective /= NS
+    placed = _home_weightless(found, placed, main)
     device_map = clean_device_map(placed) if problem.options.clean_result else placed
     violations = check(problem, device_map)[0]
     if violations:
