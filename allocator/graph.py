@@ -134,6 +134,16 @@ def dtype_bytes(dtype) -> tuple[int, float]:
     >>> dtype_bytes(torch.bool), dtype_bytes(torch.float16)
     ((1, 0.125), (2, 2))
     """
+    found = _DTYPE_BYTES.get(dtype)
+    if found is None:
+        found = _DTYPE_BYTES[dtype] = _dtype_bytes(dtype)
+    return found
+
+
+_DTYPE_BYTES: dict = {}  # dtype -> dtype_bytes(dtype); torch dtypes are few and immutable
+
+
+def _dtype_bytes(dtype) -> tuple[int, float]:
     import torch
 
     real = torch.empty((), dtype=dtype).element_size()
@@ -153,28 +163,92 @@ def _keeps_dtype(dtype) -> bool:
 _MAX_NODES = 5_000_000
 
 
-def _walk(model) -> tuple[list, list]:
-    """Preorder ``named_children`` walk by path: [(name, module, parent_index)], object ids per node."""
-    nodes: list[tuple[str, object, int]] = [("", model, -1)]
-    stack = [(0, iter(model.named_children()), {id(model)})]
-    while stack:
-        index, children, on_path = stack[-1]
-        step = next(children, None)
-        if step is None:
-            stack.pop()
-            continue
-        local, child = step
-        if id(child) in on_path:
-            raise InvalidModel(
-                f"module {nodes[index][0] or '<root>'!r} contains itself through child {local!r}: "
-                "a cycle in the module graph cannot be placed; remove the back-reference."
-            )
-        name = f"{nodes[index][0]}.{local}" if nodes[index][0] else local
-        nodes.append((name, child, index))
-        if len(nodes) > _MAX_NODES:
-            raise InvalidModel(f"more than {_MAX_NODES} module paths: shared sub-modules explode the tree.")
-        stack.append((len(nodes) - 1, iter(child.named_children()), on_path | {id(child)}))
-    return nodes, [id(m) for _, m, _ in nodes]
+_PLAIN: dict[type, bool] = {}
+
+
+def _plain(cls) -> bool:
+    """Whether a module class lists its children and tensors as ``nn.Module`` does, so that its ``_modules``,
+    ``_parameters`` and ``_buffers`` can be read directly instead of through the (much slower) generators."""
+    found = _PLAIN.get(cls)
+    if found is None:
+        import torch
+
+        base = torch.nn.Module
+        found = _PLAIN[cls] = all(getattr(cls, name, None) is getattr(base, name)
+                                  for name in ("named_children", "named_parameters", "named_buffers", "_named_members"))
+    return found
+
+
+def _unique_items(table) -> tuple[list, bool]:
+    """Items of a module's ``_modules`` / ``_parameters`` / ``_buffers`` without ``None`` and without repeated objects
+    (first name kept), as ``named_children`` / ``named_*(recurse=False)`` yield them; and whether one was repeated."""
+    items = [(k, v) for k, v in table.items() if v is not None]
+    if len(items) > 1 and len({id(v) for _, v in items}) < len(items):
+        seen: set[int] = set()
+        return [(k, v) for k, v in items if not (id(v) in seen or seen.add(id(v)))], True
+    return items, False
+
+
+class _Walk:
+    """One preorder ``named_children`` walk by path, with every module's direct parameters and buffers
+    (``named_parameters(recurse=False)``, ``named_buffers(recurse=False)``).
+
+    ``repeats`` is set where a module's tables hold one object under two names, or a class overrides the
+    ``named_*`` methods: torch's own generators must then be asked about shared parameters.
+    """
+
+    def __init__(self, model):
+        self.names: list[str] = [""]
+        self.modules: list = [model]
+        self.parents: list[int] = [-1]
+        self.params: list[list] = []
+        self.buffers: list[list] = []
+        self.repeats = False
+        on_path = {id(model)}
+        stack = [(0, iter(self._read(model)))]
+        names, modules, parents = self.names, self.modules, self.parents
+        while stack:
+            index, children = stack[-1]
+            step = next(children, None)
+            if step is None:
+                stack.pop()
+                on_path.discard(id(modules[index]))
+                continue
+            local, child = step
+            if id(child) in on_path:
+                raise InvalidModel(
+                    f"module {names[index] or '<root>'!r} contains itself through child {local!r}: "
+                    "a cycle in the module graph cannot be placed; remove the back-reference."
+                )
+            names.append(f"{names[index]}.{local}" if names[index] else local)
+            modules.append(child)
+            parents.append(index)
+            if len(names) > _MAX_NODES:
+                raise InvalidModel(f"more than {_MAX_NODES} module paths: shared sub-modules explode the tree.")
+            on_path.add(id(child))
+            stack.append((len(names) - 1, iter(self._read(child))))
+
+    def _read(self, module) -> list:
+        """Record a module's direct parameters and buffers; return its children."""
+        if not _plain(type(module)):
+            self.repeats = True
+            self.params.append(list(module.named_parameters(recurse=False)))
+            self.buffers.append(list(module.named_buffers(recurse=False)))
+            return list(module.named_children())
+        table = module._parameters
+        if table:
+            items, repeated = _unique_items(table)
+            self.repeats |= repeated
+            self.params.append(items)
+        else:
+            self.params.append(())
+        table = module._buffers
+        self.buffers.append(_unique_items(table)[0] if table else ())
+        if not module._modules:
+            return ()
+        items, repeated = _unique_items(module._modules)
+        self.repeats |= repeated
+        return items
 
 
 def _declared_tied_groups(model, names: set[str]) -> list[tuple[str, ...]]:
@@ -198,36 +272,36 @@ def _declared_tied_groups(model, names: set[str]) -> list[tuple[str, ...]]:
     return [tuple(sorted(g)) for g in groups.values() if len(g) > 1]
 
 
-def _share_declared_ties(model, tensors: list[TensorNode]) -> list[TensorNode]:
+def _share_declared_ties(model, storage: list[int], index: Mapping[str, int]) -> None:
     """Point each declared tie target (transformers' ``all_tied_weights_keys``: target -> source) at its source's
-    memory. transformers plans a device map before it ties weights, so the two are separate objects then, but they
-    share memory once loaded."""
-    import dataclasses
-
-    out = [dataclasses.replace(t, storage=t.canonical) for t in tensors]
+    memory, in ``storage`` (tensor index -> index of the tensor whose memory it uses). transformers plans a device
+    map before it ties weights, so the two are separate objects then, but they share memory once loaded."""
     declared = getattr(model, "all_tied_weights_keys", None)
     if not isinstance(declared, Mapping):
-        return out
-    index = {t.name: t._index for t in out}
+        return
     for target, source in declared.items():
         if target in index and source in index:
-            root = out[index[source]].storage
+            root = storage[index[source]]
             i = index[target]
-            if out[i].storage == i and root != i:
-                out[i] = dataclasses.replace(out[i], storage=root)
-    return out
+            if storage[i] == i and root != i:
+                storage[i] = root
 
 
 def _find_tied(all_params: list[tuple[str, object]], unique: dict[str, object]) -> list[tuple[str, ...]]:
-    """accelerate's ``find_tied_parameters``, same grouping and the same group order."""
+    """accelerate's ``find_tied_parameters``, same grouping and the same group order (the tied names are visited in
+    the iteration order of the same set, built the same way)."""
     tied_names = {n for n, _ in all_params} - set(unique)
+    if not tied_names:
+        return []
     by_name = dict(all_params)
+    first_name = {}
+    for name, candidate in unique.items():  # unique holds each object once: its first name
+        first_name.setdefault(id(candidate), name)
     groups: dict[str, list[str]] = {}
     for tied in tied_names:
-        param = by_name[tied]
-        for name, candidate in unique.items():
-            if candidate is param:
-                groups.setdefault(name, []).append(tied)
+        name = first_name.get(id(by_name[tied]))
+        if name is not None:
+            groups.setdefault(name, []).append(tied)
     return [tuple(sorted([w] + list(set(t)))) for w, t in groups.items()]
 
 
@@ -240,9 +314,26 @@ def no_split_classes(model) -> set[str]:
     >>> no_split_classes(nn.Sequential(Tower()))
     {'Block'}
     """
+    return _declared_no_split(model.modules())
+
+
+_NOT_FOUND = object()
+
+
+def _declared_no_split(modules) -> set[str]:
     found: set[str] = set()
-    for module in model.modules():
-        declared = getattr(module, "_no_split_modules", None)
+    by_class: dict[type, object] = {}
+    for module in modules:
+        declared = module.__dict__.get("_no_split_modules", _NOT_FOUND)
+        if declared is _NOT_FOUND:
+            cls = type(module)
+            declared = by_class.get(cls, _NOT_FOUND)
+            if declared is _NOT_FOUND:
+                declared = getattr(cls, "_no_split_modules", None)
+                if hasattr(type(declared), "__get__"):  # a property or other descriptor: ask the instance
+                    declared = getattr(module, "_no_split_modules", None)
+                else:
+                    by_class[cls] = declared
         if declared:
             found.update(str(c) for c in declared)
     return found
@@ -295,8 +386,16 @@ def build_graph(
         if not isinstance(c, str):
             raise InvalidOption(f"no_split_module_classes must hold class names (str), got {c!r}.")
         no_split.add(c)
+    target = _as_dtype(dtype, "dtype") if dtype is not None else None
+    special = {}
+    for key, value in (special_dtypes or {}).items():
+        special[key] = _as_dtype(value, f"special_dtypes[{key!r}]")
+
+    walk = _Walk(model)
+    modules, parents = walk.modules, walk.parents
     if discover_no_split:
-        no_split |= no_split_classes(model)
+        no_split |= _declared_no_split({id(m): m for m in modules}.values()) if not walk.repeats \
+            else no_split_classes(model)
     declared_no_split = frozenset(no_split)
     if infer_no_split and not no_split:
         from .introspect import infer_blocks
@@ -306,47 +405,54 @@ def build_graph(
             log.info("%s declares no no-split classes; keeping its repeated blocks %s whole "
                      "(pass no_split_module_classes, or infer_no_split=False, to change this)",
                      type(model).__name__, sorted(no_split))
-    target = _as_dtype(dtype, "dtype") if dtype is not None else None
-    special = {}
-    for key, value in (special_dtypes or {}).items():
-        special[key] = _as_dtype(value, f"special_dtypes[{key!r}]")
 
-    walked, object_ids = _walk(model)
     first_node_of: dict[int, int] = {}
-    nodes_children: list[list[int]] = [[] for _ in walked]
-    for i, (_, _, parent) in enumerate(walked):
-        if parent >= 0:
-            nodes_children[parent].append(i)
+    alias_of: list[int] = []
+    for i, module in enumerate(modules):
+        first = first_node_of.setdefault(id(module), i)
+        alias_of.append(-1 if first == i else first)
+    nodes_children: list[list[int]] = [[] for _ in modules]
+    for i in range(1, len(modules)):
+        nodes_children[parents[i]].append(i)
 
-    tensors: list[TensorNode] = []
+    # One row per tensor: (name, module, local, is_param, persistent, numel, nbytes, nbytes_accelerate, canonical).
+    rows: list[tuple] = []
+    objects: list = []  # the tensor of each row
     seen_storage: dict[tuple[int, bool], int] = {}
     node_params: list[tuple[int, ...]] = []
     node_buffers: list[tuple[int, ...]] = []
-    for i, (name, module, _) in enumerate(walked):
-        first_node_of.setdefault(object_ids[i], i)
+    per_element = _PerElement(target)
+    for i, (name, module) in enumerate(zip(walk.names, modules)):
+        params = walk.params[i]
+        buffers = walk.buffers[i]
+        if not params and not buffers:
+            node_params.append(())
+            node_buffers.append(())
+            continue
         prefix = f"{name}." if name else ""
-        own: list[list[int]] = [[], []]
-        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
-        members = [(True, n, t) for n, t in module.named_parameters(recurse=False)]
-        members += [(False, n, t) for n, t in module.named_buffers(recurse=False)]
-        for is_param, local, tensor in members:
-            full = prefix + local
-            numel = tensor.numel()
-            real, accel = _tensor_bytes(full, tensor, target, special, size_fn, numel)
-            index = len(tensors)
-            key = (id(tensor), is_param)
-            canonical = seen_storage.setdefault(key, index)
-            tensors.append(TensorNode(
-                name=full, module=i, local=local, is_param=is_param,
-                persistent=is_param or local not in non_persistent, numel=numel,
-                nbytes=real, nbytes_accelerate=accel, canonical=canonical, _index=index,
-            ))
-            own[0 if is_param else 1].append(index)
-        node_params.append(tuple(own[0]))
-        node_buffers.append(tuple(own[1]))
+        non_persistent = getattr(module, "_non_persistent_buffers_set", set()) if buffers else ()
+        for is_param, members, own in ((True, params, node_params), (False, buffers, node_buffers)):
+            first = len(rows)
+            for local, tensor in members:
+                full = prefix + local
+                numel = tensor.numel()
+                if size_fn is None and full not in special:
+                    real, accel = per_element(tensor.dtype)
+                    real, accel = numel * real, numel * accel
+                else:
+                    real, accel = _tensor_bytes(full, tensor, target, special, size_fn, numel)
+                index = len(rows)
+                canonical = seen_storage.setdefault((id(tensor), is_param), index)
+                rows.append((full, i, local, is_param, is_param or local not in non_persistent, numel, real, accel,
+                             canonical))
+                objects.append(tensor)
+            own.append(tuple(range(first, len(rows))))
 
-    tensors = _share_declared_ties(model, tensors)
-    unknown_special = set(special) - {t.name for t in tensors}
+    tensor_index = {row[0]: k for k, row in enumerate(rows)}
+    storage = [row[8] for row in rows]
+    _share_declared_ties(model, storage, tensor_index)
+    tensors = tuple(TensorNode(*row, storage[k], k) for k, row in enumerate(rows))
+    unknown_special = set(special) - tensor_index.keys()
     if unknown_special:
         raise InvalidOption(
             f"special_dtypes names tensors the model does not have: {sorted(unknown_special)[:5]}; "
@@ -354,25 +460,21 @@ def build_graph(
         )
 
     nodes = tuple(
-        ModuleNode(
-            name=name, cls=type(module).__name__, parent=parent, children=tuple(nodes_children[i]),
-            params=node_params[i], buffers=node_buffers[i],
-            alias_of=-1 if first_node_of[object_ids[i]] == i else first_node_of[object_ids[i]],
-        )
-        for i, (name, module, parent) in enumerate(walked)
+        ModuleNode(name, type(module).__name__, parents[i], tuple(nodes_children[i]), node_params[i],
+                   node_buffers[i], alias_of[i])
+        for i, (name, module) in enumerate(zip(walk.names, modules))
     )
     size = [0] * len(nodes)
     size_acc = [0] * len(nodes)
-    for t in tensors:
-        if t.storage == t._index:
-            size[t.module] += t.nbytes
-        if t.canonical == t._index:
-            size_acc[t.module] += t.nbytes_accelerate
+    for k, row in enumerate(rows):
+        if storage[k] == k:
+            size[row[1]] += row[6]
+        if row[8] == k:
+            size_acc[row[1]] += row[7]
     for i in range(len(nodes) - 1, 0, -1):  # preorder: children come after parents
-        size[nodes[i].parent] += size[i]
-        size_acc[nodes[i].parent] += size_acc[i]
+        size[parents[i]] += size[i]
+        size_acc[parents[i]] += size_acc[i]
 
-    tensor_index = {t.name: t._index for t in tensors}
     if tied_parameters is not None:
         tied = []
         for group in tied_parameters:
@@ -381,9 +483,18 @@ def build_graph(
                 raise InvalidOption(f"tied_parameters names unknown tensors {missing[:5]}.")
             if len(group) > 1:
                 tied.append(tuple(group))
-    else:
+    elif walk.repeats:  # the walk's tables and torch's generators may differ: ask torch
         all_params = list(model.named_parameters(remove_duplicate=False))
         tied = _find_tied(all_params, dict(model.named_parameters()))
+    elif any(row[3] and row[8] != k for k, row in enumerate(rows)):
+        # named_parameters(remove_duplicate=False) is this walk's parameters in order; named_parameters() keeps
+        # the first name of each object (a module under a second path is skipped whole, and its parameters were
+        # all seen under the first).
+        all_params = [(row[0], objects[k]) for k, row in enumerate(rows) if row[3]]
+        unique = {row[0]: objects[k] for k, row in enumerate(rows) if row[3] and row[8] == k}
+        tied = _find_tied(all_params, unique)
+    else:
+        tied = []
     already = {n for g in tied for n in g}
     declared_ties = [g for g in _declared_tied_groups(model, set(tensor_index)) if not set(g) <= already]
     if no_split_module_classes:
@@ -391,11 +502,31 @@ def build_graph(
         for c in sorted(set(no_split_module_classes) - present):
             log.warning("no-split class %r matches no module of %s; check the spelling.", c, type(model).__name__)
     return ModelGraph(
-        nodes=nodes, tensors=tuple(tensors), size=tuple(size), size_accelerate=tuple(size_acc),
+        nodes=nodes, tensors=tensors, size=tuple(size), size_accelerate=tuple(size_acc),
         no_split=frozenset(no_split), no_split_declared=declared_no_split, tied_groups=tuple(tied), declared_ties=tuple(declared_ties),
         node_index={n.name: i for i, n in enumerate(nodes)}, tensor_index=tensor_index,
         model_class=type(model).__name__,
     )
+
+
+class _PerElement:
+    """Bytes per element of a tensor dtype under the ``dtype`` rule (real, accelerate's), memoised per dtype."""
+
+    def __init__(self, target):
+        self.target = target
+        self.known: dict = {}
+
+    def __call__(self, dtype) -> tuple[int, float]:
+        found = self.known.get(dtype)
+        if found is None:
+            own_real, own_acc = dtype_bytes(dtype)
+            if self.target is None or _keeps_dtype(dtype):
+                found = own_real, own_acc
+            else:
+                t_real, t_acc = dtype_bytes(self.target)
+                found = min(t_real, own_real), min(t_acc, own_acc)
+            self.known[dtype] = found
+        return found
 
 
 def _tensor_bytes(name, tensor, target, special, size_fn, numel) -> tuple[int, float]:

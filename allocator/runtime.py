@@ -79,8 +79,31 @@ def moves_with_weights(tensor, offload_buffers: bool) -> bool:
 
 
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
-    """The device of every tensor of the graph, in graph order."""
-    return [device_of(t.name, device_map) for t in graph.tensors]
+    """The device of every tensor of the graph, in graph order: :func:`device_of` for each tensor name, found in
+    one walk down the module tree (a node inherits its parent's device unless the map names it), O(nodes + tensors).
+    """
+    tensors = graph.tensors
+    if not device_map:
+        return [None] * len(tensors)
+    get = device_map.get
+    missing = _MISSING
+    inherited = []  # per node
+    for node in graph.nodes:
+        device = get(node.name, missing)
+        if device is missing:
+            device = inherited[node.parent] if node.parent >= 0 else None
+        inherited.append(device)
+    tensor_index = graph.tensor_index
+    if not any(key in tensor_index for key in device_map):  # no tensor named on its own: each takes its module's
+        return [inherited[t.module] for t in tensors]
+    out = []
+    for t in tensors:
+        device = get(t.name, missing)
+        out.append(inherited[t.module] if device is missing else device)
+    return out
+
+
+_MISSING = object()
 
 
 def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[int]]:
@@ -88,16 +111,19 @@ def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[in
 
     ``streamed[node]`` is what the node's own hook copies in (0 when it is not offloaded).
     """
+    nodes = graph.nodes
     best = list(streamed)
-    for i in range(len(graph.nodes) - 1, -1, -1):
-        children = graph.nodes[i].children
-        if children:
-            best[i] = streamed[i] + max(best[c] for c in children)
+    below = [0] * len(nodes)   # largest best[] among a node's children (best[] is never negative)
+    for i in range(len(nodes) - 1, -1, -1):  # preorder: children come after their parent
+        best[i] += below[i]
+        parent = nodes[i].parent
+        if parent >= 0 and best[i] > below[parent]:
+            below[parent] = best[i]
     chain, i = [], 0
     while True:
         if streamed[i]:
             chain.append(i)
-        children = graph.nodes[i].children
+        children = nodes[i].children
         if not children:
             break
         i = max(children, key=lambda c: best[c])

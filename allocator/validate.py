@@ -99,28 +99,54 @@ def _unhooked(problem: Problem, device_map: dict) -> list[Violation]:
                       "hooks only modules named in the map, so they would never be loaded; map their module instead.")]
 
 
+_MIXED = object()  # a subtree whose tensors are on more than one device
+
+
 def _no_split(problem: Problem, devices: list) -> list[Violation]:
     g = problem.graph
-    per_node: list[set] = [set() for _ in g.nodes]
+    nodes, no_split = g.nodes, g.no_split
+    # Per node: None (no tensor with a device below it), its one device, or _MIXED; bottom-up in one pass.
+    where: list = [None] * len(nodes)
     for t, d in zip(g.tensors, devices):
         if d is not None:
-            per_node[t.module].add(d)
-    for i in range(len(g.nodes) - 1, 0, -1):
-        per_node[g.nodes[i].parent] |= per_node[i]
+            m = t.module
+            if where[m] is None:
+                where[m] = d
+            elif where[m] is not _MIXED and where[m] != d:
+                where[m] = _MIXED
+    for i in range(len(nodes) - 1, 0, -1):
+        d = where[i]
+        if d is not None:
+            p = nodes[i].parent
+            if where[p] is None:
+                where[p] = d
+            elif where[p] is not _MIXED and where[p] != d:
+                where[p] = _MIXED
     out = []
-    for i, node in enumerate(g.nodes):
-        if node.cls in g.no_split and len(per_node[i]) > 1:
+    for i, node in enumerate(nodes):
+        if node.cls in no_split and where[i] is _MIXED:
             parent, outer = node.parent, True
             while parent >= 0:
-                if g.nodes[parent].cls in g.no_split and len(per_node[parent]) > 1:
+                if nodes[parent].cls in no_split and where[parent] is _MIXED:
                     outer = False
                     break
-                parent = g.nodes[parent].parent
+                parent = nodes[parent].parent
             if outer:
                 out.append(Violation(
-                    "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, per_node[i]))}."
+                    "no-split", f"{node.name or '<root>'} ({node.cls}) is split across "
+                    f"{sorted(map(str, _devices_under(g, i, devices)))}."
                 ))
     return out
+
+
+def _devices_under(g, node: int, devices: list) -> set:
+    """The devices of the tensors in a node's subtree."""
+    found, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        found.update(devices[t] for t in g.nodes[n].params + g.nodes[n].buffers if devices[t] is not None)
+        stack.extend(g.nodes[n].children)
+    return found
 
 
 def validate(model, device_map, max_memory=None, *, no_split_module_classes=None, offload_buffers=False,
