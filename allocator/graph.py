@@ -189,24 +189,33 @@ def _unique_items(table) -> tuple[list, bool]:
     return items, False
 
 
-class _Walk:
-    """One preorder ``named_children`` walk by path, with every module's direct parameters and buffers
-    (``named_parameters(recurse=False)``, ``named_buffers(recurse=False)``).
+class _Reader:
+    """One preorder walk of the model by path (``named_children`` recursion), reading every module's direct
+    parameters and buffers (``named_parameters(recurse=False)``, ``named_buffers(recurse=False)``) into tensors.
 
-    ``repeats`` is set where a module's tables hold one object under two names, or a class overrides the
-    ``named_*`` methods: torch's own generators must then be asked about shared parameters.
+    The fast pass reads each module's ``_modules``, ``_parameters`` and ``_buffers`` directly, skipping ``None`` but
+    not repeated objects. Where a table repeats an object (torch's generators yield it once), ``exact`` is False and
+    the builder reads again with ``careful=True``, which drops repeats as torch does. ``repeats`` says that torch's
+    own generators must be asked about shared parameters (a class overrides them, or a table repeats an object).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, size_of, careful: bool = False):
+        self.size_of = size_of
+        self.careful = careful
         self.names: list[str] = [""]
         self.modules: list = [model]
         self.parents: list[int] = [-1]
-        self.params: list[list] = []
-        self.buffers: list[list] = []
+        self.params: list[tuple[int, ...]] = []
+        self.buffers: list[tuple[int, ...]] = []
+        self.tensors: list[TensorNode] = []
+        self.objects: list = []          # the tensor object of each TensorNode
+        self.seen: dict[tuple[int, bool], int] = {}
+        self.exact = True
         self.repeats = False
-        on_path = {id(model)}
-        stack = [(0, iter(self._read(model)))]
+        self.shared_params = False       # some parameter object has two names
         names, modules, parents = self.names, self.modules, self.parents
+        on_path = {id(model)}
+        stack = [(0, self._read(0, model))]
         while stack:
             index, children = stack[-1]
             step = next(children, None)
@@ -215,6 +224,8 @@ class _Walk:
                 on_path.discard(id(modules[index]))
                 continue
             local, child = step
+            if child is None:
+                continue
             if id(child) in on_path:
                 raise InvalidModel(
                     f"module {names[index] or '<root>'!r} contains itself through child {local!r}: "
@@ -226,29 +237,55 @@ class _Walk:
             if len(names) > _MAX_NODES:
                 raise InvalidModel(f"more than {_MAX_NODES} module paths: shared sub-modules explode the tree.")
             on_path.add(id(child))
-            stack.append((len(names) - 1, iter(self._read(child))))
+            stack.append((len(names) - 1, self._read(len(names) - 1, child)))
 
-    def _read(self, module) -> list:
-        """Record a module's direct parameters and buffers; return its children."""
-        if not _plain(type(module)):
+    def _read(self, i: int, module):
+        """Read a module's direct tensors; return an iterator over its children."""
+        plain = _PLAIN.get(type(module))
+        if plain is None:
+            plain = _plain(type(module))
+        if not plain:
             self.repeats = True
-            self.params.append(list(module.named_parameters(recurse=False)))
-            self.buffers.append(list(module.named_buffers(recurse=False)))
-            return list(module.named_children())
-        table = module._parameters
-        if table:
-            items, repeated = _unique_items(table)
-            self.repeats |= repeated
-            self.params.append(items)
+            params = module.named_parameters(recurse=False)
+            buffers = module.named_buffers(recurse=False)
+            children = module.named_children()
+        elif self.careful:
+            params, repeated = _unique_items(module._parameters)
+            buffers = _unique_items(module._buffers)[0]
+            children, again = _unique_items(module._modules)
+            self.repeats |= repeated or again
         else:
-            self.params.append(())
-        table = module._buffers
-        self.buffers.append(_unique_items(table)[0] if table else ())
-        if not module._modules:
-            return ()
-        items, repeated = _unique_items(module._modules)
-        self.repeats |= repeated
-        return items
+            params = module._parameters.items() if module._parameters else ()
+            buffers = module._buffers.items() if module._buffers else ()
+            children = module._modules.items() if module._modules else ()
+        name = self.names[i]
+        prefix = f"{name}." if name else ""
+        self.params.append(self._tensors(i, prefix, params, True, ()) if params else ())
+        self.buffers.append(
+            self._tensors(i, prefix, buffers, False, getattr(module, "_non_persistent_buffers_set", set()))
+            if buffers else ())
+        return iter(children)
+
+    def _tensors(self, i: int, prefix: str, members, is_param: bool, non_persistent) -> tuple[int, ...]:
+        tensors, objects, seen, size_of = self.tensors, self.objects, self.seen, self.size_of
+        first = len(tensors)
+        for local, tensor in members:
+            if tensor is None:
+                continue
+            index = len(tensors)
+            canonical = seen.setdefault((id(tensor), is_param), index)
+            if canonical != index:
+                if tensors[canonical].module == i:
+                    self.exact = False   # one module lists the object twice: torch's generators yield it once
+                if is_param:
+                    self.shared_params = True
+            full = prefix + local
+            numel = tensor.numel()
+            real, accel = size_of(full, tensor, numel)
+            tensors.append(TensorNode(full, i, local, is_param, is_param or local not in non_persistent, numel, real,
+                                      accel, canonical, canonical, index))
+            objects.append(tensor)
+        return tuple(range(first, len(tensors)))
 
 
 def _declared_tied_groups(model, names: set[str]) -> list[tuple[str, ...]]:
@@ -391,10 +428,32 @@ def build_graph(
     for key, value in (special_dtypes or {}).items():
         special[key] = _as_dtype(value, f"special_dtypes[{key!r}]")
 
-    walk = _Walk(model)
-    modules, parents = walk.modules, walk.parents
+    per_element = _PerElement(target)
+
+    def size_of(name, tensor, numel):
+        if size_fn is None and name not in special:
+            real, accel = per_element(tensor.dtype)
+            return numel * real, numel * accel
+        return _tensor_bytes(name, tensor, target, special, size_fn, numel)
+
+    read = _Reader(model, size_of)
+    first_node_of: dict[int, int] = {}
+    alias_of: list[int] = []
+    for i, module in enumerate(read.modules):
+        first = first_node_of.setdefault(id(module), i)
+        alias_of.append(-1 if first == i else first)
+        if first != i and read.parents[first] == read.parents[i]:
+            read.exact = False  # one module lists a child twice: named_children yields it once
+    if not read.exact:
+        read = _Reader(model, size_of, careful=True)
+        first_node_of, alias_of = {}, []
+        for i, module in enumerate(read.modules):
+            first = first_node_of.setdefault(id(module), i)
+            alias_of.append(-1 if first == i else first)
+    modules, parents, tensors = read.modules, read.parents, read.tensors
+
     if discover_no_split:
-        no_split |= _declared_no_split({id(m): m for m in modules}.values()) if not walk.repeats \
+        no_split |= _declared_no_split({id(m): m for m in modules}.values()) if not read.repeats \
             else no_split_classes(model)
     declared_no_split = frozenset(no_split)
     if infer_no_split and not no_split:
@@ -406,52 +465,20 @@ def build_graph(
                      "(pass no_split_module_classes, or infer_no_split=False, to change this)",
                      type(model).__name__, sorted(no_split))
 
-    first_node_of: dict[int, int] = {}
-    alias_of: list[int] = []
-    for i, module in enumerate(modules):
-        first = first_node_of.setdefault(id(module), i)
-        alias_of.append(-1 if first == i else first)
     nodes_children: list[list[int]] = [[] for _ in modules]
     for i in range(1, len(modules)):
         nodes_children[parents[i]].append(i)
 
-    # One row per tensor: (name, module, local, is_param, persistent, numel, nbytes, nbytes_accelerate, canonical).
-    rows: list[tuple] = []
-    objects: list = []  # the tensor of each row
-    seen_storage: dict[tuple[int, bool], int] = {}
-    node_params: list[tuple[int, ...]] = []
-    node_buffers: list[tuple[int, ...]] = []
-    per_element = _PerElement(target)
-    for i, (name, module) in enumerate(zip(walk.names, modules)):
-        params = walk.params[i]
-        buffers = walk.buffers[i]
-        if not params and not buffers:
-            node_params.append(())
-            node_buffers.append(())
-            continue
-        prefix = f"{name}." if name else ""
-        non_persistent = getattr(module, "_non_persistent_buffers_set", set()) if buffers else ()
-        for is_param, members, own in ((True, params, node_params), (False, buffers, node_buffers)):
-            first = len(rows)
-            for local, tensor in members:
-                full = prefix + local
-                numel = tensor.numel()
-                if size_fn is None and full not in special:
-                    real, accel = per_element(tensor.dtype)
-                    real, accel = numel * real, numel * accel
-                else:
-                    real, accel = _tensor_bytes(full, tensor, target, special, size_fn, numel)
-                index = len(rows)
-                canonical = seen_storage.setdefault((id(tensor), is_param), index)
-                rows.append((full, i, local, is_param, is_param or local not in non_persistent, numel, real, accel,
-                             canonical))
-                objects.append(tensor)
-            own.append(tuple(range(first, len(rows))))
+    tensor_index = {t.name: k for k, t in enumerate(tensors)}
+    if isinstance(getattr(model, "all_tied_weights_keys", None), Mapping):
+        import dataclasses
 
-    tensor_index = {row[0]: k for k, row in enumerate(rows)}
-    storage = [row[8] for row in rows]
-    _share_declared_ties(model, storage, tensor_index)
-    tensors = tuple(TensorNode(*row, storage[k], k) for k, row in enumerate(rows))
+        storage = [t.storage for t in tensors]
+        _share_declared_ties(model, storage, tensor_index)
+        for k, root in enumerate(storage):
+            if root != tensors[k].storage:
+                tensors[k] = dataclasses.replace(tensors[k], storage=root)
+    tensors = tuple(tensors)
     unknown_special = set(special) - tensor_index.keys()
     if unknown_special:
         raise InvalidOption(
@@ -460,17 +487,17 @@ def build_graph(
         )
 
     nodes = tuple(
-        ModuleNode(name, type(module).__name__, parents[i], tuple(nodes_children[i]), node_params[i],
-                   node_buffers[i], alias_of[i])
-        for i, (name, module) in enumerate(zip(walk.names, modules))
+        ModuleNode(name, type(module).__name__, parents[i], tuple(nodes_children[i]), read.params[i],
+                   read.buffers[i], alias_of[i])
+        for i, (name, module) in enumerate(zip(read.names, modules))
     )
     size = [0] * len(nodes)
     size_acc = [0] * len(nodes)
-    for k, row in enumerate(rows):
-        if storage[k] == k:
-            size[row[1]] += row[6]
-        if row[8] == k:
-            size_acc[row[1]] += row[7]
+    for k, t in enumerate(tensors):
+        if t.storage == k:
+            size[t.module] += t.nbytes
+        if t.canonical == k:
+            size_acc[t.module] += t.nbytes_accelerate
     for i in range(len(nodes) - 1, 0, -1):  # preorder: children come after parents
         size[parents[i]] += size[i]
         size_acc[parents[i]] += size_acc[i]
@@ -483,15 +510,16 @@ def build_graph(
                 raise InvalidOption(f"tied_parameters names unknown tensors {missing[:5]}.")
             if len(group) > 1:
                 tied.append(tuple(group))
-    elif walk.repeats:  # the walk's tables and torch's generators may differ: ask torch
+    elif read.repeats:  # the walk's tables and torch's generators may differ: ask torch
         all_params = list(model.named_parameters(remove_duplicate=False))
         tied = _find_tied(all_params, dict(model.named_parameters()))
-    elif any(row[3] and row[8] != k for k, row in enumerate(rows)):
+    elif read.shared_params:
         # named_parameters(remove_duplicate=False) is this walk's parameters in order; named_parameters() keeps
         # the first name of each object (a module under a second path is skipped whole, and its parameters were
         # all seen under the first).
-        all_params = [(row[0], objects[k]) for k, row in enumerate(rows) if row[3]]
-        unique = {row[0]: objects[k] for k, row in enumerate(rows) if row[3] and row[8] == k}
+        objects = read.objects
+        all_params = [(t.name, objects[k]) for k, t in enumerate(tensors) if t.is_param]
+        unique = {t.name: objects[k] for k, t in enumerate(tensors) if t.is_param and t.canonical == k}
         tied = _find_tied(all_params, unique)
     else:
         tied = []

@@ -76,6 +76,14 @@ def random_tree(rng: random.Random, max_depth: int = 3, max_children: int = 4) -
         host = rng.choice(modules)
         if host is not shared and not _contains(shared, host):
             host.add_module("shared", shared)
+    if rng.random() < 0.1 and params:  # one module lists a parameter twice (torch's generators yield it once)
+        module, _, p = rng.choice(params)
+        module.register_parameter("again", p)
+    if rng.random() < 0.1:  # empty slots: a None parameter, buffer and child
+        host = rng.choice(modules)
+        host.register_parameter("none_w", None)
+        host.register_buffer("none_b", None)
+        host.add_module("none_m", None)
     if rng.random() < 0.2:  # transformers' declared ties: target -> source, separate objects before loading
         names = [n for n, _ in root.named_parameters()]
         if len(names) >= 2:
