@@ -109,6 +109,26 @@ class ModelGraph:
         return self.tied_groups + self.declared_ties
 
 
+def _slot_constructor(cls):
+    """A positional constructor (every field, in order) for a frozen slotted dataclass that fills the slots directly.
+
+    The generated ``__init__`` sets each field through ``object.__setattr__``, which doubles the cost of building the
+    hundreds of thousands of nodes of a large model. Generated from the fields, as dataclasses generates ``__init__``.
+    """
+    import dataclasses
+
+    fields = [f.name for f in dataclasses.fields(cls)]
+    namespace = {"_new": object.__new__, "_cls": cls, **{f"_set{k}": getattr(cls, n).__set__ for k, n in enumerate(fields)}}
+    lines = [f"def make({', '.join(fields)}):", "    self = _new(_cls)"]
+    lines += [f"    _set{k}(self, {n})" for k, n in enumerate(fields)]
+    exec("\n".join(lines + ["    return self"]), namespace)  # noqa: S102 - source built from field names only
+    return namespace["make"]
+
+
+_new_tensor = _slot_constructor(TensorNode)
+_new_module = _slot_constructor(ModuleNode)
+
+
 # ----------------------------------------------------------------------------------------------- sizes
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 
@@ -199,8 +219,9 @@ class _Reader:
     own generators must be asked about shared parameters (a class overrides them, or a table repeats an object).
     """
 
-    def __init__(self, model, size_of, careful: bool = False):
-        self.size_of = size_of
+    def __init__(self, model, size_of, per_element: _PerElement | None, careful: bool = False):
+        self.size_of = size_of          # (name, tensor, numel) -> (bytes, accelerate's bytes)
+        self.per_element = per_element  # the same by dtype alone, when no tensor has a size of its own
         self.careful = careful
         self.names: list[str] = [""]
         self.modules: list = [model]
@@ -209,19 +230,27 @@ class _Reader:
         self.buffers: list[tuple[int, ...]] = []
         self.tensors: list[TensorNode] = []
         self.objects: list = []          # the tensor object of each TensorNode
-        self.seen: dict[tuple[int, bool], int] = {}
+        self.seen_params: dict[int, int] = {}   # id of a parameter -> its first tensor index
+        self.seen_buffers: dict[int, int] = {}
         self.exact = True
         self.repeats = False
         self.shared_params = False       # some parameter object has two names
-        names, modules, parents = self.names, self.modules, self.parents
+        self.nodes: list[ModuleNode | None] = [None]  # each built once its children are known
+        self.first_node_of: dict[int, int] = {id(model): 0}  # module object -> its first node
+        names, modules, parents, nodes, first_node_of = self.names, self.modules, self.parents, self.nodes, \
+            self.first_node_of
+        alias_of = [-1]
         on_path = {id(model)}
-        stack = [(0, self._read(0, model))]
+        stack = [(0, self._read(0, model), [])]
         while stack:
-            index, children = stack[-1]
+            index, children, kids = stack[-1]
             step = next(children, None)
             if step is None:
                 stack.pop()
-                on_path.discard(id(modules[index]))
+                module = modules[index]
+                on_path.discard(id(module))
+                nodes[index] = _new_module(names[index], type(module).__name__, parents[index], tuple(kids),
+                                           self.params[index], self.buffers[index], alias_of[index])
                 continue
             local, child = step
             if child is None:
@@ -231,13 +260,23 @@ class _Reader:
                     f"module {names[index] or '<root>'!r} contains itself through child {local!r}: "
                     "a cycle in the module graph cannot be placed; remove the back-reference."
                 )
+            new = len(names)
+            if new >= _MAX_NODES:
+                raise InvalidModel(f"more than {_MAX_NODES} module paths: shared sub-modules explode the tree.")
             names.append(f"{names[index]}.{local}" if names[index] else local)
             modules.append(child)
             parents.append(index)
-            if len(names) > _MAX_NODES:
-                raise InvalidModel(f"more than {_MAX_NODES} module paths: shared sub-modules explode the tree.")
+            nodes.append(None)
+            kids.append(new)
+            first = first_node_of.setdefault(id(child), new)
+            if first != new:
+                alias_of.append(first)
+                if parents[first] == index:
+                    self.exact = False  # one module lists a child twice: named_children yields it once
+            else:
+                alias_of.append(-1)
             on_path.add(id(child))
-            stack.append((len(names) - 1, self._read(len(names) - 1, child)))
+            stack.append((new, self._read(new, child), []))
 
     def _read(self, i: int, module):
         """Read a module's direct tensors; return an iterator over its children."""
@@ -267,13 +306,15 @@ class _Reader:
         return iter(children)
 
     def _tensors(self, i: int, prefix: str, members, is_param: bool, non_persistent) -> tuple[int, ...]:
-        tensors, objects, seen, size_of = self.tensors, self.objects, self.seen, self.size_of
+        tensors, objects, size_of, per_element = self.tensors, self.objects, self.size_of, self.per_element
+        known = per_element.known if per_element is not None else None
+        seen = self.seen_params if is_param else self.seen_buffers
         first = len(tensors)
         for local, tensor in members:
             if tensor is None:
                 continue
             index = len(tensors)
-            canonical = seen.setdefault((id(tensor), is_param), index)
+            canonical = seen.setdefault(id(tensor), index)
             if canonical != index:
                 if tensors[canonical].module == i:
                     self.exact = False   # one module lists the object twice: torch's generators yield it once
@@ -281,9 +322,13 @@ class _Reader:
                     self.shared_params = True
             full = prefix + local
             numel = tensor.numel()
-            real, accel = size_of(full, tensor, numel)
-            tensors.append(TensorNode(full, i, local, is_param, is_param or local not in non_persistent, numel, real,
-                                      accel, canonical, canonical, index))
+            if known is not None:
+                per = known.get(tensor.dtype) or per_element(tensor.dtype)
+                real, accel = numel * per[0], numel * per[1]
+            else:
+                real, accel = size_of(full, tensor, numel)
+            tensors.append(_new_tensor(full, i, local, is_param, is_param or local not in non_persistent, numel, real,
+                                       accel, canonical, canonical, index))
             objects.append(tensor)
         return tuple(range(first, len(tensors)))
 
@@ -430,30 +475,22 @@ def build_graph(
 
     per_element = _PerElement(target)
 
+
     def size_of(name, tensor, numel):
         if size_fn is None and name not in special:
             real, accel = per_element(tensor.dtype)
             return numel * real, numel * accel
         return _tensor_bytes(name, tensor, target, special, size_fn, numel)
 
-    read = _Reader(model, size_of)
-    first_node_of: dict[int, int] = {}
-    alias_of: list[int] = []
-    for i, module in enumerate(read.modules):
-        first = first_node_of.setdefault(id(module), i)
-        alias_of.append(-1 if first == i else first)
-        if first != i and read.parents[first] == read.parents[i]:
-            read.exact = False  # one module lists a child twice: named_children yields it once
+    by_dtype = per_element if size_fn is None and not special else None
+
+    read = _Reader(model, size_of, by_dtype)
     if not read.exact:
-        read = _Reader(model, size_of, careful=True)
-        first_node_of, alias_of = {}, []
-        for i, module in enumerate(read.modules):
-            first = first_node_of.setdefault(id(module), i)
-            alias_of.append(-1 if first == i else first)
-    modules, parents, tensors = read.modules, read.parents, read.tensors
+        read = _Reader(model, size_of, by_dtype, careful=True)
+    modules, tensors, nodes, first_node_of = read.modules, read.tensors, tuple(read.nodes), read.first_node_of
 
     if discover_no_split:
-        no_split |= _declared_no_split({id(m): m for m in modules}.values()) if not read.repeats \
+        no_split |= _declared_no_split(modules[i] for i in first_node_of.values()) if not read.repeats \
             else no_split_classes(model)
     declared_no_split = frozenset(no_split)
     if infer_no_split and not no_split:
@@ -464,10 +501,6 @@ def build_graph(
             log.info("%s declares no no-split classes; keeping its repeated blocks %s whole "
                      "(pass no_split_module_classes, or infer_no_split=False, to change this)",
                      type(model).__name__, sorted(no_split))
-
-    nodes_children: list[list[int]] = [[] for _ in modules]
-    for i in range(1, len(modules)):
-        nodes_children[parents[i]].append(i)
 
     tensor_index = {t.name: k for k, t in enumerate(tensors)}
     if isinstance(getattr(model, "all_tied_weights_keys", None), Mapping):
@@ -486,11 +519,6 @@ def build_graph(
             "use full parameter names as in model.named_parameters()."
         )
 
-    nodes = tuple(
-        ModuleNode(name, type(module).__name__, parents[i], tuple(nodes_children[i]), read.params[i],
-                   read.buffers[i], alias_of[i])
-        for i, (name, module) in enumerate(zip(read.names, modules))
-    )
     size = [0] * len(nodes)
     size_acc = [0] * len(nodes)
     for k, t in enumerate(tensors):
@@ -498,6 +526,7 @@ def build_graph(
             size[t.module] += t.nbytes
         if t.canonical == k:
             size_acc[t.module] += t.nbytes_accelerate
+    parents = read.parents
     for i in range(len(nodes) - 1, 0, -1):  # preorder: children come after parents
         size[parents[i]] += size[i]
         size_acc[parents[i]] += size_acc[i]
