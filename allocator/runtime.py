@@ -163,12 +163,14 @@ def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: boo
     for t, device in zip(graph.tensors, devices):
         if device is None:
             continue
-        moves = moves_with_weights(t, offload_buffers)
-        if device in offloaded and moves:
-            streamed[t.module] += t.nbytes  # every name of a shared tensor is copied by its own hook
+        off = device in offloaded
+        if off:
+            moves = moves_with_weights(t, offload_buffers)
+            if moves:
+                streamed[t.module] += t.nbytes  # every name of a shared tensor is copied by its own hook
         if t.storage != t._index:
             continue
-        if device in offloaded:
+        if off:
             if not moves:
                 home = main                 # buffers of offloaded modules go to the main device
             elif device == "cpu":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -49,8 +50,49 @@ def _fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
+class Recent:
+    """The last few results of a linear-time evaluation of device maps for a problem (:func:`check`, the cost model).
+
+    A plan is checked by its strategy, again by ``auto`` and again by ``plan``; the later times are a lookup.
+    Problems are held weakly; a map is matched by its items in order, so a map changed in place is evaluated again.
+    """
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._entries: list = []
+
+    def get(self, problem, device_map: Mapping):
+        """``(value or None, key)``; pass the key to :meth:`put`."""
+        key = tuple(device_map.items())
+        for ref, known, value in reversed(self._entries):
+            if ref() is problem and known == key:
+                return value, key
+        return None, key
+
+    def put(self, problem, key, value) -> None:
+        self._entries = (self._entries + [(weakref.ref(problem), key, value)])[-self.size:]
+
+
+_CHECKED = Recent()
+
+
 def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:
-    """Violations of ``device_map`` for ``problem``, and the memory it needs at runtime."""
+    """Violations of ``device_map`` for ``problem``, and the memory it needs at runtime.
+
+    Notes
+    -----
+    O(nodes + tensors + map entries). The last few results are remembered (:class:`Recent`); each call returns
+    its own copies.
+    """
+    known, key = _CHECKED.get(problem, device_map)
+    if known is None:
+        known = _check(problem, device_map)
+        _CHECKED.put(problem, key, known)
+    violations, memory = known
+    return list(violations), Memory(dict(memory.peak), memory.main, memory.streamed, memory.chain)
+
+
+def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:
     g = problem.graph
     device_map = normalize_map(device_map)
     found: list[Violation] = []

@@ -36,14 +36,18 @@ class _Tree:
     def __init__(self, problem: Problem):
         g = problem.graph
         self.g = g
-        self.sizes: dict[str, float] = {n.name: g.size_accelerate[i] for i, n in enumerate(g.nodes)}
-        for t in g.tensors:
-            self.sizes[t.name] = t.nbytes_accelerate if t.canonical == t._index else 0
         self.no_split_classes = g.no_split_declared  # accelerate sees only what is declared, never inferred blocks
         self._layer: dict[int, tuple[float, list[str]]] = {}
 
     def size(self, name: str) -> float:
-        return self.sizes.get(name, 0)
+        """accelerate's ``module_sizes[name]`` (0 for a name it does not know): a tensor's bytes unless it shares an
+        earlier tensor's storage, else the module's subtree; looked up, never tabulated (O(1) per name)."""
+        k = self.g.tensor_index.get(name)
+        if k is not None:
+            t = self.g.tensors[k]
+            return t.nbytes_accelerate if t.canonical == t._index else 0
+        i = self.g.node_index.get(name)
+        return 0 if i is None else self.g.size_accelerate[i]
 
     def children(self, entry) -> list:
         """``named_children`` of a module entry (tensors have none)."""
