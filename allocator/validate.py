@@ -33,13 +33,23 @@ def normalize_map(device_map) -> dict:
             f"device_map must be a dict of module names to devices, got {type(device_map).__name__}."
         )
     out = {}
+    seen: dict = {}  # (type, value) -> canonical device: a map has few distinct values
     for key, value in device_map.items():
         if not isinstance(key, str):
             raise InvalidDeviceMap(f"device_map keys are module names (str); got {key!r}.")
         try:
+            out[key] = seen[type(value), value]
+            continue
+        except (KeyError, TypeError):  # new, or unhashable
+            pass
+        try:
             out[key] = normalize_device(value)
         except InvalidBudget as err:
             raise InvalidDeviceMap(f"device_map[{key!r}]: {err}") from None
+        try:
+            seen[type(value), value] = out[key]
+        except TypeError:
+            pass
     return out
 
 
