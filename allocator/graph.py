@@ -333,6 +333,24 @@ class _Reader:
         return tuple(range(first, len(tensors)))
 
 
+def _read_model(model, size_of, by_dtype) -> _Reader:
+    """Read the model, again carefully where the fast read was not exact. The cyclic garbage collector is paused
+    meanwhile: the read creates hundreds of thousands of acyclic objects, and each collection it would trigger walks
+    the model's own objects too (10-20 % of the read on a 50k-module model)."""
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        read = _Reader(model, size_of, by_dtype)
+        if not read.exact:
+            read = _Reader(model, size_of, by_dtype, careful=True)
+        return read
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _declared_tied_groups(model, names: set[str]) -> list[tuple[str, ...]]:
     """Groups from the model's declared tied keys (transformers' ``all_tied_weights_keys``)."""
     declared = getattr(model, "all_tied_weights_keys", None)
@@ -484,9 +502,7 @@ def build_graph(
 
     by_dtype = per_element if size_fn is None and not special else None
 
-    read = _Reader(model, size_of, by_dtype)
-    if not read.exact:
-        read = _Reader(model, size_of, by_dtype, careful=True)
+    read = _read_model(model, size_of, by_dtype)
     modules, tensors, nodes, first_node_of = read.modules, read.tensors, tuple(read.nodes), read.first_node_of
 
     if discover_no_split:

@@ -42,39 +42,61 @@ def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") ->
         for part in parts:
             node = node.setdefault(part, {})
         node[_KEY] = key
+    below = _below(root, device_map)
     result: dict = {}
-    _collapse(root, module_name, device_map, result, top=True)
+    _collapse(root, module_name, device_map, below, result, top=True)
     return result
 
 
-_KEY = object()  # marks the map key that ends at a trie node
+_KEY = object()    # marks the map key that ends at a trie node
+_NONE = object()   # no key below a trie node
+_MIXED = object()  # keys below a trie node map to more than one device
 
 
-def _under(node: dict, device_map) -> tuple[set, int]:
-    """Devices and number of keys strictly below a trie node."""
-    devices, count, stack = set(), 0, [v for k, v in node.items() if k is not _KEY]
+def _merge(a, b):
+    if b is _NONE:
+        return a
+    if a is _NONE:
+        return b
+    return a if a == b else _MIXED
+
+
+def _below(root: dict, device_map) -> dict:
+    """For every trie node (by id): (the one device of the keys strictly below it, or _NONE / _MIXED; their number),
+    in one post-order pass."""
+    below: dict = {}
+    stack = [(root, False)]
     while stack:
-        child = stack.pop()
-        if _KEY in child:
-            devices.add(device_map[child[_KEY]])
-            count += 1
-        stack.extend(v for k, v in child.items() if k is not _KEY)
-    return devices, count
+        node, done = stack.pop()
+        children = [child for part, child in node.items() if part is not _KEY]
+        if not done:
+            stack.append((node, True))
+            stack.extend((child, False) for child in children)
+            continue
+        device, count = _NONE, 0
+        for child in children:
+            if _KEY in child:
+                device = _merge(device, device_map[child[_KEY]])
+                count += 1
+            child_device, child_count = below[id(child)]
+            device = _merge(device, child_device)
+            count += child_count
+        below[id(node)] = (device, count)
+    return below
 
 
-def _collapse(node: dict, name: str, device_map, result: dict, top: bool = False) -> None:
-    devices, count = _under(node, device_map)
-    if top and not name:
+def _collapse(node: dict, name: str, device_map, below: dict, result: dict, top: bool = False) -> None:
+    device, count = below[id(node)]
+    if top and not name and _KEY in node:
         # accelerate looks at every key from the root (the root's own key included)
-        if _KEY in node:
-            devices.add(device_map[node[_KEY]])
-            count += 1
-    if len(devices) == 1 and count > 1:
-        result[name] = next(iter(devices))
+        device = _merge(device, device_map[node[_KEY]])
+        count += 1
+    if device is not _NONE and device is not _MIXED and count > 1:
+        result[name] = device
         return
-    if _KEY in node and not (top and not name and len(devices) == 1 and count > 1):
+    if _KEY in node:
         result[node[_KEY]] = device_map[node[_KEY]]
     for part, child in node.items():
         if part is _KEY:
             continue
-        _collapse(child, f"{name}.{part}" if name else part, device_map, result)
+        _collapse(child, f"{name}.{part}" if name else part, device_map, below, result)

@@ -108,6 +108,8 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
 def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
     """Units united by tie groups (shared tensors and declared ties), ordered by their first unit."""
     found = units(g, offload_buffers)
+    if not g.all_tie_groups():  # every unit is a group of its own
+        return [Group((u,), u.size, u.offload, u.pinned, u.stream, u.numel, u.node < 0) for u in found]
     position = {u.name: k for k, u in enumerate(found)}
     parent = list(range(len(found)))
 
