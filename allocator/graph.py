@@ -70,7 +70,7 @@ class ModuleNode:
     alias_of: int                 # first node of the same module object, or -1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class ModelGraph:
     """Frozen description of a model for planning.
 

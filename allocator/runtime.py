@@ -17,13 +17,14 @@ Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignD
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .budgets import Device
 from .graph import ModelGraph
 
-__all__ = ["Memory", "device_of", "main_device", "moves_with_weights", "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
+__all__ = ["Memory", "Recent", "device_of", "main_device", "moves_with_weights", "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +79,47 @@ def moves_with_weights(tensor, offload_buffers: bool) -> bool:
     return tensor.is_param or (offload_buffers and tensor.persistent)
 
 
+class Recent:
+    """The last few results of a linear-time evaluation of device maps for a problem or graph (tensor devices,
+    :func:`allocator.validate.check`, the cost model).
+
+    A plan is checked by its strategy, again by ``auto`` and again by ``plan``; the later times are a lookup.
+    Problems and graphs are held weakly; a map is matched by its items in order, so a map changed in place is
+    evaluated again.
+    """
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._entries: list = []
+
+    def get(self, problem, device_map: Mapping):
+        """``(value or None, key)``; pass the key to :meth:`put`."""
+        key = tuple(device_map.items())
+        for ref, known, value in reversed(self._entries):
+            if ref() is problem and known == key:
+                return value, key
+        return None, key
+
+    def put(self, problem, key, value) -> None:
+        self._entries = (self._entries + [(weakref.ref(problem), key, value)])[-self.size:]
+
+
+_DEVICES = Recent()
+
+
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
     """The device of every tensor of the graph, in graph order: :func:`device_of` for each tensor name, found in
     one walk down the module tree (a node inherits its parent's device unless the map names it), O(nodes + tensors).
+    The last few results are remembered (:class:`Recent`); each call returns a new list.
     """
+    known, key = _DEVICES.get(graph, device_map)
+    if known is None:
+        known = _tensor_devices(graph, device_map)
+        _DEVICES.put(graph, key, known)
+    return list(known)
+
+
+def _tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
     tensors = graph.tensors
     if not device_map:
         return [None] * len(tensors)

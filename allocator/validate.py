@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .budgets import normalize_device
 from .errors import InvalidBudget, InvalidDeviceMap
 from .problem import Problem, build_problem
-from .runtime import Memory, device_of, main_device, offloaded_devices, peaks, tensor_devices
+from .runtime import Memory, Recent, device_of, main_device, offloaded_devices, peaks, tensor_devices
 
 __all__ = ["Violation", "check", "validate", "normalize_map"]
 
@@ -60,29 +59,6 @@ def _fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
-class Recent:
-    """The last few results of a linear-time evaluation of device maps for a problem (:func:`check`, the cost model).
-
-    A plan is checked by its strategy, again by ``auto`` and again by ``plan``; the later times are a lookup.
-    Problems are held weakly; a map is matched by its items in order, so a map changed in place is evaluated again.
-    """
-
-    def __init__(self, size: int = 4):
-        self.size = size
-        self._entries: list = []
-
-    def get(self, problem, device_map: Mapping):
-        """``(value or None, key)``; pass the key to :meth:`put`."""
-        key = tuple(device_map.items())
-        for ref, known, value in reversed(self._entries):
-            if ref() is problem and known == key:
-                return value, key
-        return None, key
-
-    def put(self, problem, key, value) -> None:
-        self._entries = (self._entries + [(weakref.ref(problem), key, value)])[-self.size:]
-
-
 _CHECKED = Recent()
 
 
@@ -110,7 +86,7 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
         if key and key not in g.node_index and key not in g.tensor_index:
             found.append(Violation("unknown-key", f"{key!r} names no module or tensor of {g.model_class}."))
     devices = tensor_devices(g, device_map)
-    missing = [t.name for t, d in zip(g.tensors, devices) if d is None]
+    missing = [t.name for t, d in zip(g.tensors, devices) if d is None] if None in devices else []
     if missing:
         found.append(Violation(
             "coverage", f"{len(missing)} tensors have no device, e.g. {missing[:3]}; map them or a parent module."

@@ -7,7 +7,8 @@ from ..cost import Cost, estimate
 from ..errors import InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..validate import Recent, _fmt, check
+from ..runtime import Recent
+from ..validate import _fmt, check
 
 __all__ = ["score", "priced", "best_of", "infeasible"]
 
