@@ -35,6 +35,10 @@ def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") ->
     >>> clean_device_map({"a.x": 0, "a.y": 0, "b": "cpu"})
     {'a': 0, 'b': 'cpu'}
     """
+    if not module_name and "" not in device_map and not any("." in key for key in device_map):
+        # one level of names (a flat stack): all of them become "" when they share one device, else nothing merges
+        devices = set(device_map.values())
+        return {"": next(iter(devices))} if len(devices) == 1 and len(device_map) > 1 else dict(device_map)
     root: dict = {}  # trie: component -> (children, key at this node or None)
     for key in device_map:
         node = root
@@ -63,24 +67,25 @@ def _merge(a, b):
 
 def _below(root: dict, device_map) -> dict:
     """For every trie node (by id): (the one device of the keys strictly below it, or _NONE / _MIXED; their number),
-    in one post-order pass."""
-    below: dict = {}
-    stack = [(root, False)]
+    children before parents."""
+    order, stack = [], [root]
     while stack:
-        node, done = stack.pop()
-        children = [child for part, child in node.items() if part is not _KEY]
-        if not done:
-            stack.append((node, True))
-            stack.extend((child, False) for child in children)
-            continue
+        node = stack.pop()
+        order.append(node)
+        stack.extend(child for part, child in node.items() if part is not _KEY)
+    below: dict = {}
+    for node in reversed(order):  # every child was reached after its parent
         device, count = _NONE, 0
-        for child in children:
+        for part, child in node.items():
+            if part is _KEY:
+                continue
             if _KEY in child:
                 device = _merge(device, device_map[child[_KEY]])
                 count += 1
             child_device, child_count = below[id(child)]
-            device = _merge(device, child_device)
-            count += child_count
+            if child_count:
+                device = _merge(device, child_device)
+                count += child_count
         below[id(node)] = (device, count)
     return below
 

@@ -93,7 +93,10 @@ class Recent:
         self._entries: list = []
 
     def get(self, problem, device_map: Mapping):
-        """``(value or None, key)``; pass the key to :meth:`put`."""
+        """``(value or None, key)``; pass the key to :meth:`put`. Anything but a mapping is never remembered (its
+        evaluation raises the typed error)."""
+        if not isinstance(device_map, Mapping):
+            return None, None
         key = tuple(device_map.items())
         for ref, known, value in reversed(self._entries):
             if ref() is problem and known == key:
@@ -101,6 +104,8 @@ class Recent:
         return None, key
 
     def put(self, problem, key, value) -> None:
+        if key is None:
+            return
         self._entries = (self._entries + [(weakref.ref(problem), key, value)])[-self.size:]
 
 
