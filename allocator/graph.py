@@ -117,9 +117,19 @@ def _slot_constructor(cls):
     """
     import dataclasses
 
-    fields = [f.name for f in dataclasses.fields(cls)]
+    found = dataclasses.fields(cls)
+    if any(f.default_factory is not dataclasses.MISSING for f in found) or hasattr(cls, "__post_init__"):
+        return cls
+    fields = [f.name for f in found]
     namespace = {"_new": object.__new__, "_cls": cls, **{f"_set{k}": getattr(cls, n).__set__ for k, n in enumerate(fields)}}
-    lines = [f"def make({', '.join(fields)}):", "    self = _new(_cls)"]
+    params = []
+    for k, f in enumerate(found):
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            namespace[f"_default{k}"] = f.default
+            params.append(f"{f.name}=_default{k}")
+    lines = [f"def make({', '.join(params)}):", "    self = _new(_cls)"]
     lines += [f"    _set{k}(self, {n})" for k, n in enumerate(fields)]
     exec("\n".join(lines + ["    return self"]), namespace)  # noqa: S102 - source built from field names only
     return namespace["make"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .graph import ModelGraph
+from .graph import ModelGraph, _slot_constructor
 from .runtime import moves_with_weights
 
 __all__ = ["Unit", "Group", "units", "groups"]
@@ -43,6 +43,10 @@ class Group:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(u.name for u in self.units)
+
+
+_new_unit = _slot_constructor(Unit)
+_new_group = _slot_constructor(Group)
 
 
 def _tensor_unit(g: ModelGraph, t: int, offload_buffers: bool) -> Unit:
@@ -101,7 +105,7 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
             if totals is None:
                 totals = _subtree_units(g, offload_buffers)
             offload, pinned, stream, numel = totals
-            out.append(Unit(g.nodes[i].name, i, g.size[i], offload[i], pinned[i], stream[i], numel[i]))
+            out.append(_new_unit(g.nodes[i].name, i, g.size[i], offload[i], pinned[i], stream[i], numel[i]))
     return out
 
 
@@ -109,7 +113,7 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
     """Units united by tie groups (shared tensors and declared ties), ordered by their first unit."""
     found = units(g, offload_buffers)
     if not g.all_tie_groups():  # every unit is a group of its own
-        return [Group((u,), u.size, u.offload, u.pinned, u.stream, u.numel, u.node < 0) for u in found]
+        return [_new_group((u,), u.size, u.offload, u.pinned, u.stream, u.numel, u.node < 0) for u in found]
     position = {u.name: k for k, u in enumerate(found)}
     parent = list(range(len(found)))
 
@@ -135,7 +139,7 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
     for k, u in enumerate(found):
         bucket.setdefault(root(k), []).append(u)
     return [
-        Group((us[0],), us[0].size, us[0].offload, us[0].pinned, us[0].stream, us[0].numel, us[0].node < 0)
+        _new_group((us[0],), us[0].size, us[0].offload, us[0].pinned, us[0].stream, us[0].numel, us[0].node < 0)
         if len(us) == 1 else
         Group(tuple(us), sum(u.size for u in us), sum(u.offload for u in us), sum(u.pinned for u in us),
               max(u.stream for u in us), sum(u.numel for u in us), any(u.node < 0 for u in us))
