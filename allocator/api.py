@@ -5,19 +5,19 @@ The whole composition: build the problem once -> run a strategy -> check the res
 
 from __future__ import annotations
 
-
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from .budgets import Budgets, Device
-from .cost import Cost, estimate
+from .cost import Cost
 from .cost_profile import Profile
 from .errors import InfeasiblePlacement
 from .placement import Placement
 from .problem import Problem, build_problem
 from .strategies import resolve, run
 from .generation import GenerationBudget, breakdown
+from .strategies._select import priced
 from .validate import Violation, _fmt, check, normalize_map
 
 __all__ = ["Plan", "plan", "infer_auto_device_map"]
@@ -112,7 +112,7 @@ def _finish(problem: Problem, placement: Placement) -> Plan:
     return Plan(
         device_map=dict(placement.device_map), peak=dict(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
-        placement=placement, cost=estimate(problem, placement.device_map), parts=parts,
+        placement=placement, cost=priced(problem, placement.device_map), parts=parts,
     )
 
 

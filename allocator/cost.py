@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .budgets import is_accelerator
 from .cost_profile import Profile
 from .problem import Problem
-from .runtime import moves_with_weights, offloaded_devices, tensor_devices
+from .runtime import main_device, moves_with_weights, offloaded_devices, tensor_devices
 
 __all__ = ["Profile", "Cost", "estimate", "execute_seconds", "tensor_seconds", "change_seconds"]
 
@@ -88,11 +88,10 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
     >>> estimate(p, {"0": 0, "1": "cpu"}).streamed_bytes, estimate(p, {"": 0}).streamed_bytes
     (263168, 0)
     """
-    from .validate import check
+    from .validate import normalize_map
 
     profile = profile or problem.profile
-    memory = check(problem, device_map)[1]
-    main = memory.main
+    main = main_device(set(normalize_map(device_map).values()))  # as validate.check's memory.main, without the check
     g = problem.graph
     devices = tensor_devices(g, device_map)
     offloaded = offloaded_devices(main)

@@ -35,6 +35,10 @@ def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") ->
     >>> clean_device_map({"a.x": 0, "a.y": 0, "b": "cpu"})
     {'a': 0, 'b': 'cpu'}
     """
+    if not module_name and "" not in device_map and not any("." in key for key in device_map):
+        # one level of names (a flat stack): all of them become "" when they share one device, else nothing merges
+        devices = set(device_map.values())
+        return {"": next(iter(devices))} if len(devices) == 1 and len(device_map) > 1 else dict(device_map)
     root: dict = {}  # trie: component -> (children, key at this node or None)
     for key in device_map:
         node = root
@@ -42,39 +46,62 @@ def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") ->
         for part in parts:
             node = node.setdefault(part, {})
         node[_KEY] = key
+    below = _below(root, device_map)
     result: dict = {}
-    _collapse(root, module_name, device_map, result, top=True)
+    _collapse(root, module_name, device_map, below, result, top=True)
     return result
 
 
-_KEY = object()  # marks the map key that ends at a trie node
+_KEY = object()    # marks the map key that ends at a trie node
+_NONE = object()   # no key below a trie node
+_MIXED = object()  # keys below a trie node map to more than one device
 
 
-def _under(node: dict, device_map) -> tuple[set, int]:
-    """Devices and number of keys strictly below a trie node."""
-    devices, count, stack = set(), 0, [v for k, v in node.items() if k is not _KEY]
+def _merge(a, b):
+    if b is _NONE:
+        return a
+    if a is _NONE:
+        return b
+    return a if a == b else _MIXED
+
+
+def _below(root: dict, device_map) -> dict:
+    """For every trie node (by id): (the one device of the keys strictly below it, or _NONE / _MIXED; their number),
+    children before parents."""
+    order, stack = [], [root]
     while stack:
-        child = stack.pop()
-        if _KEY in child:
-            devices.add(device_map[child[_KEY]])
-            count += 1
-        stack.extend(v for k, v in child.items() if k is not _KEY)
-    return devices, count
+        node = stack.pop()
+        order.append(node)
+        stack.extend(child for part, child in node.items() if part is not _KEY)
+    below: dict = {}
+    for node in reversed(order):  # every child was reached after its parent
+        device, count = _NONE, 0
+        for part, child in node.items():
+            if part is _KEY:
+                continue
+            if _KEY in child:
+                device = _merge(device, device_map[child[_KEY]])
+                count += 1
+            child_device, child_count = below[id(child)]
+            if child_count:
+                device = _merge(device, child_device)
+                count += child_count
+        below[id(node)] = (device, count)
+    return below
 
 
-def _collapse(node: dict, name: str, device_map, result: dict, top: bool = False) -> None:
-    devices, count = _under(node, device_map)
-    if top and not name:
+def _collapse(node: dict, name: str, device_map, below: dict, result: dict, top: bool = False) -> None:
+    device, count = below[id(node)]
+    if top and not name and _KEY in node:
         # accelerate looks at every key from the root (the root's own key included)
-        if _KEY in node:
-            devices.add(device_map[node[_KEY]])
-            count += 1
-    if len(devices) == 1 and count > 1:
-        result[name] = next(iter(devices))
+        device = _merge(device, device_map[node[_KEY]])
+        count += 1
+    if device is not _NONE and device is not _MIXED and count > 1:
+        result[name] = device
         return
-    if _KEY in node and not (top and not name and len(devices) == 1 and count > 1):
+    if _KEY in node:
         result[node[_KEY]] = device_map[node[_KEY]]
     for part, child in node.items():
         if part is _KEY:
             continue
-        _collapse(child, f"{name}.{part}" if name else part, device_map, result)
+        _collapse(child, f"{name}.{part}" if name else part, device_map, below, result)

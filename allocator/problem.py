@@ -35,7 +35,7 @@ class Options:
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Problem:
     """A model graph, ordered device budgets with their bandwidth profile, and options.
 

@@ -17,13 +17,15 @@ Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignD
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .budgets import Device
 from .graph import ModelGraph
 
-__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "main_device", "moves_with_weights", "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
+__all__ = ["Memory", "Recent", "device_of", "executes_on", "extra_by_device", "main_device", "moves_with_weights",
+           "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +120,74 @@ def extra_by_device(graph: ModelGraph, devices: list, node_bytes: Mapping[int, i
     return out
 
 
+class Recent:
+    """The last few results of a linear-time evaluation of device maps for a problem or graph (tensor devices,
+    :func:`allocator.validate.check`, the cost model).
+
+    A plan is checked by its strategy, again by ``auto`` and again by ``plan``; the later times are a lookup.
+    Problems and graphs are held weakly; a map is matched by its items in order, so a map changed in place is
+    evaluated again.
+    """
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._entries: list = []
+
+    def get(self, problem, device_map: Mapping):
+        """``(value or None, key)``; pass the key to :meth:`put`. Anything but a mapping is never remembered (its
+        evaluation raises the typed error)."""
+        if not isinstance(device_map, Mapping):
+            return None, None
+        key = tuple(device_map.items())
+        for ref, known, value in reversed(self._entries):
+            if ref() is problem and known == key:
+                return value, key
+        return None, key
+
+    def put(self, problem, key, value) -> None:
+        if key is None:
+            return
+        self._entries = (self._entries + [(weakref.ref(problem), key, value)])[-self.size:]
+
+
+_DEVICES = Recent()
+
+
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
-    """The device of every tensor of the graph, in graph order."""
-    return [device_of(t.name, device_map) for t in graph.tensors]
+    """The device of every tensor of the graph, in graph order: :func:`device_of` for each tensor name, found in
+    one walk down the module tree (a node inherits its parent's device unless the map names it), O(nodes + tensors).
+    The last few results are remembered (:class:`Recent`); each call returns a new list.
+    """
+    known, key = _DEVICES.get(graph, device_map)
+    if known is None:
+        known = _tensor_devices(graph, device_map)
+        _DEVICES.put(graph, key, known)
+    return list(known)
+
+
+def _tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
+    tensors = graph.tensors
+    if not device_map:
+        return [None] * len(tensors)
+    get = device_map.get
+    missing = _MISSING
+    inherited = []  # per node
+    for node in graph.nodes:
+        device = get(node.name, missing)
+        if device is missing:
+            device = inherited[node.parent] if node.parent >= 0 else None
+        inherited.append(device)
+    tensor_index = graph.tensor_index
+    if not any(key in tensor_index for key in device_map):  # no tensor named on its own: each takes its module's
+        return [inherited[t.module] for t in tensors]
+    out = []
+    for t in tensors:
+        device = get(t.name, missing)
+        out.append(inherited[t.module] if device is missing else device)
+    return out
+
+
+_MISSING = object()
 
 
 def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[int]]:
@@ -128,16 +195,19 @@ def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[in
 
     ``streamed[node]`` is what the node's own hook copies in (0 when it is not offloaded).
     """
+    nodes = graph.nodes
     best = list(streamed)
-    for i in range(len(graph.nodes) - 1, -1, -1):
-        children = graph.nodes[i].children
-        if children:
-            best[i] = streamed[i] + max(best[c] for c in children)
+    below = [0] * len(nodes)   # largest best[] among a node's children (best[] is never negative)
+    for i in range(len(nodes) - 1, -1, -1):  # preorder: children come after their parent
+        best[i] += below[i]
+        parent = nodes[i].parent
+        if parent >= 0 and best[i] > below[parent]:
+            below[parent] = best[i]
     chain, i = [], 0
     while True:
         if streamed[i]:
             chain.append(i)
-        children = graph.nodes[i].children
+        children = nodes[i].children
         if not children:
             break
         i = max(children, key=lambda c: best[c])
@@ -177,12 +247,14 @@ def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: boo
     for t, device in zip(graph.tensors, devices):
         if device is None:
             continue
-        moves = moves_with_weights(t, offload_buffers)
-        if device in offloaded and moves:
-            streamed[t.module] += t.nbytes  # every name of a shared tensor is copied by its own hook
+        off = device in offloaded
+        if off:
+            moves = moves_with_weights(t, offload_buffers)
+            if moves:
+                streamed[t.module] += t.nbytes  # every name of a shared tensor is copied by its own hook
         if t.storage != t._index:
             continue
-        if device in offloaded:
+        if off:
             if not moves:
                 home = main                 # buffers of offloaded modules go to the main device
             elif device == "cpu":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .graph import ModelGraph
+from .graph import ModelGraph, _slot_constructor
 from .runtime import moves_with_weights
 
 __all__ = ["Unit", "Group", "units", "groups"]
@@ -45,6 +45,10 @@ class Group:
         return tuple(u.name for u in self.units)
 
 
+_new_unit = _slot_constructor(Unit)
+_new_group = _slot_constructor(Group)
+
+
 def _tensor_unit(g: ModelGraph, t: int, offload_buffers: bool) -> Unit:
     tensor = g.tensors[t]
     moves = moves_with_weights(tensor, offload_buffers)
@@ -54,38 +58,50 @@ def _tensor_unit(g: ModelGraph, t: int, offload_buffers: bool) -> Unit:
                 tensor.numel if tensor.is_param and tensor.counted else 0)
 
 
-def _node_unit(g: ModelGraph, i: int, offload_buffers: bool) -> Unit:
-    offload = pinned = numel = 0
-    chain = [0] * len(g.nodes)
-    stack, order = [i], []
-    while stack:
-        n = stack.pop()
-        order.append(n)
-        stack.extend(g.nodes[n].children)
-    for n in order:
-        if g.extra:  # generation bytes live where the unit executes: like its buffers when offloaded
-            pinned += g.extra.get(n, 0)
-        for t in g.nodes[n].params + g.nodes[n].buffers:
-            tensor = g.tensors[t]
-            moves = moves_with_weights(tensor, offload_buffers)
-            if tensor.is_param and tensor.counted:
-                numel += tensor.numel
-            if moves:
-                offload += tensor.counted
-                chain[n] += tensor.nbytes
-            else:
-                pinned += tensor.counted
-    for n in reversed(order):
-        kids = g.nodes[n].children
-        if kids:
-            chain[n] += max(chain[c] for c in kids)
-    extra = sum(g.extra.get(n, 0) for n in order) if g.extra else 0
-    return Unit(g.nodes[i].name, i, g.size[i] + extra, offload, pinned, chain[i], numel)
+def _subtree_units(g: ModelGraph, offload_buffers: bool):
+    """Per node, what its subtree would be as one unit: (offload, pinned, stream, numel, extra), in one bottom-up pass.
+
+    ``extra`` is the subtree's generation bytes (:attr:`ModelGraph.extra`): they live where the unit executes, so
+    they count in its size and, like its buffers, stay on the main device when it is offloaded (``pinned``)."""
+    n = len(g.nodes)
+    offload, pinned, numel, chain, below = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
+    extra = [0] * n
+    for node, nbytes in (g.extra or {}).items():
+        extra[node] += nbytes
+        pinned[node] += nbytes
+    for tensor in g.tensors:
+        m = tensor.module
+        counted = tensor.counted
+        if tensor.is_param and counted:
+            numel[m] += tensor.numel
+        if moves_with_weights(tensor, offload_buffers):
+            offload[m] += counted
+            chain[m] += tensor.nbytes
+        else:
+            pinned[m] += counted
+    nodes = g.nodes
+    for i in range(n - 1, -1, -1):  # preorder: a node's children come after it
+        chain[i] += below[i]     # the largest chain among its children, complete by now
+        parent = nodes[i].parent
+        if parent >= 0:
+            offload[parent] += offload[i]
+            pinned[parent] += pinned[i]
+            numel[parent] += numel[i]
+            extra[parent] += extra[i]
+            if chain[i] > below[parent]:
+                below[parent] = chain[i]
+    return offload, pinned, chain, numel, extra
 
 
 def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
-    """The finest legal units, in definition order."""
+    """The finest legal units, in definition order.
+
+    Notes
+    -----
+    O(nodes + tensors): the sizes of every node's subtree are summed in one bottom-up pass.
+    """
     out: list[Unit] = []
+    totals = None
     stack = [0]
     while stack:
         i = stack.pop()
@@ -94,13 +110,18 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
             out.extend(_tensor_unit(g, t, offload_buffers) for t in node.params + node.buffers)
             stack.extend(reversed(node.children))
         else:
-            out.append(_node_unit(g, i, offload_buffers))
+            if totals is None:
+                totals = _subtree_units(g, offload_buffers)
+            offload, pinned, stream, numel, extra = totals
+            out.append(_new_unit(g.nodes[i].name, i, g.size[i] + extra[i], offload[i], pinned[i], stream[i], numel[i]))
     return out
 
 
 def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
     """Units united by tie groups (shared tensors and declared ties), ordered by their first unit."""
     found = units(g, offload_buffers)
+    if not g.all_tie_groups():  # every unit is a group of its own
+        return [_new_group((u,), u.size, u.offload, u.pinned, u.stream, u.numel, u.node < 0) for u in found]
     position = {u.name: k for k, u in enumerate(found)}
     parent = list(range(len(found)))
 
@@ -126,6 +147,8 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
     for k, u in enumerate(found):
         bucket.setdefault(root(k), []).append(u)
     return [
+        _new_group((us[0],), us[0].size, us[0].offload, us[0].pinned, us[0].stream, us[0].numel, us[0].node < 0)
+        if len(us) == 1 else
         Group(tuple(us), sum(u.size for u in us), sum(u.offload for u in us), sum(u.pinned for u in us),
               max(u.stream for u in us), sum(u.numel for u in us), any(u.node < 0 for u in us))
         for _, us in sorted(bucket.items(), key=lambda kv: position[kv[1][0].name])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .budgets import normalize_device
 from .errors import InvalidBudget, InvalidDeviceMap
 from .problem import Problem, build_problem
-from .runtime import Memory, device_of, main_device, offloaded_devices, peaks, tensor_devices
+from .runtime import Memory, Recent, device_of, main_device, offloaded_devices, peaks, tensor_devices
 
 __all__ = ["Violation", "check", "validate", "normalize_map"]
 
@@ -32,13 +32,23 @@ def normalize_map(device_map) -> dict:
             f"device_map must be a dict of module names to devices, got {type(device_map).__name__}."
         )
     out = {}
+    seen: dict = {}  # (type, value) -> canonical device: a map has few distinct values
     for key, value in device_map.items():
         if not isinstance(key, str):
             raise InvalidDeviceMap(f"device_map keys are module names (str); got {key!r}.")
         try:
+            out[key] = seen[type(value), value]
+            continue
+        except (KeyError, TypeError):  # new, or unhashable
+            pass
+        try:
             out[key] = normalize_device(value)
         except InvalidBudget as err:
             raise InvalidDeviceMap(f"device_map[{key!r}]: {err}") from None
+        try:
+            seen[type(value), value] = out[key]
+        except TypeError:
+            pass
     return out
 
 
@@ -49,8 +59,26 @@ def _fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
+_CHECKED = Recent()
+
+
 def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:
-    """Violations of ``device_map`` for ``problem``, and the memory it needs at runtime."""
+    """Violations of ``device_map`` for ``problem``, and the memory it needs at runtime.
+
+    Notes
+    -----
+    O(nodes + tensors + map entries). The last few results are remembered (:class:`Recent`); each call returns
+    its own copies.
+    """
+    known, key = _CHECKED.get(problem, device_map)
+    if known is None:
+        known = _check(problem, device_map)
+        _CHECKED.put(problem, key, known)
+    violations, memory = known
+    return list(violations), Memory(dict(memory.peak), memory.main, memory.streamed, memory.chain)
+
+
+def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:
     g = problem.graph
     device_map = normalize_map(device_map)
     found: list[Violation] = []
@@ -58,7 +86,7 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
         if key and key not in g.node_index and key not in g.tensor_index:
             found.append(Violation("unknown-key", f"{key!r} names no module or tensor of {g.model_class}."))
     devices = tensor_devices(g, device_map)
-    missing = [t.name for t, d in zip(g.tensors, devices) if d is None]
+    missing = [t.name for t, d in zip(g.tensors, devices) if d is None] if None in devices else []
     if missing:
         found.append(Violation(
             "coverage", f"{len(missing)} tensors have no device, e.g. {missing[:3]}; map them or a parent module."
@@ -102,28 +130,54 @@ def _unhooked(problem: Problem, device_map: dict) -> list[Violation]:
                       "hooks only modules named in the map, so they would never be loaded; map their module instead.")]
 
 
+_MIXED = object()  # a subtree whose tensors are on more than one device
+
+
 def _no_split(problem: Problem, devices: list) -> list[Violation]:
     g = problem.graph
-    per_node: list[set] = [set() for _ in g.nodes]
+    nodes, no_split = g.nodes, g.no_split
+    # Per node: None (no tensor with a device below it), its one device, or _MIXED; bottom-up in one pass.
+    where: list = [None] * len(nodes)
     for t, d in zip(g.tensors, devices):
         if d is not None:
-            per_node[t.module].add(d)
-    for i in range(len(g.nodes) - 1, 0, -1):
-        per_node[g.nodes[i].parent] |= per_node[i]
+            m = t.module
+            if where[m] is None:
+                where[m] = d
+            elif where[m] is not _MIXED and where[m] != d:
+                where[m] = _MIXED
+    for i in range(len(nodes) - 1, 0, -1):
+        d = where[i]
+        if d is not None:
+            p = nodes[i].parent
+            if where[p] is None:
+                where[p] = d
+            elif where[p] is not _MIXED and where[p] != d:
+                where[p] = _MIXED
     out = []
-    for i, node in enumerate(g.nodes):
-        if node.cls in g.no_split and len(per_node[i]) > 1:
+    for i, node in enumerate(nodes):
+        if node.cls in no_split and where[i] is _MIXED:
             parent, outer = node.parent, True
             while parent >= 0:
-                if g.nodes[parent].cls in g.no_split and len(per_node[parent]) > 1:
+                if nodes[parent].cls in no_split and where[parent] is _MIXED:
                     outer = False
                     break
-                parent = g.nodes[parent].parent
+                parent = nodes[parent].parent
             if outer:
                 out.append(Violation(
-                    "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, per_node[i]))}."
+                    "no-split", f"{node.name or '<root>'} ({node.cls}) is split across "
+                    f"{sorted(map(str, _devices_under(g, i, devices)))}."
                 ))
     return out
+
+
+def _devices_under(g, node: int, devices: list) -> set:
+    """The devices of the tensors in a node's subtree."""
+    found, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        found.update(devices[t] for t in g.nodes[n].params + g.nodes[n].buffers if devices[t] is not None)
+        stack.extend(g.nodes[n].children)
+    return found
 
 
 def validate(model, device_map, max_memory=None, *, no_split_module_classes=None, offload_buffers=False,

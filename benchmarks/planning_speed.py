@@ -238,8 +238,15 @@ def measure(args) -> tuple[list[dict], dict]:
             total = allocator.build_problem(model, {"cpu": 0}, no_split_module_classes=no_split).graph.total
             budget = {0: total // 2, "cpu": total}
             models[family, target] = (model, no_split, budget, modules)
+            # The floor of reading the model at all: one torch walk over every parameter (accelerate takes several).
+            try:
+                walk = in_child(lambda: timed(lambda: sum(1 for _ in model.named_parameters()), min_total=1.0)[0],
+                                args.cap)
+            except Timeout:
+                walk = None
             base = dict(family=family, target_modules=target, modules=modules, tensors=tensors,
-                        construction_s=f"{construction:.3f}", budget=str(budget))
+                        construction_s=f"{construction:.3f}", budget=str(budget),
+                        named_parameters_s=f"{walk:.4f}" if walk is not None else "")
 
             def accelerate_call():
                 import accelerate.utils
@@ -401,13 +408,13 @@ def _s(value: str, status: str) -> str:
 def table(rows, family, strategies) -> str:
     by = {(r["target_modules"], r["method"]): r for r in rows if r["family"] == family}
     sizes = list(dict.fromkeys(r["target_modules"] for r in rows if r["family"] == family))
-    head = ("| modules | accelerate s | build_problem s | " + " | ".join(
+    head = ("| modules | one `named_parameters()` walk s | accelerate s | build_problem s | " + " | ".join(
         f"{s}: strategy s / plan s | acc / {s}" for s in strategies) + " | plan peak Python MiB (" +
         " / ".join(strategies) + ") | accelerate peak MiB |")
-    lines = [head, "|" + "---|" * (5 + 2 * len(strategies))]
+    lines = [head, "|" + "---|" * (6 + 2 * len(strategies))]
     for n in sizes:
         acc = by[n, "accelerate"]
-        parts = [f"{acc['modules']:,}", _s(acc["plan_s"], acc["status"])]
+        parts = [f"{acc['modules']:,}", _s(acc["named_parameters_s"], ""), _s(acc["plan_s"], acc["status"])]
         first = by[n, strategies[0]]
         parts.append(_s(first["build_problem_s"], first["status"] if not first["build_problem_s"] else ""))
         for s in strategies:
@@ -428,7 +435,9 @@ def report(rows, results, profs, args, command, seconds) -> str:
         f"{platform.machine()}, "
         f"{os.cpu_count()} cores (shared, noisy), no accelerator; Python {platform.python_version()}, torch "
         f"{torch.__version__}, accelerate {importlib.metadata.version('accelerate')}.\n",
-        f"Models on the meta device; budget `{{0: total // 2, 'cpu': total}}` (offload forced). *build_problem*: "
+        f"Models on the meta device; budget `{{0: total // 2, 'cpu': total}}` (offload forced). *one walk*: "
+        f"`for _ in model.named_parameters()` alone, the floor of any planner that reads the model (accelerate "
+        f"walks it several times; we walk it once but build a node per module and tensor). *build_problem*: "
         f"reading the model into a `Problem`; *strategy*: `STRATEGIES[s](problem)` alone; *plan* (bold): the whole "
         f"`allocator.plan(model, budget, strategy=s)` — build, strategy, validation and cost estimate — the time "
         f"compared with accelerate (*acc / s*: accelerate's seconds over ours, same run; `>x` is a lower bound where "

@@ -16,7 +16,7 @@ from ..problem import Problem
 from ..runtime import offloaded_devices, stream_reserve
 from ..units import Group
 
-__all__ = ["fill", "fill_to_fixed_point", "full_reserve", "main_candidates"]
+__all__ = ["Streams", "fill", "fill_to_fixed_point", "full_reserve", "main_candidates"]
 
 
 def main_candidates(problem: Problem) -> list[Device]:
@@ -76,8 +76,8 @@ def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> d
                 break
         else:
             return None
-        for name in group.names:
-            placed[name] = d
+        for unit in group.units:
+            placed[unit.name] = d
     return placed
 
 
@@ -87,26 +87,74 @@ def full_reserve(problem: Problem) -> int:
     return stream_reserve(g, ["disk"] * len(g.tensors), {"disk"}, offload_buffers=problem.options.offload_buffers)
 
 
-def _actual_reserve(problem: Problem, placed: dict, main: Device) -> int:
-    g = problem.graph
-    position = {name: device for name, device in placed.items()}
-    devices = []
-    for t in g.tensors:
-        name = t.name
-        while name not in position and name:
-            name = name.rpartition(".")[0]
-        devices.append(position.get(name))
-    return stream_reserve(g, devices, offloaded_devices(main), offload_buffers=problem.options.offload_buffers)
+class Streams:
+    """What the offloaded units of a unit map stream at once on the main device, from the units alone.
+
+    Equal to :func:`allocator.runtime.stream_reserve` of the map's tensor devices, in O(units + split nodes) instead
+    of O(nodes + tensors): an offloaded module unit adds its own chain below its (split) parent, an offloaded tensor
+    unit adds its bytes to its module; chains are then folded up the split nodes.
+    """
+
+    def __init__(self, problem: Problem, groups: list[Group]):
+        g = problem.graph
+        self.modules: list[tuple[str, int, int]] = []   # (unit name, parent node or -1, its chain)
+        self.tensors: list[tuple[str, int, int]] = []   # (unit name, its module, bytes streamed)
+        split: set[int] = set()
+        for group in groups:
+            for unit in group.units:
+                if unit.node >= 0:
+                    parent = g.nodes[unit.node].parent
+                    self.modules.append((unit.name, parent, unit.stream))
+                else:
+                    parent = g.tensors[g.tensor_index[unit.name]].module
+                    self.tensors.append((unit.name, parent, unit.stream))
+                while parent >= 0 and parent not in split:
+                    split.add(parent)
+                    parent = g.nodes[parent].parent
+        self.split = sorted(split, reverse=True)  # children before parents (preorder indices, reversed)
+        self.parent = {i: g.nodes[i].parent for i in self.split}
+
+    def reserve(self, placed: dict, offloaded) -> int:
+        below: dict[int, int] = dict.fromkeys(self.split, 0)
+        own: dict[int, int] = dict.fromkeys(self.split, 0)
+        top = 0  # a module unit that is the whole model
+        for name, parent, chain in self.modules:
+            if chain and placed[name] in offloaded:
+                if parent < 0:
+                    top = max(top, chain)
+                elif chain > below[parent]:
+                    below[parent] = chain
+        for name, module, nbytes in self.tensors:
+            if nbytes and placed[name] in offloaded:
+                own[module] += nbytes
+        for i in self.split:
+            best = own[i] + below[i]
+            parent = self.parent[i]
+            if parent < 0:
+                top = max(top, best)
+            elif best > below[parent]:
+                below[parent] = best
+        return top
 
 
-def fill_to_fixed_point(problem: Problem, groups: list[Group], main: Device, reserve: int, rounds: int = 8):
+def fill_to_fixed_point(problem: Problem, groups: list[Group], main: Device, reserve: int, rounds: int = 8,
+                        streams: Streams | None = None, memo: dict | None = None):
     """``fill`` then raise the reserve to what the offloaded units really stream together (a parent's hook stays
-    active while its children run), until it holds. Returns ``(placed, reserve)`` or ``(None, reserve)``."""
+    active while its children run), until it holds. Returns ``(placed, reserve)`` or ``(None, reserve)``.
+
+    ``streams`` (:class:`Streams` of these groups) and ``memo`` (a dict kept across calls with the same groups) only
+    save work: a fill for a (main, reserve) already tried is not redone."""
+    streams = streams or Streams(problem, groups)
+    offloaded = offloaded_devices(main)
+    memo = {} if memo is None else memo
     for _ in range(rounds):
-        placed = fill(problem, groups, main, reserve)
+        key = (main, reserve)
+        if key not in memo:
+            placed = fill(problem, groups, main, reserve)
+            memo[key] = placed, (None if placed is None else streams.reserve(placed, offloaded))
+        placed, actual = memo[key]
         if placed is None:
             return None, reserve
-        actual = _actual_reserve(problem, placed, main)
         if actual <= reserve:
             return placed, reserve
         reserve = actual

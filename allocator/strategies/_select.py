@@ -3,21 +3,34 @@ tier, then the fewest changes of executing device."""
 
 from __future__ import annotations
 
-from ..cost import estimate
+from ..cost import Cost, estimate
 from ..errors import InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
+from ..runtime import Recent
 from ..validate import _fmt, check
 
-__all__ = ["score", "best_of", "infeasible"]
+__all__ = ["score", "priced", "best_of", "infeasible"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8
 
 
+_PRICED = Recent()
+
+
+def priced(problem: Problem, device_map) -> Cost:
+    """``estimate(problem, device_map)`` under the problem's profile; the last few results are remembered."""
+    cost, key = _PRICED.get(problem, device_map)
+    if cost is None:
+        cost = estimate(problem, device_map)
+        _PRICED.put(problem, key, cost)
+    return cost
+
+
 def score(problem: Problem, device_map) -> tuple[float, int, int]:
     """Ranking key of a valid device map; higher is better: (-seconds, resident fast bytes, -device changes)."""
-    cost = estimate(problem, device_map)
+    cost = priced(problem, device_map)
     return -cost.seconds, cost.resident_fast, -cost.device_changes
 
 

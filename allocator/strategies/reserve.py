@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ._fill import fill_to_fixed_point, full_reserve, main_candidates
+from ._fill import Streams, fill_to_fixed_point, full_reserve, main_candidates
 from ._select import best_of
 
 __all__ = ["place"]
@@ -31,10 +31,10 @@ def place(problem: Problem, **_) -> Placement:
     sizes = sorted({grp.stream for grp in found} | {0, full_reserve(problem)})
     if len(sizes) > MAX_CANDIDATES:
         sizes = sizes[:1] + sizes[-(MAX_CANDIDATES - 1):]
-    candidates = []
+    candidates, streams, memo = [], Streams(problem, found), {}
     for main in main_candidates(problem):
         for start in sizes:
-            placed, reserve = fill_to_fixed_point(problem, found, main, start)
+            placed, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
             if placed is not None:
                 candidates.append((placed, f"main {main!r}, reserve {reserve} B"))
     return best_of(problem, candidates, "reserve")

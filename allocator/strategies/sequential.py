@@ -36,14 +36,18 @@ class _Tree:
     def __init__(self, problem: Problem):
         g = problem.graph
         self.g = g
-        self.sizes: dict[str, float] = {n.name: g.size_accelerate[i] for i, n in enumerate(g.nodes)}
-        for t in g.tensors:
-            self.sizes[t.name] = t.nbytes_accelerate if t.canonical == t._index else 0
         self.no_split_classes = g.no_split_declared  # accelerate sees only what is declared, never inferred blocks
         self._layer: dict[int, tuple[float, list[str]]] = {}
 
     def size(self, name: str) -> float:
-        return self.sizes.get(name, 0)
+        """accelerate's ``module_sizes[name]`` (0 for a name it does not know): a tensor's bytes unless it shares an
+        earlier tensor's storage, else the module's subtree; looked up, never tabulated (O(1) per name)."""
+        k = self.g.tensor_index.get(name)
+        if k is not None:
+            t = self.g.tensors[k]
+            return t.nbytes_accelerate if t.canonical == t._index else 0
+        i = self.g.node_index.get(name)
+        return 0 if i is None else self.g.size_accelerate[i]
 
     def children(self, entry) -> list:
         """``named_children`` of a module entry (tensors have none)."""
@@ -107,20 +111,39 @@ class _Queue:
 
 
 class _Names:
-    """The names realising the largest layer; only emptiness and removal of a subtree matter (sorted, bisected)."""
+    """The names realising the largest layer; only emptiness and removal of a subtree matter.
+
+    Sorted and bisected; removed names are skipped through path-compressed "next live name" pointers instead of
+    deleted (deleting from the middle of a list of n names costs O(n) each time: quadratic on a flat stack).
+    """
 
     def __init__(self, names):
         self._sorted = sorted(names)
+        self._next = list(range(len(self._sorted) + 1))  # the first live position at or after each position
+        self._live = len(self._sorted)
 
     def __bool__(self) -> bool:
-        return bool(self._sorted)
+        return self._live > 0
+
+    def _find(self, k: int) -> int:
+        nxt = self._next
+        root = k
+        while nxt[root] != root:
+            root = nxt[root]
+        while nxt[k] != root:
+            nxt[k], k = root, nxt[k]
+        return root
 
     def discard_subtree(self, name: str) -> None:
-        """Drop ``name`` and every name under it (``name.``...), in O(log n) plus what is removed."""
+        """Drop ``name`` and every name under it (``name.``...), in O(log n) plus what is removed (amortised)."""
         for low, high in ((name, name + "\x00"), (name + ".", name + "/")):
             i = bisect.bisect_left(self._sorted, low)
             j = bisect.bisect_left(self._sorted, high)
-            del self._sorted[i:j]
+            k = self._find(i)
+            while k < j:
+                self._live -= 1
+                self._next[k] = k + 1
+                k = self._find(k + 1)
 
 
 def _fold(results) -> tuple[float, list[str]]:
