@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .budgets import normalize_device
 from .errors import InvalidBudget, InvalidDeviceMap
@@ -75,7 +75,7 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
         known = _check(problem, device_map)
         _CHECKED.put(problem, key, known)
     violations, memory = known
-    return list(violations), Memory(dict(memory.peak), memory.main, memory.streamed, memory.chain)
+    return list(violations), replace(memory, peak=dict(memory.peak), generation=dict(memory.generation))
 
 
 def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:
