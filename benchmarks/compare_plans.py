@@ -22,21 +22,15 @@ import pickle
 import random
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
 CLASS_NAMES = ["Block", "Layer", "Attn", "Mlp", "Norm", "Stack"]
 _CLASSES = {name: type(name, (nn.Module,), {}) for name in CLASS_NAMES}
-SCENARIOS = {
-    "gpu30": {0: 0.30, "cpu": 0.50},
-    "gpu50": {0: 0.50, "cpu": 0.30},
-    "gpu90": {0: 0.90, "cpu": 1.00},
-    "gpu60-ram2x": {0: 0.60, "cpu": 2.00},
-    "2gpu30": {0: 0.15, 1: 0.15, "cpu": 0.50},
-    "2gpu90": {0: 0.45, 1: 0.45, "cpu": 0.20},
-    "ram50": {"cpu": 0.50},
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from zoo_scenarios import SCENARIOS  # noqa: E402  (the scenarios of the strategy tests)
 
 
 def random_tree(rng: random.Random, max_depth: int = 3, max_children: int = 4) -> nn.Module:

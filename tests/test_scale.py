@@ -9,54 +9,26 @@ two runs, so that they never flake on a loaded 2-core machine; the timed targets
 
 import gc
 import math
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
 import allocator
 from allocator.strategies import STRATEGIES
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from planning_speed import build  # noqa: E402
+
 GREEDY = ("sequential", "backfill", "reserve")
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` without its initialisation, which does nothing on the meta device but takes most of the time."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class Expert(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = Linear(8, 16)
-        self.down = Linear(16, 8)
-
-
-class MoELayer(nn.Module):
-    def __init__(self, experts: int):
-        super().__init__()
-        self.router = Linear(8, experts)
-        self.experts = nn.ModuleList(Expert() for _ in range(experts))
-
-
-class MoE(nn.Module):
-    _no_split_modules = ["MoELayer"]
-
-    def __init__(self, layers: int, experts: int):
-        super().__init__()
-        self.layers = nn.ModuleList(MoELayer(experts) for _ in range(layers))
-
-
 def model(family: str, modules: int) -> nn.Module:
-    with torch.device("meta"):
-        if family == "flat":
-            return nn.Sequential(*[Linear(8, 8) for _ in range(modules - 1)])
-        layers = max(2, round(math.sqrt(modules / 24)))
-        return MoE(layers, max(1, ((modules - 2) // layers - 3) // 3))
+    """The benchmark's models (``benchmarks/planning_speed.py``): a ModuleList-of-experts MoE or a flat stack."""
+    return build(family, modules)[0]
 
 
 def budget(m: nn.Module) -> dict:
