@@ -182,16 +182,21 @@ class Device:
         return {"cpu": int(f * total)} if self.dry_run else {0: int(f * total), "cpu": 2 * total}
 
 
-def run_load(path, device_map, budget, device: Device, inputs, args, offload) -> dict:
-    """Load once, time forwards, read memory; ``status`` says what went wrong if anything did."""
+def _load(path, device_map, budget, args, offload):
+    """The saved llama loaded with ``device_map``, and the map transformers really used."""
     from transformers import LlamaForCausalLM
 
+    model = LlamaForCausalLM.from_pretrained(path, dtype=args.dtype, device_map=device_map, max_memory=dict(budget),
+                                             offload_folder=offload).eval()
+    return model, dict(getattr(model, "hf_device_map", {}))
+
+
+def run_load(path, device_map, budget, device: Device, inputs, args, offload) -> dict:
+    """Load once, time forwards, read memory; ``status`` says what went wrong if anything did."""
     model = None
     base = device.reset()
     try:
-        model = LlamaForCausalLM.from_pretrained(path, dtype=args.dtype, device_map=device_map,
-                                                 max_memory=dict(budget), offload_folder=offload).eval()
-        loaded_map = dict(getattr(model, "hf_device_map", {}))
+        model, loaded_map = _load(path, device_map, budget, args, offload)
         after_load = device.allocated()
         times = []
         with torch.no_grad():
@@ -233,14 +238,10 @@ def _ram_held(model) -> int:
 
 def run_generate(path, device_map, budget, device: Device, args, offload) -> dict:
     """Load once and run ``generate`` with the generation budget's batch and lengths; its peak memory."""
-    from transformers import LlamaForCausalLM
-
     model = None
     base = device.reset()
     try:
-        model = LlamaForCausalLM.from_pretrained(path, dtype=args.dtype, device_map=device_map,
-                                                 max_memory=dict(budget), offload_folder=offload).eval()
-        loaded_map = dict(getattr(model, "hf_device_map", {}))
+        model, loaded_map = _load(path, device_map, budget, args, offload)
         after_load = device.allocated()
         prompt = args.gen_length - args.gen_new
         ids = torch.randint(3, 2000, (args.gen_batch, prompt), generator=torch.Generator().manual_seed(0))
