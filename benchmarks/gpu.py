@@ -29,18 +29,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime
 import gc
 import importlib.metadata
-import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -48,6 +45,8 @@ import torch
 import allocator
 from allocator.runtime import main_device, tensor_devices
 from allocator.validate import check
+
+from benchutil import quiet, ram_held, write_csv
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = (0.3, 0.5, 0.7)
@@ -118,15 +117,6 @@ def model_target_bytes(args) -> tuple[int, str]:
 
 # --------------------------------------------------------------------------------------------------------------
 # Measurements.
-
-def _quiet() -> None:
-    logging.disable(logging.WARNING)
-    warnings.simplefilter("ignore")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
 
 class Device:
     """The device under test: ``cuda:0`` with its memory counters, or (dry run) the CPU with none."""
@@ -226,16 +216,6 @@ def generation_budget(args) -> allocator.GenerationBudget:
     return allocator.GenerationBudget(args.gen_batch, args.gen_length, prompt_length=args.gen_length - args.gen_new)
 
 
-def _ram_held(model) -> int:
-    """Bytes of the loaded model's tensors really in RAM (not meta), each storage once."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type == "cpu" and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.nbytes
-    return total
-
-
 def run_generate(path, device_map, budget, device: Device, args, offload) -> dict:
     """Load once and run ``generate`` with the generation budget's batch and lengths; its peak memory."""
     model = None
@@ -258,7 +238,7 @@ def run_generate(path, device_map, budget, device: Device, args, offload) -> dic
                            pad_token_id=0)
             device.sync()
             seconds = time.perf_counter() - start
-        peak = _ram_held(model) + device.traced if device.dry_run else device.peak() - base
+        peak = ram_held(model) + device.traced if device.dry_run else device.peak() - base
         return dict(status="ok", device_map=loaded_map, times=[seconds],
                     after_load=None if after_load is None else after_load - base, peak=peak)
     except torch.cuda.OutOfMemoryError as err:
@@ -500,21 +480,15 @@ def main(argv=None) -> int:
     start = time.time()
     if args.dry_run:
         torch.set_num_threads(1)  # tiny matmuls: more threads only spin on a shared machine
-    _quiet()
+    quiet()
     device = Device(args.dry_run)
     command = " ".join(["python benchmarks/gpu.py", *(sys.argv[1:] if argv is None else argv)])
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         rows, info = measure(args, device, Path(tmp), start + args.time_limit)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "gpu.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "gpu.csv", rows)
     if info.get("generate"):
-        with open(args.out / "gpu_generate.csv", "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(info["generate"][0]))
-            writer.writeheader()
-            writer.writerows(info["generate"])
+        write_csv(args.out / "gpu_generate.csv", info["generate"])
     text = report(rows, info, args, device, command, time.time() - start)
     (args.out / "gpu.md").write_text(text)
     print(text)

@@ -14,7 +14,6 @@ valid plan of another strategy is estimated faster than ``ilp``'s. Rows come fro
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import logging
 import statistics
@@ -26,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from placement import GRID, OUT, measure  # noqa: E402
+from benchutil import write_csv  # noqa: E402
 
 from allocator import zoo  # noqa: E402
 
@@ -104,10 +104,7 @@ def main(argv=None) -> int:
     start, when = time.time(), datetime.datetime.now(datetime.timezone.utc)
     rows = measure(names, list(GRID), ["accelerate", *STRATEGIES])
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "ilp.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "ilp.csv", rows)
     table, figures = cells_table(rows)
     command = "python benchmarks/ilp_optimality.py" + (f" --models {' '.join(args.models)}" if args.models else "")
     text = (f"# ILP: optimality, planning time, cost against every strategy\n\n`{command}` — "

@@ -28,10 +28,8 @@ forwards. Rounds load everything afresh. Writes ``latency.csv`` (one row per con
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import importlib.metadata
-import logging
 import math
 import multiprocessing
 import os
@@ -40,7 +38,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -48,6 +45,8 @@ import torch
 import allocator
 from allocator.runtime import tensor_devices
 from allocator.validate import check
+
+from benchutil import quiet, ram_held, write_csv
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = (0.3, 0.5, 0.7)
@@ -128,16 +127,6 @@ def _files(*folders) -> list[str]:
     return [str(p) for folder in folders for p in Path(folder).rglob("*") if p.is_file()]
 
 
-def _ram_held(model) -> int:
-    """Bytes of the loaded model's tensors that really are in RAM (not meta), each storage once."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type != "meta" and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.nbytes
-    return total
-
-
 def serve(job: dict, conn) -> None:
     """Child: load ``job['path']`` with ``job['device_map']`` and answer commands until ``stop``.
 
@@ -146,7 +135,7 @@ def serve(job: dict, conn) -> None:
     """
     try:
         torch.set_num_threads(1)
-        _quiet()
+        quiet()
         cls, _, make_inputs = specs()[job["model"]]
         inputs = make_inputs(torch.Generator().manual_seed(0))
         with tempfile.TemporaryDirectory(dir=job["workdir"]) as offload:
@@ -155,7 +144,7 @@ def serve(job: dict, conn) -> None:
             model = cls.from_pretrained(job["path"], dtype=torch.float32, device_map=job["device_map"], **kwargs)
             model.eval()
             cold_paths = _files(job["path"], offload)
-            conn.send({"device_map": dict(getattr(model, "hf_device_map", {"": "cpu"})), "ram_held": _ram_held(model)})
+            conn.send({"device_map": dict(getattr(model, "hf_device_map", {"": "cpu"})), "ram_held": ram_held(model)})
             exact, sampled = False, 0
             with torch.no_grad():
                 while True:
@@ -218,15 +207,6 @@ class Worker:
 
 # --------------------------------------------------------------------------------------------------------------
 # Parent: save models, plan, drive the children, aggregate.
-
-def _quiet() -> None:
-    logging.disable(logging.WARNING)
-    warnings.simplefilter("ignore")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
 
 class Model:
     """One saved model: its path, meta twin and total counted bytes."""
@@ -613,16 +593,13 @@ def main(argv=None) -> int:
             setattr(args, key, value)
     args.regimes = ["warm", "cold"] if args.cold else ["warm"]
     torch.set_num_threads(1)  # also keeps OpenMP's thread pool unstarted here, which keeps fork safe
-    _quiet()
+    quiet()
     command = " ".join(["python benchmarks/latency.py", *(sys.argv[1:] if argv is None else argv)])
     start = time.time()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         rows = measure(args, Path(tmp))
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "latency.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "latency.csv", rows)
     text = report(rows, args, command, time.time() - start)
     (args.out / "latency.md").write_text(text)
     print(text)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import logging
 import statistics
 import sys
@@ -26,6 +25,8 @@ import allocator
 from allocator import zoo
 from allocator.cost import estimate
 from allocator.validate import check
+
+from benchutil import write_csv
 
 GRID = {
     "gpu15": {0: .15, "cpu": 2}, "gpu30": {0: .30, "cpu": 2}, "gpu50": {0: .50, "cpu": 2},
@@ -229,10 +230,7 @@ def main(argv=None) -> int:
     start = time.time()
     rows = measure(names, cells)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "placement.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "placement.csv", rows)
     text = (f"# Placement benchmark\n\n`python benchmarks/placement.py{' --quick' if args.quick else ''}` — "
             f"{len(names)} architectures x {len(cells)} budgets, {time.time() - start:.0f} s.\n\n"
             f"{summary(rows)}\n\n{balanced_summary(rows)}\n\nResident share on the fastest tier, accelerate → ours (`auto`); "

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import csv
 import datetime
 import gc
 import importlib.metadata
@@ -54,6 +53,8 @@ import torch.nn as nn
 
 import allocator
 from allocator.strategies import STRATEGIES
+
+from benchutil import write_csv
 
 OUT = Path(__file__).parent / "results"
 SIZES = (1_000, 10_000, 20_000, 50_000, 200_000)
@@ -498,10 +499,7 @@ def main(argv=None) -> int:
     results = targets(rows, args.strategies)
     profs = profiles(args, models, rows, results)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "planning_speed.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "planning_speed.csv", rows)
     text = report(rows, results, profs, args, command, time.time() - start)
     (args.out / "planning_speed.md").write_text(text)
     print(text)

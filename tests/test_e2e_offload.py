@@ -23,6 +23,7 @@ accelerate_hooks = pytest.importorskip("accelerate.hooks")
 import allocator  # noqa: E402
 from allocator.runtime import tensor_devices  # noqa: E402
 from allocator.validate import check  # noqa: E402
+from benchutil import ram_held  # noqa: E402
 from models import SavedModel, tiny_specs  # noqa: E402
 
 MODELS = ("llama", "t5", "vit")
@@ -113,16 +114,6 @@ class StreamMeter:
                 del self.refs[ptr]
 
 
-def _ram_held(model) -> int:
-    """Bytes of the loaded model's tensors that are really in RAM (not meta), each storage once."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type != "meta" and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.nbytes
-    return total
-
-
 def _run(case, model, meter):
     meter.reset()
     meter.name_modules(model)
@@ -147,7 +138,7 @@ def test_plan_loads_runs_exactly_and_streams_within_its_reserve(cases, name, tmp
     for pname, param in model.named_parameters(remove_duplicate=False):
         assert param.device.type == {"cpu": "cpu", "disk": "meta"}[devices[pname]], pname
     # The RAM the model holds at rest is the plan's peak minus the streaming reserve (resident + buffers).
-    assert _ram_held(model) == p.peak["cpu"] - p.streamed
+    assert ram_held(model) == p.peak["cpu"] - p.streamed
     assert p.peak["cpu"] <= case.budget
 
     logits = _run(case, model, meter)
@@ -178,7 +169,7 @@ def test_plan_keeps_more_in_ram_than_transformers_auto(cases, name, tmp_path, mo
 
     violations, memory = check(case.problem, hf_map)
     assert memory.main == "cpu"
-    assert _ram_held(auto) == memory.peak["cpu"] - memory.streamed
+    assert ram_held(auto) == memory.peak["cpu"] - memory.streamed
     logits = _run(case, auto, meter)
     torch.testing.assert_close(logits, case.reference, rtol=1e-6, atol=1e-6)
     assert 0 < meter.max <= memory.streamed, (

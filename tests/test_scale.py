@@ -9,19 +9,15 @@ two runs, so that they never flake on a loaded 2-core machine; the timed targets
 
 import gc
 import math
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 
 import pytest
 from torch import nn
 
 import allocator
 from allocator.strategies import STRATEGIES
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from planning_speed import build  # noqa: E402
+from planning_speed import build  # benchmarks/ is on the tests' path (pyproject.toml)
 
 GREEDY = ("sequential", "backfill", "reserve")
 

@@ -1,0 +1,36 @@
+"""What several benchmark scripts (and the end-to-end tests) share: CSV output, quiet loads, RAM really held."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import warnings
+from pathlib import Path
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """``rows`` (dicts with the same keys, in order) as a CSV file with a header."""
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def quiet() -> None:
+    """Silence warnings, logging below ERROR and transformers' progress bars for the rest of the process."""
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def ram_held(model) -> int:
+    """Bytes of a loaded model's tensors that really are in memory (not on meta), each storage once."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    return total
