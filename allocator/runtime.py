@@ -25,7 +25,7 @@ from .budgets import Device
 from .graph import ModelGraph
 
 __all__ = ["Memory", "Recent", "device_of", "executes_on", "extra_by_device", "main_device", "moves_with_weights",
-           "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain"]
+           "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain", "workspace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +275,12 @@ def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: boo
                   generation=generation)
 
 
+def workspace(graph: ModelGraph, *, main: bool) -> int:
+    """Bytes a generation budget needs on a device that runs part of the model beyond its units' own (activations;
+    on the main device also the next-token scores); 0 without a generation budget."""
+    return graph.workspace + (graph.main_workspace if main else 0)
+
+
 def _generation_bytes(graph: ModelGraph, devices: list, main: Device, offloaded, hooks: bool) -> dict:
     """Generation bytes per device: each node's extra where it executes, the workspace on every executing device."""
     if not (graph.extra or graph.workspace or graph.main_workspace):
@@ -282,5 +288,5 @@ def _generation_bytes(graph: ModelGraph, devices: list, main: Device, offloaded,
     out = extra_by_device(graph, devices, graph.extra, main, offloaded, hooks)
     executing = {executes_on(d, main, offloaded, hooks) for d in devices if d is not None} | {main}
     for device in executing - {"disk"}:
-        out[device] = out.get(device, 0) + graph.workspace + (graph.main_workspace if device == main else 0)
+        out[device] = out.get(device, 0) + workspace(graph, main=device == main)
     return out

@@ -13,7 +13,7 @@ import math
 
 from ..budgets import Device
 from ..problem import Problem
-from ..runtime import offloaded_devices, stream_reserve
+from ..runtime import offloaded_devices, stream_reserve, workspace
 from ..units import Group
 
 __all__ = ["Streams", "fill", "fill_to_fixed_point", "full_reserve", "main_candidates"]
@@ -48,8 +48,7 @@ def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> d
     # A device left with negative room gets nothing, so it runs nothing and needs no workspace.
     for d in devices:
         if d not in targets:
-            room[d] -= problem.graph.workspace
-    room[main] -= problem.graph.main_workspace
+            room[d] -= workspace(problem.graph, main=d == main)
     if room[main] < 0:
         return None
     placed: dict = {}

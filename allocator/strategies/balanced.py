@@ -69,7 +69,7 @@ from ..budgets import Device
 from ..partition import least_feasible, prefix_sums, reachable, split
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runtime import device_of, main_device
+from ..runtime import device_of, main_device, workspace
 from ..units import Group, groups
 from ..validate import _fmt, check
 from . import reserve
@@ -98,8 +98,7 @@ def load(group: Group) -> int:
 def _workspace(problem: Problem, count: int) -> list[int]:
     """What each of ``count`` accelerators needs beyond its groups when it runs something, the first being the main
     device: a generation budget's activations everywhere, and its next-token scores on the main device."""
-    g = problem.graph
-    return [g.workspace + g.main_workspace] + [g.workspace] * (count - 1)
+    return [workspace(problem.graph, main=True)] + [workspace(problem.graph, main=False)] * (count - 1)
 
 
 # -- splitting ----------------------------------------------------------------------------------------------------

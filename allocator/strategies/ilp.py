@@ -36,7 +36,7 @@ from ..cost import Profile, change_seconds, estimate, tensor_seconds
 from ..errors import AllocatorError
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runtime import device_of, main_device, offloaded_devices
+from ..runtime import device_of, main_device, offloaded_devices, workspace
 from ..units import Group, groups as unit_groups
 from ..validate import check
 from ._fill import main_candidates
@@ -153,8 +153,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
         limit = b.limit(d)
         if d == main:
             resident = sum(grp.size * x[k, d] for k, grp in enumerate(found))
-            workspace = g.workspace + g.main_workspace  # generation: activations and next-token scores
-            model.Add(resident + pinned + reserve + workspace <= limit)
+            model.Add(resident + pinned + reserve + workspace(g, main=True) <= limit)
             if is_accelerator(d):
                 model.Add(sum(x[k, d] for k in range(len(found))) >= 1)
         elif d in targets:
@@ -164,7 +163,8 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
             used = model.NewBoolVar(f"used_{d}")
             for k in range(len(found)):
                 model.AddImplication(x[k, d], used)
-            model.Add(sum(grp.size * x[k, d] for k, grp in enumerate(found)) + g.workspace * used <= limit)
+            weights = sum(grp.size * x[k, d] for k, grp in enumerate(found))
+            model.Add(weights + workspace(g, main=False) * used <= limit)
         else:
             model.Add(sum(grp.size * x[k, d] for k, grp in enumerate(found)) <= limit)
 
