@@ -73,10 +73,12 @@ class Plan:
 
     def resident(self, device: Device) -> int:
         """Counted bytes of the model that live on ``device`` (not counting the streaming reserve)."""
-        g = self.problem.graph
-        from .runtime import tensor_devices
+        from .runs import columns
+        from .runtime import map_runs
 
-        return sum(t.counted for t, d in zip(g.tensors, tensor_devices(g, self.device_map)) if d == device)
+        counted = columns(self.problem.graph).sum_counted
+        return sum(counted[r.end] - counted[r.start] for r in map_runs(self.problem.graph, self.device_map)
+                   if r.device == device)
 
     def explain(self) -> str:
         """The plan as text: per-device bytes against budgets, the streaming reserve, then the decisions."""

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from .budgets import is_accelerator
 from .cost_profile import Profile
 from .problem import Problem
-from .runtime import main_device, moves_with_weights, offloaded_devices, tensor_devices
+from .runs import FEMTO, columns
+from .runtime import main_device, map_runs, moves_with_weights, offloaded_devices
 
-__all__ = ["Profile", "Cost", "estimate", "execute_seconds", "tensor_seconds", "change_seconds"]
+__all__ = ["Profile", "Cost", "estimate", "read_seconds", "copy_seconds", "execute_seconds", "tensor_seconds",
+           "change_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -36,29 +38,38 @@ class Cost:
     resident_fast: int      # bytes resident on the fastest tier
 
 
-def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
-                    tensors: int = 0) -> float:
-    """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device.
-
-    Where it executes: the larger of reading its weights and computing with them (``2 * numel * tokens`` FLOP);
-    offloaded pieces also pay their copy (host to device for ``cpu``; disk read, then host to device, for ``disk``;
-    only the disk read when the CPU is main), and a fixed latency for each of the ``tensors`` their hooks stream
-    (``offload_tensor_latency``, plus ``disk_tensor_latency`` from disk). ``offload`` and ``tensors`` are 0 for a
-    piece that is not streamed.
-    """
-    run_on = main if device in ("cpu", "disk") else device
+def read_seconds(profile: Profile, run_on, nbytes: int, numel: int) -> float:
+    """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
+    (``2 * numel * tokens`` FLOP): the larger of the two."""
     if run_on == "cpu":
-        seconds = max(nbytes / profile.cpu_memory, 2 * numel * profile.tokens / profile.cpu_flops)
-    else:
-        seconds = max(nbytes / profile.accelerator_memory, 2 * numel * profile.tokens / profile.accelerator_flops)
+        return max(nbytes / profile.cpu_memory, 2 * numel * profile.tokens / profile.cpu_flops)
+    return max(nbytes / profile.accelerator_memory, 2 * numel * profile.tokens / profile.accelerator_flops)
+
+
+def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> float:
+    """Seconds to stream ``offload`` bytes in ``tensors`` tensors from ``device`` to ``main`` at a forward: host to
+    device for ``cpu``; disk read, then host to device, for ``disk`` (only the disk read when the CPU is main); a
+    fixed latency per tensor (``offload_tensor_latency``, plus ``disk_tensor_latency`` from disk). Linear in both."""
+    seconds = 0.0
     if device == "disk":
         seconds += offload / profile.disk_read
         seconds += tensors * (profile.disk_tensor_latency + profile.offload_tensor_latency)
+    run_on = main if device in ("cpu", "disk") else device
     if device in ("cpu", "disk") and run_on != "cpu" and not (device == "cpu" and main == "mps"):
         seconds += offload / profile.host_to_device
         if device == "cpu":
             seconds += tensors * profile.offload_tensor_latency
     return seconds
+
+
+def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
+                    tensors: int = 0) -> float:
+    """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
+    :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
+    :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
+    """
+    run_on = main if device in ("cpu", "disk") else device
+    return read_seconds(profile, run_on, nbytes, numel) + copy_seconds(profile, main, device, offload, tensors)
 
 
 def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
@@ -91,27 +102,37 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
     from .validate import normalize_map
 
     profile = profile or problem.profile
-    main = main_device(set(normalize_map(device_map).values()))  # as validate.check's memory.main, without the check
+    device_map = normalize_map(device_map)
+    main = main_device(set(device_map.values()))  # as validate.check's memory.main, without the check
     g = problem.graph
-    devices = tensor_devices(g, device_map)
+    cols = columns(g)
+    mov = cols.moving(problem.options.offload_buffers)
+    cpu_reads, accelerator_reads = cols.reads(profile)
     offloaded = offloaded_devices(main)
-    seconds = 0.0
+    fast_tier = set(problem.budgets.accelerators) or {"cpu"}
+    reads = 0          # femtoseconds, exact: the same whichever runs a map is cut into
+    moved: dict = {}   # offloaded device -> [bytes, tensors] streamed from it
     streamed = disk = fast = changes = 0
     last = None
-    fast_tier = set(problem.budgets.accelerators) or {"cpu"}
-    for t, d in zip(g.tensors, devices):
+    for run in map_runs(g, device_map):
+        d, a, b = run.device, run.start, run.end
         if d is None:
             continue
-        run_on = main if d in offloaded or not is_accelerator(d) else d
-        moves = d in offloaded and moves_with_weights(t, problem.options.offload_buffers)
-        seconds += tensor_seconds(problem, main, profile, t, d)
-        if moves:
-            streamed += t.nbytes
-            disk += t.nbytes if d == "disk" else 0
+        prefix = cpu_reads if (main if d in ("cpu", "disk") else d) == "cpu" else accelerator_reads
+        reads += prefix[b] - prefix[a]
+        if d in offloaded:
+            nbytes = mov.sum_nbytes[b] - mov.sum_nbytes[a]
+            totals = moved.setdefault(d, [0, 0])
+            totals[0] += nbytes
+            totals[1] += mov.sum_count[b] - mov.sum_count[a]
+            streamed += nbytes
+            disk += nbytes if d == "disk" else 0
         if d in fast_tier and not (d == "cpu" and main != "cpu"):
-            fast += t.counted
-        if t.nbytes:
+            fast += cols.sum_counted[b] - cols.sum_counted[a]
+        if cols.sum_weighted[b] > cols.sum_weighted[a]:  # tensors without bytes do not change the device
+            run_on = main if d in offloaded or not is_accelerator(d) else d
             changes += last is not None and run_on != last
             last = run_on
+    seconds = reads / FEMTO + sum(copy_seconds(profile, main, d, nbytes, count) for d, (nbytes, count) in moved.items())
     seconds += changes * change_seconds(profile)
     return Cost(seconds=seconds, streamed_bytes=streamed, disk_bytes=disk, device_changes=changes, resident_fast=fast)

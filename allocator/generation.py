@@ -456,9 +456,9 @@ def _activations(model, config, attention: _Attention, tokens: int, length: int,
 def breakdown(needs: GenerationNeeds | None, graph, device_map: Mapping, memory) -> dict:
     """Per device of ``memory.peak`` (from :func:`allocator.validate.check`): ``weights``, ``cache``, ``logits`` and
     ``activations`` bytes, summing to the peak (``weights`` includes buffers and the streaming reserve)."""
-    from .runtime import executes_on, extra_by_device, offloaded_devices, tensor_devices
+    from .runtime import executes_on, extra_by_device, map_runs, offloaded_devices
 
-    devices = tensor_devices(graph, device_map)
+    devices = map_runs(graph, device_map)
     used = set(device_map.values())
     hooks = len(used) > 1 or "disk" in used
     offloaded = offloaded_devices(memory.main) if hooks else frozenset()

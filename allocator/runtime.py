@@ -17,15 +17,17 @@ Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignD
 
 from __future__ import annotations
 
+import heapq
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .budgets import Device
 from .graph import ModelGraph
+from .runs import Run, columns, expand, first_device, runs
 
-__all__ = ["Memory", "Recent", "device_of", "executes_on", "extra_by_device", "main_device", "moves_with_weights",
-           "stream_reserve", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain", "workspace"]
+__all__ = ["Memory", "Recent", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs",
+           "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain", "workspace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,24 +98,14 @@ def executes_on(device: Device, main: Device, offloaded, hooks: bool) -> Device:
     return device
 
 
-def _node_device(graph: ModelGraph, devices: list, node: int) -> Device | None:
-    """The device of a node's first tensor, itself or below it (``None`` when it has none on the map)."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for t in graph.nodes[n].params + graph.nodes[n].buffers:
-            if devices[t] is not None:
-                return devices[t]
-        stack.extend(reversed(graph.nodes[n].children))
-    return None
-
-
-def extra_by_device(graph: ModelGraph, devices: list, node_bytes: Mapping[int, int], main: Device, offloaded,
+def extra_by_device(graph: ModelGraph, found: list, node_bytes: Mapping[int, int], main: Device, offloaded,
                     hooks: bool) -> dict:
-    """Bytes per device of ``node_bytes`` (node -> bytes that live where the node executes)."""
+    """Bytes per device of ``node_bytes`` (node -> bytes that live where the node executes), for a map's runs
+    (:func:`map_runs`): a node executes where the first tensor of its subtree on the map is."""
+    cols = columns(graph)
     out: dict = {}
     for node, nbytes in node_bytes.items():
-        device = _node_device(graph, devices, node)
+        device = first_device(found, cols.first[node], cols.last[node])
         if device is not None and nbytes:
             home = executes_on(device, main, offloaded, hooks)
             out[home] = out.get(home, 0) + nbytes
@@ -150,86 +142,100 @@ class Recent:
         self._entries = (self._entries + [(weakref.ref(problem), key, value)])[-self.size:]
 
 
-_DEVICES = Recent()
+_RUNS = Recent()
+
+
+def map_runs(graph: ModelGraph, device_map: Mapping[str, Device]) -> list[Run]:
+    """:func:`allocator.runs.runs` of a map; the last few results are remembered (:class:`Recent`)."""
+    known, key = _RUNS.get(graph, device_map)
+    if known is None:
+        known = runs(graph, device_map)
+        _RUNS.put(graph, key, known)
+    return known
 
 
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
-    """The device of every tensor of the graph, in graph order: :func:`device_of` for each tensor name, found in
-    one walk down the module tree (a node inherits its parent's device unless the map names it), O(nodes + tensors).
-    The last few results are remembered (:class:`Recent`); each call returns a new list.
+    """The device of every tensor of the graph, in graph order: :func:`device_of` for each tensor name (``None``
+    where the map does not cover it). Returns a new list."""
+    return expand(map_runs(graph, device_map))
+
+
+def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_buffers: bool = False
+                   ) -> tuple[int, list[int]]:
+    """The largest sum of streamed bytes along a root-to-leaf chain when the tensors of ``found`` (runs) on
+    ``offloaded`` devices are streamed, and that chain's nodes that stream something.
+
+    A node's hook streams its own moving tensors; hooks of nested modules are active together. Runs that are a
+    whole subtree take its chain from :class:`allocator.runs.Moving`; other runs add their tensors one by one.
+
+    Notes
+    -----
+    O(r + t + a log a) for r runs, t tensors in offloaded runs that are not whole subtrees, and a nodes touched
+    (those that stream and their ancestors); O(nodes) when most nodes are touched.
     """
-    known, key = _DEVICES.get(graph, device_map)
-    if known is None:
-        known = _tensor_devices(graph, device_map)
-        _DEVICES.put(graph, key, known)
-    return list(known)
-
-
-def _tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
-    tensors = graph.tensors
-    if not device_map:
-        return [None] * len(tensors)
-    get = device_map.get
-    missing = _MISSING
-    inherited = []  # per node
-    for node in graph.nodes:
-        device = get(node.name, missing)
-        if device is missing:
-            device = inherited[node.parent] if node.parent >= 0 else None
-        inherited.append(device)
-    tensor_index = graph.tensor_index
-    if not any(key in tensor_index for key in device_map):  # no tensor named on its own: each takes its module's
-        return [inherited[t.module] for t in tensors]
-    out = []
-    for t in tensors:
-        device = get(t.name, missing)
-        out.append(inherited[t.module] if device is missing else device)
-    return out
-
-
-_MISSING = object()
-
-
-def streamed_chain(graph: ModelGraph, streamed: list[int]) -> tuple[int, list[int]]:
-    """Largest sum of ``streamed[node]`` along a root-to-leaf chain, and that chain's nodes with bytes.
-
-    ``streamed[node]`` is what the node's own hook copies in (0 when it is not offloaded).
-    """
-    nodes = graph.nodes
-    best = list(streamed)
-    below = [0] * len(nodes)   # largest best[] among a node's children (best[] is never negative)
-    for i in range(len(nodes) - 1, -1, -1):  # preorder: children come after their parent
-        best[i] += below[i]
-        parent = nodes[i].parent
-        if parent >= 0 and best[i] > below[parent]:
-            below[parent] = best[i]
+    cols = columns(graph)
+    mov = cols.moving(offload_buffers)
+    own: dict[int, int] = {}    # node -> bytes its hook streams, or its whole subtree's chain
+    whole: set[int] = set()
+    for run in found:
+        if run.device not in offloaded or mov.sum_nbytes[run.end] == mov.sum_nbytes[run.start]:
+            continue
+        if run.node >= 0:
+            whole.add(run.node)
+            own[run.node] = mov.chain[run.node]
+            continue
+        module, nbytes = cols.module, mov.nbytes
+        for t in range(run.start, run.end):
+            if nbytes[t]:
+                own[module[t]] = own.get(module[t], 0) + nbytes[t]
+    if not own:
+        return 0, []
+    best = _chains_up(cols.parent, own)
     chain, i = [], 0
-    while True:
-        if streamed[i]:
-            chain.append(i)
-        children = nodes[i].children
-        if not children:
+    while True:   # down from the root along the largest chain (the first child on a tie)
+        if i in whole:
+            while i >= 0:
+                if mov.own[i]:
+                    chain.append(i)
+                i = mov.via[i]
             break
-        i = max(children, key=lambda c: best[c])
-    return best[0], chain
+        if own.get(i):
+            chain.append(i)
+        children = graph.nodes[i].children
+        i = max(children, key=lambda c: best.get(c, 0)) if children else -1
+        if i < 0 or not best.get(i):
+            break
+    return best.get(0, 0), chain
 
 
-def stream_reserve(graph: ModelGraph, devices: list, offloaded, *, offload_buffers: bool = False) -> int:
-    """Bytes the main device must keep free for streaming when tensors on ``offloaded`` devices are streamed."""
-    streamed = [0] * len(graph.nodes)
-    for t, device in zip(graph.tensors, devices):
-        if device in offloaded and moves_with_weights(t, offload_buffers):
-            streamed[t.module] += t.nbytes
-    return streamed_chain(graph, streamed)[0]
+def _chains_up(parent: list[int], own: dict[int, int]) -> dict[int, int]:
+    """Per node touched (one in ``own`` or an ancestor of one), ``own`` plus the largest value among its children,
+    bottom-up; a heap visits the touched nodes from the highest preorder index down."""
+    best: dict[int, int] = {}
+    below: dict[int, int] = {}
+    heap = [-i for i in own]
+    heapq.heapify(heap)
+    queued = set(own)
+    while heap:
+        i = -heapq.heappop(heap)
+        value = best[i] = own.get(i, 0) + below.get(i, 0)
+        p = parent[i]
+        if p >= 0:
+            if p not in queued:
+                queued.add(p)
+                heapq.heappush(heap, -p)
+            if value > below.get(p, 0):
+                below[p] = value
+    return best
 
 
-def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: bool = False) -> Memory:
+def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: bool = False) -> Memory:
     """Bytes each device holds at its peak during a forward, under accelerate's runtime.
 
     Parameters
     ----------
-    devices : list
-        One device per tensor (as from :func:`tensor_devices`); uncovered tensors are ignored.
+    found : list of Run
+        The map's runs (:func:`map_runs`); uncovered tensors are ignored.
     map_devices : iterable
         The values of the device map (they decide the main device and whether hooks are attached).
 
@@ -243,32 +249,25 @@ def peaks(graph: ModelGraph, devices: list, map_devices, *, offload_buffers: boo
     offloaded = offloaded_devices(main) if hooks else frozenset()
     resident: dict = {d: 0 for d in used}
     resident.setdefault(main, 0)
-    streamed = [0] * len(graph.nodes)
-    for t, device in zip(graph.tensors, devices):
+    cols = columns(graph)
+    moving = cols.moving(offload_buffers).sum_counted
+    counted = cols.sum_counted
+    for run in found:
+        device, a, b = run.device, run.start, run.end
         if device is None:
             continue
-        off = device in offloaded
-        if off:
-            moves = moves_with_weights(t, offload_buffers)
-            if moves:
-                streamed[t.module] += t.nbytes  # every name of a shared tensor is copied by its own hook
-        if t.storage != t._index:
-            continue
-        if off:
-            if not moves:
-                home = main                 # buffers of offloaded modules go to the main device
-            elif device == "cpu":
-                home = "cpu"                # offloaded cpu weights stay in RAM
-            else:
-                home = "disk"               # memory-mapped
-        elif device == "cpu" and main == "mps" and hooks:
-            home = "mps"
+        if device in offloaded:
+            weights = moving[b] - moving[a]
+            resident[main] += counted[b] - counted[a] - weights  # buffers of offloaded modules go to the main device
+            home = "cpu" if device == "cpu" else "disk"        # offloaded cpu weights stay in RAM; disk is mapped
+            resident[home] = resident.get(home, 0) + weights
         else:
-            home = device
-        resident[home] = resident.get(home, 0) + t.nbytes
-    reserve, chain = streamed_chain(graph, streamed)
+            home = "mps" if device == "cpu" and main == "mps" and hooks else device
+            resident[home] = resident.get(home, 0) + counted[b] - counted[a]
+    # every name of a shared tensor is copied by its own hook, so the chain counts nbytes, not counted bytes
+    reserve, chain = streamed_chain(graph, found, offloaded, offload_buffers=offload_buffers)
     resident[main] = resident.get(main, 0) + reserve
-    generation = _generation_bytes(graph, devices, main, offloaded, hooks)
+    generation = _generation_bytes(graph, found, main, offloaded, hooks)
     for device, nbytes in generation.items():
         resident[device] = resident.get(device, 0) + nbytes
     return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes[i].name for i in chain),
@@ -281,12 +280,12 @@ def workspace(graph: ModelGraph, *, main: bool) -> int:
     return graph.workspace + (graph.main_workspace if main else 0)
 
 
-def _generation_bytes(graph: ModelGraph, devices: list, main: Device, offloaded, hooks: bool) -> dict:
+def _generation_bytes(graph: ModelGraph, found: list[Run], main: Device, offloaded, hooks: bool) -> dict:
     """Generation bytes per device: each node's extra where it executes, the workspace on every executing device."""
     if not (graph.extra or graph.workspace or graph.main_workspace):
         return {}
-    out = extra_by_device(graph, devices, graph.extra, main, offloaded, hooks)
-    executing = {executes_on(d, main, offloaded, hooks) for d in devices if d is not None} | {main}
+    out = extra_by_device(graph, found, graph.extra, main, offloaded, hooks)
+    executing = {executes_on(run.device, main, offloaded, hooks) for run in found if run.device is not None} | {main}
     for device in executing - {"disk"}:
         out[device] = out.get(device, 0) + workspace(graph, main=device == main)
     return out

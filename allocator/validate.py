@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from .budgets import normalize_device
 from .errors import InvalidBudget, InvalidDeviceMap
 from .problem import Problem, build_problem
-from .runtime import Memory, Recent, device_of, main_device, offloaded_devices, peaks, tensor_devices
+from .runs import columns, devices_in
+from .runtime import Memory, Recent, device_of, main_device, map_runs, offloaded_devices, peaks
 
 __all__ = ["Violation", "check", "validate", "normalize_map"]
 
@@ -67,7 +68,8 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
 
     Notes
     -----
-    O(nodes + tensors + map entries). The last few results are remembered (:class:`Recent`); each call returns
+    O(k log k) for k map entries, plus the tensors of offloaded runs that are not whole subtrees (once per graph,
+    O(nodes + tensors) for its :class:`allocator.runs.Columns`). The last few results are remembered (:class:`Recent`); each call returns
     its own copies.
     """
     known, key = _CHECKED.get(problem, device_map)
@@ -85,19 +87,21 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     for key in device_map:
         if key and key not in g.node_index and key not in g.tensor_index:
             found.append(Violation("unknown-key", f"{key!r} names no module or tensor of {g.model_class}."))
-    devices = tensor_devices(g, device_map)
-    missing = [t.name for t, d in zip(g.tensors, devices) if d is None] if None in devices else []
-    if missing:
+    runs = map_runs(g, device_map)
+    uncovered = [run for run in runs if run.device is None]
+    if uncovered:
+        count = sum(run.end - run.start for run in uncovered)
+        names = [g.tensors[t].name for run in uncovered for t in range(run.start, min(run.end, run.start + 3))][:3]
         found.append(Violation(
-            "coverage", f"{len(missing)} tensors have no device, e.g. {missing[:3]}; map them or a parent module."
+            "coverage", f"{count} tensors have no device, e.g. {names}; map them or a parent module."
         ))
-    found += _no_split(problem, devices)
+    found += _no_split(problem, runs)
     found += _unhooked(problem, device_map)
     for group in g.all_tie_groups():
         where = {n: device_of(n, device_map) for n in group}
         if len(set(where.values()) - {None}) > 1:
             found.append(Violation("tied", f"tied tensors are split across devices: {where}."))
-    memory = peaks(g, devices, device_map.values(), offload_buffers=problem.options.offload_buffers)
+    memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers)
     for device, used in memory.peak.items():
         if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
             found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory."))
@@ -130,54 +134,23 @@ def _unhooked(problem: Problem, device_map: dict) -> list[Violation]:
                       "hooks only modules named in the map, so they would never be loaded; map their module instead.")]
 
 
-_MIXED = object()  # a subtree whose tensors are on more than one device
-
-
-def _no_split(problem: Problem, devices: list) -> list[Violation]:
+def _no_split(problem: Problem, runs: list) -> list[Violation]:
+    """No-split modules whose tensors are on more than one device (the outermost of nested ones)."""
     g = problem.graph
-    nodes, no_split = g.nodes, g.no_split
-    # Per node: None (no tensor with a device below it), its one device, or _MIXED; bottom-up in one pass.
-    where: list = [None] * len(nodes)
-    for t, d in zip(g.tensors, devices):
-        if d is not None:
-            m = t.module
-            if where[m] is None:
-                where[m] = d
-            elif where[m] is not _MIXED and where[m] != d:
-                where[m] = _MIXED
-    for i in range(len(nodes) - 1, 0, -1):
-        d = where[i]
-        if d is not None:
-            p = nodes[i].parent
-            if where[p] is None:
-                where[p] = d
-            elif where[p] is not _MIXED and where[p] != d:
-                where[p] = _MIXED
-    out = []
-    for i, node in enumerate(nodes):
-        if node.cls in no_split and where[i] is _MIXED:
-            parent, outer = node.parent, True
-            while parent >= 0:
-                if nodes[parent].cls in no_split and where[parent] is _MIXED:
-                    outer = False
-                    break
-                parent = nodes[parent].parent
-            if outer:
-                out.append(Violation(
-                    "no-split", f"{node.name or '<root>'} ({node.cls}) is split across "
-                    f"{sorted(map(str, _devices_under(g, i, devices)))}."
-                ))
+    cols = columns(g)
+    mixed = [i for i in cols.no_split if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1]
+    out, split = [], set(mixed)
+    for i in mixed:
+        parent = g.nodes[i].parent
+        while parent >= 0 and parent not in split:
+            parent = g.nodes[parent].parent
+        if parent < 0:
+            node = g.nodes[i]
+            devices = devices_in(runs, cols.first[i], cols.last[i])
+            out.append(Violation(
+                "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, devices))}."
+            ))
     return out
-
-
-def _devices_under(g, node: int, devices: list) -> set:
-    """The devices of the tensors in a node's subtree."""
-    found, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        found.update(devices[t] for t in g.nodes[n].params + g.nodes[n].buffers if devices[t] is not None)
-        stack.extend(g.nodes[n].children)
-    return found
 
 
 def validate(model, device_map, max_memory=None, *, no_split_module_classes=None, offload_buffers=False,

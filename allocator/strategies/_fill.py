@@ -13,7 +13,8 @@ import math
 
 from ..budgets import Device
 from ..problem import Problem
-from ..runtime import offloaded_devices, stream_reserve, workspace
+from ..runs import columns
+from ..runtime import offloaded_devices, workspace
 from ..units import Group
 
 __all__ = ["Streams", "fill", "fill_to_fixed_point", "full_reserve", "main_candidates"]
@@ -82,14 +83,13 @@ def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> d
 
 def full_reserve(problem: Problem) -> int:
     """The reserve that streams anything: the largest chain if every weight were offloaded."""
-    g = problem.graph
-    return stream_reserve(g, ["disk"] * len(g.tensors), {"disk"}, offload_buffers=problem.options.offload_buffers)
+    return columns(problem.graph).moving(problem.options.offload_buffers).chain[0] if problem.graph.nodes else 0
 
 
 class Streams:
     """What the offloaded units of a unit map stream at once on the main device, from the units alone.
 
-    Equal to :func:`allocator.runtime.stream_reserve` of the map's tensor devices, in O(units + split nodes) instead
+    Equal to :func:`allocator.runtime.streamed_chain` of the map, in O(units + split nodes) instead
     of O(nodes + tensors): an offloaded module unit adds its own chain below its (split) parent, an offloaded tensor
     unit adds its bytes to its module; chains are then folded up the split nodes.
     """

@@ -1,0 +1,225 @@
+"""Device maps as *runs*: ranges of consecutive tensors, in graph order, that share one device.
+
+Nodes are numbered in preorder and every node's direct tensors come right after those of the nodes before it, so
+the subtree of a node owns one contiguous range of tensor indices. A device map (each key a module or a tensor,
+the longest prefix winning) therefore cuts the tensors into at most ``2k + 1`` runs for ``k`` keys, and sums over a
+run come from prefix sums over the tensors. :class:`Columns` holds those prefix sums, built once per graph;
+evaluating a map (:mod:`allocator.validate`, :mod:`allocator.cost`) then costs O(k log k) plus the work proportional
+to what is offloaded, instead of O(nodes + tensors) for every candidate map of every strategy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from bisect import bisect_right
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import accumulate
+
+from .graph import ModelGraph
+
+__all__ = ["Run", "Columns", "columns", "runs", "expand", "devices_in", "first_device"]
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Tensors ``start`` to ``end - 1`` (graph order) live on ``device`` (``None``: the map does not cover them).
+
+    ``node`` is the module whose whole subtree the run is (a map key with no key below it), or -1."""
+
+    start: int
+    end: int
+    device: object
+    node: int = -1
+
+
+class Columns:
+    """Per-graph columns and prefix sums over the tensors, for evaluating maps run by run.
+
+    Prefix sums ``P`` have one more entry than the tensors: the sum over tensors ``a`` to ``b - 1`` is
+    ``P[b] - P[a]``. Everything that depends on ``offload_buffers`` (which tensors move with their module) or on a
+    cost profile is built on first use and kept.
+    """
+
+    def __init__(self, graph: ModelGraph):
+        nodes, tensors = graph.nodes, graph.tensors
+        n, count = len(nodes), 0
+        first = [0] * (n + 1)
+        for i, node in enumerate(nodes):
+            first[i] = count
+            own = len(node.params) + len(node.buffers)
+            if own and (node.params or node.buffers)[0] != count:
+                raise AssertionError(f"graph tensors are not in node preorder at {node.name!r}")
+            count += own
+        first[n] = count
+        self.parent = [node.parent for node in nodes]
+        end = list(range(1, n + 1))   # node after the subtree
+        for i in range(n - 1, 0, -1):  # preorder: children come after their parent
+            p = self.parent[i]
+            if end[i] > end[p]:
+                end[p] = end[i]
+        self.first = first                          # first tensor of a node's subtree (also of its own tensors)
+        self.last = [first[e] for e in end]         # one past the last tensor of a node's subtree
+        self.module = [t.module for t in tensors]
+        self.nbytes = [t.nbytes for t in tensors]
+        self.counted = [t.nbytes if t.storage == k else 0 for k, t in enumerate(tensors)]
+        self.sum_counted = [0, *accumulate(self.counted)]
+        self.sum_weighted = [0, *accumulate(1 if nb else 0 for nb in self.nbytes)]  # tensors with bytes
+        self.no_split = [i for i, node in enumerate(nodes) if node.cls in graph.no_split]
+        self._graph = weakref.ref(graph)
+        self._moving: dict = {}
+        self._reads: dict = {}
+
+    def moving(self, offload_buffers: bool) -> Moving:
+        """What moves with an offloaded module under ``offload_buffers``."""
+        found = self._moving.get(offload_buffers)
+        if found is None:
+            found = self._moving[offload_buffers] = Moving(self, self._graph(), offload_buffers)
+        return found
+
+    def reads(self, profile) -> tuple[list[int], list[int]]:
+        """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``), on
+        the CPU and on an accelerator. Integers, so that a sum does not depend on how a map cuts it into runs."""
+        found = self._reads.get(profile)
+        if found is None:
+            from .cost import read_seconds
+
+            graph = self._graph()
+            numel = [t.numel if t.is_param and t.storage == k else 0 for k, t in enumerate(graph.tensors)]
+            found = tuple([0, *accumulate(round(read_seconds(profile, on, nb, ne) * FEMTO)
+                                          for nb, ne in zip(self.nbytes, numel))] for on in ("cpu", 0))
+            self._reads[profile] = found
+        return found
+
+
+FEMTO = 1e15
+
+
+class Moving:
+    """Columns of the tensors that leave the main device with their offloaded module (``moves_with_weights``)."""
+
+    def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
+        from .runtime import moves_with_weights
+
+        moves = [moves_with_weights(t, offload_buffers) for t in graph.tensors]
+        self.nbytes = [nb if m else 0 for nb, m in zip(cols.nbytes, moves)]   # what each hook copies
+        self.sum_nbytes = [0, *accumulate(self.nbytes)]
+        self.sum_count = [0, *accumulate(moves)]
+        self.sum_counted = [0, *accumulate(c if m else 0 for c, m in zip(cols.counted, moves))]
+        # The streamed chain of each subtree were all of it offloaded, and the child that continues it.
+        n = len(graph.nodes)
+        own = [0] * n
+        for k, nb in enumerate(self.nbytes):
+            if nb:
+                own[cols.module[k]] += nb
+        chain, below, via = list(own), [0] * n, [-1] * n
+        for i in range(n - 1, -1, -1):  # preorder reversed: a node's children are done before it
+            chain[i] += below[i]
+            p = cols.parent[i]
+            if p >= 0 and chain[i] >= below[p]:  # ">=": on a tie the first child wins, as max() over children does
+                below[p], via[p] = chain[i], i
+        self.own = own
+        self.chain = chain
+        self.via = via
+
+
+_COLUMNS: dict[int, tuple] = {}
+
+
+def columns(graph: ModelGraph) -> Columns:
+    """The :class:`Columns` of a graph, built once and kept while the graph lives."""
+    found = _COLUMNS.get(id(graph))
+    if found is not None and found[0]() is graph:
+        return found[1]
+    made = Columns(graph)
+    _COLUMNS[id(graph)] = (weakref.ref(graph, lambda _, key=id(graph): _COLUMNS.pop(key, None)), made)
+    return made
+
+
+def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
+    """The runs of a device map, covering every tensor in order; keys that name nothing are ignored.
+
+    Notes
+    -----
+    O(k log k) for k keys (keys are module subtrees or single tensors; nested keys carve their ranges out of the
+    enclosing key's, the deepest winning as in :func:`allocator.runtime.device_of`).
+    """
+    cols = columns(graph)
+    node_index, tensor_index = graph.node_index, graph.tensor_index
+    spans = []
+    depth_of_tensor = len(graph.nodes)  # a tensor key is deeper than any module key with the same range
+    for key, device in device_map.items():
+        i = node_index.get(key)
+        if i is not None:
+            a, b = cols.first[i], cols.last[i]
+            if a < b:
+                spans.append((a, -b, i, device))
+        else:
+            t = tensor_index.get(key)
+            if t is not None:
+                spans.append((t, -t - 1, depth_of_tensor + t, device))
+    spans.sort(key=_span_order)
+    out: list[Run] = []
+    stack: list = []   # enclosing spans: [end, device, node, carved]
+    pos = 0
+
+    def emit(end: int, top) -> None:
+        nonlocal pos
+        if pos < end:
+            if top is None:
+                out.append(Run(pos, end, None))
+            else:
+                whole = not top[3] and top[2] < depth_of_tensor
+                out.append(Run(pos, end, top[1], top[2] if whole else -1))
+            pos = end
+
+    for a, negb, order, device in spans:
+        while stack and stack[-1][0] <= a:
+            emit(stack[-1][0], stack[-1])
+            stack.pop()
+        if stack:
+            stack[-1][3] = True    # a key below it: the enclosing key's runs are no longer its whole subtree
+        emit(a, stack[-1] if stack else None)
+        stack.append([-negb, device, order, False])
+    while stack:
+        emit(stack[-1][0], stack[-1])
+        stack.pop()
+    emit(len(cols.module), None)
+    return out
+
+
+def _span_order(span):
+    return span[0], span[1], span[2]  # by start, the longer first, then the shallower (a parent's index is lower)
+
+
+def expand(found: list[Run]) -> list:
+    """One device per tensor, in graph order, from runs."""
+    out: list = []
+    for run in found:
+        out += [run.device] * (run.end - run.start)
+    return out
+
+
+def devices_in(found: list[Run], start: int, end: int, limit: int | None = None) -> set:
+    """The devices of the tensors ``start`` to ``end - 1`` (``None`` left out); at most ``limit`` of them."""
+    k = max(bisect_right(found, start, key=_run_start) - 1, 0)
+    out: set = set()
+    while k < len(found) and found[k].start < end and (limit is None or len(out) < limit):
+        if found[k].device is not None and found[k].end > start:
+            out.add(found[k].device)
+        k += 1
+    return out
+
+
+def first_device(found: list[Run], start: int, end: int):
+    """The device of the first covered tensor among ``start`` to ``end - 1``, or ``None``."""
+    k = max(bisect_right(found, start, key=_run_start) - 1, 0)
+    while k < len(found) and found[k].start < end:
+        if found[k].device is not None and found[k].end > start:
+            return found[k].device
+        k += 1
+    return None
+
+
+def _run_start(run: Run) -> int:
+    return run.start
