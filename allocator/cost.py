@@ -21,7 +21,7 @@ from .problem import Problem
 from .runs import FEMTO, columns
 from .runtime import main_device, map_runs, moves_with_weights, offloaded_devices
 
-__all__ = ["Profile", "Cost", "estimate", "read_seconds", "copy_seconds", "execute_seconds", "tensor_seconds",
+__all__ = ["Profile", "Cost", "estimate", "read_rates", "read_seconds", "copy_seconds", "execute_seconds", "tensor_seconds",
            "change_seconds"]
 
 log = logging.getLogger(__name__)
@@ -38,12 +38,18 @@ class Cost:
     resident_fast: int      # bytes resident on the fastest tier
 
 
-def read_seconds(profile: Profile, run_on, nbytes: int, numel: int) -> float:
-    """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
-    (``2 * numel * tokens`` FLOP): the larger of the two."""
+def read_rates(profile: Profile, run_on) -> tuple[float, float]:
+    """Seconds per byte read and per parameter element computed with (``2 * tokens`` FLOP) on ``run_on``."""
     if run_on == "cpu":
-        return max(nbytes / profile.cpu_memory, 2 * numel * profile.tokens / profile.cpu_flops)
-    return max(nbytes / profile.accelerator_memory, 2 * numel * profile.tokens / profile.accelerator_flops)
+        return 1 / profile.cpu_memory, 2 * profile.tokens / profile.cpu_flops
+    return 1 / profile.accelerator_memory, 2 * profile.tokens / profile.accelerator_flops
+
+
+def read_seconds(profile: Profile, run_on, nbytes: int, numel: int) -> float:
+    """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them:
+    the larger of the two (:func:`read_rates`)."""
+    per_byte, per_element = read_rates(profile, run_on)
+    return max(nbytes * per_byte, numel * per_element)
 
 
 def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> float:

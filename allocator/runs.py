@@ -43,32 +43,34 @@ class Columns:
 
     def __init__(self, graph: ModelGraph):
         nodes, tensors = graph.nodes, graph.tensors
-        n, count = len(nodes), 0
-        first = [0] * (n + 1)
-        for i, node in enumerate(nodes):
-            first[i] = count
-            own = len(node.params) + len(node.buffers)
-            if own and (node.params or node.buffers)[0] != count:
-                raise AssertionError(f"graph tensors are not in node preorder at {node.name!r}")
-            count += own
-        first[n] = count
-        self.parent = [node.parent for node in nodes]
-        end = list(range(1, n + 1))   # node after the subtree
+        n = len(nodes)
+        # The graph's invariant (its builder reads each node's parameters, then buffers, in preorder): node i's own
+        # tensors start where those of the nodes before it end.
+        self.first = [0, *accumulate(len(node.params) + len(node.buffers) for node in nodes)]
+        self.parent = parent = [node.parent for node in nodes]
+        end = list(range(1, n + 1))   # the node after a node's subtree
         for i in range(n - 1, 0, -1):  # preorder: children come after their parent
-            p = self.parent[i]
-            if end[i] > end[p]:
-                end[p] = end[i]
-        self.first = first                          # first tensor of a node's subtree (also of its own tensors)
-        self.last = [first[e] for e in end]         # one past the last tensor of a node's subtree
+            if end[i] > end[parent[i]]:
+                end[parent[i]] = end[i]
+        self.end = end
+        self.last = [self.first[e] for e in end]    # one past the last tensor of a node's subtree
         self.module = [t.module for t in tensors]
         self.nbytes = [t.nbytes for t in tensors]
         self.counted = [t.nbytes if t.storage == k else 0 for k, t in enumerate(tensors)]
         self.sum_counted = [0, *accumulate(self.counted)]
-        self.sum_weighted = [0, *accumulate(1 if nb else 0 for nb in self.nbytes)]  # tensors with bytes
+        self.sum_weighted = [0, *accumulate(nb > 0 for nb in self.nbytes)]  # tensors with bytes
+        # parameter elements, counted once: the compute term of the cost model
+        self.numel = [t.numel if t.is_param and c else 0 for t, c in zip(tensors, self.counted)]
+        self.sum_numel = [0, *accumulate(self.numel)]
         self.no_split = [i for i, node in enumerate(nodes) if node.cls in graph.no_split]
+        extra = [0] * n
+        for node, nbytes in (graph.extra or {}).items():
+            extra[node] += nbytes
+        self.sum_extra = [0, *accumulate(extra)]   # over nodes: a subtree is nodes i to end[i] - 1
         self._graph = weakref.ref(graph)
         self._moving: dict = {}
         self._reads: dict = {}
+        self.cache: dict = {}   # what other modules derive from the graph alone (units' groups)
 
     def moving(self, offload_buffers: bool) -> Moving:
         """What moves with an offloaded module under ``offload_buffers``."""
@@ -82,13 +84,14 @@ class Columns:
         the CPU and on an accelerator. Integers, so that a sum does not depend on how a map cuts it into runs."""
         found = self._reads.get(profile)
         if found is None:
-            from .cost import read_seconds
+            from .cost import read_rates
 
-            graph = self._graph()
-            numel = [t.numel if t.is_param and t.storage == k else 0 for k, t in enumerate(graph.tensors)]
-            found = tuple([0, *accumulate(round(read_seconds(profile, on, nb, ne) * FEMTO)
-                                          for nb, ne in zip(self.nbytes, numel))] for on in ("cpu", 0))
-            self._reads[profile] = found
+            found = []
+            for on in ("cpu", 0):
+                per_byte, per_element = read_rates(profile, on)
+                found.append([0, *accumulate(round(max(nb * per_byte, ne * per_element) * FEMTO)
+                                             for nb, ne in zip(self.nbytes, self.numel))])
+            found = self._reads[profile] = tuple(found)
         return found
 
 
@@ -107,15 +110,13 @@ class Moving:
         self.sum_count = [0, *accumulate(moves)]
         self.sum_counted = [0, *accumulate(c if m else 0 for c, m in zip(cols.counted, moves))]
         # The streamed chain of each subtree were all of it offloaded, and the child that continues it.
-        n = len(graph.nodes)
-        own = [0] * n
-        for k, nb in enumerate(self.nbytes):
-            if nb:
-                own[cols.module[k]] += nb
+        n, first, parent = len(graph.nodes), cols.first, cols.parent
+        own = [self.sum_nbytes[first[i] + len(node.params) + len(node.buffers)] - self.sum_nbytes[first[i]]
+               for i, node in enumerate(graph.nodes)]
         chain, below, via = list(own), [0] * n, [-1] * n
         for i in range(n - 1, -1, -1):  # preorder reversed: a node's children are done before it
             chain[i] += below[i]
-            p = cols.parent[i]
+            p = parent[i]
             if p >= 0 and chain[i] >= below[p]:  # ">=": on a tie the first child wins, as max() over children does
                 below[p], via[p] = chain[i], i
         self.own = own

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .graph import ModelGraph, _slot_constructor
+from .runs import columns
 from .runtime import moves_with_weights
 
 __all__ = ["Unit", "Group", "units", "groups"]
@@ -58,50 +59,21 @@ def _tensor_unit(g: ModelGraph, t: int, offload_buffers: bool) -> Unit:
                 tensor.numel if tensor.is_param and tensor.counted else 0)
 
 
-def _subtree_units(g: ModelGraph, offload_buffers: bool):
-    """Per node, what its subtree would be as one unit: (offload, pinned, stream, numel, extra), in one bottom-up pass.
-
-    ``extra`` is the subtree's generation bytes (:attr:`ModelGraph.extra`): they live where the unit executes, so
-    they count in its size and, like its buffers, stay on the main device when it is offloaded (``pinned``)."""
-    n = len(g.nodes)
-    offload, pinned, numel, chain, below = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
-    extra = [0] * n
-    for node, nbytes in (g.extra or {}).items():
-        extra[node] += nbytes
-        pinned[node] += nbytes
-    for tensor in g.tensors:
-        m = tensor.module
-        counted = tensor.counted
-        if tensor.is_param and counted:
-            numel[m] += tensor.numel
-        if moves_with_weights(tensor, offload_buffers):
-            offload[m] += counted
-            chain[m] += tensor.nbytes
-        else:
-            pinned[m] += counted
-    nodes = g.nodes
-    for i in range(n - 1, -1, -1):  # preorder: a node's children come after it
-        chain[i] += below[i]     # the largest chain among its children, complete by now
-        parent = nodes[i].parent
-        if parent >= 0:
-            offload[parent] += offload[i]
-            pinned[parent] += pinned[i]
-            numel[parent] += numel[i]
-            extra[parent] += extra[i]
-            if chain[i] > below[parent]:
-                below[parent] = chain[i]
-    return offload, pinned, chain, numel, extra
-
-
 def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
     """The finest legal units, in definition order.
 
+    A module unit's sizes are sums over its subtree, read from the graph's prefix sums
+    (:class:`allocator.runs.Columns`): ``extra`` generation bytes (:attr:`ModelGraph.extra`) live where the unit
+    executes, so they count in its size and, like its buffers, stay on the main device when it is offloaded
+    (``pinned``).
+
     Notes
     -----
-    O(nodes + tensors): the sizes of every node's subtree are summed in one bottom-up pass.
+    O(units) once the graph's columns exist (O(nodes + tensors), built once per graph).
     """
+    cols = columns(g)
+    mov = cols.moving(offload_buffers)
     out: list[Unit] = []
-    totals = None
     stack = [0]
     while stack:
         i = stack.pop()
@@ -110,15 +82,27 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
             out.extend(_tensor_unit(g, t, offload_buffers) for t in node.params + node.buffers)
             stack.extend(reversed(node.children))
         else:
-            if totals is None:
-                totals = _subtree_units(g, offload_buffers)
-            offload, pinned, stream, numel, extra = totals
-            out.append(_new_unit(g.nodes[i].name, i, g.size[i] + extra[i], offload[i], pinned[i], stream[i], numel[i]))
+            a, b = cols.first[i], cols.last[i]
+            offload = mov.sum_counted[b] - mov.sum_counted[a]
+            extra = cols.sum_extra[cols.end[i]] - cols.sum_extra[i]
+            pinned = cols.sum_counted[b] - cols.sum_counted[a] - offload + extra
+            out.append(_new_unit(g.nodes[i].name, i, g.size[i] + extra, offload, pinned, mov.chain[i],
+                                 cols.sum_numel[b] - cols.sum_numel[a]))
     return out
 
 
 def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
-    """Units united by tie groups (shared tensors and declared ties), ordered by their first unit."""
+    """Units united by tie groups (shared tensors and declared ties), ordered by their first unit.
+
+    Built once per graph and setting (every strategy asks, ``auto`` several times); each call returns a new list.
+    """
+    cache = columns(g).cache
+    if ("groups", offload_buffers) not in cache:
+        cache["groups", offload_buffers] = _groups(g, offload_buffers)
+    return list(cache["groups", offload_buffers])
+
+
+def _groups(g: ModelGraph, offload_buffers: bool) -> list[Group]:
     found = units(g, offload_buffers)
     if not g.all_tie_groups():  # every unit is a group of its own
         return [_new_group((u,), u.size, u.offload, u.pinned, u.stream, u.numel, u.node < 0) for u in found]
