@@ -13,19 +13,19 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_right
 from collections.abc import Mapping
-from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 from .graph import ModelGraph
 
-__all__ = ["Run", "Columns", "columns", "runs", "expand", "devices_in", "first_device"]
+__all__ = ["Run", "Columns", "columns", "runs", "pieces", "expand", "devices_in", "first_device"]
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
+class Run(NamedTuple):
     """Tensors ``start`` to ``end - 1`` (graph order) live on ``device`` (``None``: the map does not cover them).
 
-    ``node`` is the module whose whole subtree the run is (a map key with no key below it), or -1."""
+    ``node`` is the module whose whole subtree the run is, when it comes from one map key with no key below it;
+    else -1."""
 
     start: int
     end: int
@@ -62,7 +62,6 @@ class Columns:
         # parameter elements, counted once: the compute term of the cost model
         self.numel = [t.numel if t.is_param and c else 0 for t, c in zip(tensors, self.counted)]
         self.sum_numel = [0, *accumulate(self.numel)]
-        self.no_split = [i for i, node in enumerate(nodes) if node.cls in graph.no_split]
         extra = [0] * n
         for node, nbytes in (graph.extra or {}).items():
             extra[node] += nbytes
@@ -138,59 +137,83 @@ def columns(graph: ModelGraph) -> Columns:
 
 
 def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
-    """The runs of a device map, covering every tensor in order; keys that name nothing are ignored.
+    """The runs of a device map, covering every tensor in order; neighbours on one device are merged; keys that
+    name nothing are ignored.
 
     Notes
     -----
-    O(k log k) for k keys (keys are module subtrees or single tensors; nested keys carve their ranges out of the
-    enclosing key's, the deepest winning as in :func:`allocator.runtime.device_of`).
+    O(k log k) for k keys: a key is a module's subtree or one tensor, and a key below another carves its range out
+    of the enclosing one (the deepest key wins, as in :func:`allocator.runtime.device_of`).
     """
     cols = columns(graph)
+    first, last = cols.first, cols.last
     node_index, tensor_index = graph.node_index, graph.tensor_index
+    tensor_order = len(graph.nodes)  # a tensor key is deeper than any module key with the same range
     spans = []
-    depth_of_tensor = len(graph.nodes)  # a tensor key is deeper than any module key with the same range
     for key, device in device_map.items():
         i = node_index.get(key)
         if i is not None:
-            a, b = cols.first[i], cols.last[i]
-            if a < b:
-                spans.append((a, -b, i, device))
+            if first[i] < last[i]:
+                spans.append((first[i], -last[i], i, device))
         else:
             t = tensor_index.get(key)
             if t is not None:
-                spans.append((t, -t - 1, depth_of_tensor + t, device))
-    spans.sort(key=_span_order)
+                spans.append((t, -t - 1, tensor_order + t, device))
+    # by start, the longer first, then the shallower (an ancestor's index is lower): enclosing keys come first;
+    # the third element is unique, so devices are never compared
+    spans.sort()
     out: list[Run] = []
-    stack: list = []   # enclosing spans: [end, device, node, carved]
+    stack: list = []   # the keys enclosing the position: [end, device, order, carved]
     pos = 0
 
-    def emit(end: int, top) -> None:
+    def emit(end: int, device, node: int) -> None:
         nonlocal pos
         if pos < end:
-            if top is None:
-                out.append(Run(pos, end, None))
+            if out and out[-1].device == device and type(out[-1].device) is type(device):
+                out[-1] = Run(out[-1].start, end, device)
             else:
-                whole = not top[3] and top[2] < depth_of_tensor
-                out.append(Run(pos, end, top[1], top[2] if whole else -1))
+                out.append(Run(pos, end, device, node))
             pos = end
 
-    for a, negb, order, device in spans:
-        while stack and stack[-1][0] <= a:
-            emit(stack[-1][0], stack[-1])
-            stack.pop()
+    def close() -> None:
+        end, device, order, carved = stack.pop()
+        emit(end, device, -1 if carved or order >= tensor_order else order)
+
+    for start, negative_end, order, device in spans:
+        while stack and stack[-1][0] <= start:
+            close()
         if stack:
-            stack[-1][3] = True    # a key below it: the enclosing key's runs are no longer its whole subtree
-        emit(a, stack[-1] if stack else None)
-        stack.append([-negb, device, order, False])
+            stack[-1][3] = True    # a key below it: the enclosing key's runs are not its whole subtree
+            emit(start, stack[-1][1], -1)
+        else:
+            emit(start, None, -1)
+        stack.append([-negative_end, device, order, False])
     while stack:
-        emit(stack[-1][0], stack[-1])
-        stack.pop()
-    emit(len(cols.module), None)
+        close()
+    emit(len(cols.module), None, -1)
     return out
 
 
-def _span_order(span):
-    return span[0], span[1], span[2]  # by start, the longer first, then the shallower (a parent's index is lower)
+def pieces(cols: Columns, start: int, end: int):
+    """The tensors ``start`` to ``end - 1`` as the largest whole subtrees they hold, in order: ``(node, -1)`` for a
+    subtree, ``(-1, tensor)`` for a tensor whose module's subtree is not wholly inside.
+
+    Notes
+    -----
+    O(pieces x depth).
+    """
+    first, last, parent, module = cols.first, cols.last, cols.parent, cols.module
+    p = start
+    while p < end:
+        i = module[p]
+        if first[i] != p or last[i] > end:
+            yield -1, p
+            p += 1
+            continue
+        while parent[i] >= 0 and first[parent[i]] == p and last[parent[i]] <= end:
+            i = parent[i]
+        yield i, -1
+        p = last[i]
 
 
 def expand(found: list[Run]) -> list:

@@ -17,14 +17,13 @@ Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignD
 
 from __future__ import annotations
 
-import heapq
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .budgets import Device
 from .graph import ModelGraph
-from .runs import Run, columns, expand, first_device, runs
+from .runs import Run, columns, expand, first_device, pieces, runs
 
 __all__ = ["Memory", "Recent", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs",
            "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain", "workspace"]
@@ -165,68 +164,64 @@ def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_bu
     """The largest sum of streamed bytes along a root-to-leaf chain when the tensors of ``found`` (runs) on
     ``offloaded`` devices are streamed, and that chain's nodes that stream something.
 
-    A node's hook streams its own moving tensors; hooks of nested modules are active together. Runs that are a
-    whole subtree take its chain from :class:`allocator.runs.Moving`; other runs add their tensors one by one.
+    A node's hook streams its own moving tensors; hooks of nested modules are active together. An offloaded run is
+    cut into whole subtrees (:func:`allocator.runs.pieces`), whose chains are known (:class:`allocator.runs.Moving`),
+    and loose tensors, whose modules stream them on top of the chains below. On a tie the chain that comes first
+    in model order wins.
 
     Notes
     -----
-    O(r + t + a log a) for r runs, t tensors in offloaded runs that are not whole subtrees, and a nodes touched
-    (those that stream and their ancestors); O(nodes) when most nodes are touched.
+    O(p x depth) for p pieces of the offloaded runs.
     """
     cols = columns(graph)
     mov = cols.moving(offload_buffers)
-    own: dict[int, int] = {}    # node -> bytes its hook streams, or its whole subtree's chain
-    whole: set[int] = set()
+    parent = cols.parent
+    subtrees: list[int] = []
+    loose: dict[int, int] = {}   # module -> bytes its hook streams (those of its tensors that are offloaded)
     for run in found:
         if run.device not in offloaded or mov.sum_nbytes[run.end] == mov.sum_nbytes[run.start]:
             continue
         if run.node >= 0:
-            whole.add(run.node)
-            own[run.node] = mov.chain[run.node]
+            subtrees.append(run.node)
             continue
-        module, nbytes = cols.module, mov.nbytes
-        for t in range(run.start, run.end):
-            if nbytes[t]:
-                own[module[t]] = own.get(module[t], 0) + nbytes[t]
-    if not own:
+        for node, tensor in pieces(cols, run.start, run.end):
+            if node >= 0:
+                if mov.chain[node]:
+                    subtrees.append(node)
+            elif mov.nbytes[tensor]:
+                module = cols.module[tensor]
+                loose[module] = loose.get(module, 0) + mov.nbytes[tensor]
+
+    def above(node: int) -> int:   # what loose hooks of the node's ancestors stream
+        total, node = 0, parent[node]
+        while node >= 0:
+            total += loose.get(node, 0)
+            node = parent[node]
+        return total
+
+    # every chain ends in a subtree or at a loose module; the first in model order among the largest wins
+    ends = sorted([(node, mov.chain[node]) for node in subtrees] + list(loose.items()))
+    best, top = 0, -1
+    for node, value in ends:
+        if loose:
+            value += above(node)
+        if value > best:
+            best, top = value, node
+    if top < 0:
         return 0, []
-    best = _chains_up(cols.parent, own)
-    chain, i = [], 0
-    while True:   # down from the root along the largest chain (the first child on a tie)
-        if i in whole:
-            while i >= 0:
-                if mov.own[i]:
-                    chain.append(i)
-                i = mov.via[i]
-            break
-        if own.get(i):
-            chain.append(i)
-        children = graph.nodes[i].children
-        i = max(children, key=lambda c: best.get(c, 0)) if children else -1
-        if i < 0 or not best.get(i):
-            break
-    return best.get(0, 0), chain
-
-
-def _chains_up(parent: list[int], own: dict[int, int]) -> dict[int, int]:
-    """Per node touched (one in ``own`` or an ancestor of one), ``own`` plus the largest value among its children,
-    bottom-up; a heap visits the touched nodes from the highest preorder index down."""
-    best: dict[int, int] = {}
-    below: dict[int, int] = {}
-    heap = [-i for i in own]
-    heapq.heapify(heap)
-    queued = set(own)
-    while heap:
-        i = -heapq.heappop(heap)
-        value = best[i] = own.get(i, 0) + below.get(i, 0)
-        p = parent[i]
-        if p >= 0:
-            if p not in queued:
-                queued.add(p)
-                heapq.heappush(heap, -p)
-            if value > below.get(p, 0):
-                below[p] = value
-    return best
+    chain, node = [], top
+    while node >= 0:               # the loose ancestors, and the end itself
+        if node in loose:
+            chain.append(node)
+        node = parent[node]
+    chain.reverse()
+    if top not in loose:           # down the subtree along its largest chain
+        node = top
+        while node >= 0:
+            if mov.own[node]:
+                chain.append(node)
+            node = mov.via[node]
+    return best, chain
 
 
 def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: bool = False) -> Memory:

@@ -32,24 +32,23 @@ def normalize_map(device_map) -> dict:
         raise InvalidDeviceMap(
             f"device_map must be a dict of module names to devices, got {type(device_map).__name__}."
         )
+    try:  # a map has few distinct values: normalise each once (type too: True == 1, but True is no device)
+        distinct = {(type(value), value) for value in device_map.values()}
+        canonical = {kind: normalize_device(kind[1]) for kind in distinct}
+    except (TypeError, InvalidBudget):  # unhashable or bad values: the loop below names the key
+        canonical = None
+    if canonical is not None and all(isinstance(key, str) for key in device_map):
+        if all(type(c) is kind and c == value for (kind, value), c in canonical.items()):
+            return dict(device_map)
+        return {key: canonical[type(value), value] for key, value in device_map.items()}
     out = {}
-    seen: dict = {}  # (type, value) -> canonical device: a map has few distinct values
     for key, value in device_map.items():
         if not isinstance(key, str):
             raise InvalidDeviceMap(f"device_map keys are module names (str); got {key!r}.")
         try:
-            out[key] = seen[type(value), value]
-            continue
-        except (KeyError, TypeError):  # new, or unhashable
-            pass
-        try:
             out[key] = normalize_device(value)
         except InvalidBudget as err:
             raise InvalidDeviceMap(f"device_map[{key!r}]: {err}") from None
-        try:
-            seen[type(value), value] = out[key]
-        except TypeError:
-            pass
     return out
 
 
@@ -135,10 +134,23 @@ def _unhooked(problem: Problem, device_map: dict) -> list[Violation]:
 
 
 def _no_split(problem: Problem, runs: list) -> list[Violation]:
-    """No-split modules whose tensors are on more than one device (the outermost of nested ones)."""
+    """No-split modules whose tensors are on more than one device (the outermost of nested ones).
+
+    Only a module that straddles a boundary between runs can be split, so the candidates are the no-split
+    ancestors of the modules at each boundary: O(runs x depth), not O(no-split modules)."""
     g = problem.graph
     cols = columns(g)
-    mixed = [i for i in cols.no_split if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1]
+    no_split = g.no_split
+    candidates = set()
+    for run in runs[1:]:
+        node = cols.module[run.start]
+        while node >= 0 and cols.first[node] == run.start:  # starts at the boundary: does not straddle it
+            node = cols.parent[node]
+        while node >= 0:
+            if g.nodes[node].cls in no_split:
+                candidates.add(node)
+            node = cols.parent[node]
+    mixed = sorted(i for i in candidates if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1)
     out, split = [], set(mixed)
     for i in mixed:
         parent = g.nodes[i].parent
