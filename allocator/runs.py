@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import NamedTuple
 
+from .gc_pause import gc_paused
 from .graph import ModelGraph
 
 __all__ = ["Run", "Columns", "columns", "runs", "pieces", "expand", "devices_in", "first_device"]
@@ -41,6 +42,7 @@ class Columns:
     cost profile is built on first use and kept.
     """
 
+    @gc_paused()
     def __init__(self, graph: ModelGraph):
         nodes, tensors = graph.nodes, graph.tensors
         n = len(nodes)
@@ -83,13 +85,17 @@ class Columns:
         the CPU and on an accelerator. Integers, so that a sum does not depend on how a map cuts it into runs."""
         found = self._reads.get(profile)
         if found is None:
+            import numpy as np
+
             from .cost import read_rates
 
+            nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.array(self.numel, dtype=np.float64)
             found = []
             for on in ("cpu", 0):
                 per_byte, per_element = read_rates(profile, on)
-                found.append([0, *accumulate(round(max(nb * per_byte, ne * per_element) * FEMTO)
-                                             for nb, ne in zip(self.nbytes, self.numel))])
+                # read_seconds of each tensor, vectorised (the same float64 products, so the same values)
+                femtos = np.rint(np.maximum(nbytes * per_byte, numel * per_element) * FEMTO)
+                found.append([0, *accumulate(femtos.astype(np.int64).tolist())])  # Python ints: no overflow
             found = self._reads[profile] = tuple(found)
         return found
 
@@ -100,6 +106,7 @@ FEMTO = 1e15
 class Moving:
     """Columns of the tensors that leave the main device with their offloaded module (``moves_with_weights``)."""
 
+    @gc_paused()
     def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
         from .runtime import moves_with_weights
 
@@ -136,6 +143,7 @@ def columns(graph: ModelGraph) -> Columns:
     return made
 
 
+@gc_paused()
 def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     """The runs of a device map, covering every tensor in order; neighbours on one device are merged; keys that
     name nothing are ignored.
@@ -162,6 +170,8 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     # by start, the longer first, then the shallower (an ancestor's index is lower): enclosing keys come first;
     # the third element is unique, so devices are never compared
     spans.sort()
+    if all(spans[k][0] >= -spans[k - 1][1] for k in range(1, len(spans))):  # no key below another: the usual map
+        return _side_by_side(spans, len(cols.module), tensor_order)
     out: list[Run] = []
     stack: list = []   # the keys enclosing the position: [end, device, order, carved]
     pos = 0
@@ -169,10 +179,10 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     def emit(end: int, device, node: int) -> None:
         nonlocal pos
         if pos < end:
-            if out and out[-1].device == device and type(out[-1].device) is type(device):
-                out[-1] = Run(out[-1].start, end, device)
+            if out and out[-1][2] == device and type(out[-1][2]) is type(device):
+                out[-1][1], out[-1][3] = end, -1   # merged: no longer one key's subtree
             else:
-                out.append(Run(pos, end, device, node))
+                out.append([pos, end, device, node])
             pos = end
 
     def close() -> None:
@@ -191,7 +201,24 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     while stack:
         close()
     emit(len(cols.module), None, -1)
-    return out
+    return [Run(*run) for run in out]
+
+
+def _side_by_side(spans: list, tensors: int, tensor_order: int) -> list[Run]:
+    """:func:`runs` of sorted spans none of which encloses another."""
+    out: list[list] = []
+    pos = 0
+    for start, negative_end, order, device in spans:
+        if pos < start:
+            out.append([pos, start, None, -1])
+        if out and out[-1][2] == device and type(out[-1][2]) is type(device):
+            out[-1][1], out[-1][3] = -negative_end, -1   # merged: no longer one key's subtree
+        else:
+            out.append([start, -negative_end, device, order if order < tensor_order else -1])
+        pos = -negative_end
+    if pos < tensors:
+        out.append([pos, tensors, None, -1])
+    return [Run(*run) for run in out]
 
 
 def pieces(cols: Columns, start: int, end: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .graph import ModelGraph, _slot_constructor
+from .gc_pause import gc_paused
 from .runs import columns
 from .runtime import moves_with_weights
 
@@ -102,6 +103,7 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
     return list(cache["groups", offload_buffers])
 
 
+@gc_paused()
 def _groups(g: ModelGraph, offload_buffers: bool) -> list[Group]:
     found = units(g, offload_buffers)
     if not g.all_tie_groups():  # every unit is a group of its own
