@@ -13,6 +13,7 @@ from .budgets import Budgets, Device
 from .cost import Cost
 from .cost_profile import Profile
 from .errors import InfeasiblePlacement
+from .gc_pause import gc_paused
 from .placement import Placement
 from .problem import Problem, build_problem
 from .strategies import resolve, run
@@ -246,24 +247,25 @@ def plan(
     >>> p.valid
     True
     """
-    problem = build_problem(
-        model, max_memory, no_split_module_classes=no_split_module_classes, dtype=dtype,
-        special_dtypes=special_dtypes, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
-        size_fn=size_fn, offload_buffers=offload_buffers, clean_result=clean_result,
-        fallback_allocation=fallback_allocation, infer_no_split=infer_no_split, profile=profile,
-        generation=generation,
-    )
-    resolve(strategy)
-    try:
-        placement = run(strategy, problem)
-    except InfeasiblePlacement as err:
-        if err.minimum is not None:
-            raise
-        raise minimum_ram_error(problem, strategy) from None
-    result = _finish(problem, placement)
-    for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
-        log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
-    return result
+    with gc_paused():  # planning makes many acyclic objects; each collection would walk the model and graph too
+        problem = build_problem(
+            model, max_memory, no_split_module_classes=no_split_module_classes, dtype=dtype,
+            special_dtypes=special_dtypes, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
+            size_fn=size_fn, offload_buffers=offload_buffers, clean_result=clean_result,
+            fallback_allocation=fallback_allocation, infer_no_split=infer_no_split, profile=profile,
+            generation=generation,
+        )
+        resolve(strategy)
+        try:
+            placement = run(strategy, problem)
+        except InfeasiblePlacement as err:
+            if err.minimum is not None:
+                raise
+            raise minimum_ram_error(problem, strategy) from None
+        result = _finish(problem, placement)
+        for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
+            log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
+        return result
 
 
 def infer_auto_device_map(
