@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import NamedTuple
 
+import numpy as np
+
 from .gc_pause import gc_paused
 from .graph import ModelGraph
 
@@ -49,13 +51,14 @@ class Columns:
         # The graph's invariant (its builder reads each node's parameters, then buffers, in preorder): node i's own
         # tensors start where those of the nodes before it end.
         self.first = _prefix([len(node.params) + len(node.buffers) for node in nodes])
-        self.parent = parent = [node.parent for node in nodes]
-        end = list(range(1, n + 1))   # the node after a node's subtree
-        for i in range(n - 1, 0, -1):  # preorder: children come after their parent
-            if end[i] > end[parent[i]]:
-                end[parent[i]] = end[i]
-        self.end = end
-        self.last = [self.first[e] for e in end]    # one past the last tensor of a node's subtree
+        self.parent = [node.parent for node in nodes]
+        self._parents = np.array(self.parent, dtype=np.int64)
+        self.levels = _levels(self.parent)
+        end = np.arange(1, n + 1)   # the node after a node's subtree: the largest end below it
+        for level in self.levels[:-1]:
+            np.maximum.at(end, self._parents[level], end[level])
+        self.end = end.tolist()
+        self.last = np.array(self.first)[end].tolist()    # one past the last tensor of a node's subtree
         self.module = [t.module for t in tensors]
         self.nbytes = [t.nbytes for t in tensors]
         self.counted = [t.nbytes if t.storage == k else 0 for k, t in enumerate(tensors)]
@@ -85,8 +88,6 @@ class Columns:
         the CPU and on an accelerator. Integers, so that a sum does not depend on how a map cuts it into runs."""
         found = self._reads.get(profile)
         if found is None:
-            import numpy as np
-
             from .cost import read_rates
 
             nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.array(self.numel, dtype=np.float64)
@@ -103,11 +104,25 @@ class Columns:
 FEMTO = 1e15
 
 
+def _levels(parent: list[int]) -> list:
+    """Node indices by depth, deepest first (the root's level last): tree sums and maxima run a level at a time."""
+    parents = np.array(parent, dtype=np.int64)
+    depth = np.zeros(len(parent), dtype=np.int64)
+    if len(parent) > 1:
+        while True:   # one pass per level of the tree: a node is one deeper than its parent
+            deeper = depth.copy()
+            deeper[1:] = depth[parents[1:]] + 1
+            if np.array_equal(deeper, depth):
+                break
+            depth = deeper
+    order = np.argsort(-depth, kind="stable")
+    bounds = np.flatnonzero(np.diff(depth[order])) + 1
+    return np.split(order, bounds)
+
+
 def _prefix(values: list) -> list[int]:
     """``[0, v0, v0 + v1, ...]`` as Python ints; summed by numpy (10x faster than ``itertools.accumulate`` on a
     200k-module model) unless an int64 could overflow."""
-    import numpy as np
-
     if not values:
         return [0]
     if max(values) > 2**62 // len(values):
@@ -127,19 +142,24 @@ class Moving:
         self.sum_nbytes = _prefix(self.nbytes)
         self.sum_count = _prefix(moves)
         self.sum_counted = _prefix([c if m else 0 for c, m in zip(cols.counted, moves)])
-        # The streamed chain of each subtree were all of it offloaded, and the child that continues it.
-        n, first, parent = len(graph.nodes), cols.first, cols.parent
-        own = [self.sum_nbytes[first[i] + len(node.params) + len(node.buffers)] - self.sum_nbytes[first[i]]
-               for i, node in enumerate(graph.nodes)]
-        chain, below, via = list(own), [0] * n, [-1] * n
-        for i in range(n - 1, -1, -1):  # preorder reversed: a node's children are done before it
-            chain[i] += below[i]
-            p = parent[i]
-            if p >= 0 and chain[i] >= below[p]:  # ">=": on a tie the first child wins, as max() over children does
-                below[p], via[p] = chain[i], i
-        self.own = own
-        self.chain = chain
-        self.via = via
+        # What each node's hook streams (its own tensors: first[i] to first[i + 1] - 1), and the streamed chain of
+        # each subtree were all of it offloaded: its own plus the largest chain among its children, level by level.
+        sums, first = np.array(self.sum_nbytes, dtype=object if self.sum_nbytes[-1] >= 2**62 else np.int64), \
+            np.array(cols.first)
+        own = sums[first[1:]] - sums[first[:-1]]
+        chain, below = own.copy(), np.zeros_like(own)
+        for level in cols.levels:   # deepest first
+            chain[level] += below[level]
+            if level is not cols.levels[-1]:
+                np.maximum.at(below, cols._parents[level], chain[level])
+        self.own = own.tolist()
+        self.chain = chain.tolist()
+        self._children = [node.children for node in graph.nodes]
+
+    def next_in_chain(self, node: int) -> int:
+        """The child that continues a subtree's largest chain (the first on a tie, as ``max`` over children), or -1."""
+        children = self._children[node]
+        return max(children, key=self.chain.__getitem__) if children else -1
 
 
 _COLUMNS: dict[int, tuple] = {}

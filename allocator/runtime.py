@@ -220,7 +220,7 @@ def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_bu
         while node >= 0:
             if mov.own[node]:
                 chain.append(node)
-            node = mov.via[node]
+            node = mov.next_in_chain(node)
     return best, chain
 
 
