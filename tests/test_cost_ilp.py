@@ -259,3 +259,39 @@ def test_ilp_matches_brute_force_with_identical_blocks(case, switch_latency):
     placement = ilp.place(problem, hint={})  # no warm start: the model alone must find the optimum
     assert placement.optimal
     assert estimate(problem, placement.device_map).seconds == pytest.approx(_brute_force(problem), rel=1e-9)
+
+
+@pytest.mark.parametrize("name, fractions, tokens", [
+    ("llama-3.2-1b", {0: .3, 1: .3, "cpu": 2}, None),  # changes of executing device, runs of identical layers
+    ("t5-base", {0: .15, "cpu": .3}, None),               # RAM and disk: the streaming reserve's staircase
+    ("llama-3.2-1b", {0: .3, 1: .3, "cpu": 2}, 256),    # a generation budget: "device used" booleans
+    ("whisper-small", {0: .2, 1: .2, "cpu": 2}, None),
+])
+def test_warm_start_is_a_complete_solution_of_the_model(monkeypatch, name, fractions, tokens):
+    # The hint gives every variable of the model a value (CP-SAT takes a complete hint as it is instead of searching
+    # to complete it); fixed to it, the model is feasible and its objective is the warm start's estimate.
+    from ortools.sat.python import cp_model
+
+    solve, seen = cp_model.CpSolver.Solve, []
+
+    def fixed(self, model, *args, **kwargs):
+        proto = model.Proto()
+        hinted = sorted(set(proto.solution_hint.vars))
+        if hinted:
+            assert hinted == list(range(len(proto.variables)))
+            self.parameters.fix_variables_to_their_hinted_value = True
+        status = solve(self, model, *args, **kwargs)
+        if hinted:
+            seen.append((status, self.ObjectiveValue() / ilp.NS))
+        return status
+
+    monkeypatch.setattr(cp_model.CpSolver, "Solve", fixed)
+    model = zoo.build(name)
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    generation = allocator.GenerationBudget(1, tokens) if tokens else None
+    problem = allocator.build_problem(model, {d: int(total * f) for d, f in fractions.items()}, generation=generation)
+    hint = ilp._heuristic(problem, problem.profile)
+    placement = ilp.place(problem, hint=hint)
+    assert seen and seen[-1][0] == cp_model.OPTIMAL
+    assert seen[-1][1] == pytest.approx(estimate(problem, placement.device_map).seconds, rel=1e-9, abs=2e-9)
+    assert seen[-1][1] <= estimate(problem, hint).seconds * (1 + 1e-9)

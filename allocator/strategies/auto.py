@@ -8,7 +8,8 @@ invalid: when nothing fits, :class:`allocator.InfeasiblePlacement` says the mini
 
 Notes
 -----
-The sum of its candidates' costs; ``ilp`` gets ``ILP_SECONDS`` of deterministic time. Deterministic.
+The sum of its candidates' costs; ``ilp`` gets ``ILP_SECONDS`` of deterministic time, the ``ilp`` strategy's own
+default, so that from the same warm start it returns the same plan. Deterministic.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["place"]
 
 log = logging.getLogger(__name__)
 CANDIDATES = {"sequential": sequential.place, "reserve": reserve.place, "backfill": backfill.place}
-ILP_SECONDS = 1.0
+ILP_SECONDS = ilp.TIME_LIMIT
 
 
 def _ilp_available(problem: Problem) -> bool:

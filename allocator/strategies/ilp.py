@@ -13,12 +13,19 @@ Search: warm-started from the best valid plan of ``sequential``, ``reserve`` and
 ``hint``), whose cost also bounds every main device's objective from above; the other main devices are solved first
 (most are pruned at once by that bound), then the hint's main gets the deterministic time left; mains still unproven
 get a second round. Interchangeable groups (same sizes, streams and costs) take devices in a fixed order, and with
-two executing devices runs of identical neighbours are ordered one way or the other.
+two executing devices runs of identical neighbours are ordered one way or the other. The warm start is given as a
+complete solution — every boolean of the model: devices, reserve steps, device-used flags, changes of executing
+device, the direction of each run (the one that changes device less often) — so CP-SAT starts from it at once instead
+of first searching to complete it.
 
-Deterministic: one worker, a fixed seed, deterministic time limits (``max_deterministic_time``). ``Placement.optimal``
-is ``True`` only when every main device was solved to optimality or proven unable to beat the returned plan. When
-CP-SAT finds nothing at or below the warm start, the warm start is returned, so ``ilp`` is never estimated slower
-than the best of those heuristics.
+Deterministic: one worker, a fixed seed, deterministic time limits (``max_deterministic_time``), ``TIME_LIMIT``
+(1.0 s) per plan by default. CP-SAT's deterministic clock undercounts its LP work: on the 2- and 4-GPU cells of the
+benchmark zoo a deterministic second costs up to ~5 s of wall time on one core, so the budget is what keeps every
+cell under 5 s; Chvátal-Gomory cuts are off (at the same budget they took a third of the wall time on those cells and
+proved nothing more).
+``Placement.optimal`` is ``True`` only when every main device was solved to optimality or proven unable to beat the
+returned plan. When CP-SAT finds nothing at or below the warm start, the warm start is returned, so ``ilp`` is never
+estimated slower than the best of those heuristics.
 
 Notes
 -----
@@ -46,6 +53,7 @@ __all__ = ["place"]
 log = logging.getLogger(__name__)
 
 MAX_UNITS = 400
+TIME_LIMIT = 1.0  # deterministic seconds for CP-SAT per plan; see ``place``
 NS = 1e12  # picoseconds: tiny models must not round every cost to zero
 
 
@@ -149,6 +157,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
         if grp.stream and not grp.resident_only:
             model.Add(off[k] <= steps[at[grp.stream]])
     pinned = sum(grp.pinned * off[k] for k, grp in enumerate(found))
+    used_of = {}
     for d in devices:
         limit = b.limit(d)
         if d == main:
@@ -160,7 +169,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
             if d == "cpu" or limit is not None:
                 model.Add(sum(grp.offload * x[k, d] for k, grp in enumerate(found)) <= limit)
         elif g.workspace:  # a device that runs anything also holds the activations of a generation budget
-            used = model.NewBoolVar(f"used_{d}")
+            used = used_of[d] = model.NewBoolVar(f"used_{d}")
             for k in range(len(found)):
                 model.AddImplication(x[k, d], used)
             weights = sum(grp.size * x[k, d] for k, grp in enumerate(found))
@@ -175,6 +184,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
     terms = [cost[k][d] * x[k, d] for k in range(len(found)) for d in devices if cost[k][d]]
     executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
     changes = len(executing) > 1
+    switches = []  # (k1, k2, boolean): a change of executing device between consecutive groups k1 and k2
     if changes:
         change_ps = int(round(change_seconds(profile) * NS))
         for k1, k2 in zip(sequence, sequence[1:]):
@@ -187,6 +197,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
                 model.Add(ch >= e1 - e2)
                 model.Add(ch >= e2 - e1)
             terms.append(change_ps * ch)
+            switches.append((k1, k2, ch))
     objective = sum(terms)
     model.Minimize(objective)
     if cutoff is not None:
@@ -208,20 +219,33 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
                     model.Add(r1 <= r2).OnlyEnforceIf(up)
                     model.Add(r1 >= r2).OnlyEnforceIf(up.Not())
             if hint:
-                ordered = sorted((hint.get(found[k].units[0].name) for k in run), key=lambda d: rank_of.get(d, 0))
-                hint = dict(hint) | {found[k].units[0].name: d for k, d in zip(run, ordered)}
+                hint, ascending = _sort_run(hint, found, sequence, run, rank_of, targets, main, changes)
                 if up is not None:
-                    model.AddHint(up, True)
+                    model.AddHint(up, ascending)
     if hint:
-        for k, grp in enumerate(found):
-            d = hint.get(grp.units[0].name)
+        # A complete hint (every boolean of the model, not only the devices) is a solution CP-SAT takes as it is;
+        # an incomplete one it first completes by a search of its own, which costs wall time.
+        device = {k: hint.get(grp.units[0].name) for k, grp in enumerate(found)}
+        for k in range(len(found)):
             for dev in devices:
-                model.AddHint(x[k, dev], dev == d)
+                model.AddHint(x[k, dev], dev == device[k])
+        top = max((grp.stream for k, grp in enumerate(found)
+                   if device[k] in targets and grp.stream and not grp.resident_only), default=0)
+        for level, step in zip(levels, steps):
+            model.AddHint(step, level <= top)
+        for d, used in used_of.items():
+            model.AddHint(used, d in device.values())
+        runs_on = {k: main if d in targets else d for k, d in device.items()}
+        for k1, k2, ch in switches:
+            model.AddHint(ch, runs_on[k1] != runs_on[k2])
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = seconds
     solver.parameters.linearization_level = 2  # proves more 2-GPU cells of the zoo within the same budget
+    # Chvatal-Gomory cuts: their separation costs wall time that the deterministic clock barely counts (on the zoo's
+    # 2- and 4-GPU cells, a third of the wall time at the same deterministic budget), for no more proofs there.
+    solver.parameters.add_cg_cuts = False
     status = solver.Solve(model)
     work = solver.response_proto.deterministic_time
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -232,6 +256,28 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
         for u in grp.units:
             placed[u.name] = d
     return _Solved(placed, status == cp_model.OPTIMAL, int(solver.ObjectiveValue()), work)
+
+
+def _sort_run(hint: dict, found: list[Group], sequence: list[int], run: list[int], rank_of: dict, targets, main,
+              changes: bool) -> tuple[dict, bool]:
+    """The hint with the devices of interchangeable groups sorted by rank: ascending, or with changes of executing
+    device (``run`` is then consecutive in ``sequence``) descending where that changes device less often next to the
+    run's neighbours; and whether ascending."""
+    name = lambda k: found[k].units[0].name  # noqa: E731
+    ordered = sorted((hint.get(name(k)) for k in run), key=lambda d: rank_of.get(d, 0))
+    ascending = True
+    if changes:
+        i = sequence.index(run[0])
+        left = hint.get(name(sequence[i - 1])) if i > 0 else None
+        right = hint.get(name(sequence[i + len(run)])) if i + len(run) < len(sequence) else None
+
+        def switches(devices) -> int:
+            runs_on = [main if d in targets else d for d in [left, *devices, right] if d is not None]
+            return sum(a != b for a, b in zip(runs_on, runs_on[1:]))
+
+        ascending = switches(ordered) <= switches(ordered[::-1])
+    chosen = ordered if ascending else ordered[::-1]
+    return dict(hint) | {name(k): d for k, d in zip(run, chosen)}, ascending
 
 
 def _home_weightless(found, placed: dict, main) -> dict:
@@ -268,7 +314,7 @@ def _unit_order(found: list[Group], g) -> list[str]:
     return sorted(names, key=lambda n: position.get(n, 0))
 
 
-def place(problem: Problem, *, profile: Profile | None = None, time_limit: float = 2.0,
+def place(problem: Problem, *, profile: Profile | None = None, time_limit: float = TIME_LIMIT,
           max_units: int = MAX_UNITS, hint=None, **_) -> Placement:
     """Solve for the plan with the lowest estimated cost per forward.
 
@@ -278,8 +324,9 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     profile : Profile, optional
         Bandwidths of the target machine (the problem's when omitted).
     time_limit : float
-        Deterministic time for CP-SAT (``max_deterministic_time``, roughly seconds of one core), shared by the
-        main-device candidates; time one leaves unused goes to the next.
+        Deterministic time for CP-SAT (``max_deterministic_time``; with several accelerators one deterministic second
+        may take several seconds of one core), shared by the main-device candidates; time one leaves unused goes to
+        the next.
     max_units : int
         Beyond this many tie groups, consecutive groups are merged.
     hint : dict, optional
