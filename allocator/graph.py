@@ -21,11 +21,23 @@ streamed size
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import ClassVar
+
+try:
+    from _collections import _tuplegetter  # namedtuple's field accessor, in C
+except ImportError:  # another Python implementation
+    from operator import itemgetter
+
+    def _tuplegetter(index, doc):
+        return property(itemgetter(index), doc=doc)
 
 from .errors import InvalidModel, InvalidOption
+from .gc_pause import gc_paused
 
 __all__ = ["ModuleNode", "TensorNode", "ModelGraph", "build_graph", "dtype_bytes"]
 
@@ -34,9 +46,50 @@ log = logging.getLogger(__name__)
 SizeFn = Callable[[str, object], "int | None"]
 
 
-@dataclass(frozen=True, slots=True)
-class TensorNode:
+class _Record(tuple):
+    """An immutable record: a tuple whose fields, declared as annotations in order, also read as attributes
+    (``namedtuple``'s accessors). Build one with the fields in order, or by name; defaults come from ``_defaults``.
+
+    Why a tuple: a large model has hundreds of thousands of nodes and tensors, and a tuple builds 5x faster than a
+    frozen slotted dataclass (which sets each field through ``object.__setattr__``). Records compare and hash as
+    tuples; ``_replace`` stands for ``dataclasses.replace``.
+    """
+
+    __slots__ = ()
+    _fields: ClassVar[tuple[str, ...]] = ()
+    _defaults: ClassVar[dict[str, object]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._fields = tuple(inspect.get_annotations(cls))
+        for k, name in enumerate(cls._fields):
+            setattr(cls, name, _tuplegetter(k, None))
+
+    def __new__(cls, /, *args, **kwargs):
+        if kwargs or len(args) != len(cls._fields):
+            given = {**cls._defaults, **dict(zip(cls._fields, args)), **kwargs}
+            if len(args) > len(cls._fields) or given.keys() != set(cls._fields):
+                raise TypeError(f"{cls.__name__} takes the fields {cls._fields}, got {len(args)} positional "
+                                f"and {sorted(kwargs)}")
+            args = tuple(given[f] for f in cls._fields)
+        return tuple.__new__(cls, args)
+
+    def _replace(self, /, **changes) -> _Record:
+        """A copy with some fields changed."""
+        return type(self)(**{**dict(zip(self._fields, self)), **changes})
+
+    def __getnewargs__(self) -> tuple:  # pickle and copy call __new__ with the fields
+        return tuple(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{n}={v!r}' for n, v in zip(self._fields, self))})"
+
+
+class TensorNode(_Record):
     """One parameter or buffer."""
+
+    __slots__ = ()
+    _defaults = {"storage": -1, "_index": -1}
 
     name: str            # full path, e.g. "model.layers.0.mlp.up_proj.weight"
     module: int          # index of the owning node
@@ -47,19 +100,19 @@ class TensorNode:
     nbytes: int          # real bytes under dtype / special_dtypes / quantizer (bool and int keep their size)
     nbytes_accelerate: float  # bytes as accelerate counts them (a bool element is 1/8 byte there)
     canonical: int       # index of the first tensor that is the same object (itself if unshared): accelerate's view
-    storage: int = -1    # index of the tensor whose memory this one uses: ``canonical``, or a declared tie's source
+    storage: int         # index of the tensor whose memory this one uses: ``canonical``, or a declared tie's source
+    _index: int          # this tensor's own index in ``ModelGraph.tensors``
 
     @property
     def counted(self) -> int:
         """Bytes this name contributes to sizes (0 when it shares another tensor's memory)."""
         return self.nbytes if self.storage == self._index else 0
 
-    _index: int = -1
 
-
-@dataclass(frozen=True, slots=True)
-class ModuleNode:
+class ModuleNode(_Record):
     """One module, by path."""
+
+    __slots__ = ()
 
     name: str
     cls: str                      # class name, as no-split matching uses it
@@ -75,7 +128,8 @@ class ModelGraph:
     """Frozen description of a model for planning.
 
     ``size[i]`` / ``size_accelerate[i]`` are the counted bytes of node ``i``'s subtree (accelerate's
-    ``compute_module_sizes``); ``stream[i]`` is the streamed size of node ``i`` alone (its direct parameters).
+    ``compute_module_sizes``); ``direct_param_bytes(i)`` is the streamed size of node ``i`` alone (its direct
+    parameters).
     """
 
     nodes: tuple[ModuleNode, ...]
@@ -118,7 +172,8 @@ class ModelGraph:
 
 
 def _slot_constructor(cls):
-    """A positional constructor (every field, in order) for a frozen slotted dataclass that fills the slots directly.
+    """A positional constructor (every field, in order) for a frozen slotted dataclass that fills the slots directly
+    (:mod:`allocator.units` builds its units with it).
 
     The generated ``__init__`` sets each field through ``object.__setattr__``, which doubles the cost of building the
     hundreds of thousands of nodes of a large model. Generated from the fields, as dataclasses generates ``__init__``.
@@ -141,10 +196,6 @@ def _slot_constructor(cls):
     lines += [f"    _set{k}(self, {n})" for k, n in enumerate(fields)]
     exec("\n".join(lines + ["    return self"]), namespace)  # noqa: S102 - source built from field names only
     return namespace["make"]
-
-
-_new_tensor = _slot_constructor(TensorNode)
-_new_module = _slot_constructor(ModuleNode)
 
 
 # ----------------------------------------------------------------------------------------------- sizes
@@ -235,141 +286,174 @@ class _Reader:
     not repeated objects. Where a table repeats an object (torch's generators yield it once), ``exact`` is False and
     the builder reads again with ``careful=True``, which drops repeats as torch does. ``repeats`` says that torch's
     own generators must be asked about shared parameters (a class overrides them, or a table repeats an object).
+
+    ``size`` and ``size_accelerate`` hold each node's *direct* counted bytes (its own tensors that are not another
+    tensor's second name), summed in tensor order.
+
+    Complexity: O(modules + tensors) time and memory, where a module object under ``a`` paths counts ``a`` times
+    (``named_children`` recursion walks it under each), plus the depth of each repeated path (the cycle check).
     """
 
     def __init__(self, model, size_of, per_element: _PerElement | None, careful: bool = False):
         self.size_of = size_of          # (name, tensor, numel) -> (bytes, accelerate's bytes)
         self.per_element = per_element  # the same by dtype alone, when no tensor has a size of its own
         self.careful = careful
-        self.names: list[str] = [""]
-        self.modules: list = [model]
-        self.parents: list[int] = [-1]
-        self.params: list[tuple[int, ...]] = []
-        self.buffers: list[tuple[int, ...]] = []
+        # per node, preorder
+        self.nodes: list[ModuleNode | None] = []  # a leaf's built at once, the others' once their children are
+        self.names: list[str] = []
+        self.modules: list = []
+        self.parents: list[int] = []
+        self.size: list[int] = []
+        self.size_accelerate: list[float] = []
+        # per tensor
         self.tensors: list[TensorNode] = []
-        self.objects: list = []          # the tensor object of each TensorNode
         self.seen_params: dict[int, int] = {}   # id of a parameter -> its first tensor index
         self.seen_buffers: dict[int, int] = {}
+        self.first_node_of: dict[int, int] = {}  # id of a module object -> its first node
+        self.classes: dict[type, bool] = {}      # each module class met -> whether it is plain (see _plain)
+        self.own_no_split = False        # some module has a ``_no_split_modules`` attribute of its own
         self.exact = True
         self.repeats = False
         self.shared_params = False       # some parameter object has two names
-        self.nodes: list[ModuleNode | None] = [None]  # each built once its children are known
-        self.first_node_of: dict[int, int] = {id(model): 0}  # module object -> its first node
-        names, modules, parents, nodes, first_node_of = self.names, self.modules, self.parents, self.nodes, \
-            self.first_node_of
-        alias_of = [-1]
-        on_path = {id(model)}
-        stack = [(0, self._read(0, model), [])]
+        self._walk(model)
+
+    def _walk(self, model) -> None:
+        """Visit every path in preorder from an explicit stack (a model may nest deeper than Python's recursion limit).
+
+        An entry to visit is ``(parent, the parent's children so far, name, module)``. A node with children goes back
+        on the stack under them as ``(node, its children, None, its other fields)``, and is built when popped again.
+        """
+        names, modules, parents, nodes = self.names, self.modules, self.parents, self.nodes  # locals: looked up once
+        first_node_of, visit = self.first_node_of, self._visit
+        stack: list[tuple] = [(-1, [], "", model)]
         while stack:
-            index, children, kids = stack[-1]
-            step = next(children, None)
-            if step is None:
-                stack.pop()
-                module = modules[index]
-                on_path.discard(id(module))
-                nodes[index] = _new_module(names[index], type(module).__name__, parents[index], tuple(kids),
-                                           self.params[index], self.buffers[index], alias_of[index])
+            parent, siblings, name, module = stack.pop()
+            if name is None:  # (node, its children, None, its other fields): its children are all built
+                nodes[parent] = _module_node(module, tuple(siblings))
                 continue
-            local, child = step
-            if child is None:
-                continue
-            if id(child) in on_path:
+            index = len(names)
+            if index >= _MAX_NODES:
+                raise InvalidModel(f"more than {_MAX_NODES} module paths: shared sub-modules explode the tree.")
+            first = first_node_of.setdefault(id(module), index)
+            alias_of = -1 if first == index else self._repeated(module, first, parent, name)
+            siblings.append(index)
+            names.append(name)
+            modules.append(module)
+            parents.append(parent)
+            prefix = f"{name}." if name else ""
+            params, buffers, children = visit(index, prefix, module)
+            fields = (name, type(module).__name__, parent, params, buffers, alias_of)
+            if children:
+                kids: list[int] = []
+                nodes.append(None)
+                stack.append((index, kids, None, fields))
+                stack.extend(reversed([(index, kids, prefix + local, child)  # reversed: the first child pops next
+                                       for local, child in children if child is not None]))
+            else:
+                nodes.append(_module_node(fields, ()))
+
+    def _repeated(self, module, first: int, parent: int, name: str) -> int:
+        """``first``, for a new node that is an alias of node ``first``; refuses a module that contains itself."""
+        if self.parents[first] == parent:
+            self.exact = False  # one module lists a child twice: named_children yields it once
+        ancestor = parent
+        while ancestor >= 0:
+            if self.modules[ancestor] is module:
+                local = name[len(self.names[parent]) + 1:] if self.names[parent] else name
                 raise InvalidModel(
-                    f"module {names[index] or '<root>'!r} contains itself through child {local!r}: "
+                    f"module {self.names[parent] or '<root>'!r} contains itself through child {local!r}: "
                     "a cycle in the module graph cannot be placed; remove the back-reference."
                 )
-            new = len(names)
-            if new >= _MAX_NODES:
-                raise InvalidModel(f"more than {_MAX_NODES} module paths: shared sub-modules explode the tree.")
-            names.append(f"{names[index]}.{local}" if names[index] else local)
-            modules.append(child)
-            parents.append(index)
-            nodes.append(None)
-            kids.append(new)
-            first = first_node_of.setdefault(id(child), new)
-            if first != new:
-                alias_of.append(first)
-                if parents[first] == index:
-                    self.exact = False  # one module lists a child twice: named_children yields it once
-            else:
-                alias_of.append(-1)
-            on_path.add(id(child))
-            stack.append((new, self._read(new, child), []))
+            ancestor = self.parents[ancestor]
+        return first
 
-    def _read(self, i: int, module):
-        """Read a module's direct tensors; return an iterator over its children."""
-        plain = _PLAIN.get(type(module))
+    def _visit(self, i: int, prefix: str, module) -> tuple[tuple[int, ...], tuple[int, ...], Iterable]:
+        """Read node ``i``'s direct tensors and sizes; return its parameters, its buffers and its (name, child)
+        pairs (``None`` children included)."""
+        plain = self.classes.get(type(module))
         if plain is None:
-            plain = _plain(type(module))
-        if not plain:
-            self.repeats = True
-            params = module.named_parameters(recurse=False)
-            buffers = module.named_buffers(recurse=False)
-            children = module.named_children()
-        elif self.careful:
+            plain = self.classes[type(module)] = _plain(type(module))
+        state = module.__dict__  # one attribute lookup (nn.Module's are slow) for the tables and the no-split check
+        if "_no_split_modules" in state:
+            self.own_no_split = True
+        if plain and not self.careful:
+            params, buffers, children = state["_parameters"], state["_buffers"], state["_modules"]
+            params, buffers, children = params and params.items(), buffers and buffers.items(), children.items()
+        else:
+            params, buffers, children = self._tables(module, plain)
+        real = accel = 0  # counted bytes, added in tensor order: parameters, then buffers
+        if params:
+            params, real, accel = self._tensors(i, prefix, params, True, (), real, accel)
+        if buffers:
+            non_persistent = getattr(module, "_non_persistent_buffers_set", ())
+            buffers, real, accel = self._tensors(i, prefix, buffers, False, non_persistent, real, accel)
+        self.size.append(real)
+        self.size_accelerate.append(accel)
+        return params or (), buffers or (), children
+
+    def _tables(self, module, plain: bool) -> tuple[list, list, list]:
+        """A module's (name, object) parameters, buffers and children as torch's generators yield them."""
+        if plain:  # careful: drop repeated objects, as the generators do
             params, repeated = _unique_items(module._parameters)
             buffers = _unique_items(module._buffers)[0]
             children, again = _unique_items(module._modules)
             self.repeats |= repeated or again
-        else:
-            params = module._parameters.items() if module._parameters else ()
-            buffers = module._buffers.items() if module._buffers else ()
-            children = module._modules.items() if module._modules else ()
-        name = self.names[i]
-        prefix = f"{name}." if name else ""
-        self.params.append(self._tensors(i, prefix, params, True, ()) if params else ())
-        self.buffers.append(
-            self._tensors(i, prefix, buffers, False, getattr(module, "_non_persistent_buffers_set", set()))
-            if buffers else ())
-        return iter(children)
+            return params, buffers, children
+        self.repeats = True
+        return (list(module.named_parameters(recurse=False)), list(module.named_buffers(recurse=False)),
+                list(module.named_children()))
 
-    def _tensors(self, i: int, prefix: str, members, is_param: bool, non_persistent) -> tuple[int, ...]:
-        tensors, objects, size_of, per_element = self.tensors, self.objects, self.size_of, self.per_element
+    def _tensors(self, i: int, prefix: str, members, is_param: bool, non_persistent,
+                 real: int, accel: float) -> tuple[tuple[int, ...], int, float]:
+        """Add a module's direct parameters or buffers; return their indices, and ``real`` and ``accel`` plus their
+        counted bytes (real, accelerate's)."""
+        tensors, size_of, per_element = self.tensors, self.size_of, self.per_element
         known = per_element.known if per_element is not None else None
         seen = self.seen_params if is_param else self.seen_buffers
-        first = len(tensors)
+        first = index = len(tensors)
         for local, tensor in members:
             if tensor is None:
                 continue
-            index = len(tensors)
             canonical = seen.setdefault(id(tensor), index)
-            if canonical != index:
-                if tensors[canonical].module == i:
-                    self.exact = False   # one module lists the object twice: torch's generators yield it once
-                if is_param:
-                    self.shared_params = True
             full = prefix + local
             numel = tensor.numel()
             if known is not None:
                 per = known.get(tensor.dtype) or per_element(tensor.dtype)
-                real, accel = numel * per[0], numel * per[1]
+                nbytes, nbytes_accel = numel * per[0], numel * per[1]
             else:
-                real, accel = size_of(full, tensor, numel)
-            tensors.append(_new_tensor(full, i, local, is_param, is_param or local not in non_persistent, numel, real,
-                                       accel, canonical, canonical, index))
-            objects.append(tensor)
-        return tuple(range(first, len(tensors)))
+                nbytes, nbytes_accel = size_of(full, tensor, numel)
+            if canonical == index:  # counted: its storage is its own (until declared ties are shared)
+                real += nbytes
+                accel += nbytes_accel
+            else:  # a second name of an object
+                if tensors[canonical].module == i:
+                    self.exact = False   # one module lists the object twice: torch's generators yield it once
+                if is_param:
+                    self.shared_params = True
+            tensors.append(_new_row(TensorNode, (full, i, local, is_param, is_param or local not in non_persistent,
+                                                 numel, nbytes, nbytes_accel, canonical, canonical, index)))
+            index += 1
+        return tuple(range(first, index)), real, accel
+
+
+_new_row = tuple.__new__  # a record from a row in field order, without _Record.__new__'s checks
+
+
+def _module_node(fields: tuple, children: tuple[int, ...]) -> ModuleNode:
+    """A node from its fields but its children, ``(name, cls, parent, params, buffers, alias_of)``."""
+    name, cls, parent, params, buffers, alias_of = fields
+    return _new_row(ModuleNode, (name, cls, parent, children, params, buffers, alias_of))
 
 
 def _read_model(model, size_of, by_dtype) -> _Reader:
-    """Read the model, again carefully where the fast read was not exact. The cyclic garbage collector is paused
-    meanwhile: the read creates hundreds of thousands of acyclic objects, and each collection it would trigger walks
-    the model's own objects too (10-20 % of the read on a 50k-module model)."""
-    import gc
-
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        read = _Reader(model, size_of, by_dtype)
-        if not read.exact:
-            read = _Reader(model, size_of, by_dtype, careful=True)
-        return read
-    finally:
-        if enabled:
-            gc.enable()
+    """Read the model, again carefully where the fast read was not exact."""
+    read = _Reader(model, size_of, by_dtype)
+    if not read.exact:
+        read = _Reader(model, size_of, by_dtype, careful=True)
+    return read
 
 
-def _declared_tied_groups(model, names: set[str]) -> list[tuple[str, ...]]:
+def _declared_tied_groups(model, names: Container[str]) -> list[tuple[str, ...]]:
     """Groups from the model's declared tied keys (transformers' ``all_tied_weights_keys``)."""
     declared = getattr(model, "all_tied_weights_keys", None)
     if not isinstance(declared, Mapping):
@@ -390,34 +474,38 @@ def _declared_tied_groups(model, names: set[str]) -> list[tuple[str, ...]]:
     return [tuple(sorted(g)) for g in groups.values() if len(g) > 1]
 
 
-def _share_declared_ties(model, storage: list[int], index: Mapping[str, int]) -> None:
+def _declared_storage(model, tensors: Sequence[TensorNode], index: Mapping[str, int]) -> dict[int, int]:
     """Point each declared tie target (transformers' ``all_tied_weights_keys``: target -> source) at its source's
-    memory, in ``storage`` (tensor index -> index of the tensor whose memory it uses). transformers plans a device
-    map before it ties weights, so the two are separate objects then, but they share memory once loaded."""
+    memory: tensor index -> index of the tensor whose memory it uses, for the targets whose ``storage`` changes.
+    transformers plans a device map before it ties weights, so the two are separate objects then, but they share
+    memory once loaded."""
     declared = getattr(model, "all_tied_weights_keys", None)
     if not isinstance(declared, Mapping):
-        return
+        return {}
+    moved: dict[int, int] = {}
     for target, source in declared.items():
         if target in index and source in index:
-            root = storage[index[source]]
+            root = moved.get(index[source], tensors[index[source]].storage)
             i = index[target]
-            if storage[i] == i and root != i:
-                storage[i] = root
+            if moved.get(i, tensors[i].storage) == i and root != i:
+                moved[i] = root
+    return moved
 
 
-def _find_tied(all_params: list[tuple[str, object]], unique: dict[str, object]) -> list[tuple[str, ...]]:
+def _find_tied(all_params: list[tuple[str, Hashable]], unique: dict[str, Hashable]) -> list[tuple[str, ...]]:
     """accelerate's ``find_tied_parameters``, same grouping and the same group order (the tied names are visited in
-    the iteration order of the same set, built the same way)."""
+    the iteration order of the same set, built the same way). Parameters are given by name and identity: a key
+    equal for two names exactly when they are the same object (its ``id``, or its first tensor index)."""
     tied_names = {n for n, _ in all_params} - set(unique)
     if not tied_names:
         return []
     by_name = dict(all_params)
     first_name = {}
-    for name, candidate in unique.items():  # unique holds each object once: its first name
-        first_name.setdefault(id(candidate), name)
+    for name, identity in unique.items():  # unique holds each object once: its first name
+        first_name.setdefault(identity, name)
     groups: dict[str, list[str]] = {}
     for tied in tied_names:
-        name = first_name.get(id(by_name[tied]))
+        name = first_name.get(by_name[tied])
         if name is not None:
             groups.setdefault(name, []).append(tied)
     return [tuple(sorted([w] + list(set(t)))) for w, t in groups.items()]
@@ -438,7 +526,25 @@ def no_split_classes(model) -> set[str]:
 _NOT_FOUND = object()
 
 
+def _read_no_split(read: _Reader) -> set[str]:
+    """:func:`_declared_no_split` over the modules the walk met (each object once), asking each class once when no
+    module declares its own and no class declares through a descriptor (the per-module rule costs a slow
+    ``__dict__`` lookup per module)."""
+    unique = (read.modules[i] for i in read.first_node_of.values())
+    if read.own_no_split:
+        return _declared_no_split(unique)
+    found: set[str] = set()
+    for cls in read.classes:
+        declared = getattr(cls, "_no_split_modules", None)
+        if hasattr(type(declared), "__get__"):  # a property or other descriptor: ask the instances
+            return _declared_no_split(unique)
+        if declared:
+            found.update(str(c) for c in declared)
+    return found
+
+
 def _declared_no_split(modules) -> set[str]:
+    """Each module's ``_no_split_modules`` (its own attribute, else its class's), united."""
     found: set[str] = set()
     by_class: dict[type, object] = {}
     for module in modules:
@@ -492,6 +598,12 @@ def build_graph(
     Raises
     ------
     InvalidModel, InvalidOption
+
+    Notes
+    -----
+    Complexity: O(modules + tensors) time and memory (a module object under several paths counts once per path):
+    one walk of the module tree, a second where a module lists an object twice, and
+    :func:`~allocator.introspect.infer_blocks` when it runs. The cyclic garbage collector is paused meanwhile.
     """
     import torch
 
@@ -520,14 +632,44 @@ def build_graph(
 
     by_dtype = per_element if size_fn is None and not special else None
 
-    read = _read_model(model, size_of, by_dtype)
-    modules, tensors, nodes, first_node_of = read.modules, read.tensors, tuple(read.nodes), read.first_node_of
+    with gc_paused():
+        read = _read_model(model, size_of, by_dtype)
+        no_split, declared_no_split = _no_split(model, read, no_split, discover_no_split, infer_no_split)
+        tensors = read.tensors
+        tensor_index = dict(zip(map(attrgetter("name"), tensors), range(len(tensors))))  # zip: no Python loop
+        moved = _declared_storage(model, tensors, tensor_index)
+        unknown_special = set(special) - tensor_index.keys()
+        if unknown_special:
+            raise InvalidOption(
+                f"special_dtypes names tensors the model does not have: {sorted(unknown_special)[:5]}; "
+                "use full parameter names as in model.named_parameters()."
+            )
+        size, size_acc = _sizes(read, moved)
+        tied = _tied_groups(model, read, tensor_index, tied_parameters)
+        already = {n for g in tied for n in g}
+        declared_ties = [g for g in _declared_tied_groups(model, tensor_index) if not set(g) <= already]
+        if no_split_module_classes:
+            present = {cls.__name__ for cls in read.classes}
+            for c in sorted(set(no_split_module_classes) - present):
+                log.warning("no-split class %r matches no module of %s; check the spelling.", c, type(model).__name__)
+        graph = ModelGraph(
+            nodes=tuple(read.nodes), tensors=tuple(tensors), size=size, size_accelerate=size_acc,
+            no_split=frozenset(no_split), no_split_declared=declared_no_split, tied_groups=tuple(tied),
+            declared_ties=tuple(declared_ties), node_index=dict(zip(read.names, range(len(read.names)))),
+            tensor_index=tensor_index, model_class=type(model).__name__,
+        )
+        del read, tensors  # free the walk's lists now: the collection that resuming the collector starts skips them
+        return graph
 
-    if discover_no_split:
-        no_split |= _declared_no_split(modules[i] for i in first_node_of.values()) if not read.repeats \
-            else no_split_classes(model)
-    declared_no_split = frozenset(no_split)
-    if infer_no_split and not no_split:
+
+def _no_split(model, read: _Reader, given: set[str], discover: bool, infer: bool) -> tuple[set[str], frozenset[str]]:
+    """(what plans keep whole, what is declared): the caller's classes united with every sub-model's
+    ``_no_split_modules`` when ``discover``; when nothing is declared and ``infer``, the inferred blocks."""
+    no_split = set(given)
+    if discover:
+        no_split |= _read_no_split(read) if not read.repeats else no_split_classes(model)
+    declared = frozenset(no_split)
+    if infer and not no_split:
         from .introspect import infer_blocks
 
         no_split = infer_blocks(model)
@@ -535,36 +677,29 @@ def build_graph(
             log.info("%s declares no no-split classes; keeping its repeated blocks %s whole "
                      "(pass no_split_module_classes, or infer_no_split=False, to change this)",
                      type(model).__name__, sorted(no_split))
+    return no_split, declared
 
-    tensor_index = {t.name: k for k, t in enumerate(tensors)}
-    if isinstance(getattr(model, "all_tied_weights_keys", None), Mapping):
-        import dataclasses
 
-        storage = [t.storage for t in tensors]
-        _share_declared_ties(model, storage, tensor_index)
-        for k, root in enumerate(storage):
-            if root != tensors[k].storage:
-                tensors[k] = dataclasses.replace(tensors[k], storage=root)
-    tensors = tuple(tensors)
-    unknown_special = set(special) - tensor_index.keys()
-    if unknown_special:
-        raise InvalidOption(
-            f"special_dtypes names tensors the model does not have: {sorted(unknown_special)[:5]}; "
-            "use full parameter names as in model.named_parameters()."
-        )
+def _sizes(read: _Reader, moved: Mapping[int, int]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Counted bytes of every node's subtree (real, accelerate's), from the read's direct sizes, after pointing the
+    tensors in ``moved`` (index -> the tensor whose memory it uses) at their declared tie's source.
 
-    size = [0] * len(nodes)
-    size_acc = [0] * len(nodes)
-    for k, t in enumerate(tensors):
-        if t.storage == k:
-            size[t.module] += t.nbytes
-        if t.canonical == k:
-            size_acc[t.module] += t.nbytes_accelerate
-    parents = read.parents
-    for i in range(len(nodes) - 1, 0, -1):  # preorder: children come after parents
-        size[parents[i]] += size[i]
-        size_acc[parents[i]] += size_acc[i]
+    A moved tensor was counted (its storage was its own) and is not any more. Sums run in accelerate's order:
+    each node's tensors in order, then each subtree into its parent, last node first. O(nodes + moved).
+    """
+    size, size_acc, tensors = read.size, read.size_accelerate, read.tensors
+    for k, root in moved.items():
+        size[tensors[k].module] -= tensors[k].nbytes  # int bytes: exact whatever the order
+        tensors[k] = tensors[k]._replace(storage=root)
+    for i, parent in zip(range(len(size) - 1, 0, -1), reversed(read.parents)):  # preorder: children after parents
+        size[parent] += size[i]
+        size_acc[parent] += size_acc[i]
+    return tuple(size), tuple(size_acc)
 
+
+def _tied_groups(model, read: _Reader, tensor_index: Mapping[str, int],
+                 tied_parameters: Sequence[Sequence[str]] | None) -> list[tuple[str, ...]]:
+    """The caller's ``tied_parameters``, else shared tensors grouped as accelerate's ``find_tied_parameters`` does."""
     if tied_parameters is not None:
         tied = []
         for group in tied_parameters:
@@ -573,31 +708,18 @@ def build_graph(
                 raise InvalidOption(f"tied_parameters names unknown tensors {missing[:5]}.")
             if len(group) > 1:
                 tied.append(tuple(group))
-    elif read.repeats:  # the walk's tables and torch's generators may differ: ask torch
-        all_params = list(model.named_parameters(remove_duplicate=False))
-        tied = _find_tied(all_params, dict(model.named_parameters()))
-    elif read.shared_params:
+        return tied
+    if read.repeats:  # the walk's tables and torch's generators may differ: ask torch
+        all_params = [(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)]
+        return _find_tied(all_params, {name: id(p) for name, p in model.named_parameters()})
+    if read.shared_params:
         # named_parameters(remove_duplicate=False) is this walk's parameters in order; named_parameters() keeps
         # the first name of each object (a module under a second path is skipped whole, and its parameters were
-        # all seen under the first).
-        objects = read.objects
-        all_params = [(t.name, objects[k]) for k, t in enumerate(tensors) if t.is_param]
-        unique = {t.name: objects[k] for k, t in enumerate(tensors) if t.is_param and t.canonical == k}
-        tied = _find_tied(all_params, unique)
-    else:
-        tied = []
-    already = {n for g in tied for n in g}
-    declared_ties = [g for g in _declared_tied_groups(model, set(tensor_index)) if not set(g) <= already]
-    if no_split_module_classes:
-        present = {n.cls for n in nodes}
-        for c in sorted(set(no_split_module_classes) - present):
-            log.warning("no-split class %r matches no module of %s; check the spelling.", c, type(model).__name__)
-    return ModelGraph(
-        nodes=nodes, tensors=tensors, size=tuple(size), size_accelerate=tuple(size_acc),
-        no_split=frozenset(no_split), no_split_declared=declared_no_split, tied_groups=tuple(tied), declared_ties=tuple(declared_ties),
-        node_index={n.name: i for i, n in enumerate(nodes)}, tensor_index=tensor_index,
-        model_class=type(model).__name__,
-    )
+        # all seen under the first). Two parameters are one object exactly when they have the same canonical.
+        params = [t for t in read.tensors if t.is_param]
+        unique = {t.name: t.canonical for t in params if t.canonical == t._index}
+        return _find_tied([(t.name, t.canonical) for t in params], unique)
+    return []
 
 
 class _PerElement:

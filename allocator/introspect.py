@@ -69,11 +69,15 @@ def _require_module(model, caller: str) -> None:
 # ---------------------------------------------------------------------------------------- repeated blocks
 @dataclass(frozen=True, slots=True)
 class _Stack:
-    """One stack: the container's name, its blocks' names (definition order) and their class."""
+    """One stack: the container's name, its blocks' keys in the container (definition order) and their class."""
 
     container: str
-    blocks: tuple[str, ...]
+    keys: tuple[str, ...]
     block_class: type
+
+    def blocks(self) -> list[str]:
+        """The blocks' names, as ``model.named_modules()`` gives them."""
+        return [f"{self.container}.{k}" if self.container else k for k in self.keys]
 
 
 def _parameter_signature() -> Callable[[nn.Module], int]:
@@ -105,13 +109,20 @@ def _block_classes(container: nn.Module, sign: Callable[[nn.Module], int]) -> li
     """Classes having ≥ 2 children of ``container`` with equal signatures, in order of first appearance.
 
     Children that own no parameter, and plain containers (a ``Sequential`` of ``Sequential`` blocks), never make a
-    block class: the search goes on inside them instead.
+    block class: the search goes on inside them instead. Once a class repeats, its further children are not signed
+    (they cannot change the answer), so a stack of identical blocks costs two signatures, not one per block.
     """
     counts: dict[tuple[type, int], int] = {}
+    repeated: set[type] = set()
     for child in container._modules.values():
-        if child is not None and type(child) not in _CONTAINERS and (signature := sign(child)):
-            counts[type(child), signature] = counts.get((type(child), signature), 0) + 1
-    repeated = {cls for (cls, _), count in counts.items() if count >= 2}
+        cls = type(child)
+        if child is None or cls in repeated or cls in _CONTAINERS:
+            continue
+        signature = sign(child)
+        if signature:
+            count = counts[cls, signature] = counts.get((cls, signature), 0) + 1
+            if count == 2:
+                repeated.add(cls)
     return list(dict.fromkeys(type(c) for c in container._modules.values() if type(c) in repeated))
 
 
@@ -127,12 +138,14 @@ def _stacks(model: nn.Module) -> list[_Stack]:
             continue
         visited.add(id(module))
         classes = _block_classes(module, sign) if isinstance(module, _CONTAINERS) else []
-        in_blocks: set[str] = set()
-        for cls in classes:
-            local = [k for k, child in module._modules.items() if type(child) is cls]
-            found.append(_Stack(name, tuple(f"{name}.{k}" if name else k for k in local), cls))
-            in_blocks.update(local)
-        children = [(k, c) for k, c in module._modules.items() if c is not None and k not in in_blocks]
+        keys: dict[type, list[str]] = {cls: [] for cls in classes}  # the blocks of each class, in order
+        children = []
+        for k, child in module._modules.items():  # one pass: a container may hold 100k blocks
+            if type(child) in keys:
+                keys[type(child)].append(k)
+            elif child is not None:
+                children.append((k, child))
+        found.extend(_Stack(name, tuple(keys[cls]), cls) for cls in classes)
         pending.extend((f"{name}.{k}" if name else k, c) for k, c in reversed(children))
     return found
 
@@ -171,7 +184,8 @@ def infer_blocks(model: nn.Module) -> set[str]:
     (a DETR box head) is a block too, which is harmless: a ``Linear`` has no sub-module to split.
 
     Complexity: O(modules + parameters) time and memory; each module's parameter signature is computed
-    once, bottom-up, and interned as an integer.
+    at most once, bottom-up, and interned as an integer, and a container's children of a class stop being
+    signed once two of them match (a stack of identical blocks signs two of them).
 
     Examples
     --------
@@ -229,7 +243,7 @@ def find_layers(model: nn.Module) -> list[tuple[str, list[str]]]:
     [('layers', ['layers.0', 'layers.1', 'layers.2'])]
     """
     _require_module(model, "find_layers")
-    return [(stack.container, list(stack.blocks)) for stack in _stacks(model)]
+    return [(stack.container, stack.blocks()) for stack in _stacks(model)]
 
 
 # ---------------------------------------------------------------------------------------------- wrappers

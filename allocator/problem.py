@@ -11,6 +11,7 @@ from .budgets import Budgets, parse_budgets
 from .cost_profile import Profile
 from .errors import InvalidOption
 from .generation import GenerationBudget, GenerationNeeds, generation_needs
+from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
 
 __all__ = ["Options", "Problem", "build_problem"]
@@ -111,15 +112,17 @@ def build_problem(
     """
     if size_fn is None:
         size_fn = quantizer_size_fn(model, hf_quantizer)
-    graph = build_graph(
-        model, dtype=dtype, special_dtypes=special_dtypes, no_split_module_classes=no_split_module_classes,
-        discover_no_split=discover_no_split, infer_no_split=infer_no_split, tied_parameters=tied_parameters, size_fn=size_fn,
-    )
-    needs = None
-    if generation is not None:
-        needs = generation_needs(model, graph, generation, dtype=dtype)
-        graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
-                                    main_workspace=needs.scores)
+    with gc_paused():  # the graph's records are acyclic: collections while they are built only walk them in vain
+        graph = build_graph(
+            model, dtype=dtype, special_dtypes=special_dtypes, no_split_module_classes=no_split_module_classes,
+            discover_no_split=discover_no_split, infer_no_split=infer_no_split, tied_parameters=tied_parameters,
+            size_fn=size_fn,
+        )
+        needs = None
+        if generation is not None:
+            needs = generation_needs(model, graph, generation, dtype=dtype)
+            graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
+                                        main_workspace=needs.scores)
     budgets = parse_budgets(max_memory)
     _note_missing_accelerators(budgets)
     if hf_quantizer is not None and hasattr(hf_quantizer, "adjust_max_memory"):

@@ -7,10 +7,11 @@ strategy (``sequential``, ``backfill``, ``reserve``, and ``auto`` on the trees):
 peak, main device, streamed bytes, violations, cost and notes of ``allocator.plan`` (or the error); the graph's
 fields; and ``check`` / ``estimate`` of random device maps (tensor keys, unknown keys and gaps included).
 
-Run it once per version of the code and compare the two files::
+Run it once per version of the code, with the same ``PYTHONHASHSEED`` (tie groups, as accelerate finds them, follow the
+iteration order of a set of strings, which changes from process to process), and compare the two files::
 
-    PYTHONPATH=/path/to/old python benchmarks/compare_plans.py --out /tmp/before.pkl
-    PYTHONPATH=$PWD        python benchmarks/compare_plans.py --out /tmp/after.pkl
+    PYTHONHASHSEED=0 PYTHONPATH=/path/to/old python benchmarks/compare_plans.py --out /tmp/before.pkl
+    PYTHONHASHSEED=0 PYTHONPATH=$PWD        python benchmarks/compare_plans.py --out /tmp/after.pkl
     python benchmarks/compare_plans.py --compare /tmp/before.pkl /tmp/after.pkl
 """
 

@@ -104,3 +104,35 @@ def test_bad_models():
     loop.add_module("self", loop)
     with pytest.raises(InvalidModel, match="cycle"):
         build_graph(loop)
+
+
+def test_records_read_as_attributes_and_stay_immutable():
+    import copy
+    import gc
+    import pickle
+
+    from allocator.graph import ModuleNode, TensorNode
+
+    g = build_graph(Outer())
+    t = g.tensors[g.tensor_index["tower.blocks.0.mask"]]
+    assert (t.name, t.local, t.is_param, t.persistent, t.numel, t.nbytes) == ("tower.blocks.0.mask", "mask", False,
+                                                                              False, 16, 16)
+    assert t._index == g.tensor_index[t.name] and t.counted == t.nbytes
+    node = g.nodes[g.node_index["tower.blocks.0"]]
+    assert (node.cls, g.nodes[node.parent].name, node.alias_of) == ("Block", "tower.blocks", -1)
+    with pytest.raises(AttributeError):
+        t.nbytes = 0
+    assert t._replace(storage=0).storage == 0 and t.storage == t._index
+    assert pickle.loads(pickle.dumps(node)) == node and copy.deepcopy(t) == t
+    assert TensorNode(t.name, t.module, t.local, t.is_param, t.persistent, t.numel, t.nbytes, t.nbytes_accelerate,
+                      t.canonical) == t._replace(storage=-1, _index=-1)  # the defaults
+    assert ModuleNode(**dict(zip(ModuleNode._fields, node))) == node
+    with pytest.raises(TypeError):
+        ModuleNode("x", "Linear")
+    try:
+        for enabled in (True, False):  # the collector is paused while building, and left as the caller had it
+            (gc.enable if enabled else gc.disable)()
+            allocator.build_problem(Outer(), {"cpu": 10_000})
+            assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
