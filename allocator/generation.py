@@ -419,8 +419,9 @@ def _fused_kv_width(module, config) -> int | None:
 
 def _leaf_with_tensors(graph, node: int) -> int:
     """``node`` itself when it is a leaf, else its first descendant leaf with tensors (extras stay on one unit)."""
-    while graph.nodes[node].children and not (graph.nodes[node].params or graph.nodes[node].buffers):
-        node = graph.nodes[node].children[0]
+    nodes = graph.nodes
+    while nodes.end[node] > node + 1 and not nodes.tensors_of(node):
+        node += 1  # its first child
     return node
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from array import array
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import ClassVar
 
 try:
@@ -123,17 +123,186 @@ class ModuleNode(_Record):
     alias_of: int                 # first node of the same module object, or -1
 
 
+def _frozen(column):
+    """A read-only column: an int64 ``array`` as a read-only view of it (no copy, no object per entry; numpy reads it
+    with ``np.frombuffer``), anything else as a tuple."""
+    if isinstance(column, array):
+        return memoryview(column).toreadonly()
+    if isinstance(column, memoryview):
+        return column.toreadonly()
+    return tuple(column)
+
+
+def _same(a, b) -> bool:
+    return a == b if type(a) is type(b) else len(a) == len(b) and all(x == y for x, y in zip(a, b))
+
+
+def _picklable(column):
+    return array(column.format, column.tobytes()) if isinstance(column, memoryview) else column
+
+
+class Nodes(Sequence):
+    """The modules of a graph in preorder, stored as columns; ``nodes[i]`` is node ``i`` as a :class:`ModuleNode`.
+
+    Each column is a tuple with one entry per node: ``name``, ``cls``, ``parent``, ``alias_of`` (as in
+    :class:`ModuleNode`), ``first`` (the index of the node's first direct tensor: its parameters, then its buffers,
+    follow those of the nodes before it), ``n_params``, ``n_buffers`` (how many direct tensors of each kind), and
+    ``end`` (one past the last node of its subtree: the subtree of ``i`` is nodes ``i`` to ``end[i] - 1``).
+
+    Why columns: a large model has hundreds of thousands of modules; a record object per module costs its
+    construction, its memory, and a visit by every garbage collection of the caller's process for as long as the
+    graph lives. Loops over every node read the columns; a record is built when asked for.
+    """
+
+    __slots__ = ("name", "cls", "parent", "alias_of", "first", "n_params", "n_buffers", "end")
+    _columns = __slots__
+
+    def __init__(self, name, cls, parent, alias_of, first, n_params, n_buffers, end):
+        columns = tuple(map(_frozen, (name, cls, parent, alias_of, first, n_params, n_buffers, end)))
+        if len(set(map(len, columns))) > 1:
+            raise ValueError(f"node columns of different lengths {[len(c) for c in columns]}")
+        for field_name, column in zip(self._columns, columns):
+            object.__setattr__(self, field_name, column)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[k] for k in range(*i.indices(len(self))))
+        i = range(len(self.name))[i]  # an int in range (negative counts from the end), else IndexError / TypeError
+        first = self.first[i]
+        params = first + self.n_params[i]
+        return _new_row(ModuleNode, (self.name[i], self.cls[i], self.parent[i], self.children(i),
+                                     tuple(range(first, params)), tuple(range(params, params + self.n_buffers[i])),
+                                     self.alias_of[i]))
+
+    def __iter__(self):
+        return map(self.__getitem__, range(len(self.name)))
+
+    def children(self, i: int) -> tuple[int, ...]:
+        """Node ``i``'s children, in ``named_children`` order: its first child is ``i + 1``, each next one starts
+        where the subtree of the one before ends. O(children)."""
+        end = self.end
+        stop, j, out = end[i], i + 1, []
+        while j < stop:
+            out.append(j)
+            j = end[j]
+        return tuple(out)
+
+    def tensors_of(self, i: int) -> range:
+        """The indices of node ``i``'s direct tensors (parameters, then buffers)."""
+        first = self.first[i]
+        return range(first, first + self.n_params[i] + self.n_buffers[i])
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same(getattr(self, c), getattr(other, c)) for c in self._columns)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __reduce__(self):
+        return type(self), tuple(_picklable(getattr(self, c)) for c in self._columns)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} modules)"
+
+
+class Tensors(Sequence):
+    """The parameters and buffers of a graph in node preorder, stored as columns (one tuple per field of
+    :class:`TensorNode` but ``_index``); ``tensors[k]`` is tensor ``k`` as a :class:`TensorNode`."""
+
+    __slots__ = ("name", "module", "local", "is_param", "persistent", "numel", "nbytes", "nbytes_accelerate",
+                 "canonical", "storage")
+    _columns = __slots__
+
+    def __init__(self, name, module, local, is_param, persistent, numel, nbytes, nbytes_accelerate, canonical,
+                 storage):
+        columns = tuple(map(_frozen, (name, module, local, is_param, persistent, numel, nbytes, nbytes_accelerate,
+                                      canonical, storage)))
+        if len(set(map(len, columns))) > 1:
+            raise ValueError(f"tensor columns of different lengths {[len(c) for c in columns]}")
+        for field_name, column in zip(self._columns, columns):
+            object.__setattr__(self, field_name, column)
+
+    __setattr__ = Nodes.__setattr__
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return tuple(self[j] for j in range(*k.indices(len(self))))
+        k = range(len(self.name))[k]
+        return _new_row(TensorNode, (self.name[k], self.module[k], self.local[k], self.is_param[k], self.persistent[k],
+                                     self.numel[k], self.nbytes[k], self.nbytes_accelerate[k], self.canonical[k],
+                                     self.storage[k], k))
+
+    def __iter__(self):
+        return map(self.__getitem__, range(len(self.name)))
+
+    def counted(self) -> list[int]:
+        """Each tensor's counted bytes (:attr:`TensorNode.counted`): 0 for a name that shares another's memory."""
+        return [nb if s == k else 0 for k, (nb, s) in enumerate(zip(self.nbytes, self.storage))]
+
+    __eq__, __hash__, __reduce__ = Nodes.__eq__, Nodes.__hash__, Nodes.__reduce__
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} tensors)"
+
+
+class _TensorIndex(Mapping):
+    """Tensor name -> index, without a table of its own: a name is its module's path, a dot and its local name, so
+    it is found among the direct tensors of the node its prefix names (O(direct tensors of that node)).
+
+    A module whose own tensor names hold a dot (possible only through a class that overrides ``named_parameters``)
+    breaks the rule; where any does, a full table is built once on the first miss."""
+
+    __slots__ = ("_node_index", "_nodes", "_local", "_name", "_table")
+
+    def __init__(self, node_index: Mapping[str, int], nodes: Nodes, local: Sequence[str], name: Sequence[str]):
+        self._node_index, self._nodes, self._local, self._name = node_index, nodes, local, name
+        self._table = None if "." in "".join(local) else {}  # the full table, where a local name holds a dot
+
+    def __getitem__(self, name):
+        if type(name) is str:
+            module, _, local = name.rpartition(".")
+            i = self._node_index.get(module)
+            if i is not None:
+                locals_ = self._local
+                for k in self._nodes.tensors_of(i):
+                    if locals_[k] == local:
+                        return k
+            if self._table is None:
+                self._table = dict(zip(self._name, range(len(self))))
+            if name in self._table:
+                return self._table[name]
+        raise KeyError(name)
+
+    def __iter__(self):
+        return iter(self._name)
+
+    def __len__(self) -> int:
+        return len(self._name)
+
+
 @dataclass(frozen=True, slots=True, weakref_slot=True)
 class ModelGraph:
     """Frozen description of a model for planning.
 
-    ``size[i]`` / ``size_accelerate[i]`` are the counted bytes of node ``i``'s subtree (accelerate's
-    ``compute_module_sizes``); ``direct_param_bytes(i)`` is the streamed size of node ``i`` alone (its direct
-    parameters).
+    ``nodes`` and ``tensors`` are stored as columns (:class:`Nodes`, :class:`Tensors`): ``graph.nodes.parent[i]``
+    reads a column, ``graph.nodes[i]`` builds node ``i``'s record. ``size[i]`` / ``size_accelerate[i]`` are the
+    counted bytes of node ``i``'s subtree (accelerate's ``compute_module_sizes``); ``direct_param_bytes(i)`` is the
+    streamed size of node ``i`` alone (its direct parameters).
     """
 
-    nodes: tuple[ModuleNode, ...]
-    tensors: tuple[TensorNode, ...]
+    nodes: Nodes
+    tensors: Tensors
     size: tuple[int, ...]
     size_accelerate: tuple[float, ...]
     no_split: frozenset[str]     # what plans keep whole: declared, or inferred blocks when nothing is declared
@@ -141,7 +310,7 @@ class ModelGraph:
     tied_groups: tuple[tuple[str, ...], ...]  # shared tensors, in accelerate's find_tied_parameters order
     declared_ties: tuple[tuple[str, ...], ...]  # the model's declared tied keys not already shared
     node_index: Mapping[str, int] = field(repr=False)
-    tensor_index: Mapping[str, int] = field(repr=False)
+    tensor_index: Mapping[str, int] = field(repr=False)  # a view over the columns, not a table (_TensorIndex)
     model_class: str = ""
     extra: Mapping[int, int] = field(default_factory=dict, repr=False)
     """Bytes that live where a node *executes*, beyond its tensors (a generation budget's KV cache and logits,
@@ -159,12 +328,13 @@ class ModelGraph:
 
     def is_splittable(self, node: int) -> bool:
         """A node can be split into its children unless it is a leaf or a no-split class."""
-        n = self.nodes[node]
-        return bool(n.children) and n.cls not in self.no_split
+        nodes = self.nodes
+        return nodes.end[node] > node + 1 and nodes.cls[node] not in self.no_split
 
     def direct_param_bytes(self, node: int) -> int:
         """Real bytes of a node's direct parameters (what its offload hook streams)."""
-        return sum(self.tensors[t].nbytes for t in self.nodes[node].params)
+        first = self.nodes.first[node]
+        return sum(self.tensors.nbytes[first:first + self.nodes.n_params[node]])
 
     def all_tie_groups(self) -> tuple[tuple[str, ...], ...]:
         """Shared tensors and declared ties together: every group must live on one device."""
@@ -280,7 +450,7 @@ def _unique_items(table) -> tuple[list, bool]:
 
 class _Reader:
     """One preorder walk of the model by path (``named_children`` recursion), reading every module's direct
-    parameters and buffers (``named_parameters(recurse=False)``, ``named_buffers(recurse=False)``) into tensors.
+    parameters and buffers (``named_parameters(recurse=False)``, ``named_buffers(recurse=False)``) into columns.
 
     The fast pass reads each module's ``_modules``, ``_parameters`` and ``_buffers`` directly, skipping ``None`` but
     not repeated objects. Where a table repeats an object (torch's generators yield it once), ``exact`` is False and
@@ -288,7 +458,8 @@ class _Reader:
     own generators must be asked about shared parameters (a class overrides them, or a table repeats an object).
 
     ``size`` and ``size_accelerate`` hold each node's *direct* counted bytes (its own tensors that are not another
-    tensor's second name), summed in tensor order.
+    tensor's second name), summed in tensor order. The node columns are those of :class:`Nodes`; the tensor columns
+    those of :class:`Tensors` but ``storage`` (which starts as ``canonical``).
 
     Complexity: O(modules + tensors) time and memory, where a module object under ``a`` paths counts ``a`` times
     (``named_children`` recursion walks it under each), plus the depth of each repeated path (the cycle check).
@@ -298,15 +469,28 @@ class _Reader:
         self.size_of = size_of          # (name, tensor, numel) -> (bytes, accelerate's bytes)
         self.per_element = per_element  # the same by dtype alone, when no tensor has a size of its own
         self.careful = careful
-        # per node, preorder
-        self.nodes: list[ModuleNode | None] = []  # a leaf's built at once, the others' once their children are
+        # per node, preorder: the columns of Nodes
         self.names: list[str] = []
+        self.cls: list[str] = []
+        self.parents = array("q")   # int64 columns: no object per entry, handed to numpy without a copy
+        self.alias_of = array("q")
+        self.first = array("q")
+        self.n_params = array("q")
+        self.n_buffers = array("q")
+        self.end = array("q")
         self.modules: list = []
-        self.parents: list[int] = []
         self.size: list[int] = []
         self.size_accelerate: list[float] = []
-        # per tensor
-        self.tensors: list[TensorNode] = []
+        # per tensor: the columns of Tensors but storage
+        self.t_name: list[str] = []
+        self.t_module = array("q")
+        self.t_local: list[str] = []
+        self.t_is_param: list[bool] = []
+        self.t_persistent: list[bool] = []
+        self.t_numel = array("q")
+        self.t_nbytes = array("q") if per_element is not None else []  # a size_fn may say anything, however large
+        self.t_nbytes_accelerate: list[float] = []
+        self.t_canonical = array("q")
         self.seen_params: dict[int, int] = {}   # id of a parameter -> its first tensor index
         self.seen_buffers: dict[int, int] = {}
         self.first_node_of: dict[int, int] = {}  # id of a module object -> its first node
@@ -318,39 +502,109 @@ class _Reader:
         self._walk(model)
 
     def _walk(self, model) -> None:
-        """Visit every path in preorder from an explicit stack (a model may nest deeper than Python's recursion limit).
+        """Visit every path in preorder from an explicit stack (a model may nest deeper than Python's recursion limit),
+        reading each node's direct tensors as it is visited.
 
-        An entry to visit is ``(parent, the parent's children so far, name, module)``. A node with children goes back
-        on the stack under them as ``(node, its children, None, its other fields)``, and is built when popped again.
+        An entry to visit is ``(parent, name, module)``. A node with children goes back on the stack under them as
+        ``(node, None, None)``; popped again, its subtree is complete and its ``end`` is known.
+
+        One loop with every column's ``append`` bound once: this walk is most of the time of planning a large model,
+        and a method call per module (with its own lookups) costs a third more.
         """
-        names, modules, parents, nodes = self.names, self.modules, self.parents, self.nodes  # locals: looked up once
-        first_node_of, visit = self.first_node_of, self._visit
-        stack: list[tuple] = [(-1, [], "", model)]
+        names, modules, parents, end = self.names, self.modules, self.parents, self.end
+        first_node_of, classes, careful = self.first_node_of, self.classes, self.careful
+        add_cls, add_alias, add_end = self.cls.append, self.alias_of.append, end.append
+        add_first, add_n_params, add_n_buffers = self.first.append, self.n_params.append, self.n_buffers.append
+        add_size, add_size_accelerate = self.size.append, self.size_accelerate.append
+        module_of = self.t_module
+        add_name, add_module, add_local, add_param, add_persistent, add_numel, add_nbytes, add_accel, add_canonical = (
+            self.t_name.append, module_of.append, self.t_local.append, self.t_is_param.append,
+            self.t_persistent.append, self.t_numel.append, self.t_nbytes.append, self.t_nbytes_accelerate.append,
+            self.t_canonical.append)
+        size_of, per_element = self.size_of, self.per_element
+        known = per_element.known if per_element is not None else None  # bytes per element by dtype, when enough
+        kinds = ((True, self.seen_params), (False, self.seen_buffers))
+        count = 0  # tensors so far
+        stack: list[tuple] = [(-1, "", model)]
         while stack:
-            parent, siblings, name, module = stack.pop()
-            if name is None:  # (node, its children, None, its other fields): its children are all built
-                nodes[parent] = _module_node(module, tuple(siblings))
+            parent, name, module = stack.pop()
+            if name is None:  # (node, None, None): its subtree is complete
+                end[parent] = len(names)
                 continue
-            index = len(names)
-            if index >= _MAX_NODES:
+            i = len(names)
+            if i >= _MAX_NODES:
                 raise InvalidModel(f"more than {_MAX_NODES} module paths: shared sub-modules explode the tree.")
-            first = first_node_of.setdefault(id(module), index)
-            alias_of = -1 if first == index else self._repeated(module, first, parent, name)
-            siblings.append(index)
+            first = first_node_of.setdefault(id(module), i)
+            add_alias(-1 if first == i else self._repeated(module, first, parent, name))
             names.append(name)
             modules.append(module)
             parents.append(parent)
+            cls = type(module)
+            add_cls(cls.__name__)
             prefix = f"{name}." if name else ""
-            params, buffers, children = visit(index, prefix, module)
-            fields = (name, type(module).__name__, parent, params, buffers, alias_of)
+
+            plain = classes.get(cls)
+            if plain is None:
+                plain = classes[cls] = _plain(cls)
+            state = module.__dict__  # one attribute lookup (nn.Module's are slow) for the tables and the no-split check
+            if "_no_split_modules" in state:
+                self.own_no_split = True
+            if plain and not careful:
+                params, buffers, children = state["_parameters"], state["_buffers"], state["_modules"]
+                params, buffers, children = params and params.items(), buffers and buffers.items(), children.items()
+            else:
+                params, buffers, children = self._tables(module, plain)
+
+            add_first(count)
+            real = accel = 0  # counted bytes, added in tensor order: parameters, then buffers
+            n_params = 0
+            for (is_param, seen), members in zip(kinds, (params, buffers)):
+                if not members:
+                    continue
+                non_persistent = () if is_param else getattr(module, "_non_persistent_buffers_set", ())
+                for local, tensor in members:
+                    if tensor is None:
+                        continue
+                    canonical = seen.setdefault(id(tensor), count)
+                    full = prefix + local
+                    numel = tensor.numel()
+                    if known is not None:
+                        per = known.get(tensor.dtype) or per_element(tensor.dtype)
+                        nbytes, nbytes_accel = numel * per[0], numel * per[1]
+                    else:
+                        nbytes, nbytes_accel = size_of(full, tensor, numel)
+                    if canonical == count:  # counted: its storage is its own (until declared ties are shared)
+                        real += nbytes
+                        accel += nbytes_accel
+                    else:  # a second name of an object
+                        if module_of[canonical] == i:
+                            self.exact = False   # one module lists the object twice: torch's generators yield it once
+                        if is_param:
+                            self.shared_params = True
+                    add_name(full)
+                    add_module(i)
+                    add_local(local)
+                    add_param(is_param)
+                    add_persistent(is_param or local not in non_persistent)
+                    add_numel(numel)
+                    add_nbytes(nbytes)
+                    add_accel(nbytes_accel)
+                    add_canonical(canonical)
+                    count += 1
+                if is_param:
+                    n_params = count - self.first[i]
+            add_n_params(n_params)
+            add_n_buffers(count - self.first[i] - n_params)
+            add_size(real)
+            add_size_accelerate(accel)
+
             if children:
-                kids: list[int] = []
-                nodes.append(None)
-                stack.append((index, kids, None, fields))
-                stack.extend(reversed([(index, kids, prefix + local, child)  # reversed: the first child pops next
+                add_end(-1)
+                stack.append((i, None, None))
+                stack.extend(reversed([(i, prefix + local, child)  # reversed: the first child pops next
                                        for local, child in children if child is not None]))
             else:
-                nodes.append(_module_node(fields, ()))
+                add_end(i + 1)
 
     def _repeated(self, module, first: int, parent: int, name: str) -> int:
         """``first``, for a new node that is an alias of node ``first``; refuses a module that contains itself."""
@@ -367,30 +621,6 @@ class _Reader:
             ancestor = self.parents[ancestor]
         return first
 
-    def _visit(self, i: int, prefix: str, module) -> tuple[tuple[int, ...], tuple[int, ...], Iterable]:
-        """Read node ``i``'s direct tensors and sizes; return its parameters, its buffers and its (name, child)
-        pairs (``None`` children included)."""
-        plain = self.classes.get(type(module))
-        if plain is None:
-            plain = self.classes[type(module)] = _plain(type(module))
-        state = module.__dict__  # one attribute lookup (nn.Module's are slow) for the tables and the no-split check
-        if "_no_split_modules" in state:
-            self.own_no_split = True
-        if plain and not self.careful:
-            params, buffers, children = state["_parameters"], state["_buffers"], state["_modules"]
-            params, buffers, children = params and params.items(), buffers and buffers.items(), children.items()
-        else:
-            params, buffers, children = self._tables(module, plain)
-        real = accel = 0  # counted bytes, added in tensor order: parameters, then buffers
-        if params:
-            params, real, accel = self._tensors(i, prefix, params, True, (), real, accel)
-        if buffers:
-            non_persistent = getattr(module, "_non_persistent_buffers_set", ())
-            buffers, real, accel = self._tensors(i, prefix, buffers, False, non_persistent, real, accel)
-        self.size.append(real)
-        self.size_accelerate.append(accel)
-        return params or (), buffers or (), children
-
     def _tables(self, module, plain: bool) -> tuple[list, list, list]:
         """A module's (name, object) parameters, buffers and children as torch's generators yield them."""
         if plain:  # careful: drop repeated objects, as the generators do
@@ -403,46 +633,8 @@ class _Reader:
         return (list(module.named_parameters(recurse=False)), list(module.named_buffers(recurse=False)),
                 list(module.named_children()))
 
-    def _tensors(self, i: int, prefix: str, members, is_param: bool, non_persistent,
-                 real: int, accel: float) -> tuple[tuple[int, ...], int, float]:
-        """Add a module's direct parameters or buffers; return their indices, and ``real`` and ``accel`` plus their
-        counted bytes (real, accelerate's)."""
-        tensors, size_of, per_element = self.tensors, self.size_of, self.per_element
-        known = per_element.known if per_element is not None else None
-        seen = self.seen_params if is_param else self.seen_buffers
-        first = index = len(tensors)
-        for local, tensor in members:
-            if tensor is None:
-                continue
-            canonical = seen.setdefault(id(tensor), index)
-            full = prefix + local
-            numel = tensor.numel()
-            if known is not None:
-                per = known.get(tensor.dtype) or per_element(tensor.dtype)
-                nbytes, nbytes_accel = numel * per[0], numel * per[1]
-            else:
-                nbytes, nbytes_accel = size_of(full, tensor, numel)
-            if canonical == index:  # counted: its storage is its own (until declared ties are shared)
-                real += nbytes
-                accel += nbytes_accel
-            else:  # a second name of an object
-                if tensors[canonical].module == i:
-                    self.exact = False   # one module lists the object twice: torch's generators yield it once
-                if is_param:
-                    self.shared_params = True
-            tensors.append(_new_row(TensorNode, (full, i, local, is_param, is_param or local not in non_persistent,
-                                                 numel, nbytes, nbytes_accel, canonical, canonical, index)))
-            index += 1
-        return tuple(range(first, index)), real, accel
-
 
 _new_row = tuple.__new__  # a record from a row in field order, without _Record.__new__'s checks
-
-
-def _module_node(fields: tuple, children: tuple[int, ...]) -> ModuleNode:
-    """A node from its fields but its children, ``(name, cls, parent, params, buffers, alias_of)``."""
-    name, cls, parent, params, buffers, alias_of = fields
-    return _new_row(ModuleNode, (name, cls, parent, children, params, buffers, alias_of))
 
 
 def _read_model(model, size_of, by_dtype) -> _Reader:
@@ -474,7 +666,7 @@ def _declared_tied_groups(model, names: Container[str]) -> list[tuple[str, ...]]
     return [tuple(sorted(g)) for g in groups.values() if len(g) > 1]
 
 
-def _declared_storage(model, tensors: Sequence[TensorNode], index: Mapping[str, int]) -> dict[int, int]:
+def _declared_storage(model, storage: Sequence[int], index: Mapping[str, int]) -> dict[int, int]:
     """Point each declared tie target (transformers' ``all_tied_weights_keys``: target -> source) at its source's
     memory: tensor index -> index of the tensor whose memory it uses, for the targets whose ``storage`` changes.
     transformers plans a device map before it ties weights, so the two are separate objects then, but they share
@@ -485,9 +677,9 @@ def _declared_storage(model, tensors: Sequence[TensorNode], index: Mapping[str, 
     moved: dict[int, int] = {}
     for target, source in declared.items():
         if target in index and source in index:
-            root = moved.get(index[source], tensors[index[source]].storage)
+            root = moved.get(index[source], storage[index[source]])
             i = index[target]
-            if moved.get(i, tensors[i].storage) == i and root != i:
+            if moved.get(i, storage[i]) == i and root != i:
                 moved[i] = root
     return moved
 
@@ -635,16 +827,22 @@ def build_graph(
     with gc_paused():
         read = _read_model(model, size_of, by_dtype)
         no_split, declared_no_split = _no_split(model, read, no_split, discover_no_split, infer_no_split)
-        tensors = read.tensors
-        tensor_index = dict(zip(map(attrgetter("name"), tensors), range(len(tensors))))  # zip: no Python loop
-        moved = _declared_storage(model, tensors, tensor_index)
-        unknown_special = set(special) - tensor_index.keys()
+        nodes = Nodes(read.names, read.cls, read.parents, read.alias_of, read.first, read.n_params, read.n_buffers,
+                      read.end)
+        node_index = dict(zip(nodes.name, range(len(nodes))))  # zip: no Python loop
+        names, local = tuple(read.t_name), tuple(read.t_local)
+        tensor_index = _TensorIndex(node_index, nodes, local, names)
+        storage = read.t_canonical[:]   # a copy
+        moved = _declared_storage(model, storage, tensor_index)
+        unknown_special = [k for k in special if k not in tensor_index]
         if unknown_special:
             raise InvalidOption(
                 f"special_dtypes names tensors the model does not have: {sorted(unknown_special)[:5]}; "
                 "use full parameter names as in model.named_parameters()."
             )
-        size, size_acc = _sizes(read, moved)
+        size, size_acc = _sizes(read, storage, moved)
+        tensors = Tensors(names, read.t_module, local, read.t_is_param, read.t_persistent, read.t_numel,
+                          read.t_nbytes, read.t_nbytes_accelerate, read.t_canonical, storage)
         tied = _tied_groups(model, read, tensor_index, tied_parameters)
         already = {n for g in tied for n in g}
         declared_ties = [g for g in _declared_tied_groups(model, tensor_index) if not set(g) <= already]
@@ -653,12 +851,12 @@ def build_graph(
             for c in sorted(set(no_split_module_classes) - present):
                 log.warning("no-split class %r matches no module of %s; check the spelling.", c, type(model).__name__)
         graph = ModelGraph(
-            nodes=tuple(read.nodes), tensors=tuple(tensors), size=size, size_accelerate=size_acc,
+            nodes=nodes, tensors=tensors, size=size, size_accelerate=size_acc,
             no_split=frozenset(no_split), no_split_declared=declared_no_split, tied_groups=tuple(tied),
-            declared_ties=tuple(declared_ties), node_index=dict(zip(read.names, range(len(read.names)))),
-            tensor_index=tensor_index, model_class=type(model).__name__,
+            declared_ties=tuple(declared_ties), node_index=node_index, tensor_index=tensor_index,
+            model_class=type(model).__name__,
         )
-        del read, tensors  # free the walk's lists now: the collection that resuming the collector starts skips them
+        del read  # free the walk's lists now: the collection that resuming the collector starts skips them
         return graph
 
 
@@ -680,17 +878,17 @@ def _no_split(model, read: _Reader, given: set[str], discover: bool, infer: bool
     return no_split, declared
 
 
-def _sizes(read: _Reader, moved: Mapping[int, int]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def _sizes(read: _Reader, storage: list[int], moved: Mapping[int, int]) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Counted bytes of every node's subtree (real, accelerate's), from the read's direct sizes, after pointing the
-    tensors in ``moved`` (index -> the tensor whose memory it uses) at their declared tie's source.
+    tensors in ``moved`` (index -> the tensor whose memory it uses) at their declared tie's source in ``storage``.
 
     A moved tensor was counted (its storage was its own) and is not any more. Sums run in accelerate's order:
     each node's tensors in order, then each subtree into its parent, last node first. O(nodes + moved).
     """
-    size, size_acc, tensors = read.size, read.size_accelerate, read.tensors
+    size, size_acc = read.size, read.size_accelerate
     for k, root in moved.items():
-        size[tensors[k].module] -= tensors[k].nbytes  # int bytes: exact whatever the order
-        tensors[k] = tensors[k]._replace(storage=root)
+        size[read.t_module[k]] -= read.t_nbytes[k]  # int bytes: exact whatever the order
+        storage[k] = root
     for i, parent in zip(range(len(size) - 1, 0, -1), reversed(read.parents)):  # preorder: children after parents
         size[parent] += size[i]
         size_acc[parent] += size_acc[i]
@@ -716,9 +914,10 @@ def _tied_groups(model, read: _Reader, tensor_index: Mapping[str, int],
         # named_parameters(remove_duplicate=False) is this walk's parameters in order; named_parameters() keeps
         # the first name of each object (a module under a second path is skipped whole, and its parameters were
         # all seen under the first). Two parameters are one object exactly when they have the same canonical.
-        params = [t for t in read.tensors if t.is_param]
-        unique = {t.name: t.canonical for t in params if t.canonical == t._index}
-        return _find_tied([(t.name, t.canonical) for t in params], unique)
+        names, canonical = read.t_name, read.t_canonical
+        params = [k for k, is_param in enumerate(read.t_is_param) if is_param]
+        unique = {names[k]: canonical[k] for k in params if canonical[k] == k}
+        return _find_tied([(names[k], canonical[k]) for k in params], unique)
     return []
 
 

@@ -432,7 +432,7 @@ def _to_escape(model, result, no_split) -> list[str]:
     if not candidates or not any(is_accelerator(d) for d in result.problem.budgets.limits):
         return []
     graph = result.problem.graph
-    devices = dict(zip((t.name for t in graph.tensors), tensor_devices(graph, result.device_map)))
+    devices = dict(zip(graph.tensors.name, tensor_devices(graph, result.device_map)))
     return [name for name in candidates if not is_accelerator(devices[name])]
 
 

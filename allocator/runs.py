@@ -11,6 +11,7 @@ to what is offloaded, instead of O(nodes + tensors) for every candidate map of e
 from __future__ import annotations
 
 import weakref
+from array import array
 from bisect import bisect_right
 from collections.abc import Mapping
 from itertools import accumulate
@@ -46,27 +47,36 @@ class Columns:
 
     @gc_paused()
     def __init__(self, graph: ModelGraph):
-        nodes, tensors = graph.nodes, graph.tensors
+        nodes, tensors = graph.nodes, graph.tensors   # columns (allocator.graph.Nodes, Tensors)
         n = len(nodes)
-        # The graph's invariant (its builder reads each node's parameters, then buffers, in preorder): node i's own
-        # tensors start where those of the nodes before it end.
-        self.first = _prefix([len(node.params) + len(node.buffers) for node in nodes])
-        self.parent = [node.parent for node in nodes]
-        self._parents = np.array(self.parent, dtype=np.int64)
-        self.levels = _levels(self.parent)
-        end = np.arange(1, n + 1)   # the node after a node's subtree: the largest end below it
-        for level in self.levels[:-1]:
-            np.maximum.at(end, self._parents[level], end[level])
-        self.end = end.tolist()
-        self.last = np.array(self.first)[end].tolist()    # one past the last tensor of a node's subtree
-        self.module = [t.module for t in tensors]
-        self.nbytes = [t.nbytes for t in tensors]
-        self.counted = [t.nbytes if t.storage == k else 0 for k, t in enumerate(tensors)]
-        self.sum_counted = _prefix(self.counted)
-        self.sum_weighted = _prefix([nb > 0 for nb in self.nbytes])  # tensors with bytes
+        # node i's own tensors are first[i] to first[i + 1] - 1: its builder reads each node's parameters, then
+        # buffers, in preorder, so they start where those of the nodes before it end
+        first = np.append(_array(nodes.first), len(tensors))
+        self.first = _ints(first)
+        self.parent = nodes.parent
+        self._parents = _array(nodes.parent)
+        self.levels = _levels(self._parents)
+        self.end = nodes.end   # the node after a node's subtree
+        self.last = _ints(first[_array(nodes.end)])    # one past the last tensor of a subtree
+        self.module = tensors.module
+        self.nbytes = tensors.nbytes
+        storage = _array(tensors.storage)
+        if isinstance(tensors.nbytes, memoryview):   # int64 (sizes by dtype): whole columns at once
+            nbytes = _array(tensors.nbytes)
+            counted = np.where(storage == np.arange(len(storage)), nbytes, 0)
+            self.counted = _ints(counted)
+            weighted = nbytes > 0
+        else:   # sizes from a size_fn, Python ints of any size
+            counted = self.counted = tensors.counted()
+            weighted = [nb > 0 for nb in tensors.nbytes]
+        self.sum_counted = _prefix(counted)
+        self.sum_weighted = _prefix(weighted)  # tensors with bytes
         # parameter elements, counted once: the compute term of the cost model
-        self.numel = [t.numel if t.is_param and c else 0 for t, c in zip(tensors, self.counted)]
-        self.sum_numel = _prefix(self.numel)
+        is_param = np.array(tensors.is_param, dtype=bool)
+        numel = np.where(is_param & (np.asarray(counted) != 0), _array(tensors.numel), 0).astype(np.int64)
+        self.numel = _ints(numel)
+        self.sum_numel = _prefix(numel)
+        self._is_param = is_param
         extra = [0] * n
         for node, nbytes in (graph.extra or {}).items():
             extra[node] += nbytes
@@ -90,13 +100,14 @@ class Columns:
         if found is None:
             from .cost import read_rates
 
-            nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.array(self.numel, dtype=np.float64)
+            nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
+                .astype(np.float64)
             found = []
             for on in ("cpu", 0):
                 per_byte, per_element = read_rates(profile, on)
                 # read_seconds of each tensor, vectorised (the same float64 products, so the same values)
                 femtos = np.rint(np.maximum(nbytes * per_byte, numel * per_element) * FEMTO)
-                found.append(_prefix(femtos.astype(np.int64).tolist()))
+                found.append(_prefix(femtos.astype(np.int64)))
             found = self._reads[profile] = tuple(found)
         return found
 
@@ -104,11 +115,10 @@ class Columns:
 FEMTO = 1e15
 
 
-def _levels(parent: list[int]) -> list:
+def _levels(parents: np.ndarray) -> list:
     """Node indices by depth, deepest first (the root's level last): tree sums and maxima run a level at a time."""
-    parents = np.array(parent, dtype=np.int64)
-    depth = np.zeros(len(parent), dtype=np.int64)
-    if len(parent) > 1:
+    depth = np.zeros(len(parents), dtype=np.int64)
+    if len(parents) > 1:
         while True:   # one pass per level of the tree: a node is one deeper than its parent
             deeper = depth.copy()
             deeper[1:] = depth[parents[1:]] + 1
@@ -120,14 +130,38 @@ def _levels(parent: list[int]) -> list:
     return np.split(order, bounds)
 
 
-def _prefix(values: list) -> list[int]:
-    """``[0, v0, v0 + v1, ...]`` as Python ints; summed by numpy (10x faster than ``itertools.accumulate`` on a
-    200k-module model) unless an int64 could overflow."""
-    if not values:
-        return [0]
-    if max(values) > 2**62 // len(values):
-        return [0, *accumulate(values)]
-    return [0, *np.cumsum(np.array(values, dtype=np.int64)).tolist()]
+def _array(column) -> np.ndarray:
+    """An int64 column as a numpy array: a view of an int64 buffer (no copy), else converted."""
+    if isinstance(column, array) and column.typecode == "q" or isinstance(column, memoryview) and column.format == "q":
+        return np.frombuffer(column, dtype=np.int64)
+    return np.array(column, dtype=np.int64)
+
+
+def _ints(values: np.ndarray):
+    """Integers for indexing from Python: an int64 ``array`` (Python ints out, no object per entry kept), or a
+    list where the values are not int64."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int64:
+        return array("q", values.tobytes())
+    return list(values)
+
+
+def _prefix(values):
+    """``[0, v0, v0 + v1, ...]`` (read as Python ints); summed by numpy unless an int64 could overflow."""
+    if not len(values):
+        return array("q", [0])
+    if not isinstance(values, np.ndarray) or values.dtype == object:
+        try:
+            values = np.array(values, dtype=np.int64)
+        except OverflowError:
+            return [0, *accumulate(values)]
+    if values.dtype == bool:
+        values = values.astype(np.int64)
+    if int(values.max()) > 2**62 // len(values):
+        return [0, *accumulate(values.tolist())]
+    out = np.empty(len(values) + 1, dtype=np.int64)
+    out[0] = 0
+    np.cumsum(values, out=out[1:])
+    return _ints(out)
 
 
 class Moving:
@@ -135,30 +169,37 @@ class Moving:
 
     @gc_paused()
     def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
-        from .runtime import moves_with_weights
+        from .runtime import moves
 
-        moves = [moves_with_weights(t, offload_buffers) for t in graph.tensors]
-        self.nbytes = [nb if m else 0 for nb, m in zip(cols.nbytes, moves)]   # what each hook copies
-        self.sum_nbytes = _prefix(self.nbytes)
-        self.sum_count = _prefix(moves)
-        self.sum_counted = _prefix([c if m else 0 for c, m in zip(cols.counted, moves)])
+        persistent = np.array(graph.tensors.persistent, dtype=bool)
+        moving = moves(cols._is_param, persistent, offload_buffers)   # the rule, applied to whole columns
+        if isinstance(cols.nbytes, memoryview):
+            self.nbytes = _ints(np.where(moving, _array(cols.nbytes), 0))   # what each hook copies
+            counted = np.where(moving, _array(cols.counted), 0)
+        else:
+            self.nbytes = [nb if m else 0 for nb, m in zip(cols.nbytes, moving.tolist())]
+            counted = [c if m else 0 for c, m in zip(cols.counted, moving.tolist())]
+        self.sum_nbytes = _prefix(self.nbytes if isinstance(self.nbytes, list) else _array(self.nbytes))
+        self.sum_count = _prefix(moving)
+        self.sum_counted = _prefix(counted)
         # What each node's hook streams (its own tensors: first[i] to first[i + 1] - 1), and the streamed chain of
         # each subtree were all of it offloaded: its own plus the largest chain among its children, level by level.
-        sums, first = np.array(self.sum_nbytes, dtype=object if self.sum_nbytes[-1] >= 2**62 else np.int64), \
-            np.array(cols.first)
+        sums = np.array(self.sum_nbytes, dtype=object) if isinstance(self.sum_nbytes, list) else \
+            np.frombuffer(self.sum_nbytes, dtype=np.int64)
+        first = np.frombuffer(cols.first, dtype=np.int64)
         own = sums[first[1:]] - sums[first[:-1]]
         chain, below = own.copy(), np.zeros_like(own)
         for level in cols.levels:   # deepest first
             chain[level] += below[level]
             if level is not cols.levels[-1]:
                 np.maximum.at(below, cols._parents[level], chain[level])
-        self.own = own.tolist()
-        self.chain = chain.tolist()
-        self._children = [node.children for node in graph.nodes]
+        self.own = _ints(own)
+        self.chain = _ints(chain)
+        self._nodes = graph.nodes
 
     def next_in_chain(self, node: int) -> int:
         """The child that continues a subtree's largest chain (the first on a tie, as ``max`` over children), or -1."""
-        children = self._children[node]
+        children = self._nodes.children(node)
         return max(children, key=self.chain.__getitem__) if children else -1
 
 

@@ -80,7 +80,13 @@ def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
 def moves_with_weights(tensor, offload_buffers: bool) -> bool:
     """A tensor leaves the main device with its offloaded module: parameters, and persistent buffers when
     ``offload_buffers`` (non-persistent buffers always stay)."""
-    return tensor.is_param or (offload_buffers and tensor.persistent)
+    return moves(tensor.is_param, tensor.persistent, offload_buffers)
+
+
+def moves(is_param, persistent, offload_buffers: bool):
+    """:func:`moves_with_weights` from a tensor's flags, or from whole columns of them (numpy bool arrays of
+    :class:`allocator.graph.Tensors` columns, elementwise)."""
+    return is_param | (offload_buffers & persistent)
 
 
 def executes_on(device: Device, main: Device, offloaded, hooks: bool) -> Device:
@@ -265,7 +271,7 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
     generation = _generation_bytes(graph, found, main, offloaded, hooks)
     for device, nbytes in generation.items():
         resident[device] = resident.get(device, 0) + nbytes
-    return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes[i].name for i in chain),
+    return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes.name[i] for i in chain),
                   generation=generation)
 
 

@@ -79,15 +79,14 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
     while stack:
         i = stack.pop()
         if g.is_splittable(i):
-            node = g.nodes[i]
-            out.extend(_tensor_unit(g, t, offload_buffers) for t in node.params + node.buffers)
-            stack.extend(reversed(node.children))
+            out.extend(_tensor_unit(g, t, offload_buffers) for t in g.nodes.tensors_of(i))
+            stack.extend(reversed(g.nodes.children(i)))
         else:
             a, b = cols.first[i], cols.last[i]
             offload = mov.sum_counted[b] - mov.sum_counted[a]
             extra = cols.sum_extra[cols.end[i]] - cols.sum_extra[i]
             pinned = cols.sum_counted[b] - cols.sum_counted[a] - offload + extra
-            out.append(_new_unit(g.nodes[i].name, i, g.size[i] + extra, offload, pinned, mov.chain[i],
+            out.append(_new_unit(g.nodes.name[i], i, g.size[i] + extra, offload, pinned, mov.chain[i],
                                  cols.sum_numel[b] - cols.sum_numel[a]))
     return out
 

@@ -90,7 +90,7 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     uncovered = [run for run in runs if run.device is None]
     if uncovered:
         count = sum(run.end - run.start for run in uncovered)
-        names = [g.tensors[t].name for run in uncovered for t in range(run.start, min(run.end, run.start + 3))][:3]
+        names = [g.tensors.name[t] for run in uncovered for t in range(run.start, min(run.end, run.start + 3))][:3]
         found.append(Violation(
             "coverage", f"{count} tensors have no device, e.g. {names}; map them or a parent module."
         ))
@@ -147,15 +147,15 @@ def _no_split(problem: Problem, runs: list) -> list[Violation]:
         while node >= 0 and cols.first[node] == run.start:  # starts at the boundary: does not straddle it
             node = cols.parent[node]
         while node >= 0:
-            if g.nodes[node].cls in no_split:
+            if g.nodes.cls[node] in no_split:
                 candidates.add(node)
             node = cols.parent[node]
     mixed = sorted(i for i in candidates if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1)
     out, split = [], set(mixed)
     for i in mixed:
-        parent = g.nodes[i].parent
+        parent = cols.parent[i]
         while parent >= 0 and parent not in split:
-            parent = g.nodes[parent].parent
+            parent = cols.parent[parent]
         if parent < 0:
             node = g.nodes[i]
             devices = devices_in(runs, cols.first[i], cols.last[i])

@@ -96,22 +96,23 @@ class Streams:
 
     def __init__(self, problem: Problem, groups: list[Group]):
         g = problem.graph
+        parents = g.nodes.parent
         self.modules: list[tuple[str, int, int]] = []   # (unit name, parent node or -1, its chain)
         self.tensors: list[tuple[str, int, int]] = []   # (unit name, its module, bytes streamed)
         split: set[int] = set()
         for group in groups:
             for unit in group.units:
                 if unit.node >= 0:
-                    parent = g.nodes[unit.node].parent
+                    parent = parents[unit.node]
                     self.modules.append((unit.name, parent, unit.stream))
                 else:
-                    parent = g.tensors[g.tensor_index[unit.name]].module
+                    parent = g.tensors.module[g.tensor_index[unit.name]]
                     self.tensors.append((unit.name, parent, unit.stream))
                 while parent >= 0 and parent not in split:
                     split.add(parent)
-                    parent = g.nodes[parent].parent
+                    parent = parents[parent]
         self.split = sorted(split, reverse=True)  # children before parents (preorder indices, reversed)
-        self.parent = {i: g.nodes[i].parent for i in self.split}
+        self.parent = {i: parents[i] for i in self.split}
 
     def reserve(self, placed: dict, offloaded) -> int:
         below: dict[int, int] = dict.fromkeys(self.split, 0)

@@ -296,21 +296,21 @@ def _unit_tensors(g, unit) -> list[int]:
     """Indices of the graph tensors a unit holds (its subtree's, or the one tensor of a tensor unit)."""
     if unit.node < 0:
         return [g.tensor_index[unit.name]]
-    out, stack = [], [unit.node]
+    nodes, out, stack = g.nodes, [], [unit.node]
     while stack:
         n = stack.pop()
-        out += g.nodes[n].params + g.nodes[n].buffers
-        stack.extend(g.nodes[n].children)
+        out += nodes.tensors_of(n)
+        stack.extend(nodes.children(n))
     return out
 
 
 def _unit_order(found: list[Group], g) -> list[str]:
     names = [u.name for grp in found for u in grp.units]
     position = {}
-    for i, n in enumerate(g.nodes):
-        position.setdefault(n.name, i)
-    for t in g.tensors:
-        position.setdefault(t.name, g.node_index.get(t.name.rpartition(".")[0], 0) + 0.5)
+    for i, name in enumerate(g.nodes.name):
+        position.setdefault(name, i)
+    for name in g.tensors.name:
+        position.setdefault(name, g.node_index.get(name.rpartition(".")[0], 0) + 0.5)
     return sorted(names, key=lambda n: position.get(n, 0))
 
 
@@ -351,7 +351,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     found, merged = _coarsen(found, max_units)
     tensors = [[t for u in grp.units for t in _unit_tensors(g, u)] for grp in found]
     unit_group = {u.name: k for k, grp in enumerate(found) for u in grp.units}
-    weighted = {u.name for grp in found for u in grp.units if any(g.tensors[t].nbytes for t in _unit_tensors(g, u))}
+    weighted = {u.name for grp in found for u in grp.units if any(g.tensors.nbytes[t] for t in _unit_tensors(g, u))}
     sequence = [unit_group[name] for name in _unit_order(found, g) if name in weighted]
     if hint is None:
         hint = _heuristic(problem, profile)

@@ -44,30 +44,33 @@ class _Tree:
         earlier tensor's storage, else the module's subtree; looked up, never tabulated (O(1) per name)."""
         k = self.g.tensor_index.get(name)
         if k is not None:
-            t = self.g.tensors[k]
-            return t.nbytes_accelerate if t.canonical == t._index else 0
+            tensors = self.g.tensors
+            return tensors.nbytes_accelerate[k] if tensors.canonical[k] == k else 0
         i = self.g.node_index.get(name)
         return 0 if i is None else self.g.size_accelerate[i]
 
     def children(self, entry) -> list:
         """``named_children`` of a module entry (tensors have none)."""
         _, idx = entry
-        return [] if idx < 0 else [(self.g.nodes[c].name, c) for c in self.g.nodes[idx].children]
+        names = self.g.nodes.name
+        return [] if idx < 0 else [(names[c], c) for c in self.g.nodes.children(idx)]
 
     def split(self, entry) -> list:
         """What accelerate puts in place of a split module: direct parameters, then children."""
         name, idx = entry
-        params = [(self.g.tensors[t].name, ~t) for t in self.g.nodes[idx].params]
+        nodes, names = self.g.nodes, self.g.tensors.name
+        params = [(names[t], ~t) for t in range(nodes.first[idx], nodes.first[idx] + nodes.n_params[idx])]
         return params + self.children(entry)
 
     def no_split(self, entry) -> bool:
         _, idx = entry
-        return idx >= 0 and self.g.nodes[idx].cls in self.no_split_classes
+        return idx >= 0 and self.g.nodes.cls[idx] in self.no_split_classes
 
     def layer(self, entry) -> tuple[float, list[str]]:
         """Largest no-split layer under an entry and all names that reach it (``get_max_layer_size``)."""
         name, idx = entry
-        if idx < 0 or not self.g.nodes[idx].children or self.g.nodes[idx].cls in self.no_split_classes:
+        nodes = self.g.nodes
+        if idx < 0 or nodes.end[idx] == idx + 1 or nodes.cls[idx] in self.no_split_classes:
             return self.size(name), [name]
         if idx not in self._layer:
             self._layer[idx] = _fold(self.layer(c) for c in self.children(entry))
