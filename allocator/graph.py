@@ -130,6 +130,8 @@ def _frozen(column):
         return memoryview(column).toreadonly()
     if isinstance(column, memoryview):
         return column.toreadonly()
+    if isinstance(column, _Paths):
+        return column
     return tuple(column)
 
 
@@ -139,6 +141,44 @@ def _same(a, b) -> bool:
 
 def _picklable(column):
     return array(column.format, column.tobytes()) if isinstance(column, memoryview) else column
+
+
+class _Paths(Sequence):
+    """Full tensor names, each made from its module's path and its local name when asked for: a large model's names
+    are not kept twice. ``_Paths(node_names, module, local)[k]`` is ``node_names[module[k]] + "." + local[k]`` (just
+    the local name under the root)."""
+
+    __slots__ = ("_node_names", "_module", "_local")
+
+    def __init__(self, node_names: Sequence[str], module: Sequence[int], local: Sequence[str]):
+        self._node_names, self._module, self._local = node_names, module, local
+
+    def __len__(self) -> int:
+        return len(self._local)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return tuple(self[j] for j in range(*k.indices(len(self))))
+        node = self._node_names[self._module[k]]
+        return f"{node}.{self._local[k]}" if node else self._local[k]
+
+    def __iter__(self):
+        return map(_path, map(self._node_names.__getitem__, self._module), self._local)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(self._local)
+
+    def __reduce__(self):
+        return tuple, (tuple(self),)   # unpickles as a plain tuple of names
+
+
+def _path(node: str, local: str) -> str:
+    return f"{node}.{local}" if node else local
 
 
 class Nodes(Sequence):
@@ -482,7 +522,6 @@ class _Reader:
         self.size: list[int] = []
         self.size_accelerate: list[float] = []
         # per tensor: the columns of Tensors but storage
-        self.t_name: list[str] = []
         self.t_module = array("q")
         self.t_local: list[str] = []
         self.t_is_param: list[bool] = []
@@ -517,10 +556,9 @@ class _Reader:
         add_first, add_n_params, add_n_buffers = self.first.append, self.n_params.append, self.n_buffers.append
         add_size, add_size_accelerate = self.size.append, self.size_accelerate.append
         module_of = self.t_module
-        add_name, add_module, add_local, add_param, add_persistent, add_numel, add_nbytes, add_accel, add_canonical = (
-            self.t_name.append, module_of.append, self.t_local.append, self.t_is_param.append,
-            self.t_persistent.append, self.t_numel.append, self.t_nbytes.append, self.t_nbytes_accelerate.append,
-            self.t_canonical.append)
+        add_module, add_local, add_param, add_persistent, add_numel, add_nbytes, add_accel, add_canonical = (
+            module_of.append, self.t_local.append, self.t_is_param.append, self.t_persistent.append,
+            self.t_numel.append, self.t_nbytes.append, self.t_nbytes_accelerate.append, self.t_canonical.append)
         size_of, per_element = self.size_of, self.per_element
         known = per_element.known if per_element is not None else None  # bytes per element by dtype, when enough
         kinds = ((True, self.seen_params), (False, self.seen_buffers))
@@ -566,13 +604,12 @@ class _Reader:
                     if tensor is None:
                         continue
                     canonical = seen.setdefault(id(tensor), count)
-                    full = prefix + local
                     numel = tensor.numel()
                     if known is not None:
                         per = known.get(tensor.dtype) or per_element(tensor.dtype)
                         nbytes, nbytes_accel = numel * per[0], numel * per[1]
                     else:
-                        nbytes, nbytes_accel = size_of(full, tensor, numel)
+                        nbytes, nbytes_accel = size_of(prefix + local, tensor, numel)
                     if canonical == count:  # counted: its storage is its own (until declared ties are shared)
                         real += nbytes
                         accel += nbytes_accel
@@ -581,7 +618,6 @@ class _Reader:
                             self.exact = False   # one module lists the object twice: torch's generators yield it once
                         if is_param:
                             self.shared_params = True
-                    add_name(full)
                     add_module(i)
                     add_local(local)
                     add_param(is_param)
@@ -830,7 +866,8 @@ def build_graph(
         nodes = Nodes(read.names, read.cls, read.parents, read.alias_of, read.first, read.n_params, read.n_buffers,
                       read.end)
         node_index = dict(zip(nodes.name, range(len(nodes))))  # zip: no Python loop
-        names, local = tuple(read.t_name), tuple(read.t_local)
+        module, local = _frozen(read.t_module), tuple(read.t_local)
+        names = _Paths(nodes.name, module, local)
         tensor_index = _TensorIndex(node_index, nodes, local, names)
         storage = read.t_canonical[:]   # a copy
         moved = _declared_storage(model, storage, tensor_index)
@@ -841,9 +878,9 @@ def build_graph(
                 "use full parameter names as in model.named_parameters()."
             )
         size, size_acc = _sizes(read, storage, moved)
-        tensors = Tensors(names, read.t_module, local, read.t_is_param, read.t_persistent, read.t_numel,
+        tensors = Tensors(names, module, local, read.t_is_param, read.t_persistent, read.t_numel,
                           read.t_nbytes, read.t_nbytes_accelerate, read.t_canonical, storage)
-        tied = _tied_groups(model, read, tensor_index, tied_parameters)
+        tied = _tied_groups(model, read, names, tensor_index, tied_parameters)
         already = {n for g in tied for n in g}
         declared_ties = [g for g in _declared_tied_groups(model, tensor_index) if not set(g) <= already]
         if no_split_module_classes:
@@ -895,7 +932,7 @@ def _sizes(read: _Reader, storage: list[int], moved: Mapping[int, int]) -> tuple
     return tuple(size), tuple(size_acc)
 
 
-def _tied_groups(model, read: _Reader, tensor_index: Mapping[str, int],
+def _tied_groups(model, read: _Reader, names: Sequence[str], tensor_index: Mapping[str, int],
                  tied_parameters: Sequence[Sequence[str]] | None) -> list[tuple[str, ...]]:
     """The caller's ``tied_parameters``, else shared tensors grouped as accelerate's ``find_tied_parameters`` does."""
     if tied_parameters is not None:
@@ -914,7 +951,7 @@ def _tied_groups(model, read: _Reader, tensor_index: Mapping[str, int],
         # named_parameters(remove_duplicate=False) is this walk's parameters in order; named_parameters() keeps
         # the first name of each object (a module under a second path is skipped whole, and its parameters were
         # all seen under the first). Two parameters are one object exactly when they have the same canonical.
-        names, canonical = read.t_name, read.t_canonical
+        canonical = read.t_canonical
         params = [k for k, is_param in enumerate(read.t_is_param) if is_param]
         unique = {names[k]: canonical[k] for k in params if canonical[k] == k}
         return _find_tied([(names[k], canonical[k]) for k in params], unique)

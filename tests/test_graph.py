@@ -136,3 +136,112 @@ def test_records_read_as_attributes_and_stay_immutable():
             assert gc.isenabled() == enabled
     finally:
         gc.enable()
+
+
+def _reference_records(model):
+    """(name, class, parent name, child names, direct tensor names) of every path, from torch's own generators."""
+    out = []
+
+    def walk(prefix, module, parent):
+        children = list(module.named_children())
+        tensors = [n for n, _ in module.named_parameters(recurse=False)]
+        tensors += [n for n, _ in module.named_buffers(recurse=False)]
+        path = lambda local: f"{prefix}.{local}" if prefix else local  # noqa: E731
+        out.append((prefix, type(module).__name__, parent, [path(c) for c, _ in children], [path(t) for t in tensors]))
+        for local, child in children:
+            walk(path(local), child, prefix)
+
+    walk("", model, None)
+    return out
+
+
+def test_columns_give_the_records_torch_walks():
+    shared = nn.Linear(4, 4)
+    model = nn.ModuleDict({"outer": Outer(), "a": nn.Sequential(shared, nn.ReLU()), "b": nn.Sequential(shared)})
+    g = build_graph(model)
+    nodes, tensors = g.nodes, g.tensors
+    got = [(n.name, n.cls, nodes.name[n.parent] if n.parent >= 0 else None, [nodes.name[c] for c in n.children],
+            [tensors.name[t] for t in n.params + n.buffers]) for n in nodes]
+    assert got == _reference_records(model)
+    for i in range(len(nodes)):
+        assert nodes.children(i) == tuple(j for j in range(len(nodes)) if nodes.parent[j] == i)
+        below = [j for j in range(i + 1, len(nodes)) if _is_below(nodes.parent, j, i)]
+        assert nodes.end[i] == i + 1 + len(below)  # the subtree is one preorder range
+        assert list(nodes.tensors_of(i)) == list(nodes[i].params + nodes[i].buffers)
+    assert [t.name for t in tensors] == list(tensors.name) == list(g.tensor_index)
+    assert nodes[-1] == nodes[len(nodes) - 1] and nodes[1:3] == (nodes[1], nodes[2]) and tensors[-1]._index == len(tensors) - 1
+    with pytest.raises(IndexError):
+        nodes[len(nodes)]
+    with pytest.raises(IndexError):
+        tensors[len(tensors)]
+
+
+def _is_below(parent, j, i):
+    while j >= 0:
+        j = parent[j]
+        if j == i:
+            return True
+    return False
+
+
+def test_columns_are_read_only_and_survive_pickling():
+    import pickle
+
+    g = build_graph(Outer())
+    with pytest.raises(TypeError):
+        g.nodes.parent[0] = 5         # int64 columns are read-only views
+    with pytest.raises(TypeError):
+        g.tensors.nbytes[0] = 0
+    with pytest.raises(AttributeError):
+        g.nodes.parent = ()
+    with pytest.raises(AttributeError):
+        g.tensors.name = ()
+    again = pickle.loads(pickle.dumps(g))
+    assert again == g and list(again.nodes) == list(g.nodes) and list(again.tensors) == list(g.tensors)
+    assert again.tensor_index["tower.blocks.1.fc.bias"] == g.tensor_index["tower.blocks.1.fc.bias"]
+
+
+def test_tensor_index_is_a_mapping_without_a_table():
+    model = Outer()
+    odd = nn.Linear(2, 2)
+    odd._parameters["a.b"] = nn.Parameter(torch.ones(3))  # a local name with a dot: only a table can find it
+    model.add_module("odd", odd)
+    g = build_graph(model)
+    index = g.tensor_index
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert set(names) <= set(index) and len(index) == len(g.tensors)
+    for k, name in enumerate(g.tensors.name):
+        assert index[name] == k and name in index
+    assert index["odd.a.b"] == g.tensors.name.index("odd.a.b")
+    for missing in ("tower", "tower.blocks.0.fc.nope", "", "nope.weight", 3, None):
+        assert missing not in index and index.get(missing) is None
+
+
+def test_sizes_beyond_int64_from_a_size_fn():
+    huge = 2**70  # a size_fn may say anything; the columns fall back to Python integers
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    g = build_graph(model, size_fn=lambda name, t: huge if name == "1.weight" else None)
+    from allocator.runs import columns
+    from allocator.validate import check
+
+    cols = columns(g)
+    assert g.total == huge + 32 and cols.sum_counted[-1] == g.total  # 24 B + 8 B of bias besides
+    assert cols.moving(False).sum_nbytes[-1] == huge + 32
+    p = allocator.build_problem(model, {"cpu": huge * 2}, size_fn=lambda name, t: huge if name == "1.weight" else None)
+    assert check(p, {"": "cpu"})[1].peak["cpu"] == huge + 32
+
+
+def test_a_large_graph_keeps_no_object_per_module():
+    """The graph is columns: the objects a garbage collection walks do not grow with the model."""
+    import gc
+
+    def tracked_after(n):
+        model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(n)))
+        gc.collect()
+        before = len(gc.get_objects())
+        g = build_graph(model)
+        gc.collect()
+        assert len(g.nodes) == n + 1
+        return len(gc.get_objects()) - before
+
+    assert tracked_after(2000) - tracked_after(20) < 20
