@@ -594,6 +594,7 @@ class _Reader:
                 params, buffers, children = self._tables(module, plain)
 
             add_first(count)
+            start = count
             real = accel = 0  # counted bytes, added in tensor order: parameters, then buffers
             n_params = 0
             for (is_param, seen), members in zip(kinds, (params, buffers)):
@@ -628,9 +629,9 @@ class _Reader:
                     add_canonical(canonical)
                     count += 1
                 if is_param:
-                    n_params = count - self.first[i]
+                    n_params = count - start
             add_n_params(n_params)
-            add_n_buffers(count - self.first[i] - n_params)
+            add_n_buffers(count - start - n_params)
             add_size(real)
             add_size_accelerate(accel)
 
