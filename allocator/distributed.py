@@ -497,17 +497,18 @@ def _charge_blocks(model: nn.Module, blocks: list[str], dtype) -> list[int]:
     graph = build_graph(model, dtype=dtype)
     position = {graph.node_index[name]: i for i, name in enumerate(blocks)}
     block_of = [-1] * len(graph.nodes)  # the block holding each node, -1 outside blocks
-    for i, node in enumerate(graph.nodes):  # preorder: a parent before its children
-        block_of[i] = position.get(i, block_of[node.parent] if node.parent >= 0 else -1)
+    for i, parent in enumerate(graph.nodes.parent):  # preorder: a parent before its children
+        block_of[i] = position.get(i, block_of[parent] if parent >= 0 else -1)
     charged = [0] * len(blocks)
     seen: list[set[int]] = [set() for _ in blocks]
     last = 0  # the block that tensors outside blocks are charged to: the latest block defined before them
-    for tensor in graph.tensors:  # in node preorder: definition order
-        owner = block_of[tensor.module]
+    tensors = graph.tensors
+    for module, storage, nbytes in zip(tensors.module, tensors.storage, tensors.nbytes):  # definition order
+        owner = block_of[module]
         if owner >= 0:
             last = owner
         target = owner if owner >= 0 else last
-        if tensor.storage not in seen[target]:
-            seen[target].add(tensor.storage)
-            charged[target] += tensor.nbytes
+        if storage not in seen[target]:
+            seen[target].add(storage)
+            charged[target] += nbytes
     return charged

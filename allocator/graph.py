@@ -326,6 +326,12 @@ class _TensorIndex(Mapping):
         self._table = None if "." in "".join(local) else {}  # the full table, where a local name holds a dot
 
     def __getitem__(self, name):
+        found = self.get(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def get(self, name, default=None):
         if type(name) is str:
             module, _, local = name.rpartition(".")
             i = self._node_index.get(module)
@@ -336,9 +342,11 @@ class _TensorIndex(Mapping):
                         return k
             if self._table is None:
                 self._table = dict(zip(self._name, range(len(self))))
-            if name in self._table:
-                return self._table[name]
-        raise KeyError(name)
+            return self._table.get(name, default)
+        return default
+
+    def __contains__(self, name) -> bool:
+        return self.get(name) is not None
 
     def __iter__(self):
         return iter(self._name)

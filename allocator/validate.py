@@ -126,7 +126,7 @@ def _unhooked(problem: Problem, device_map: dict) -> list[Violation]:
     g = problem.graph
     main = main_device(device_map.values())
     offloaded = offloaded_devices(main) if len(set(device_map.values())) > 1 or "disk" in device_map.values() else ()
-    bad = [k for k, d in device_map.items() if d in offloaded and k in g.tensor_index and k not in g.node_index]
+    bad = [k for k, d in device_map.items() if d in offloaded and k not in g.node_index and k in g.tensor_index]
     if not bad:
         return []
     return [Violation("unhooked", f"{len(bad)} offloaded tensors are mapped on their own, e.g. {bad[:3]}: accelerate "

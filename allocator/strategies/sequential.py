@@ -42,12 +42,14 @@ class _Tree:
     def size(self, name: str) -> float:
         """accelerate's ``module_sizes[name]`` (0 for a name it does not know): a tensor's bytes unless it shares an
         earlier tensor's storage, else the module's subtree; looked up, never tabulated (O(1) per name)."""
+        i = self.g.node_index.get(name)  # a module and a tensor never share a name (torch refuses the attribute)
+        if i is not None:
+            return self.g.size_accelerate[i]
         k = self.g.tensor_index.get(name)
         if k is not None:
             tensors = self.g.tensors
             return tensors.nbytes_accelerate[k] if tensors.canonical[k] == k else 0
-        i = self.g.node_index.get(name)
-        return 0 if i is None else self.g.size_accelerate[i]
+        return 0
 
     def children(self, entry) -> list:
         """``named_children`` of a module entry (tensors have none)."""
