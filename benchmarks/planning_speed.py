@@ -440,7 +440,7 @@ def report(rows, results, profs, args, command, seconds) -> str:
         f"{torch.__version__}, accelerate {importlib.metadata.version('accelerate')}.\n",
         f"Models on the meta device; budget `{{0: total // 2, 'cpu': total}}` (offload forced). *one walk*: "
         f"`for _ in model.named_parameters()` alone, the floor of any planner that reads the model (accelerate "
-        f"walks it several times; we walk it once but build a node per module and tensor). *build_problem*: "
+        f"walks it several times; we walk it once, reading its tables into columns). *build_problem*: "
         f"reading the model into a `Problem`; *strategy*: `STRATEGIES[s](problem)` alone; *plan* (bold): the whole "
         f"`allocator.plan(model, budget, strategy=s)` — build, strategy, validation and cost estimate — the time "
         f"compared with accelerate (*acc / s*: accelerate's seconds over ours, same run; `>x` is a lower bound where "
