@@ -312,18 +312,23 @@ class Tensors(Sequence):
         return f"{type(self).__name__}({len(self)} tensors)"
 
 
+_SCAN = 16  # a module with more direct tensors than this (a large ParameterList) is looked up in a table
+
+
 class _TensorIndex(Mapping):
     """Tensor name -> index, without a table of its own: a name is its module's path, a dot and its local name, so
     it is found among the direct tensors of the node its prefix names (O(direct tensors of that node)).
 
     A module whose own tensor names hold a dot (possible only through a class that overrides ``named_parameters``)
-    breaks the rule; where any does, a full table is built once on the first miss."""
+    breaks the rule; where any does, a full table is built once on the first miss. So is it for a name in a module
+    with many direct tensors (a large ``ParameterList``), which a scan would make quadratic."""
 
-    __slots__ = ("_node_index", "_nodes", "_local", "_name", "_table")
+    __slots__ = ("_node_index", "_nodes", "_local", "_name", "_dotted", "_table")
 
     def __init__(self, node_index: Mapping[str, int], nodes: Nodes, local: Sequence[str], name: Sequence[str]):
         self._node_index, self._nodes, self._local, self._name = node_index, nodes, local, name
-        self._table = None if "." in "".join(local) else {}  # the full table, where a local name holds a dot
+        self._dotted = "." in "".join(local)   # some local name holds a dot: only a table finds it
+        self._table: dict[str, int] | None = None   # name -> index, built when first needed
 
     def __getitem__(self, name):
         found = self.get(name)
@@ -332,18 +337,24 @@ class _TensorIndex(Mapping):
         return found
 
     def get(self, name, default=None):
-        if type(name) is str:
-            module, _, local = name.rpartition(".")
-            i = self._node_index.get(module)
-            if i is not None:
+        if type(name) is not str:
+            return default
+        module, _, local = name.rpartition(".")
+        i = self._node_index.get(module)
+        if i is not None:
+            own = self._nodes.tensors_of(i)
+            if len(own) <= _SCAN:
                 locals_ = self._local
-                for k in self._nodes.tensors_of(i):
+                for k in own:
                     if locals_[k] == local:
                         return k
-            if self._table is None:
-                self._table = dict(zip(self._name, range(len(self))))
-            return self._table.get(name, default)
-        return default
+                if not self._dotted:
+                    return default
+        elif not self._dotted:
+            return default
+        if self._table is None:
+            self._table = dict(zip(self._name, range(len(self))))
+        return self._table.get(name, default)
 
     def __contains__(self, name) -> bool:
         return self.get(name) is not None

@@ -245,3 +245,19 @@ def test_a_large_graph_keeps_no_object_per_module():
         return len(gc.get_objects()) - before
 
     assert tracked_after(2000) - tracked_after(20) < 20
+
+
+def test_tensor_index_of_a_module_with_many_tensors_is_not_quadratic():
+    import time
+
+    from allocator.graph import _SCAN
+
+    n = 20_000
+    model = nn.Module()
+    model.scales = nn.ParameterList(nn.Parameter(torch.ones(1)) for _ in range(n))
+    g = build_graph(model)
+    index = g.tensor_index
+    start = time.process_time()
+    assert all(index[f"scales.{k}"] == k for k in range(n))  # a scan per name would be n^2 / 2 = 2e8 comparisons
+    assert time.process_time() - start < 5.0
+    assert "scales.nope" not in index and n > _SCAN
