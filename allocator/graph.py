@@ -416,33 +416,6 @@ class ModelGraph:
         return self.tied_groups + self.declared_ties
 
 
-def _slot_constructor(cls):
-    """A positional constructor (every field, in order) for a frozen slotted dataclass that fills the slots directly
-    (:mod:`allocator.units` builds its units with it).
-
-    The generated ``__init__`` sets each field through ``object.__setattr__``, which doubles the cost of building the
-    hundreds of thousands of nodes of a large model. Generated from the fields, as dataclasses generates ``__init__``.
-    """
-    import dataclasses
-
-    found = dataclasses.fields(cls)
-    if any(f.default_factory is not dataclasses.MISSING for f in found) or hasattr(cls, "__post_init__"):
-        return cls
-    fields = [f.name for f in found]
-    namespace = {"_new": object.__new__, "_cls": cls, **{f"_set{k}": getattr(cls, n).__set__ for k, n in enumerate(fields)}}
-    params = []
-    for k, f in enumerate(found):
-        if f.default is dataclasses.MISSING:
-            params.append(f.name)
-        else:
-            namespace[f"_default{k}"] = f.default
-            params.append(f"{f.name}=_default{k}")
-    lines = [f"def make({', '.join(params)}):", "    self = _new(_cls)"]
-    lines += [f"    _set{k}(self, {n})" for k, n in enumerate(fields)]
-    exec("\n".join(lines + ["    return self"]), namespace)  # noqa: S102 - source built from field names only
-    return namespace["make"]
-
-
 # ----------------------------------------------------------------------------------------------- sizes
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 

@@ -7,9 +7,7 @@ tensor unit may only be resident (accelerators, or cpu when cpu is main): accele
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .graph import ModelGraph, _slot_constructor
+from .graph import ModelGraph, _new_row, _Record
 from .gc_pause import gc_paused
 from .runs import columns
 from .runtime import moves_with_weights
@@ -17,38 +15,44 @@ from .runtime import moves_with_weights
 __all__ = ["Unit", "Group", "units", "groups"]
 
 
-@dataclass(frozen=True, slots=True)
-class Unit:
+class Unit(_Record):
+    """A piece a plan places whole: a module that is not split, or a direct tensor of one that is.
+
+    An immutable record (:class:`allocator.graph._Record`, a tuple with named fields): a flat stack of 200k modules
+    has 200k units, and a tuple builds several times faster than a slotted dataclass."""
+
+    __slots__ = ()
+    _defaults = {"numel": 0}
+
     name: str
     node: int          # graph node index, or -1 for a tensor unit
     size: int          # counted bytes of its tensors, plus generation bytes (``ModelGraph.extra``) of its nodes
     offload: int       # bytes that leave the main device when it is offloaded (weights, +buffers with offload_buffers)
     pinned: int        # bytes that stay on the main device when it is offloaded (its buffers, its generation bytes)
     stream: int        # largest chain of weights its hooks materialise at once on the main device
-    numel: int = 0     # parameter elements (counted once), for the compute term of the cost model
+    numel: int         # parameter elements (counted once), for the compute term of the cost model (default 0)
 
 
-@dataclass(frozen=True, slots=True)
-class Group:
-    """Units that must share a device, in model order."""
+class Group(_Record):
+    """Units that must share a device, in model order (an immutable record, as :class:`Unit`).
+
+    ``resident_only``: holds a lone tensor (a direct tensor of a split module), so it cannot be offloaded, since
+    accelerate's hooks load modules named in the map, never lone tensors."""
+
+    __slots__ = ()
+    _defaults = {"numel": 0, "resident_only": False}
 
     units: tuple[Unit, ...]
     size: int
     offload: int
     pinned: int
     stream: int
-    numel: int = 0
-    resident_only: bool = False
-    """Holds a lone tensor (a direct tensor of a split module): it cannot be offloaded, since accelerate's hooks
-    load modules named in the map, never lone tensors."""
+    numel: int
+    resident_only: bool
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(u.name for u in self.units)
-
-
-_new_unit = _slot_constructor(Unit)
-_new_group = _slot_constructor(Group)
 
 
 def _tensor_unit(g: ModelGraph, t: int, offload_buffers: bool) -> Unit:
@@ -86,8 +90,8 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
             offload = mov.sum_counted[b] - mov.sum_counted[a]
             extra = cols.sum_extra[cols.end[i]] - cols.sum_extra[i]
             pinned = cols.sum_counted[b] - cols.sum_counted[a] - offload + extra
-            out.append(_new_unit(g.nodes.name[i], i, g.size[i] + extra, offload, pinned, mov.chain[i],
-                                 cols.sum_numel[b] - cols.sum_numel[a]))
+            out.append(_new_row(Unit, (g.nodes.name[i], i, g.size[i] + extra, offload, pinned, mov.chain[i],
+                                       cols.sum_numel[b] - cols.sum_numel[a])))
     return out
 
 
@@ -106,7 +110,7 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
 def _groups(g: ModelGraph, offload_buffers: bool) -> list[Group]:
     found = units(g, offload_buffers)
     if not g.all_tie_groups():  # every unit is a group of its own
-        return [_new_group((u,), u.size, u.offload, u.pinned, u.stream, u.numel, u.node < 0) for u in found]
+        return [_new_row(Group, ((u,), u.size, u.offload, u.pinned, u.stream, u.numel, u.node < 0)) for u in found]
     position = {u.name: k for k, u in enumerate(found)}
     parent = list(range(len(found)))
 
@@ -132,7 +136,7 @@ def _groups(g: ModelGraph, offload_buffers: bool) -> list[Group]:
     for k, u in enumerate(found):
         bucket.setdefault(root(k), []).append(u)
     return [
-        _new_group((us[0],), us[0].size, us[0].offload, us[0].pinned, us[0].stream, us[0].numel, us[0].node < 0)
+        _new_row(Group, ((us[0],), us[0].size, us[0].offload, us[0].pinned, us[0].stream, us[0].numel, us[0].node < 0))
         if len(us) == 1 else
         Group(tuple(us), sum(u.size for u in us), sum(u.offload for u in us), sum(u.pinned for u in us),
               max(u.stream for u in us), sum(u.numel for u in us), any(u.node < 0 for u in us))
