@@ -190,7 +190,56 @@ def _path(node: str, local: str) -> str:
     return f"{node}.{local}" if node else local
 
 
-class Nodes(Sequence):
+class _Table(Sequence):
+    """Columns of equal length, one per name in ``_columns`` (a subclass's ``__slots__``), frozen by
+    :func:`_frozen`; ``table[i]`` is row ``i`` as a record (``_row``), slices give tuples of records. Immutable."""
+
+    __slots__ = ()
+    _columns: ClassVar[tuple[str, ...]] = ()
+    _what: ClassVar[str] = "rows"
+
+    def __init__(self, *columns):
+        if len(columns) != len(self._columns):
+            raise TypeError(f"{type(self).__name__} takes the columns {self._columns}, got {len(columns)}")
+        columns = tuple(map(_frozen, columns))
+        if len(set(map(len, columns))) > 1:
+            raise ValueError(f"{type(self).__name__} columns of different lengths {[len(c) for c in columns]}")
+        for field_name, column in zip(self._columns, columns):
+            object.__setattr__(self, field_name, column)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(map(self._row, range(*i.indices(len(self)))))
+        return self._row(range(len(self.name))[i])  # an int in range (negative from the end), else an error
+
+    def __iter__(self):
+        return map(self._row, range(len(self.name)))
+
+    def _row(self, i: int):
+        raise NotImplementedError
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same(getattr(self, c), getattr(other, c)) for c in self._columns)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __reduce__(self):
+        return type(self), tuple(_picklable(getattr(self, c)) for c in self._columns)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} {self._what})"
+
+
+class Nodes(_Table):
     """The modules of a graph in preorder, stored as columns; ``nodes[i]`` is node ``i`` as a :class:`ModuleNode`.
 
     Each column is a tuple with one entry per node: ``name``, ``cls``, ``parent``, ``alias_of`` (as in
@@ -212,32 +261,14 @@ class Nodes(Sequence):
 
     __slots__ = ("name", "cls", "parent", "alias_of", "first", "n_params", "n_buffers", "end")
     _columns = __slots__
+    _what = "modules"
 
-    def __init__(self, name, cls, parent, alias_of, first, n_params, n_buffers, end):
-        columns = tuple(map(_frozen, (name, cls, parent, alias_of, first, n_params, n_buffers, end)))
-        if len(set(map(len, columns))) > 1:
-            raise ValueError(f"node columns of different lengths {[len(c) for c in columns]}")
-        for field_name, column in zip(self._columns, columns):
-            object.__setattr__(self, field_name, column)
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"{type(self).__name__} is immutable")
-
-    def __len__(self) -> int:
-        return len(self.name)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self[k] for k in range(*i.indices(len(self))))
-        i = range(len(self.name))[i]  # an int in range (negative counts from the end), else IndexError / TypeError
+    def _row(self, i: int) -> ModuleNode:
         first = self.first[i]
         params = first + self.n_params[i]
         return _new_row(ModuleNode, (self.name[i], self.cls[i], self.parent[i], self.children(i),
                                      tuple(range(first, params)), tuple(range(params, params + self.n_buffers[i])),
                                      self.alias_of[i]))
-
-    def __iter__(self):
-        return map(self.__getitem__, range(len(self.name)))
 
     def children(self, i: int) -> tuple[int, ...]:
         """Node ``i``'s children, in ``named_children`` order: its first child is ``i + 1``, each next one starts
@@ -254,62 +285,20 @@ class Nodes(Sequence):
         first = self.first[i]
         return range(first, first + self.n_params[i] + self.n_buffers[i])
 
-    def __eq__(self, other) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return all(_same(getattr(self, c), getattr(other, c)) for c in self._columns)
 
-    def __hash__(self) -> int:
-        return hash(self.name)
-
-    def __reduce__(self):
-        return type(self), tuple(_picklable(getattr(self, c)) for c in self._columns)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self)} modules)"
-
-
-class Tensors(Sequence):
+class Tensors(_Table):
     """The parameters and buffers of a graph in node preorder, stored as columns (one tuple per field of
     :class:`TensorNode` but ``_index``); ``tensors[k]`` is tensor ``k`` as a :class:`TensorNode`."""
 
     __slots__ = ("name", "module", "local", "is_param", "persistent", "numel", "nbytes", "nbytes_accelerate",
                  "canonical", "storage")
     _columns = __slots__
+    _what = "tensors"
 
-    def __init__(self, name, module, local, is_param, persistent, numel, nbytes, nbytes_accelerate, canonical,
-                 storage):
-        columns = tuple(map(_frozen, (name, module, local, is_param, persistent, numel, nbytes, nbytes_accelerate,
-                                      canonical, storage)))
-        if len(set(map(len, columns))) > 1:
-            raise ValueError(f"tensor columns of different lengths {[len(c) for c in columns]}")
-        for field_name, column in zip(self._columns, columns):
-            object.__setattr__(self, field_name, column)
-
-    __setattr__ = Nodes.__setattr__
-
-    def __len__(self) -> int:
-        return len(self.name)
-
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            return tuple(self[j] for j in range(*k.indices(len(self))))
-        k = range(len(self.name))[k]
+    def _row(self, k: int) -> TensorNode:
         return _new_row(TensorNode, (self.name[k], self.module[k], self.local[k], self.is_param[k], self.persistent[k],
                                      self.numel[k], self.nbytes[k], self.nbytes_accelerate[k], self.canonical[k],
                                      self.storage[k], k))
-
-    def __iter__(self):
-        return map(self.__getitem__, range(len(self.name)))
-
-    def counted(self) -> list[int]:
-        """Each tensor's counted bytes (:attr:`TensorNode.counted`): 0 for a name that shares another's memory."""
-        return [nb if s == k else 0 for k, (nb, s) in enumerate(zip(self.nbytes, self.storage))]
-
-    __eq__, __hash__, __reduce__ = Nodes.__eq__, Nodes.__hash__, Nodes.__reduce__
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self)} tensors)"
 
 
 _SCAN = 16  # a module with more direct tensors than this (a large ParameterList) is looked up in a table

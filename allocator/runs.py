@@ -60,17 +60,11 @@ class Columns:
         self.last = _ints(first[_array(nodes.end)])    # one past the last tensor of a subtree
         self.module = tensors.module
         self.nbytes = tensors.nbytes
-        storage = _array(tensors.storage)
-        if isinstance(tensors.nbytes, memoryview):   # int64 (sizes by dtype): whole columns at once
-            nbytes = _array(tensors.nbytes)
-            counted = np.where(storage == np.arange(len(storage)), nbytes, 0)
-            self.counted = _ints(counted)
-            weighted = nbytes > 0
-        else:   # sizes from a size_fn, Python ints of any size
-            counted = self.counted = tensors.counted()
-            weighted = [nb > 0 for nb in tensors.nbytes]
+        storage, nbytes = _array(tensors.storage), _array(tensors.nbytes)
+        counted = np.where(storage == np.arange(len(storage)), nbytes, 0)   # 0 for a second name of shared memory
+        self.counted = _ints(counted)
         self.sum_counted = _prefix(counted)
-        self.sum_weighted = _prefix(weighted)  # tensors with bytes
+        self.sum_weighted = _prefix(nbytes > 0)  # tensors with bytes
         # parameter elements, counted once: the compute term of the cost model
         is_param = np.array(tensors.is_param, dtype=bool)
         numel = np.where(is_param & (np.asarray(counted) != 0), _array(tensors.numel), 0).astype(np.int64)
@@ -131,10 +125,14 @@ def _levels(parents: np.ndarray) -> list:
 
 
 def _array(column) -> np.ndarray:
-    """An int64 column as a numpy array: a view of an int64 buffer (no copy), else converted."""
+    """An integer column as a numpy array: a view of an int64 buffer (no copy), else converted; of Python ints
+    (``dtype=object``) where a value does not fit in an int64 (a size_fn may say anything)."""
     if isinstance(column, array) and column.typecode == "q" or isinstance(column, memoryview) and column.format == "q":
         return np.frombuffer(column, dtype=np.int64)
-    return np.array(column, dtype=np.int64)
+    try:
+        return np.array(column, dtype=np.int64)
+    except OverflowError:
+        return np.array(column, dtype=object)
 
 
 def _ints(values: np.ndarray):
@@ -173,15 +171,11 @@ class Moving:
 
         persistent = np.array(graph.tensors.persistent, dtype=bool)
         moving = moves(cols._is_param, persistent, offload_buffers)   # the rule, applied to whole columns
-        if isinstance(cols.nbytes, memoryview):
-            self.nbytes = _ints(np.where(moving, _array(cols.nbytes), 0))   # what each hook copies
-            counted = np.where(moving, _array(cols.counted), 0)
-        else:
-            self.nbytes = [nb if m else 0 for nb, m in zip(cols.nbytes, moving.tolist())]
-            counted = [c if m else 0 for c, m in zip(cols.counted, moving.tolist())]
-        self.sum_nbytes = _prefix(self.nbytes if isinstance(self.nbytes, list) else _array(self.nbytes))
+        nbytes = np.where(moving, _array(cols.nbytes), 0)   # what each hook copies
+        self.nbytes = _ints(nbytes)
+        self.sum_nbytes = _prefix(nbytes)
         self.sum_count = _prefix(moving)
-        self.sum_counted = _prefix(counted)
+        self.sum_counted = _prefix(np.where(moving, _array(cols.counted), 0))
         # What each node's hook streams (its own tensors: first[i] to first[i + 1] - 1), and the streamed chain of
         # each subtree were all of it offloaded: its own plus the largest chain among its children, level by level.
         sums = np.array(self.sum_nbytes, dtype=object) if isinstance(self.sum_nbytes, list) else \
