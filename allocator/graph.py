@@ -211,15 +211,15 @@ class _Table(Sequence):
         raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __len__(self) -> int:
-        return len(self.name)
+        return len(getattr(self, self._columns[0]))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return tuple(map(self._row, range(*i.indices(len(self)))))
-        return self._row(range(len(self.name))[i])  # an int in range (negative from the end), else an error
+        return self._row(range(len(self))[i])  # an int in range (negative from the end), else an error
 
     def __iter__(self):
-        return map(self._row, range(len(self.name)))
+        return map(self._row, range(len(self)))
 
     def _row(self, i: int):
         raise NotImplementedError
@@ -230,7 +230,7 @@ class _Table(Sequence):
         return all(_same(getattr(self, c), getattr(other, c)) for c in self._columns)
 
     def __hash__(self) -> int:
-        return hash(self.name)
+        return hash(getattr(self, self._columns[0]))
 
     def __reduce__(self):
         return type(self), tuple(_picklable(getattr(self, c)) for c in self._columns)

@@ -14,7 +14,8 @@ import weakref
 from array import array
 from bisect import bisect_right
 from collections.abc import Mapping
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import itemgetter, ne
 from typing import NamedTuple
 
 import numpy as np
@@ -79,6 +80,20 @@ class Columns:
         self._moving: dict = {}
         self._reads: dict = {}
         self.cache: dict = {}   # what other modules derive from the graph alone (units' groups)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``first`` (without its last entry), ``last`` and ``parent`` as int64 numpy arrays, one entry per node."""
+        found = self.cache.get("arrays")
+        if found is None:
+            found = self.cache["arrays"] = (_array(self.first)[:-1], _array(self.last), self._parents)
+        return found
+
+    def module_array(self) -> np.ndarray:
+        """The ``module`` of each tensor as an int64 numpy array."""
+        found = self.cache.get("module")
+        if found is None:
+            found = self.cache["module"] = _array(self.module)
+        return found
 
     def moving(self, offload_buffers: bool) -> Moving:
         """What moves with an offloaded module under ``offload_buffers``."""
@@ -189,7 +204,16 @@ class Moving:
                 np.maximum.at(below, cols._parents[level], chain[level])
         self.own = _ints(own)
         self.chain = _ints(chain)
+        self._chain, self._nbytes = chain, nbytes
         self._nodes = graph.nodes
+
+    def chain_array(self) -> np.ndarray:
+        """``chain`` as a numpy array (int64, or Python ints where a value passes int64)."""
+        return self._chain
+
+    def nbytes_array(self) -> np.ndarray:
+        """``nbytes`` as a numpy array (int64, or Python ints where a value passes int64)."""
+        return self._nbytes
 
     def next_in_chain(self, node: int) -> int:
         """The child that continues a subtree's largest chain (the first on a tie, as ``max`` over children), or -1."""
@@ -218,27 +242,36 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     Notes
     -----
     O(k log k) for k keys: a key is a module's subtree or one tensor, and a key below another carves its range out
-    of the enclosing one (the deepest key wins, as in :func:`allocator.runtime.device_of`).
+    of the enclosing one (the deepest key wins, as in :func:`allocator.runtime.device_of`). The usual map, where no
+    key is below another, is cut with numpy: one Python step per key (its lookup), then one per run.
     """
     cols = columns(graph)
-    first, last = cols.first, cols.last
-    node_index, tensor_index = graph.node_index, graph.tensor_index
+    keys = list(device_map)
+    devices = list(device_map.values())
     tensor_order = len(graph.nodes)  # a tensor key is deeper than any module key with the same range
-    spans = []
-    for key, device in device_map.items():
-        i = node_index.get(key)
-        if i is not None:
-            if first[i] < last[i]:
-                spans.append((first[i], -last[i], i, device))
-        else:
-            t = tensor_index.get(key)
+    start, end = _array(cols.first)[:-1], _array(cols.last)
+    order = np.fromiter(map(graph.node_index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+    is_node = order >= 0
+    if not is_node.all():
+        tensor_index = graph.tensor_index
+        for k in np.flatnonzero(~is_node).tolist():
+            t = tensor_index.get(keys[k])
             if t is not None:
-                spans.append((t, -t - 1, tensor_order + t, device))
-    # by start, the longer first, then the shallower (an ancestor's index is lower): enclosing keys come first;
-    # the third element is unique, so devices are never compared
-    spans.sort()
-    if all(spans[k][0] >= -spans[k - 1][1] for k in range(1, len(spans))):  # no key below another: the usual map
-        return _side_by_side(spans, len(cols.module), tensor_order)
+                order[k] = tensor_order + t
+    named = order >= 0
+    is_tensor = order >= tensor_order
+    lo = np.where(is_tensor, order - tensor_order, start[np.where(is_tensor | ~named, 0, order)])
+    hi = np.where(is_tensor, order - tensor_order + 1, end[np.where(is_tensor | ~named, 0, order)])
+    keep = np.flatnonzero(named & (lo < hi))   # a module with no tensors covers nothing
+    # by start, the longer first, then the shallower (an ancestor's index is lower): enclosing keys come first
+    ranked = keep
+    if len(keep) > 1 and not (lo[keep[1:]] > lo[keep[:-1]]).all():   # keys in model order need no sort
+        ranked = keep[np.lexsort((order[keep], -hi[keep], lo[keep]))]
+    lo, hi, order = lo[ranked], hi[ranked], order[ranked]
+    if len(ranked) != len(devices) or ranked is not keep:
+        devices = list(itemgetter(*ranked.tolist())(devices)) if len(ranked) > 1 else [devices[k] for k in ranked]
+    if len(ranked) < 2 or (lo[1:] >= hi[:-1]).all():  # no key below another: the usual map
+        return _side_by_side(lo, hi, order, devices, len(cols.module), tensor_order)
     out: list[Run] = []
     stack: list = []   # the keys enclosing the position: [end, device, order, carved]
     pos = 0
@@ -256,7 +289,7 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
         end, device, order, carved = stack.pop()
         emit(end, device, -1 if carved or order >= tensor_order else order)
 
-    for start, negative_end, order, device in spans:
+    for start, end, order, device in zip(lo.tolist(), hi.tolist(), order.tolist(), devices):
         while stack and stack[-1][0] <= start:
             close()
         if stack:
@@ -264,50 +297,68 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
             emit(start, stack[-1][1], -1)
         else:
             emit(start, None, -1)
-        stack.append([-negative_end, device, order, False])
+        stack.append([end, device, order, False])
     while stack:
         close()
     emit(len(cols.module), None, -1)
     return [Run(*run) for run in out]
 
 
-def _side_by_side(spans: list, tensors: int, tensor_order: int) -> list[Run]:
-    """:func:`runs` of sorted spans none of which encloses another."""
-    out: list[list] = []
+def _side_by_side(lo: np.ndarray, hi: np.ndarray, order: np.ndarray, devices: list, tensors: int,
+                  tensor_order: int) -> list[Run]:
+    """:func:`runs` of sorted key ranges none of which encloses another: a run starts at a gap or where the device
+    changes (its type too: ``True == 1``, but ``True`` is no device); a run of one key is that key's subtree."""
+    if not len(lo):
+        return [Run(0, tensors, None, -1)] if tensors else []
+    if set(map(type, devices)) <= {int, str}:   # the usual map: no device equals one of another type
+        changed = np.fromiter(map(ne, devices[1:], devices), dtype=bool, count=len(devices) - 1)
+    else:
+        kinds = list(zip(map(type, devices), devices))
+        changed = np.fromiter(map(ne, kinds[1:], kinds), dtype=bool, count=len(kinds) - 1)
+    gap = np.empty(len(lo), dtype=bool)
+    gap[0] = lo[0] > 0
+    gap[1:] = lo[1:] > hi[:-1]
+    new = gap.copy()
+    new[0] = True
+    new[1:] |= changed
+    heads = np.flatnonzero(new)
+    tails = np.append(heads[1:], len(lo)) - 1
+    node = np.where((heads == tails) & (order[heads] < tensor_order), order[heads], -1)
+    out: list[Run] = []
     pos = 0
-    for start, negative_end, order, device in spans:
-        if pos < start:
-            out.append([pos, start, None, -1])
-        if out and out[-1][2] == device and type(out[-1][2]) is type(device):
-            out[-1][1], out[-1][3] = -negative_end, -1   # merged: no longer one key's subtree
-        else:
-            out.append([start, -negative_end, device, order if order < tensor_order else -1])
-        pos = -negative_end
+    for h, t, n, g in zip(heads.tolist(), tails.tolist(), node.tolist(), gap[heads].tolist()):
+        start = int(lo[h])
+        if g:
+            out.append(Run(pos, start, None, -1))
+        pos = int(hi[t])
+        out.append(Run(start, pos, devices[h], n))
     if pos < tensors:
-        out.append([pos, tensors, None, -1])
-    return [Run(*run) for run in out]
+        out.append(Run(pos, tensors, None, -1))
+    return out
 
 
-def pieces(cols: Columns, start: int, end: int):
-    """The tensors ``start`` to ``end - 1`` as the largest whole subtrees they hold, in order: ``(node, -1)`` for a
-    subtree, ``(-1, tensor)`` for a tensor whose module's subtree is not wholly inside.
+def pieces(cols: Columns, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tensors ``start`` to ``end - 1`` as the largest whole subtrees they hold and the tensors left over:
+    ``(nodes, tensors)``, each in model order. A tensor is left over when its module's subtree is not wholly inside.
 
     Notes
     -----
-    O(pieces x depth).
+    O(nodes whose tensors start in the range) numpy work: nodes are in preorder, so those are one slice of them; a
+    whole subtree is one whose parent is not whole.
     """
-    first, last, parent, module = cols.first, cols.last, cols.parent, cols.module
-    p = start
-    while p < end:
-        i = module[p]
-        if first[i] != p or last[i] > end:
-            yield -1, p
-            p += 1
-            continue
-        while parent[i] >= 0 and first[parent[i]] == p and last[parent[i]] <= end:
-            i = parent[i]
-        yield i, -1
-        p = last[i]
+    first, last, parent = cols.arrays()
+    lo, hi = np.searchsorted(first, [start, end])
+    nodes = np.arange(lo, hi)
+    whole = (last[lo:hi] <= end) & (first[lo:hi] < last[lo:hi])
+    up = parent[lo:hi]
+    inner = (up >= lo) & (up < hi)
+    up_whole = np.zeros(hi - lo, dtype=bool)
+    up_whole[inner] = whole[up[inner] - lo]
+    tensors = np.arange(start, end)
+    module = cols.module_array()[start:end]
+    in_whole = (module >= lo) & (module < hi)
+    in_whole[in_whole] = whole[module[in_whole] - lo]
+    return nodes[whole & ~up_whole], tensors[~in_whole]
 
 
 def expand(found: list[Run]) -> list:

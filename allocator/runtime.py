@@ -21,6 +21,8 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .budgets import Device
 from .graph import ModelGraph
 from .runs import Run, columns, expand, first_device, pieces, runs
@@ -135,7 +137,7 @@ class Recent:
         evaluation raises the typed error)."""
         if not isinstance(device_map, Mapping):
             return None, None
-        key = tuple(device_map.items())
+        key = (tuple(device_map), tuple(device_map.values()))   # no pair per entry: two flat tuples
         for ref, known, value in reversed(self._entries):
             if ref() is problem and known == key:
                 return value, key
@@ -190,13 +192,11 @@ def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_bu
         if run.node >= 0:
             subtrees.append(run.node)
             continue
-        for node, tensor in pieces(cols, run.start, run.end):
-            if node >= 0:
-                if mov.chain[node]:
-                    subtrees.append(node)
-            elif mov.nbytes[tensor]:
-                module = cols.module[tensor]
-                loose[module] = loose.get(module, 0) + mov.nbytes[tensor]
+        nodes, tensors = pieces(cols, run.start, run.end)
+        subtrees += nodes[mov.chain_array()[nodes] != 0].tolist()
+        for tensor in tensors[mov.nbytes_array()[tensors] != 0].tolist():
+            module = cols.module[tensor]
+            loose[module] = loose.get(module, 0) + mov.nbytes[tensor]
 
     def above(node: int) -> int:   # what loose hooks of the node's ancestors stream
         total, node = 0, parent[node]
@@ -206,13 +206,18 @@ def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_bu
         return total
 
     # every chain ends in a subtree or at a loose module; the first in model order among the largest wins
-    ends = sorted([(node, mov.chain[node]) for node in subtrees] + list(loose.items()))
     best, top = 0, -1
-    for node, value in ends:
-        if loose:
+    if loose:
+        for node, value in sorted([(node, mov.chain[node]) for node in subtrees] + list(loose.items())):
             value += above(node)
-        if value > best:
-            best, top = value, node
+            if value > best:
+                best, top = value, node
+    elif subtrees:
+        subtrees.sort()
+        values = mov.chain_array()[subtrees]
+        k = int(np.argmax(values))   # the first of the largest
+        if values[k] > 0:
+            best, top = int(values[k]), subtrees[k]
     if top < 0:
         return 0, []
     chain, node = [], top

@@ -3,23 +3,31 @@
 A unit is a module that cannot be split (a leaf or a no-split class), or a direct tensor of a module that is
 split. Units partition the model's tensors; tied units form one *group* that goes to a single device. A group with a
 tensor unit may only be resident (accelerators, or cpu when cpu is main): accelerate hooks modules, not tensors.
+
+Both are stored as columns (:class:`Units`, :class:`Groups`), as the graph is: a flat stack of 200k modules has
+200k units and 200k groups, and a record object for each would cost their construction and a visit by every garbage
+collection while the plan is made. ``units[k]`` / ``groups[k]`` still give the records (:class:`Unit`,
+:class:`Group`), built when asked for; strategies that loop over every group read the columns.
 """
 
 from __future__ import annotations
 
-from .graph import ModelGraph, _new_row, _Record
-from .gc_pause import gc_paused
-from .runs import columns
-from .runtime import moves_with_weights
+from typing import ClassVar
 
-__all__ = ["Unit", "Group", "units", "groups"]
+import numpy as np
+
+from .gc_pause import gc_paused
+from .graph import ModelGraph, _frozen, _new_row, _picklable, _Record, _same, _Table
+from .runs import _array, _ints, columns
+from .runtime import moves
+
+__all__ = ["Unit", "Group", "Units", "Groups", "units", "groups"]
 
 
 class Unit(_Record):
     """A piece a plan places whole: a module that is not split, or a direct tensor of one that is.
 
-    An immutable record (:class:`allocator.graph._Record`, a tuple with named fields): a flat stack of 200k modules
-    has 200k units, and a tuple builds several times faster than a slotted dataclass."""
+    An immutable record (:class:`allocator.graph._Record`, a tuple with named fields)."""
 
     __slots__ = ()
     _defaults = {"numel": 0}
@@ -55,17 +63,82 @@ class Group(_Record):
         return tuple(u.name for u in self.units)
 
 
-def _tensor_unit(g: ModelGraph, t: int, offload_buffers: bool) -> Unit:
-    tensor = g.tensors[t]
-    moves = moves_with_weights(tensor, offload_buffers)
-    counted = tensor.counted
-    return Unit(tensor.name, -1, counted, counted if moves else 0, 0 if moves else counted,
-                tensor.nbytes if tensor.is_param or moves else 0,
-                tensor.numel if tensor.is_param and tensor.counted else 0)
+class Units(_Table):
+    """The units of a graph in definition order, one column per field of :class:`Unit`; ``units[k]`` is a
+    :class:`Unit`. The ``tensor`` column holds the tensor index of a tensor unit (-1 for a module unit)."""
+
+    __slots__ = ("name", "node", "size", "offload", "pinned", "stream", "numel", "tensor", "_arrays")
+    _columns: ClassVar[tuple[str, ...]] = __slots__[:-1]
+    _what = "units"
+
+    def __init__(self, *columns):
+        super().__init__(*columns)
+        object.__setattr__(self, "_arrays", {})   # numpy views of columns, made on first use (array)
+
+    def array(self, column: str) -> np.ndarray:
+        """A column as a numpy array (names as an object array; int64, or Python ints where a value passes int64),
+        made once."""
+        cache = self._arrays
+        if column not in cache:
+            values = getattr(self, column)
+            cache[column] = np.array(values, dtype=object) if column == "name" else _array(values)
+        return cache[column]
+
+    def _row(self, k: int) -> Unit:
+        return _new_row(Unit, (self.name[k], self.node[k], self.size[k], self.offload[k], self.pinned[k],
+                               self.stream[k], self.numel[k]))
 
 
-def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
-    """The finest legal units, in definition order.
+class Groups(_Table):
+    """Tie groups of units, ordered by their first unit, one column per field of :class:`Group` but ``units``;
+    ``groups[k]`` is a :class:`Group`. Group ``k`` holds the units ``members[start[k]:start[k + 1]]`` (indices into
+    ``units``, the last group's run ends at ``len(members)``), in model order."""
+
+    __slots__ = ("size", "offload", "pinned", "stream", "numel", "resident_only", "start", "members", "units",
+                 "_arrays")
+    _columns: ClassVar[tuple[str, ...]] = __slots__[:7]
+    _what = "groups"
+
+    def __init__(self, units: Units, members, *columns):
+        super().__init__(*columns)
+        object.__setattr__(self, "units", units)
+        object.__setattr__(self, "members", _frozen(members))
+        object.__setattr__(self, "_arrays", {})   # numpy views of columns, made on first use (array)
+
+    def array(self, column: str) -> np.ndarray:
+        """A column as a numpy array (int64 or bool; Python ints where a value passes int64), made once."""
+        cache = self._arrays
+        if column not in cache:
+            values = getattr(self, column)
+            cache[column] = np.array(values, dtype=bool) if column == "resident_only" else _array(values)
+        return cache[column]
+
+    def member_range(self, k: int) -> range:
+        """Positions in ``members`` of group ``k``'s units."""
+        return range(self.start[k], self.start[k + 1] if k + 1 < len(self) else len(self.members))
+
+    def _row(self, k: int) -> Group:
+        found = self.units
+        return _new_row(Group, (tuple(found[self.members[j]] for j in self.member_range(k)), self.size[k],
+                                self.offload[k], self.pinned[k], self.stream[k], self.numel[k],
+                                self.resident_only[k]))
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return super().__eq__(other) and self.units == other.units and _same(self.members, other.members)
+
+    def __hash__(self) -> int:
+        return hash(self.units)
+
+    def __reduce__(self):
+        return type(self), (self.units, _picklable(self.members),
+                            *(_picklable(getattr(self, c)) for c in self._columns))
+
+
+def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
+    """The finest legal units, in definition order (a preorder walk that stops at every node that is not split,
+    and takes the direct tensors of every node that is).
 
     A module unit's sizes are sums over its subtree, read from the graph's prefix sums
     (:class:`allocator.runs.Columns`): ``extra`` generation bytes (:attr:`ModelGraph.extra`) live where the unit
@@ -74,44 +147,113 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> list[Unit]:
 
     Notes
     -----
-    O(units) once the graph's columns exist (O(nodes + tensors), built once per graph).
+    O(nodes + tensors) numpy work, once the graph's columns exist (built once per graph); no object per unit.
     """
     cols = columns(g)
     mov = cols.moving(offload_buffers)
-    out: list[Unit] = []
-    stack = [0]
-    while stack:
-        i = stack.pop()
-        if g.is_splittable(i):
-            out.extend(_tensor_unit(g, t, offload_buffers) for t in g.nodes.tensors_of(i))
-            stack.extend(reversed(g.nodes.children(i)))
-        else:
-            a, b = cols.first[i], cols.last[i]
-            offload = mov.sum_counted[b] - mov.sum_counted[a]
-            extra = cols.sum_extra[cols.end[i]] - cols.sum_extra[i]
-            pinned = cols.sum_counted[b] - cols.sum_counted[a] - offload + extra
-            out.append(_new_row(Unit, (g.nodes.name[i], i, g.size[i] + extra, offload, pinned, mov.chain[i],
-                                       cols.sum_numel[b] - cols.sum_numel[a])))
-    return out
+    nodes = g.nodes
+    n = len(nodes)
+    if not n:
+        return Units((), (), (), (), (), (), (), ())
+    end = _array(nodes.end)
+    no_split = g.no_split
+    split = (end > np.arange(1, n + 1)) & ~np.fromiter(map(no_split.__contains__, nodes.cls), dtype=bool, count=n)
+    # reached: every proper ancestor is split (levels run deepest first, so read them from the root down)
+    reached = np.zeros(n, dtype=bool)
+    reached[0] = True
+    parents = cols._parents
+    for level in reversed(cols.levels[:-1]):
+        reached[level] = reached[parents[level]] & split[parents[level]]
+    module_units = np.flatnonzero(reached & ~split)
+    owner = _array(cols.module)
+    tensor_units = np.flatnonzero((reached & split)[owner]) if len(owner) else np.zeros(0, dtype=np.int64)
+    first, last = _array(cols.first)[:-1], _array(cols.last)
+    # definition order: by first tensor position, then by node (an empty module before the tensors of a later
+    # module that start where it stands; a split module's own tensors come before its children's)
+    position = np.concatenate([first[module_units], tensor_units])
+    by_node = np.concatenate([module_units, owner[tensor_units]])
+    order = np.lexsort((by_node, position))
+    m = len(module_units)
+
+    def column(module_values, tensor_values):
+        values = np.concatenate([np.asarray(module_values), np.asarray(tensor_values)])[order]
+        return _ints(values) if values.dtype != object else values.tolist()
+
+    a, b = first[module_units], last[module_units]
+    sum_counted, moving_counted = _array(cols.sum_counted), _array(mov.sum_counted)
+    sum_extra = _array(cols.sum_extra)
+    extra = sum_extra[end[module_units]] - sum_extra[module_units]
+    module_offload = moving_counted[b] - moving_counted[a]
+    counted = _array(cols.counted)[tensor_units]
+    persistent, tensor_names = g.tensors.persistent, g.tensors.name
+    tensor_moves = moves(cols._is_param[tensor_units],
+                         np.array([persistent[t] for t in tensor_units.tolist()], dtype=bool), offload_buffers)
+    zero = np.zeros(len(tensor_units), dtype=counted.dtype)
+    names = np.concatenate([np.array(nodes.name, dtype=object)[module_units],
+                            np.array([tensor_names[t] for t in tensor_units.tolist()], dtype=object)])[order]
+    subtree = sum_counted[b] - sum_counted[a]   # the module's counted bytes (ModelGraph.size)
+    found = Units(
+        names.tolist(),
+        column(module_units, np.full(len(tensor_units), -1)),
+        column(subtree + extra, counted),
+        column(module_offload, np.where(tensor_moves, counted, zero)),
+        column(subtree - module_offload + extra, np.where(tensor_moves, zero, counted)),
+        column(_array(mov.chain)[module_units],
+               np.where(cols._is_param[tensor_units] | tensor_moves, _array(cols.nbytes)[tensor_units], zero)),
+        column(_array(cols.sum_numel)[b] - _array(cols.sum_numel)[a], _array(cols.numel)[tensor_units]),
+        column(np.full(m, -1), tensor_units),
+    )
+    found._arrays["name"] = names
+    return found
 
 
-def groups(g: ModelGraph, offload_buffers: bool = False) -> list[Group]:
+def groups(g: ModelGraph, offload_buffers: bool = False) -> Groups:
     """Units united by tie groups (shared tensors and declared ties), ordered by their first unit.
 
-    Built once per graph and setting (every strategy asks, ``auto`` several times); each call returns a new list.
+    Built once per graph and setting (every strategy asks, ``auto`` several times); immutable, so shared.
     """
     cache = columns(g).cache
     if ("groups", offload_buffers) not in cache:
         cache["groups", offload_buffers] = _groups(g, offload_buffers)
-    return list(cache["groups", offload_buffers])
+    return cache["groups", offload_buffers]
 
 
 @gc_paused()
-def _groups(g: ModelGraph, offload_buffers: bool) -> list[Group]:
+def _groups(g: ModelGraph, offload_buffers: bool) -> Groups:
     found = units(g, offload_buffers)
+    n = len(found)
+    node = _array(found.node)
     if not g.all_tie_groups():  # every unit is a group of its own
-        return [_new_row(Group, ((u,), u.size, u.offload, u.pinned, u.stream, u.numel, u.node < 0)) for u in found]
-    position = {u.name: k for k, u in enumerate(found)}
+        every = _ints(np.arange(n, dtype=np.int64))
+        return Groups(found, every, found.size, found.offload, found.pinned, found.stream, found.numel,
+                      (node < 0).tolist(), every)
+    label = _tie_roots(found, g.all_tie_groups())
+    # groups in the order of their first unit: number each root by where it first appears
+    roots, first_seen, label = np.unique(label, return_index=True, return_inverse=True)
+    rank = np.empty(len(roots), dtype=np.int64)
+    rank[np.argsort(first_seen, kind="stable")] = np.arange(len(roots))
+    label = rank[label]
+    members = np.argsort(label, kind="stable")
+    count = np.bincount(label, minlength=len(roots))
+    start = np.concatenate([[0], np.cumsum(count)[:-1]])
+
+    def total(values, at=np.add.at):
+        values = _array(values)
+        out = np.zeros(len(roots), dtype=values.dtype) if values.dtype != object else np.array([0] * len(roots),
+                                                                                             dtype=object)
+        at(out, label, values)
+        return _ints(out) if out.dtype != object else out.tolist()
+
+    resident_only = np.zeros(len(roots), dtype=bool)
+    np.logical_or.at(resident_only, label, node < 0)
+    return Groups(found, _ints(members), total(found.size), total(found.offload), total(found.pinned),
+                  total(found.stream, np.maximum.at), total(found.numel), resident_only.tolist(), _ints(start))
+
+
+def _tie_roots(found: Units, tie_groups) -> np.ndarray:
+    """For each unit, a representative of the units it is tied to (union-find over the tie groups; a tied name
+    belongs to the unit that is it or holds it)."""
+    position = {name: k for k, name in enumerate(found.name)}
     parent = list(range(len(found)))
 
     def root(k: int) -> int:
@@ -128,17 +270,8 @@ def _groups(g: ModelGraph, offload_buffers: bool) -> list[Group]:
                 return None
             name = name.rpartition(".")[0]
 
-    for group in g.all_tie_groups():
+    for group in tie_groups:
         members = [k for k in (unit_of(n) for n in group) if k is not None]
         for k in members[1:]:
             parent[root(k)] = root(members[0])
-    bucket: dict[int, list[Unit]] = {}
-    for k, u in enumerate(found):
-        bucket.setdefault(root(k), []).append(u)
-    return [
-        _new_row(Group, ((us[0],), us[0].size, us[0].offload, us[0].pinned, us[0].stream, us[0].numel, us[0].node < 0))
-        if len(us) == 1 else
-        Group(tuple(us), sum(u.size for u in us), sum(u.offload for u in us), sum(u.pinned for u in us),
-              max(u.stream for u in us), sum(u.numel for u in us), any(u.node < 0 for u in us))
-        for _, us in sorted(bucket.items(), key=lambda kv: position[kv[1][0].name])
-    ]
+    return np.array([root(k) for k in range(len(found))], dtype=np.int64)

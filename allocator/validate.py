@@ -33,11 +33,15 @@ def normalize_map(device_map) -> dict:
             f"device_map must be a dict of module names to devices, got {type(device_map).__name__}."
         )
     try:  # a map has few distinct values: normalise each once (type too: True == 1, but True is no device)
-        distinct = {(type(value), value) for value in device_map.values()}
+        values = device_map.values()
+        if set(map(type, values)) <= {int, str}:   # the usual map: no value equals one of another type
+            distinct = {(type(value), value) for value in set(values)}
+        else:
+            distinct = set(zip(map(type, values), values))
         canonical = {kind: normalize_device(kind[1]) for kind in distinct}
     except (TypeError, InvalidBudget):  # unhashable or bad values: the loop below names the key
         canonical = None
-    if canonical is not None and all(isinstance(key, str) for key in device_map):
+    if canonical is not None and all(issubclass(kind, str) for kind in set(map(type, device_map))):
         if all(type(c) is kind and c == value for (kind, value), c in canonical.items()):
             return dict(device_map)
         return {key: canonical[type(value), value] for key, value in device_map.items()}
@@ -83,9 +87,11 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     g = problem.graph
     device_map = normalize_map(device_map)
     found: list[Violation] = []
-    for key in device_map:
-        if key and key not in g.node_index and key not in g.tensor_index:
-            found.append(Violation("unknown-key", f"{key!r} names no module or tensor of {g.model_class}."))
+    lone = device_map.keys() - g.node_index.keys()   # keys that name no module (a set difference: no Python step)
+    if lone:
+        for key in device_map:
+            if key and key in lone and key not in g.tensor_index:
+                found.append(Violation("unknown-key", f"{key!r} names no module or tensor of {g.model_class}."))
     runs = map_runs(g, device_map)
     uncovered = [run for run in runs if run.device is None]
     if uncovered:
@@ -95,7 +101,7 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
             "coverage", f"{count} tensors have no device, e.g. {names}; map them or a parent module."
         ))
     found += _no_split(problem, runs)
-    found += _unhooked(problem, device_map)
+    found += _unhooked(problem, device_map, lone)
     for group in g.all_tie_groups():
         where = {n: device_of(n, device_map) for n in group}
         if len(set(where.values()) - {None}) > 1:
@@ -120,13 +126,13 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     return found, memory
 
 
-def _unhooked(problem: Problem, device_map: dict) -> list[Violation]:
+def _unhooked(problem: Problem, device_map: dict, lone) -> list[Violation]:
     """Offloaded tensors named by their own key: ``dispatch_model`` hooks modules named in the map, never single
     tensors, so such a tensor is never loaded (it stays on meta: wrong outputs, or a device error)."""
     g = problem.graph
     main = main_device(device_map.values())
     offloaded = offloaded_devices(main) if len(set(device_map.values())) > 1 or "disk" in device_map.values() else ()
-    bad = [k for k, d in device_map.items() if d in offloaded and k not in g.node_index and k in g.tensor_index]
+    bad = [k for k, d in device_map.items() if k in lone and d in offloaded and k in g.tensor_index] if lone else []
     if not bad:
         return []
     return [Violation("unhooked", f"{len(bad)} offloaded tensors are mapped on their own, e.g. {bad[:3]}: accelerate "

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..budgets import Device
 from ..problem import Problem
-from ..runs import columns
+from ..runs import _array, columns
 from ..runtime import offloaded_devices, workspace
-from ..units import Group
+from ..units import Groups
 
-__all__ = ["Streams", "fill", "fill_to_fixed_point", "full_reserve", "main_candidates"]
+__all__ = ["Streams", "fill", "fill_to_fixed_point", "full_reserve", "main_candidates", "unit_map"]
 
 
 def main_candidates(problem: Problem) -> list[Device]:
@@ -34,51 +36,179 @@ def main_candidates(problem: Problem) -> list[Device]:
     return out + (["cpu"] if "cpu" in b.order else [])
 
 
-def fill(problem: Problem, groups: list[Group], main: Device, reserve: int) -> dict | None:
-    """Group name -> device, or ``None`` when some group fits nowhere under this main device and reserve."""
+def fill(problem: Problem, found: Groups, main: Device, reserve: int) -> list | None:
+    """The device of each group (in group order), or ``None`` when some group fits nowhere under this main device and
+    reserve. :func:`unit_map` turns the answer into a map of unit names.
+
+    Notes
+    -----
+    O(groups x devices), one pass over the group columns; no object per group.
+    """
     b = problem.budgets
     if main == "cpu":
         devices = ["cpu", "disk"]
     else:
         devices = [d for d in b.accelerators if b.order.index(d) >= b.order.index(main)] + ["cpu", "disk"]
-    devices = [d for d in devices if d in b.order]
-    targets = {"disk"} if main in ("cpu", "mps") else {"cpu", "disk"}
-    room = {d: (b.limit(d) if b.limit(d) is not None else math.inf) for d in devices}
-    room[main] -= reserve
+    devices = [d for d in devices if d in b.order]   # main first
+    targets = offloaded_devices(main)
+    room = [b.limit(d) if b.limit(d) is not None else math.inf for d in devices]
+    room[0] -= reserve
     # Generation: every device that runs something holds activations; the main device also the next-token scores.
     # A device left with negative room gets nothing, so it runs nothing and needs no workspace.
-    for d in devices:
+    for j, d in enumerate(devices):
         if d not in targets:
-            room[d] -= workspace(problem.graph, main=d == main)
-    if room[main] < 0:
+            room[j] -= workspace(problem.graph, main=d == main)
+    if room[0] < 0:
         return None
-    placed: dict = {}
-    # Groups too large to stream through the reserve must stay resident: seat them first, then fill in order.
-    must_stay = [grp for grp in groups if grp.stream > reserve or grp.resident_only]
-    rest = [grp for grp in groups if grp.stream <= reserve and not grp.resident_only]
+    # what an offloaded group takes from its target: its weights on cpu, and on disk only when disk has a budget
+    charges = [d == "cpu" or b.limit("disk") is not None for d in devices]
+    order, stays = _seating(found, reserve)
     # Buffers of groups still to place may all end up pinned on the main device: hold room for them until then.
-    room[main] -= sum(grp.pinned for grp in rest)
-    for group in must_stay + rest:
-        stays = group.stream > reserve or group.resident_only
-        if not stays:
-            room[main] += group.pinned
-        for d in devices:
-            if d in targets:
-                if stays:
+    room[0] -= int(found.array("pinned")[~stays].sum()) if len(stays) else 0
+    chosen = _FirstFit(found, order, stays, room, [d in targets for d in devices], charges).run()
+    if chosen is None:
+        return None
+    where = np.empty(len(chosen), dtype=np.int64)
+    where[order] = chosen
+    return list(map(devices.__getitem__, where.tolist()))
+
+
+class _FirstFit:
+    """First fit of groups, in seating order, over devices ``0..D-1`` (0 is the main device); the rules of
+    :func:`fill`, one group at a time in :meth:`step`.
+
+    Long stretches of groups that all go to one device are seated at once with numpy (:meth:`stretch`): assuming
+    the next groups go where the last one went, the rule each must pass (every earlier device refuses it, that
+    device takes it) is a comparison against prefix sums; the stretch ends at the first group that fails it, which
+    :meth:`step` then seats. Where stretches stay short, a burst of single steps runs before the next try, so the
+    worst case stays that of the plain loop.
+    """
+
+    BURST = 64     # single steps after a short stretch
+    SHORT = 16     # a stretch shorter than this is not worth the numpy calls
+
+    def __init__(self, found: Groups, order: np.ndarray, stays: np.ndarray, room: list, offloads: list[bool],
+                 charges: list[bool]):
+        self.room, self.offloads, self.charges = room, offloads, charges
+        arrays = [found.array(c) for c in ("pinned", "size", "offload")]
+        self.stay = stays[order]
+        self.pinned, self.size, self.offload = (a[order] for a in arrays)
+        # numpy stretches need int64 sums: the model's total well inside int64
+        total = sum(int(a.sum()) for a in arrays) if len(order) else 0
+        self.vector = all(a.dtype == np.int64 for a in arrays) and total < 2**60
+        self._lists: list | None = None   # the columns as Python lists, for single steps (made on the first)
+
+    def run(self) -> list[int] | None:
+        """The device index of each group in seating order, or ``None`` when one fits nowhere."""
+        n = len(self.stay)
+        chosen: list[int] = []
+        pos, last, window = 0, -1, 64
+        while pos < n:
+            if last >= 0 and self.vector:
+                stop = min(n, pos + window)
+                count = self.stretch(pos, stop, last)
+                chosen += [last] * count
+                pos += count
+                if pos == stop:
+                    window *= 2
                     continue
-                need = group.offload if d == "cpu" else (group.offload if b.limit("disk") is not None else 0)
-                if room[d] >= need and room[main] >= group.pinned:
-                    room[d] -= need
-                    room[main] -= group.pinned
-                    break
-            elif room[d] >= group.size:
-                room[d] -= group.size
-                break
+                window = 64
+                if count < self.SHORT:   # not paying: single steps for a while
+                    for _ in range(min(self.BURST, n - pos - 1)):
+                        last = self.step(pos)
+                        if last < 0:
+                            return None
+                        chosen.append(last)
+                        pos += 1
+            last = self.step(pos)
+            if last < 0:
+                return None
+            chosen.append(last)
+            pos += 1
+        return chosen
+
+    def step(self, k: int) -> int:
+        """Seat group ``k`` (seating order) on the first device with room; its index, or -1."""
+        if self._lists is None:
+            self._lists = [self.stay.tolist(), self.pinned.tolist(), self.size.tolist(), self.offload.tolist()]
+        stay, p, size, offload = (column[k] for column in self._lists)
+        room = self.room
+        if not stay:
+            room[0] += p
+        for j, target in enumerate(self.offloads):
+            if target:
+                if stay:
+                    continue
+                need = offload if self.charges[j] else 0
+                if room[j] >= need and room[0] >= p:
+                    room[j] -= need
+                    room[0] -= p
+                    return j
+            elif room[j] >= size:
+                room[j] -= size
+                return j
+        return -1
+
+    def stretch(self, a: int, b: int, j: int) -> int:
+        """Seat as many of groups ``a..b-1`` as go, one after another, to device ``j``; how many went."""
+        room = [_clamped(r) for r in self.room]
+        stay, pinned, size, offload = self.stay[a:b], self.pinned[a:b], self.size[a:b], self.offload[a:b]
+        back = np.where(stay, 0, pinned)          # what each gives back to the main device before it is seated
+        if self.offloads[j]:
+            if room[0] < 0:
+                return 0
+            main = room[0] + back                  # groups sent to a target give their pinned bytes back, then take them
+            need = offload if self.charges[j] else np.zeros_like(offload)
+            ok = ~stay & (room[j] - (np.cumsum(need) - need) >= need)
+        elif j == 0:
+            net = back - size
+            main = room[0] + np.cumsum(net) - net + back
+            ok = main >= size
         else:
-            return None
-        for unit in group.units:
-            placed[unit.name] = d
-    return placed
+            main = room[0] + np.cumsum(back)
+            ok = room[j] - (np.cumsum(size) - size) >= size
+        for i in range(j):   # every earlier device refuses
+            if i == 0:
+                ok &= main < size
+            elif self.offloads[i]:
+                ok &= stay | (room[i] < (offload if self.charges[i] else 0)) | (main < pinned)
+            else:
+                ok &= room[i] < size
+        count = len(ok) if ok.all() else int(np.argmin(ok))
+        if count:
+            if self.offloads[j]:
+                self.room[j] -= int(need[:count].sum())
+            elif j == 0:
+                self.room[0] += int(net[:count].sum())
+            else:
+                self.room[0] += int(back[:count].sum())
+                self.room[j] -= int(size[:count].sum())
+        return count
+
+
+def _clamped(room):
+    """A room as numpy compares it with int64 prefix sums below 2**60: exact, or clamped far beyond them."""
+    return min(max(room, -2**62), 2**62) if room != math.inf else room
+
+
+def _seating(found: Groups, reserve: int) -> tuple[np.ndarray, np.ndarray]:
+    """The order :func:`fill` seats groups in — those that must stay resident first (their streamed chain passes
+    the reserve, or they hold a lone tensor), then the rest, each in model order — and which must stay."""
+    stays = (found.array("stream") > reserve) | found.array("resident_only")
+    return np.concatenate([np.flatnonzero(stays), np.flatnonzero(~stays)]), stays
+
+
+def unit_map(found: Groups, where: list, reserve: int) -> dict:
+    """Unit name -> device from :func:`fill`'s answer, keys in the order the groups were seated."""
+    order, _ = _seating(found, reserve)
+    start = found.array("start")
+    count = np.diff(np.append(start, len(found.members)))[order]
+    # the members of the seated groups one after another: each group's run of ``members``, in seating order
+    at = np.repeat(start[order] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+    names = found.units.array("name")[found.array("members")[at]]
+    devices = np.empty(len(where), dtype=object)
+    devices[:] = where
+    return dict(zip(names.tolist(), np.repeat(devices[order], count).tolist()))
 
 
 def full_reserve(problem: Problem) -> int:
@@ -87,75 +217,78 @@ def full_reserve(problem: Problem) -> int:
 
 
 class Streams:
-    """What the offloaded units of a unit map stream at once on the main device, from the units alone.
+    """What the offloaded units of a fill stream at once on the main device, from the units alone.
 
-    Equal to :func:`allocator.runtime.streamed_chain` of the map, in O(units + split nodes) instead
-    of O(nodes + tensors): an offloaded module unit adds its own chain below its (split) parent, an offloaded tensor
-    unit adds its bytes to its module; chains are then folded up the split nodes.
+    Equal to :func:`allocator.runtime.streamed_chain` of the unit map, without building it: an offloaded module unit
+    adds its own chain below its (split) parent, an offloaded tensor unit adds its bytes to its module; chains are
+    then folded up the split nodes, a level of the tree at a time.
     """
 
-    def __init__(self, problem: Problem, groups: list[Group]):
+    def __init__(self, problem: Problem, found: Groups):
         g = problem.graph
-        parents = g.nodes.parent
-        self.modules: list[tuple[str, int, int]] = []   # (unit name, parent node or -1, its chain)
-        self.tensors: list[tuple[str, int, int]] = []   # (unit name, its module, bytes streamed)
-        split: set[int] = set()
-        for group in groups:
-            for unit in group.units:
-                if unit.node >= 0:
-                    parent = parents[unit.node]
-                    self.modules.append((unit.name, parent, unit.stream))
-                else:
-                    parent = g.tensors.module[g.tensor_index[unit.name]]
-                    self.tensors.append((unit.name, parent, unit.stream))
-                while parent >= 0 and parent not in split:
-                    split.add(parent)
-                    parent = parents[parent]
-        self.split = sorted(split, reverse=True)  # children before parents (preorder indices, reversed)
-        self.parent = {i: parents[i] for i in self.split}
+        cols = columns(g)
+        u = found.units
+        node, tensor = _array(u.node), _array(u.tensor)
+        self.is_module = node >= 0
+        module = _array(cols.module)
+        self.parent = np.where(self.is_module, cols._parents[np.maximum(node, 0)],
+                               module[np.maximum(tensor, 0)] if len(module) else -1) if len(u) else node
+        self.stream = _array(u.stream)
+        # the group of each unit
+        self.group = np.empty(len(u), dtype=np.int64)
+        start = _array(found.start)
+        self.group[_array(found.members)] = np.repeat(np.arange(len(found)), np.diff(np.append(start, len(u))))
+        # split nodes: every ancestor of a unit, folded a level at a time from the deepest
+        split = np.zeros(len(g.nodes), dtype=bool)
+        split[self.parent[self.parent >= 0]] = True
+        self.levels = []
+        for level in cols.levels[:-1]:   # deepest first, the root's level left out
+            level = level[split[level]]
+            if len(level):
+                split[cols._parents[level]] = True
+                self.levels.append((level, cols._parents[level]))
+        self.nodes = len(g.nodes)
 
-    def reserve(self, placed: dict, offloaded) -> int:
-        below: dict[int, int] = dict.fromkeys(self.split, 0)
-        own: dict[int, int] = dict.fromkeys(self.split, 0)
-        top = 0  # a module unit that is the whole model
-        for name, parent, chain in self.modules:
-            if chain and placed[name] in offloaded:
-                if parent < 0:
-                    top = max(top, chain)
-                elif chain > below[parent]:
-                    below[parent] = chain
-        for name, module, nbytes in self.tensors:
-            if nbytes and placed[name] in offloaded:
-                own[module] += nbytes
-        for i in self.split:
-            best = own[i] + below[i]
-            parent = self.parent[i]
-            if parent < 0:
-                top = max(top, best)
-            elif best > below[parent]:
-                below[parent] = best
-        return top
+    def reserve(self, where: list, offloaded) -> int:
+        """The streamed chain of the units of groups whose device in ``where`` (:func:`fill`) is ``offloaded``."""
+        if not len(self.group):
+            return 0
+        flags = {d: d in offloaded for d in set(where)}
+        off = np.fromiter(map(flags.__getitem__, where), dtype=bool, count=len(where))[self.group]
+        zero = np.zeros(self.nodes, dtype=self.stream.dtype)
+        below, own = zero, zero.copy()
+        modules = off & self.is_module
+        top = self.stream[modules & (self.parent < 0)]
+        top = max(top.tolist(), default=0)   # a module unit that is the whole model
+        modules &= self.parent >= 0
+        np.maximum.at(below, self.parent[modules], self.stream[modules])
+        tensors = off & ~self.is_module
+        np.add.at(own, self.parent[tensors], self.stream[tensors])
+        for level, parents in self.levels:
+            np.maximum.at(below, parents, own[level] + below[level])
+        return max(top, int(own[0] + below[0]) if self.nodes else 0)
 
 
-def fill_to_fixed_point(problem: Problem, groups: list[Group], main: Device, reserve: int, rounds: int = 8,
+def fill_to_fixed_point(problem: Problem, found: Groups, main: Device, reserve: int, rounds: int = 8,
                         streams: Streams | None = None, memo: dict | None = None):
     """``fill`` then raise the reserve to what the offloaded units really stream together (a parent's hook stays
-    active while its children run), until it holds. Returns ``(placed, reserve)`` or ``(None, reserve)``.
+    active while its children run), until it holds. Returns ``(where, reserve)`` (``where``: :func:`fill`'s device of
+    each group; :func:`unit_map` of both is the plan) or ``(None, reserve)``.
 
     ``streams`` (:class:`Streams` of these groups) and ``memo`` (a dict kept across calls with the same groups) only
     save work: a fill for a (main, reserve) already tried is not redone."""
-    streams = streams or Streams(problem, groups)
+    streams = streams or Streams(problem, found)
     offloaded = offloaded_devices(main)
     memo = {} if memo is None else memo
     for _ in range(rounds):
         key = (main, reserve)
         if key not in memo:
-            placed = fill(problem, groups, main, reserve)
-            memo[key] = placed, (None if placed is None else streams.reserve(placed, offloaded))
-        placed, actual = memo[key]
-        if placed is None:
+            where = fill(problem, found, main, reserve)
+            memo[key] = where, (None if where is None else streams.reserve(where, offloaded))
+        where, actual = memo[key]
+        if where is None:
             return None, reserve
         if actual <= reserve:
-            return placed, reserve
+            return where, reserve
         reserve = actual
     return None, reserve

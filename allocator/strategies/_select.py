@@ -7,7 +7,8 @@ from ..cost import Cost, estimate
 from ..errors import InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runtime import Recent
+from ..runs import columns
+from ..runtime import Recent, map_runs
 from ..validate import _fmt, check
 
 __all__ = ["score", "priced", "best_of", "infeasible"]
@@ -35,15 +36,11 @@ def score(problem: Problem, device_map) -> tuple[float, int, int]:
 
 
 def _quick(problem: Problem, placed) -> int:
-    """Bytes a unit map keeps on the fastest tier, from the unit names alone (orders the checks)."""
-    g = problem.graph
+    """Bytes a unit map keeps on the fastest tier (orders the checks), from its runs (:func:`map_runs`, which the
+    check and the price of the map then find made)."""
     fast = set(problem.budgets.accelerators) or {"cpu"}
-    total = 0
-    for name, device in placed.items():
-        if device in fast:
-            i = g.node_index.get(name)
-            total += g.size[i] if i is not None else g.tensors[g.tensor_index[name]].counted
-    return total
+    counted = columns(problem.graph).sum_counted
+    return sum(counted[run.end] - counted[run.start] for run in map_runs(problem.graph, placed) if run.device in fast)
 
 
 def best_of(problem: Problem, candidates, strategy: str) -> Placement:
@@ -53,16 +50,25 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     priced with :func:`allocator.cost.estimate`.
     """
     ranked = sorted(((_quick(problem, placed), k) for k, (placed, _) in enumerate(candidates)), reverse=True)
+    # With at most PRICED candidates every valid one is priced, so only a candidate that would become the best needs
+    # its check (the same answer, one check instead of one per candidate); with more, the first PRICED valid ones
+    # (in ranked order) are priced, so each is checked on the way.
+    lazy = len(candidates) <= PRICED
     best, priced = None, 0
     for _, k in ranked:
         if priced >= PRICED:
             break
         placed, note = candidates[k]
         device_map = clean_device_map(placed) if problem.options.clean_result else dict(placed)
-        if check(problem, device_map)[0]:
-            continue
-        priced += 1
-        key = score(problem, device_map)
+        if lazy:
+            key = score(problem, device_map)
+            if best is not None and key <= best[0] or check(problem, device_map)[0]:
+                continue
+        else:
+            if check(problem, device_map)[0]:
+                continue
+            priced += 1
+            key = score(problem, device_map)
         if best is None or key > best[0]:
             best = (key, device_map, note)
     if best is None:

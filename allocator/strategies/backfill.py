@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ._fill import Streams, fill_to_fixed_point, main_candidates
+from ._fill import Streams, fill_to_fixed_point, main_candidates, unit_map
 from ._select import best_of
 
 __all__ = ["place"]
@@ -23,10 +23,11 @@ __all__ = ["place"]
 def place(problem: Problem, **_) -> Placement:
     """Place by first fit with a static streaming reserve (the largest streamed size of an offloadable group)."""
     found = groups(problem.graph, problem.options.offload_buffers)
-    start = max((grp.stream for grp in found if not grp.resident_only), default=0)
+    offloadable = found.array("stream")[~found.array("resident_only")]
+    start = int(offloadable.max()) if len(offloadable) else 0
     candidates, streams, memo = [], Streams(problem, found), {}
     for main in main_candidates(problem):
-        placed, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
-        if placed is not None:
-            candidates.append((placed, f"main {main!r}, reserve {reserve} B"))
+        where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
+        if where is not None:
+            candidates.append((unit_map(found, where, reserve), f"main {main!r}, reserve {reserve} B"))
     return best_of(problem, candidates, "backfill")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ._fill import Streams, fill_to_fixed_point, full_reserve, main_candidates
+from ._fill import Streams, fill_to_fixed_point, full_reserve, main_candidates, unit_map
 from ._select import best_of
 
 __all__ = ["place"]
@@ -28,13 +28,15 @@ MAX_CANDIDATES = 64
 def place(problem: Problem, **_) -> Placement:
     """Place by first fit, trying every streaming reserve that some unit's offload would need."""
     found = groups(problem.graph, problem.options.offload_buffers)
-    sizes = sorted({grp.stream for grp in found} | {0, full_reserve(problem)})
+    sizes = sorted({*found.stream, 0, full_reserve(problem)})
     if len(sizes) > MAX_CANDIDATES:
         sizes = sizes[:1] + sizes[-(MAX_CANDIDATES - 1):]
-    candidates, streams, memo = [], Streams(problem, found), {}
+    candidates, streams, memo, maps = [], Streams(problem, found), {}, {}
     for main in main_candidates(problem):
         for start in sizes:
-            placed, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
-            if placed is not None:
-                candidates.append((placed, f"main {main!r}, reserve {reserve} B"))
+            where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
+            if where is not None:
+                if (main, reserve) not in maps:   # several starts may settle on one reserve: one map
+                    maps[main, reserve] = unit_map(found, where, reserve)
+                candidates.append((maps[main, reserve], f"main {main!r}, reserve {reserve} B"))
     return best_of(problem, candidates, "reserve")
