@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import bisect
 import logging
+from operator import itemgetter
+
+import numpy as np
 
 from ..errors import UnsupportedByAccelerate
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
+from ..runs import _array, columns
 
 __all__ = ["place"]
 
@@ -37,7 +41,30 @@ class _Tree:
         g = problem.graph
         self.g = g
         self.no_split_classes = g.no_split_declared  # accelerate sees only what is declared, never inferred blocks
-        self._layer: dict[int, tuple[float, list[str]]] = {}
+        self._layer: dict[int, tuple[float, list[int]]] = {}
+        cols = columns(g)
+        self._first, self._last, self._end, self._module = cols.first, cols.last, cols.end, cols.module
+        self._cache = None
+
+    def entry_size(self, entry) -> float:
+        """:meth:`size` of an entry, from its index (the same value, without looking its name up)."""
+        idx = entry[1]
+        if idx >= 0:
+            return self.g.size_accelerate[idx]
+        t = ~idx
+        tensors = self.g.tensors
+        return tensors.nbytes_accelerate[t] if tensors.canonical[t] == t else 0
+
+    def span(self, entry) -> tuple[int, int]:
+        """Where an entry and everything under it (the names ``name`` and ``name.``...) sit in one order of every
+        module and tensor: preorder, each module followed by its own tensors, then its children. Node ``i`` sits at
+        ``i + first[i]`` (the nodes and tensors before it); tensor ``t`` of module ``m`` at ``m + 1 + t``."""
+        idx = entry[1]
+        if idx >= 0:
+            return idx + self._first[idx], self._end[idx] + self._last[idx]
+        t = ~idx
+        at = self._module[t] + 1 + t
+        return at, at + 1
 
     def size(self, name: str) -> float:
         """accelerate's ``module_sizes[name]`` (0 for a name it does not know): a tensor's bytes unless it shares an
@@ -68,18 +95,73 @@ class _Tree:
         _, idx = entry
         return idx >= 0 and self.g.nodes.cls[idx] in self.no_split_classes
 
-    def layer(self, entry) -> tuple[float, list[str]]:
-        """Largest no-split layer under an entry and all names that reach it (``get_max_layer_size``)."""
-        name, idx = entry
+    def layer(self, entry) -> tuple[float, list[int]]:
+        """Largest no-split layer under an entry and all entries that reach it (``get_max_layer_size``), these by
+        their place in :meth:`span`'s order."""
+        idx = entry[1]
         nodes = self.g.nodes
         if idx < 0 or nodes.end[idx] == idx + 1 or nodes.cls[idx] in self.no_split_classes:
-            return self.size(name), [name]
+            return self.entry_size(entry), [self.span(entry)[0]]
         if idx not in self._layer:
-            self._layer[idx] = _fold(self.layer(c) for c in self.children(entry))
+            self._layer[idx] = self.fold(self.children(entry))
         return self._layer[idx]
 
-    def max_layer(self, entries) -> tuple[float, list[str]]:
-        return _fold(self.layer(e) for e in entries)
+    def max_layer(self, entries) -> tuple[float, _Names]:
+        size, found = self.fold(entries)
+        return size, _Names(found)
+
+    def fold(self, entries: list) -> tuple[float, list[int]]:
+        """``_fold`` of :meth:`layer` over ``entries``; with many, the entries that are a layer of their own
+        (tensors, leaves, no-split modules) are read from numpy columns instead of one call each."""
+        if len(entries) < 64:
+            return _fold(self.layer(e) for e in entries)
+        arrays = self._arrays()
+        if arrays is None:   # sizes a float64 may not hold exactly
+            return _fold(self.layer(e) for e in entries)
+        size_of, whole_node, first, end, last, module, tensor_size = arrays
+        idx = np.fromiter(map(itemgetter(1), entries), dtype=np.int64, count=len(entries))
+        node = idx >= 0
+        t = np.where(node, 0, ~idx)
+        whole = ~node | whole_node[np.where(node, idx, 0)]
+        sizes = np.where(node, size_of[np.where(node, idx, 0)], tensor_size[t] if len(tensor_size) else 0.0)
+        places = np.where(node, idx + first[np.where(node, idx, 0)], module[t] + 1 + t if len(module) else 0)
+        below: dict[int, list[int]] = {}
+        for k in np.flatnonzero(~whole).tolist():   # split modules: their own (memoised) fold
+            sizes[k], below[k] = self.layer(entries[k])
+        best = sizes.max()
+        if best <= 0:   # _fold keeps its initial 0 and gathers every entry
+            best, at = 0, np.arange(len(entries))
+        else:
+            at = np.flatnonzero(sizes == best)
+            first_best = entries[int(at[0])]
+            best = self.layer(first_best)[0] if int(at[0]) in below else self.entry_size(first_best)
+        if not below:
+            return best, places[at].tolist()
+        found: list[int] = []
+        for k in at.tolist():
+            if k in below:
+                found += below[k]
+            else:
+                found.append(int(places[k]))
+        return best, found
+
+    def _arrays(self):
+        """Columns for :meth:`fold` (sizes as float64, exact below 2**53), made once; ``None`` if a size is not."""
+        if self._cache is None:
+            g = self.g
+            size_of = np.array(g.size_accelerate, dtype=np.float64)
+            tensors = g.tensors
+            canonical = _array(tensors.canonical)
+            tensor_size = np.where(canonical == np.arange(len(canonical)),
+                                   np.array(tensors.nbytes_accelerate, dtype=np.float64), 0.0)
+            n = len(g.nodes)
+            end = _array(self._end)
+            whole_node = (end == np.arange(1, n + 1)) | np.fromiter(map(self.no_split_classes.__contains__,
+                                                                        g.nodes.cls), dtype=bool, count=n)
+            exact = (size_of.max(initial=0) < 2**53) and (tensor_size.max(initial=0) < 2**53)
+            self._cache = (size_of, whole_node, _array(self._first)[:-1], end, _array(self._last),
+                           _array(self._module), tensor_size) if exact else False
+        return self._cache or None
 
 
 class _Queue:
@@ -116,16 +198,18 @@ class _Queue:
 
 
 class _Names:
-    """The names realising the largest layer; only emptiness and removal of a subtree matter.
+    """The entries realising the largest layer (by place in :meth:`_Tree.span`'s order); only emptiness and removal
+    of what sits under a taken entry matter.
 
-    Sorted and bisected; removed names are skipped through path-compressed "next live name" pointers instead of
-    deleted (deleting from the middle of a list of n names costs O(n) each time: quadratic on a flat stack).
+    Sorted and bisected; removed places are skipped through path-compressed "next live place" pointers instead of
+    deleted (deleting from the middle of a list of n places costs O(n) each time: quadratic on a flat stack).
     """
 
-    def __init__(self, names):
-        self._sorted = sorted(names)
+    def __init__(self, places):
+        self._sorted = sorted(places)
         self._next = list(range(len(self._sorted) + 1))  # the first live position at or after each position
         self._live = len(self._sorted)
+        self._head = 0   # no live position before it: entries are mostly taken in order, so mostly the one removed
 
     def __bool__(self) -> bool:
         return self._live > 0
@@ -139,19 +223,33 @@ class _Names:
             nxt[k], k = root, nxt[k]
         return root
 
-    def discard_subtree(self, name: str) -> None:
-        """Drop ``name`` and every name under it (``name.``...), in O(log n) plus what is removed (amortised)."""
-        for low, high in ((name, name + "\x00"), (name + ".", name + "/")):
-            i = bisect.bisect_left(self._sorted, low)
-            j = bisect.bisect_left(self._sorted, high)
-            k = self._find(i)
-            while k < j:
+    def discard(self, low: int, high: int) -> None:
+        """Drop the places ``low`` to ``high - 1`` (an entry and what is under it), in O(log n) plus what is removed
+        (amortised)."""
+        places, nxt, k = self._sorted, self._next, self._head
+        if nxt[k] != k:
+            k = self._head = self._find(k)
+        if k == len(places) or places[k] >= high:   # every live place is past the range
+            return
+        if places[k] >= low:   # nothing live before ``low``: remove from the head on
+            while k < len(places) and places[k] < high:
                 self._live -= 1
-                self._next[k] = k + 1
+                nxt[k] = k + 1
                 k = self._find(k + 1)
+            self._head = k
+            return
+        i = bisect.bisect_left(places, low)
+        if i == len(places) or places[i] >= high:
+            return
+        j = bisect.bisect_left(places, high, i)
+        k = self._find(i)
+        while k < j:
+            self._live -= 1
+            self._next[k] = k + 1
+            k = self._find(k + 1)
 
 
-def _fold(results) -> tuple[float, list[str]]:
+def _fold(results) -> tuple[float, list]:
     best, names = 0, []
     for size, found in results:
         if size > best:
@@ -248,29 +346,29 @@ def place(problem: Problem, **_) -> Placement:
     main_devices = ["mps"] if "mps" in gpus else ([gpus[0], "cpu"] if gpus else ["cpu"])
     tied_groups = [list(group) for group in g.tied_groups]
 
-    root = g.nodes[0]
-    entries = [(g.tensors[t].name, ~t) for t in root.params]
+    nodes, tensor_names = g.nodes, g.tensors.name
+    params = range(nodes.first[0], nodes.first[0] + nodes.n_params[0])   # the root's (no record: 200k children)
+    buffers = range(params.stop, params.stop + nodes.n_buffers[0])
+    entries = [(tensor_names[t], ~t) for t in params]
     entries += tree.children(("", 0))
-    entries += [(g.tensors[t].name, ~t) for t in root.buffers]
+    entries += [(tensor_names[t], ~t) for t in buffers]
 
     device_map: dict = {}
     current = 0
     used = {d: 0 for d in devices}
     minimum: dict = {}
     notes: list[str] = []
-    max_layer, found_names = tree.max_layer(entries)
-    max_names = _Names(found_names)
+    max_layer, max_names = tree.max_layer(entries)
     entries = _Queue(entries)
 
     while entries:
         entry = entries.pop()
         name = entry[0]
-        max_names.discard_subtree(name)
+        max_names.discard(*tree.span(entry))
         if not max_names:
-            max_layer, found_names = tree.max_layer(entries.modules())
-            max_names = _Names(found_names)
-        module_size = tree.size(name)
-        partners = _tie_partners(name, tied_groups)
+            max_layer, max_names = tree.max_layer(entries.modules())
+        module_size = tree.entry_size(entry)
+        partners = _tie_partners(name, tied_groups) if tied_groups else ()
 
         device = devices[current]
         limit = limits[device] if device != "disk" else None
@@ -278,7 +376,8 @@ def place(problem: Problem, **_) -> Placement:
         if device in main_devices:
             limit = limit - max_layer
             reserved = max_layer
-        size_with_ties, tied_entries = _with_ties(tree, partners, module_size, entries.in_order() if partners else ())
+        size_with_ties, tied_entries = _with_ties(tree, partners, module_size, entries.in_order()) if partners \
+            else (module_size, ())
 
         if limit is None or used[device] + size_with_ties <= limit:
             used[device] += size_with_ties
@@ -297,8 +396,7 @@ def place(problem: Problem, **_) -> Placement:
                     continue
                 entries.replace(tied, tree.split(tied))
                 entries.push([entry])
-                max_layer, found_names = tree.max_layer(entries.modules())
-                max_names = _Names(found_names)
+                max_layer, max_names = tree.max_layer(entries.modules())
                 split = True
                 break
             if split:
@@ -307,8 +405,7 @@ def place(problem: Problem, **_) -> Placement:
         if used[device] + module_size >= limit:
             if tree.children(entry) and not tree.no_split(entry):
                 entries.push(tree.split(entry))
-                max_layer, found_names = tree.max_layer(entries.modules())
-                max_names = _Names(found_names)
+                max_layer, max_names = tree.max_layer(entries.modules())
                 continue
 
         if used[device] == 0 and opts.fallback_allocation and device != "disk":
