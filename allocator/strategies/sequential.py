@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import UnsupportedByAccelerate
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runs import _array, columns
+from ..runs import _array
 
 __all__ = ["place"]
 
@@ -42,8 +42,7 @@ class _Tree:
         self.g = g
         self.no_split_classes = g.no_split_declared  # accelerate sees only what is declared, never inferred blocks
         self._layer: dict[int, tuple[float, list[int]]] = {}
-        cols = columns(g)
-        self._first, self._last, self._end, self._module = cols.first, cols.last, cols.end, cols.module
+        self._first, self._end, self._module = g.nodes.first, g.nodes.end, g.tensors.module
         self._cache = None
 
     def entry_size(self, entry) -> float:
@@ -61,7 +60,8 @@ class _Tree:
         ``i + first[i]`` (the nodes and tensors before it); tensor ``t`` of module ``m`` at ``m + 1 + t``."""
         idx = entry[1]
         if idx >= 0:
-            return idx + self._first[idx], self._end[idx] + self._last[idx]
+            end = self._end[idx]   # the subtree's tensors end where the next node's start (or at the last tensor)
+            return idx + self._first[idx], end + (self._first[end] if end < len(self._end) else len(self._module))
         t = ~idx
         at = self._module[t] + 1 + t
         return at, at + 1
@@ -113,12 +113,12 @@ class _Tree:
     def fold(self, entries: list) -> tuple[float, list[int]]:
         """``_fold`` of :meth:`layer` over ``entries``; with many, the entries that are a layer of their own
         (tensors, leaves, no-split modules) are read from numpy columns instead of one call each."""
-        if len(entries) < 64:
+        if len(entries) < 1024:   # numpy pays from about a thousand entries on
             return _fold(self.layer(e) for e in entries)
         arrays = self._arrays()
         if arrays is None:   # sizes a float64 may not hold exactly
             return _fold(self.layer(e) for e in entries)
-        size_of, whole_node, first, end, last, module, tensor_size = arrays
+        size_of, whole_node, first, module, tensor_size = arrays
         idx = np.fromiter(map(itemgetter(1), entries), dtype=np.int64, count=len(entries))
         node = idx >= 0
         t = np.where(node, 0, ~idx)
@@ -159,8 +159,8 @@ class _Tree:
             whole_node = (end == np.arange(1, n + 1)) | np.fromiter(map(self.no_split_classes.__contains__,
                                                                         g.nodes.cls), dtype=bool, count=n)
             exact = (size_of.max(initial=0) < 2**53) and (tensor_size.max(initial=0) < 2**53)
-            self._cache = (size_of, whole_node, _array(self._first)[:-1], end, _array(self._last),
-                           _array(self._module), tensor_size) if exact else False
+            self._cache = (size_of, whole_node, _array(self._first), _array(self._module), tensor_size) \
+                if exact else False
         return self._cache or None
 
 
