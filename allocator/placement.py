@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import repeat
 
 from .budgets import Device
 
@@ -36,7 +35,7 @@ def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") ->
     >>> clean_device_map({"a.x": 0, "a.y": 0, "b": "cpu"})
     {'a': 0, 'b': 'cpu'}
     """
-    if not module_name and "" not in device_map and not any(map(str.__contains__, device_map, repeat("."))):
+    if not module_name and "" not in device_map and "." not in "".join(device_map):
         # one level of names (a flat stack): all of them become "" when they share one device, else nothing merges
         devices = set(device_map.values())
         return {"": next(iter(devices))} if len(devices) == 1 and len(device_map) > 1 else dict(device_map)

@@ -63,7 +63,26 @@ class Group(_Record):
         return tuple(u.name for u in self.units)
 
 
-class Units(_Table):
+class _Arrays(_Table):
+    """A table whose columns are also given as numpy arrays, each made once (:meth:`array`)."""
+
+    __slots__ = ()
+    _kinds: ClassVar[dict[str, type]] = {}   # columns that are not integers: their numpy dtype
+
+    def __init__(self, *columns):
+        super().__init__(*columns)
+        object.__setattr__(self, "_arrays", {})
+
+    def array(self, column: str) -> np.ndarray:
+        """A column as a numpy array: int64 (Python ints where a value passes int64), or the dtype of ``_kinds``."""
+        cache = self._arrays
+        if column not in cache:
+            values = getattr(self, column)
+            cache[column] = np.array(values, dtype=self._kinds[column]) if column in self._kinds else _array(values)
+        return cache[column]
+
+
+class Units(_Arrays):
     """The units of a graph in definition order, one column per field of :class:`Unit`; ``units[k]`` is a
     :class:`Unit`. The ``tensor`` column holds the tensor index of a tensor unit (-1 for a module unit)."""
 
@@ -71,25 +90,14 @@ class Units(_Table):
     _columns: ClassVar[tuple[str, ...]] = __slots__[:-1]
     _what = "units"
 
-    def __init__(self, *columns):
-        super().__init__(*columns)
-        object.__setattr__(self, "_arrays", {})   # numpy views of columns, made on first use (array)
-
-    def array(self, column: str) -> np.ndarray:
-        """A column as a numpy array (names as an object array; int64, or Python ints where a value passes int64),
-        made once."""
-        cache = self._arrays
-        if column not in cache:
-            values = getattr(self, column)
-            cache[column] = np.array(values, dtype=object) if column == "name" else _array(values)
-        return cache[column]
+    _kinds = {"name": object}
 
     def _row(self, k: int) -> Unit:
         return _new_row(Unit, (self.name[k], self.node[k], self.size[k], self.offload[k], self.pinned[k],
                                self.stream[k], self.numel[k]))
 
 
-class Groups(_Table):
+class Groups(_Arrays):
     """Tie groups of units, ordered by their first unit, one column per field of :class:`Group` but ``units``;
     ``groups[k]`` is a :class:`Group`. Group ``k`` holds the units ``members[start[k]:start[k + 1]]`` (indices into
     ``units``, the last group's run ends at ``len(members)``), in model order."""
@@ -98,20 +106,12 @@ class Groups(_Table):
                  "_arrays")
     _columns: ClassVar[tuple[str, ...]] = __slots__[:7]
     _what = "groups"
+    _kinds = {"resident_only": bool}
 
     def __init__(self, units: Units, members, *columns):
         super().__init__(*columns)
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "members", _frozen(members))
-        object.__setattr__(self, "_arrays", {})   # numpy views of columns, made on first use (array)
-
-    def array(self, column: str) -> np.ndarray:
-        """A column as a numpy array (int64 or bool; Python ints where a value passes int64), made once."""
-        cache = self._arrays
-        if column not in cache:
-            values = getattr(self, column)
-            cache[column] = np.array(values, dtype=bool) if column == "resident_only" else _array(values)
-        return cache[column]
 
     def member_range(self, k: int) -> range:
         """Positions in ``members`` of group ``k``'s units."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from itertools import filterfalse
 
 from .budgets import normalize_device
 from .errors import InvalidBudget, InvalidDeviceMap
@@ -87,7 +88,7 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     g = problem.graph
     device_map = normalize_map(device_map)
     found: list[Violation] = []
-    lone = device_map.keys() - g.node_index.keys()   # keys that name no module (a set difference: no Python step)
+    lone = set(filterfalse(g.node_index.__contains__, device_map))   # keys that name no module (no Python step)
     if lone:
         for key in device_map:
             if key and key in lone and key not in g.tensor_index:
