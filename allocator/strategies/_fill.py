@@ -4,7 +4,12 @@ Given the main device ``M`` and a reserve ``R`` kept free on it for streamed wei
 order goes to the first device with room: accelerators from ``M`` on (earlier ones stay empty, else they would
 become main), then cpu, then disk. A group may be offloaded only if the weights its hooks materialise at once fit
 in ``R``; its buffers are charged to ``M``. Groups whose streamed chain exceeds ``R`` must stay resident, so they
-are seated first, as are lone tensors (accelerate cannot offload a tensor on its own). The result is always re-checked by :func:`allocator.validate.check`.
+are seated first, as are lone tensors (accelerate cannot offload a tensor on its own). The result is always
+re-checked by :func:`allocator.validate.check`.
+
+The fill reads the group columns (:class:`allocator.units.Groups`) and answers with a device per group; long
+stretches of groups that go to one device are seated at once with numpy (:class:`_FirstFit`), so a flat stack of
+200k layers fills in tens of milliseconds.
 """
 
 from __future__ import annotations
