@@ -234,6 +234,11 @@ def columns(graph: ModelGraph) -> Columns:
     return made
 
 
+#: Maps with at least this many keys are cut into runs with numpy; smaller ones key by key (numpy's fixed cost per
+#: call is larger than the whole Python loop for a few hundred keys).
+NUMPY_FROM = 512
+
+
 @gc_paused()
 def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     """The runs of a device map, covering every tensor in order; neighbours on one device are merged; keys that
@@ -242,13 +247,15 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     Notes
     -----
     O(k log k) for k keys: a key is a module's subtree or one tensor, and a key below another carves its range out
-    of the enclosing one (the deepest key wins, as in :func:`allocator.runtime.device_of`). The usual map, where no
-    key is below another, is cut with numpy: one Python step per key (its lookup), then one per run.
+    of the enclosing one (the deepest key wins, as in :func:`allocator.runtime.device_of`). From
+    :data:`NUMPY_FROM` keys on, the keys are looked up once each and the rest runs in numpy.
     """
     cols = columns(graph)
+    tensor_order = len(graph.nodes)  # a tensor key is deeper than any module key with the same range
+    if len(device_map) < NUMPY_FROM:
+        return _carve(_spans(graph, cols, device_map, tensor_order), len(cols.module), tensor_order)
     keys = list(device_map)
     devices = list(device_map.values())
-    tensor_order = len(graph.nodes)  # a tensor key is deeper than any module key with the same range
     start, end = _array(cols.first)[:-1], _array(cols.last)
     order = np.fromiter(map(graph.node_index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
     is_node = order >= 0
@@ -272,7 +279,31 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
         devices = list(itemgetter(*ranked.tolist())(devices)) if len(ranked) > 1 else [devices[k] for k in ranked]
     if len(ranked) < 2 or (lo[1:] >= hi[:-1]).all():  # no key below another: the usual map
         return _side_by_side(lo, hi, order, devices, len(cols.module), tensor_order)
-    out: list[Run] = []
+    return _carve(list(zip(lo.tolist(), (-hi).tolist(), order.tolist(), devices)), len(cols.module), tensor_order)
+
+
+def _spans(graph: ModelGraph, cols: Columns, device_map: Mapping, tensor_order: int) -> list[tuple]:
+    """``(start, -end, order, device)`` of every key that covers tensors, enclosing keys first (by start, the longer
+    first, then the shallower: an ancestor's index is lower; ``order`` is unique, so devices are never compared)."""
+    first, last = cols.first, cols.last
+    node_index, tensor_index = graph.node_index, graph.tensor_index
+    spans = []
+    for key, device in device_map.items():
+        i = node_index.get(key)
+        if i is not None:
+            if first[i] < last[i]:
+                spans.append((first[i], -last[i], i, device))
+        else:
+            t = tensor_index.get(key)
+            if t is not None:
+                spans.append((t, -t - 1, tensor_order + t, device))
+    spans.sort()
+    return spans
+
+
+def _carve(spans: list[tuple], tensors: int, tensor_order: int) -> list[Run]:
+    """:func:`runs` of sorted spans (:func:`_spans`): a key below another carves its range out of the enclosing one."""
+    out: list[list] = []
     stack: list = []   # the keys enclosing the position: [end, device, order, carved]
     pos = 0
 
@@ -289,7 +320,7 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
         end, device, order, carved = stack.pop()
         emit(end, device, -1 if carved or order >= tensor_order else order)
 
-    for start, end, order, device in zip(lo.tolist(), hi.tolist(), order.tolist(), devices):
+    for start, negative_end, order, device in spans:
         while stack and stack[-1][0] <= start:
             close()
         if stack:
@@ -297,10 +328,10 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
             emit(start, stack[-1][1], -1)
         else:
             emit(start, None, -1)
-        stack.append([end, device, order, False])
+        stack.append([-negative_end, device, order, False])
     while stack:
         close()
-    emit(len(cols.module), None, -1)
+    emit(tensors, None, -1)
     return [Run(*run) for run in out]
 
 

@@ -113,6 +113,12 @@ class Groups(_Arrays):
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "members", _frozen(members))
 
+    def records(self) -> tuple[Group, ...]:
+        """Every group as a :class:`Group` record, made once (for strategies that visit groups one by one)."""
+        if "records" not in self._arrays:
+            self._arrays["records"] = tuple(self)
+        return self._arrays["records"]
+
     def member_range(self, k: int) -> range:
         """Positions in ``members`` of group ``k``'s units."""
         return range(self.start[k], self.start[k + 1] if k + 1 < len(self) else len(self.members))

@@ -7,6 +7,8 @@ keys, uncovered tensors, every device kind) and both ``offload_buffers`` setting
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,6 +18,7 @@ import allocator
 from allocator.cost import change_seconds, estimate, tensor_seconds
 from allocator.budgets import is_accelerator
 from allocator.problem import build_problem
+import allocator.runs as runs_module
 from allocator.runs import Run, columns, runs
 from allocator.runtime import device_of, main_device, moves_with_weights, offloaded_devices, tensor_devices
 from allocator.validate import check
@@ -115,6 +118,18 @@ def maps(draw, graph):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_runs_equal_the_rules_tensor_by_tensor(data):
+    _runs_equal_the_rules(data)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_runs_cut_with_numpy_equal_the_rules(data):
+    """The numpy path of ``runs`` (large maps) on the same small maps."""
+    with mock.patch.object(runs_module, "NUMPY_FROM", 0):
+        _runs_equal_the_rules(data)
+
+
+def _runs_equal_the_rules(data):
     model = data.draw(module_trees(max_depth=3, max_children=3))
     problem = build_problem(model, {0: 10**6, 1: 10**6, "cpu": 10**6, "disk": 10**9},
                             offload_buffers=data.draw(st.booleans()),

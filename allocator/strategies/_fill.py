@@ -91,6 +91,7 @@ class _FirstFit:
 
     BURST = 64     # single steps after a short stretch
     SHORT = 16     # a stretch shorter than this is not worth the numpy calls
+    NUMPY_FROM = 512   # fewer groups: single steps only (numpy's fixed cost per call is larger than the loop)
 
     def __init__(self, found: Groups, order: np.ndarray, stays: np.ndarray, room: list, offloads: list[bool],
                  charges: list[bool]):
@@ -100,7 +101,7 @@ class _FirstFit:
         self.pinned, self.size, self.offload = (a[order] for a in arrays)
         # numpy stretches need int64 sums: the model's total well inside int64
         total = sum(int(a.sum()) for a in arrays) if len(order) else 0
-        self.vector = all(a.dtype == np.int64 for a in arrays) and total < 2**60
+        self.vector = all(a.dtype == np.int64 for a in arrays) and total < 2**60 and len(order) >= self.NUMPY_FROM
         self._lists: list | None = None   # the columns as Python lists, for single steps (made on the first)
 
     def run(self) -> list[int] | None:
@@ -136,7 +137,8 @@ class _FirstFit:
         """Seat group ``k`` (seating order) on the first device with room; its index, or -1."""
         if self._lists is None:
             self._lists = [self.stay.tolist(), self.pinned.tolist(), self.size.tolist(), self.offload.tolist()]
-        stay, p, size, offload = (column[k] for column in self._lists)
+        stays, pinned, sizes, offloads = self._lists
+        stay, p, size, offload = stays[k], pinned[k], sizes[k], offloads[k]
         room = self.room
         if not stay:
             room[0] += p
@@ -206,6 +208,14 @@ def _seating(found: Groups, reserve: int) -> tuple[np.ndarray, np.ndarray]:
 def unit_map(found: Groups, where: list, reserve: int) -> dict:
     """Unit name -> device from :func:`fill`'s answer, keys in the order the groups were seated."""
     order, _ = _seating(found, reserve)
+    if len(order) < _FirstFit.NUMPY_FROM:
+        names, members, out = found.units.name, found.members, {}
+        if len(members) == len(found):   # every group is one unit (no ties)
+            return {names[members[k]]: where[k] for k in order.tolist()}
+        for k in order.tolist():
+            for j in found.member_range(k):
+                out[names[members[j]]] = where[k]
+        return out
     start = found.array("start")
     count = np.diff(np.append(start, len(found.members)))[order]
     # the members of the seated groups one after another: each group's run of ``members``, in seating order

@@ -188,7 +188,7 @@ def _runs(cuts: Sequence[int], count: int) -> list[range]:
 
 def _place(problem: Problem, *, low_0: bool) -> Placement:
     name = "balanced_low_0" if low_0 else "balanced"
-    found = groups(problem.graph, problem.options.offload_buffers)
+    found = groups(problem.graph, problem.options.offload_buffers).records()
     accelerators = list(problem.budgets.accelerators)
     if accelerators:
         placement = _all_resident(problem, found, accelerators, low_0, name)

@@ -347,7 +347,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
 
     profile = profile or problem.profile
     g = problem.graph
-    found = unit_groups(g, problem.options.offload_buffers)
+    found = list(unit_groups(g, problem.options.offload_buffers).records())
     found, merged = _coarsen(found, max_units)
     tensors = [[t for u in grp.units for t in _unit_tensors(g, u)] for grp in found]
     unit_group = {u.name: k for k, grp in enumerate(found) for u in grp.units}
