@@ -234,8 +234,8 @@ def columns(graph: ModelGraph) -> Columns:
     return made
 
 
-#: Maps with at least this many keys are cut into runs with numpy; smaller ones key by key (numpy's fixed cost per
-#: call is larger than the whole Python loop for a few hundred keys).
+#: From this many entries (map keys here, groups in :mod:`allocator.strategies._fill`) work goes through numpy;
+#: below, plain loops: numpy's fixed cost per call is larger than the whole loop over a few hundred entries.
 NUMPY_FROM = 512
 
 
@@ -256,7 +256,7 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
         return _carve(_spans(graph, cols, device_map, tensor_order), len(cols.module), tensor_order)
     keys = list(device_map)
     devices = list(device_map.values())
-    start, end = _array(cols.first)[:-1], _array(cols.last)
+    start, end, _ = cols.arrays()
     order = np.fromiter(map(graph.node_index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
     is_node = order >= 0
     if not is_node.all():

@@ -119,6 +119,10 @@ class Groups(_Arrays):
             self._arrays["records"] = tuple(self)
         return self._arrays["records"]
 
+    def counts(self) -> np.ndarray:
+        """How many units each group holds."""
+        return np.diff(np.append(self.array("start"), len(self.members)))
+
     def member_range(self, k: int) -> range:
         """Positions in ``members`` of group ``k``'s units."""
         return range(self.start[k], self.start[k + 1] if k + 1 < len(self) else len(self.members))
@@ -171,9 +175,9 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
     for level in reversed(cols.levels[:-1]):
         reached[level] = reached[parents[level]] & split[parents[level]]
     module_units = np.flatnonzero(reached & ~split)
-    owner = _array(cols.module)
+    owner = cols.module_array()
     tensor_units = np.flatnonzero((reached & split)[owner]) if len(owner) else np.zeros(0, dtype=np.int64)
-    first, last = _array(cols.first)[:-1], _array(cols.last)
+    first, last, _ = cols.arrays()
     # definition order: by first tensor position, then by node (an empty module before the tensors of a later
     # module that start where it stands; a split module's own tensors come before its children's)
     position = np.concatenate([first[module_units], tensor_units])
@@ -228,7 +232,7 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> Groups:
 def _groups(g: ModelGraph, offload_buffers: bool) -> Groups:
     found = units(g, offload_buffers)
     n = len(found)
-    node = _array(found.node)
+    node = found.array("node")
     if not g.all_tie_groups():  # every unit is a group of its own
         every = _ints(np.arange(n, dtype=np.int64))
         return Groups(found, every, found.size, found.offload, found.pinned, found.stream, found.numel,

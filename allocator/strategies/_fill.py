@@ -20,7 +20,7 @@ import numpy as np
 
 from ..budgets import Device
 from ..problem import Problem
-from ..runs import _array, columns
+from ..runs import NUMPY_FROM, _array, columns
 from ..runtime import offloaded_devices, workspace
 from ..units import Groups
 
@@ -86,12 +86,11 @@ class _FirstFit:
     the next groups go where the last one went, the rule each must pass (every earlier device refuses it, that
     device takes it) is a comparison against prefix sums; the stretch ends at the first group that fails it, which
     :meth:`step` then seats. Where stretches stay short, a burst of single steps runs before the next try, so the
-    worst case stays that of the plain loop.
+    worst case stays that of the plain loop. Below :data:`allocator.runs.NUMPY_FROM` groups, single steps only.
     """
 
     BURST = 64     # single steps after a short stretch
     SHORT = 16     # a stretch shorter than this is not worth the numpy calls
-    NUMPY_FROM = 512   # fewer groups: single steps only (numpy's fixed cost per call is larger than the loop)
 
     def __init__(self, found: Groups, order: np.ndarray, stays: np.ndarray, room: list, offloads: list[bool],
                  charges: list[bool]):
@@ -101,7 +100,7 @@ class _FirstFit:
         self.pinned, self.size, self.offload = (a[order] for a in arrays)
         # numpy stretches need int64 sums: the model's total well inside int64
         total = sum(int(a.sum()) for a in arrays) if len(order) else 0
-        self.vector = all(a.dtype == np.int64 for a in arrays) and total < 2**60 and len(order) >= self.NUMPY_FROM
+        self.vector = all(a.dtype == np.int64 for a in arrays) and total < 2**60 and len(order) >= NUMPY_FROM
         self._lists: list | None = None   # the columns as Python lists, for single steps (made on the first)
 
     def run(self) -> list[int] | None:
@@ -208,7 +207,7 @@ def _seating(found: Groups, reserve: int) -> tuple[np.ndarray, np.ndarray]:
 def unit_map(found: Groups, where: list, reserve: int) -> dict:
     """Unit name -> device from :func:`fill`'s answer, keys in the order the groups were seated."""
     order, _ = _seating(found, reserve)
-    if len(order) < _FirstFit.NUMPY_FROM:
+    if len(order) < NUMPY_FROM:
         names, members, out = found.units.name, found.members, {}
         if len(members) == len(found):   # every group is one unit (no ties)
             return {names[members[k]]: where[k] for k in order.tolist()}
@@ -217,7 +216,7 @@ def unit_map(found: Groups, where: list, reserve: int) -> dict:
                 out[names[members[j]]] = where[k]
         return out
     start = found.array("start")
-    count = np.diff(np.append(start, len(found.members)))[order]
+    count = found.counts()[order]
     # the members of the seated groups one after another: each group's run of ``members``, in seating order
     at = np.repeat(start[order] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
     names = found.units.array("name")[found.array("members")[at]]
@@ -245,14 +244,13 @@ class Streams:
         u = found.units
         node, tensor = _array(u.node), _array(u.tensor)
         self.is_module = node >= 0
-        module = _array(cols.module)
+        module = cols.module_array()
         self.parent = np.where(self.is_module, cols._parents[np.maximum(node, 0)],
                                module[np.maximum(tensor, 0)] if len(module) else -1) if len(u) else node
         self.stream = _array(u.stream)
         # the group of each unit
         self.group = np.empty(len(u), dtype=np.int64)
-        start = _array(found.start)
-        self.group[_array(found.members)] = np.repeat(np.arange(len(found)), np.diff(np.append(start, len(u))))
+        self.group[found.array("members")] = np.repeat(np.arange(len(found)), found.counts())
         # split nodes: every ancestor of a unit, folded a level at a time from the deepest
         split = np.zeros(len(g.nodes), dtype=bool)
         split[self.parent[self.parent >= 0]] = True
