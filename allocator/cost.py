@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .budgets import is_accelerator
+from .budgets import Device, is_accelerator
 from .cost_profile import Profile
 from .problem import Problem
-from .runs import FEMTO, columns
+from .runs import FEMTO, Run, columns
 from .runtime import main_device, map_runs, moves_with_weights, offloaded_devices
 
-__all__ = ["Profile", "Cost", "estimate", "read_rates", "read_seconds", "copy_seconds", "execute_seconds", "tensor_seconds",
+__all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds", "execute_seconds", "tensor_seconds",
            "change_seconds"]
 
 log = logging.getLogger(__name__)
@@ -107,9 +107,20 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
     """
     from .validate import normalize_map
 
-    profile = profile or problem.profile
     device_map = normalize_map(device_map)
-    main = main_device(set(device_map.values()))  # as validate.check's memory.main, without the check
+    # the main device as validate.check's memory.main, without the check
+    return estimate_runs(problem, map_runs(problem.graph, device_map), main_device(set(device_map.values())), profile)
+
+
+def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Profile | None = None) -> Cost:
+    """:func:`estimate` of a map given by its runs (:func:`allocator.runtime.map_runs`) and its main device
+    (:func:`allocator.runtime.main_device` of its values): strategies price candidate plans without building them.
+
+    Notes
+    -----
+    O(runs), plus O(tensors) numpy work the first time a graph is priced under a profile.
+    """
+    profile = profile or problem.profile
     g = problem.graph
     cols = columns(g)
     mov = cols.moving(problem.options.offload_buffers)
@@ -120,7 +131,7 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
     moved: dict = {}   # offloaded device -> [bytes, tensors] streamed from it
     streamed = disk = fast = changes = 0
     last = None
-    for run in map_runs(g, device_map):
+    for run in found:
         d, a, b = run.device, run.start, run.end
         if d is None:
             continue

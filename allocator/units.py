@@ -92,6 +92,23 @@ class Units(_Arrays):
 
     _kinds = {"name": object}
 
+    def spans(self, graph: ModelGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The units that hold tensors, in model order, as ``(positions, lo, hi, order)``: each one's tensors are
+        ``lo`` to ``hi - 1``, and ``order`` is its order as a key of :func:`allocator.runs.runs` (a module unit's
+        node; the node count plus a tensor unit's tensor). ``graph`` is the one the units were made from; made once.
+        """
+        if "spans" not in self._arrays:
+            first, last, _ = columns(graph).arrays()
+            node, tensor = self.array("node"), self.array("tensor")
+            module = node >= 0
+            at = np.maximum(node, 0)
+            lo = np.where(module, first[at], tensor) if len(node) else node
+            hi = np.where(module, last[at], tensor + 1) if len(node) else node
+            keep = np.flatnonzero(lo < hi)
+            order = np.where(module, node, len(graph.nodes) + tensor)
+            self._arrays["spans"] = keep, lo[keep], hi[keep], order[keep]
+        return self._arrays["spans"]
+
     def _row(self, k: int) -> Unit:
         return _new_row(Unit, (self.name[k], self.node[k], self.size[k], self.offload[k], self.pinned[k],
                                self.stream[k], self.numel[k]))
@@ -122,6 +139,14 @@ class Groups(_Arrays):
     def counts(self) -> np.ndarray:
         """How many units each group holds."""
         return np.diff(np.append(self.array("start"), len(self.members)))
+
+    def unit_groups(self) -> np.ndarray:
+        """The group of each unit (int64, one entry per unit), made once."""
+        if "unit_groups" not in self._arrays:
+            out = np.empty(len(self.members), dtype=np.int64)
+            out[self.array("members")] = np.repeat(np.arange(len(self)), self.counts())
+            self._arrays["unit_groups"] = out
+        return self._arrays["unit_groups"]
 
     def member_range(self, k: int) -> range:
         """Positions in ``members`` of group ``k``'s units."""

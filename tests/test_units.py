@@ -4,6 +4,7 @@
   split, take the direct tensors of every node that is), sizes summed tensor by tensor;
 - :func:`allocator.units.groups` against connected components of the tie groups;
 - :class:`allocator.strategies._fill.Streams` against :func:`allocator.runtime.streamed_chain` of the unit map;
+- the runs and price of a fill's answer (:class:`allocator.strategies._fill.Filled`) against those of its map;
 - the numpy stretches of the first fit against the same fit one group at a time.
 """
 
@@ -13,15 +14,20 @@ import dataclasses
 import math
 import pickle
 import random
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from allocator.cost import estimate, estimate_runs
+from allocator.placement import clean_device_map
 from allocator.problem import build_problem
+from allocator.runs import runs
 from allocator.runtime import map_runs, moves_with_weights, offloaded_devices, streamed_chain
-from allocator.strategies._fill import Streams, _FirstFit, fill, main_candidates, unit_map
+from allocator.strategies import _fill
+from allocator.strategies._fill import Filled, Streams, _FirstFit, fill, main_candidates, unit_map
 from allocator.units import Group, Groups, Unit, Units, groups, units
 from trees import module_trees
 
@@ -141,6 +147,27 @@ def test_streams_equal_the_chain_of_the_unit_map(data):
         expected = streamed_chain(problem.graph, map_runs(problem.graph, placed), offloaded,
                                   offload_buffers=offload_buffers)[0]
         assert Streams(problem, found).reserve(where, offloaded) == expected
+
+
+@SETTINGS
+@given(data=st.data())
+def test_runs_and_price_of_a_fill_equal_those_of_its_map(data):
+    model = data.draw(module_trees(max_depth=3, max_children=3))
+    offload_buffers = data.draw(st.booleans())
+    problem = build_problem(model, {0: 10**6, 1: 10**6, "cpu": 10**9, "disk": 10**9}, offload_buffers=offload_buffers,
+                            no_split_module_classes=data.draw(NO_SPLIT))
+    found = groups(problem.graph, offload_buffers)
+    where = [data.draw(st.sampled_from([0, 1, "cpu", "disk"])) for _ in range(len(found))]
+    reserve = data.draw(st.sampled_from(sorted({0, *found.stream})))
+    placed = unit_map(found, where, reserve)
+    expected = runs(problem.graph, placed)
+    for numpy_from in (_fill.NUMPY_FROM, 0):   # the small path (runs of the map) and the one from unit ranges
+        with mock.patch.object(_fill, "NUMPY_FROM", numpy_from):
+            made = Filled(problem, found, where, reserve, "")
+            assert made.runs() == expected
+            assert made.device_map() == placed and list(made.device_map()) == list(placed)
+        assert estimate_runs(problem, made.runs(), made.main) == estimate(problem, clean_device_map(placed)) \
+            == estimate(problem, placed)
 
 
 def _synthetic(rng: random.Random, n: int) -> Groups:

@@ -20,11 +20,11 @@ import numpy as np
 
 from ..budgets import Device
 from ..problem import Problem
-from ..runs import NUMPY_FROM, _array, columns
-from ..runtime import offloaded_devices, workspace
+from ..runs import NUMPY_FROM, Run, _array, _side_by_side, columns
+from ..runtime import main_device, map_runs, offloaded_devices, workspace
 from ..units import Groups
 
-__all__ = ["Streams", "fill", "fill_to_fixed_point", "full_reserve", "main_candidates", "unit_map"]
+__all__ = ["Filled", "Streams", "fill", "fill_to_fixed_point", "full_reserve", "main_candidates", "unit_map"]
 
 
 def main_candidates(problem: Problem) -> list[Device]:
@@ -225,6 +225,47 @@ def unit_map(found: Groups, where: list, reserve: int) -> dict:
     return dict(zip(names.tolist(), np.repeat(devices[order], count).tolist()))
 
 
+class Filled:
+    """A fill's answer as a candidate plan: the device of each group (``where``, from :func:`fill`), the reserve it
+    was made under and a note saying which. Its unit map and the map's runs are made when first asked for:
+    :func:`allocator.strategies._select.best_of` ranks and prices candidates from their runs and builds the map of the
+    one it keeps."""
+
+    __slots__ = ("problem", "found", "where", "reserve", "note", "_runs")
+
+    def __init__(self, problem: Problem, found: Groups, where: list, reserve: int, note: str):
+        self.problem, self.found, self.where, self.reserve, self.note = problem, found, where, reserve, note
+        self._runs = None
+
+    @property
+    def main(self) -> Device:
+        """The main device of the unit map (:func:`allocator.runtime.main_device` of its values)."""
+        return main_device(set(self.where))
+
+    def device_map(self) -> dict:
+        """The unit map (:func:`unit_map`), a new dict at each call."""
+        return unit_map(self.found, self.where, self.reserve)
+
+    def runs(self) -> list[Run]:
+        """The runs of the unit map (equal to :func:`allocator.runtime.map_runs` of :meth:`device_map`), made once.
+
+        Units partition the tensors and none holds another, so the runs are the units that hold tensors, in model
+        order, merged where neighbours share a device; from :data:`allocator.runs.NUMPY_FROM` units on they are
+        made from the units' tensor ranges with numpy, without the map.
+        """
+        if self._runs is None:
+            graph, found = self.problem.graph, self.found
+            if len(found.units) < NUMPY_FROM:
+                self._runs = map_runs(graph, self.device_map())
+            else:
+                keep, lo, hi, order = found.units.spans(graph)
+                devices = np.empty(len(self.where), dtype=object)
+                devices[:] = self.where
+                self._runs = _side_by_side(lo, hi, order, devices[found.unit_groups()[keep]].tolist(),
+                                           len(columns(graph).module), len(graph.nodes))
+        return self._runs
+
+
 def full_reserve(problem: Problem) -> int:
     """The reserve that streams anything: the largest chain if every weight were offloaded."""
     return columns(problem.graph).moving(problem.options.offload_buffers).chain[0] if problem.graph.nodes else 0
@@ -248,9 +289,7 @@ class Streams:
         self.parent = np.where(self.is_module, cols._parents[np.maximum(node, 0)],
                                module[np.maximum(tensor, 0)] if len(module) else -1) if len(u) else node
         self.stream = _array(u.stream)
-        # the group of each unit
-        self.group = np.empty(len(u), dtype=np.int64)
-        self.group[found.array("members")] = np.repeat(np.arange(len(found)), found.counts())
+        self.group = found.unit_groups()
         # split nodes: every ancestor of a unit, folded a level at a time from the deepest
         split = np.zeros(len(g.nodes), dtype=bool)
         split[self.parent[self.parent >= 0]] = True

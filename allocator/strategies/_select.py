@@ -3,12 +3,12 @@ tier, then the fewest changes of executing device."""
 
 from __future__ import annotations
 
-from ..cost import Cost, estimate
+from ..cost import Cost, estimate, estimate_runs
 from ..errors import InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
 from ..runs import columns
-from ..runtime import Recent, map_runs
+from ..runtime import Recent
 from ..validate import _fmt, check
 
 __all__ = ["score", "priced", "best_of", "infeasible"]
@@ -31,52 +31,66 @@ def priced(problem: Problem, device_map) -> Cost:
 
 def score(problem: Problem, device_map) -> tuple[float, int, int]:
     """Ranking key of a valid device map; higher is better: (-seconds, resident fast bytes, -device changes)."""
-    cost = priced(problem, device_map)
+    return _key(priced(problem, device_map))
+
+
+def _quick(problem: Problem, found) -> int:
+    """Bytes a map keeps on the fastest tier (orders the checks), from its runs."""
+    fast = set(problem.budgets.accelerators) or {"cpu"}
+    counted = columns(problem.graph).sum_counted
+    return sum(counted[run.end] - counted[run.start] for run in found if run.device in fast)
+
+
+def _key(cost: Cost) -> tuple[float, int, int]:
     return -cost.seconds, cost.resident_fast, -cost.device_changes
 
 
-def _quick(problem: Problem, placed) -> int:
-    """Bytes a unit map keeps on the fastest tier (orders the checks), from its runs (:func:`map_runs`, which the
-    check and the price of the map then find made)."""
-    fast = set(problem.budgets.accelerators) or {"cpu"}
-    counted = columns(problem.graph).sum_counted
-    return sum(counted[run.end] - counted[run.start] for run in map_runs(problem.graph, placed) if run.device in fast)
-
-
 def best_of(problem: Problem, candidates, strategy: str) -> Placement:
-    """The best valid candidate ``(unit map, note)`` by the cost model; raises when none is valid.
+    """The best valid candidate by the cost model; raises when none is valid.
 
-    Candidates are checked in decreasing order of bytes on the fastest tier; the first :data:`PRICED` valid ones are
-    priced with :func:`allocator.cost.estimate`.
+    A candidate (:class:`allocator.strategies._fill.Filled`) gives its ``runs()``, its ``main`` device, its
+    ``device_map()`` and a ``note``. Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED`
+    valid ones are priced with the cost model (:func:`allocator.cost.estimate_runs`, from their runs). Only the maps
+    that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
+    checked from the best price down and the first valid one wins (usually one map and one check); with more, each
+    is checked on the way, in ranked order.
     """
-    ranked = sorted(((_quick(problem, placed), k) for k, (placed, _) in enumerate(candidates)), reverse=True)
-    # With at most PRICED candidates every valid one is priced, so only a candidate that would become the best needs
-    # its check (the same answer, one check instead of one per candidate); with more, the first PRICED valid ones
-    # (in ranked order) are priced, so each is checked on the way.
-    lazy = len(candidates) <= PRICED
-    best, priced = None, 0
-    for _, k in ranked:
-        if priced >= PRICED:
-            break
-        placed, note = candidates[k]
-        device_map = clean_device_map(placed) if problem.options.clean_result else dict(placed)
-        if lazy:
-            key = score(problem, device_map)
-            if best is not None and key <= best[0] or check(problem, device_map)[0]:
-                continue
-        else:
+    ranked = sorted(((_quick(problem, c.runs()), k) for k, c in enumerate(candidates)), reverse=True)
+    best = None
+    if len(candidates) <= PRICED:
+        # every valid candidate is priced: check them from the best price down (on a tie, in ranked order); the
+        # first valid one is the best
+        keys = [(_key(estimate_runs(problem, candidates[k].runs(), candidates[k].main)), -i, k)
+                for i, (_, k) in enumerate(ranked)]
+        for key, _, k in sorted(keys, reverse=True):
+            device_map = _final(problem, candidates[k])
+            if not check(problem, device_map)[0]:
+                best = (key, device_map, candidates[k].note)
+                break
+    else:
+        priced = 0
+        for _, k in ranked:
+            if priced >= PRICED:
+                break
+            device_map = _final(problem, candidates[k])
             if check(problem, device_map)[0]:
                 continue
             priced += 1
-            key = score(problem, device_map)
-        if best is None or key > best[0]:
-            best = (key, device_map, note)
+            key = _key(estimate_runs(problem, candidates[k].runs(), candidates[k].main))
+            if best is None or key > best[0]:
+                best = (key, device_map, candidates[k].note)
     if best is None:
         raise infeasible(problem)
     key, device_map, note = best
     return Placement(device_map=device_map, strategy=strategy,
                      notes=(f"{note}: estimated {-key[0] * 1e3:.3f} ms per forward, {_fmt(key[1])} on the "
                             f"fastest tier, {-key[2]} device changes",))
+
+
+def _final(problem: Problem, candidate) -> dict:
+    """The device map a candidate is returned as (cleaned unless the options say not to)."""
+    placed = candidate.device_map()
+    return clean_device_map(placed) if problem.options.clean_result else placed
 
 
 def infeasible(problem: Problem) -> InfeasiblePlacement:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ._fill import Streams, fill_to_fixed_point, main_candidates, unit_map
+from ._fill import Filled, Streams, fill_to_fixed_point, main_candidates
 from ._select import best_of
 
 __all__ = ["place"]
@@ -29,5 +29,5 @@ def place(problem: Problem, **_) -> Placement:
     for main in main_candidates(problem):
         where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
         if where is not None:
-            candidates.append((unit_map(found, where, reserve), f"main {main!r}, reserve {reserve} B"))
+            candidates.append(Filled(problem, found, where, reserve, f"main {main!r}, reserve {reserve} B"))
     return best_of(problem, candidates, "backfill")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ._fill import Streams, fill_to_fixed_point, full_reserve, main_candidates, unit_map
+from ._fill import Filled, Streams, fill_to_fixed_point, full_reserve, main_candidates
 from ._select import best_of
 
 __all__ = ["place"]
@@ -31,12 +31,12 @@ def place(problem: Problem, **_) -> Placement:
     sizes = sorted({*found.stream, 0, full_reserve(problem)})
     if len(sizes) > MAX_CANDIDATES:
         sizes = sizes[:1] + sizes[-(MAX_CANDIDATES - 1):]
-    candidates, streams, memo, maps = [], Streams(problem, found), {}, {}
+    candidates, streams, memo, made = [], Streams(problem, found), {}, {}
     for main in main_candidates(problem):
         for start in sizes:
             where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
             if where is not None:
-                if (main, reserve) not in maps:   # several starts may settle on one reserve: one map
-                    maps[main, reserve] = unit_map(found, where, reserve)
-                candidates.append((maps[main, reserve], f"main {main!r}, reserve {reserve} B"))
+                if (main, reserve) not in made:   # several starts may settle on one reserve: one candidate
+                    made[main, reserve] = Filled(problem, found, where, reserve, f"main {main!r}, reserve {reserve} B")
+                candidates.append(made[main, reserve])
     return best_of(problem, candidates, "reserve")
