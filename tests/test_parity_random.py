@@ -1,11 +1,19 @@
-"""Differential property test: strategy="sequential" gives accelerate's map on random module trees."""
+"""Differential property tests: strategy="sequential" gives accelerate's map on random module trees (and flat
+stacks, where it takes entries a stretch at a time)."""
 
+import random
+from unittest import mock
+
+import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import allocator
 from allocator.errors import UnsupportedByAccelerate
 from allocator.runtime import main_device
+from allocator.strategies import sequential
 from allocator.validate import check
 from parity import both
 from trees import budgets, module_trees
@@ -16,7 +24,57 @@ KINDS = {"coverage", "unknown-key", "unknown-device", "no-split", "tied", "unhoo
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_sequential_equals_accelerate_on_random_trees(data):
-    model = data.draw(module_trees())
+    same_as_accelerate(data, data.draw(module_trees()))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_sequential_by_stretches_equals_accelerate(data):
+    # entries that fit one after another are taken a stretch at a time from 1,024 queued entries on; here from the
+    # first, with stretches as short as one entry
+    model = data.draw(st.one_of(module_trees(), st.builds(flat_stack, st.integers(1, 60), st.randoms())))
+    with mock.patch.object(sequential, "_STRETCH_FROM", 0), \
+            mock.patch.object(sequential, "_STRETCH", data.draw(st.sampled_from([1, 2, 4, 64]))):
+        same_as_accelerate(data, model)
+
+
+def test_sequential_equals_accelerate_on_a_long_flat_stack():
+    # past _STRETCH_FROM with the defaults: stretches end where a device fills and where the largest layer is taken
+    model = flat_stack(1500, random.Random(0))
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    for max_memory in ({0: total // 3, 1: total // 4, "cpu": total // 5}, {"cpu": total // 2}):
+        theirs, ours, _ = both(model, max_memory, no_split_module_classes=["Block"])
+        assert ours == theirs and len(set(ours.values())) > 1
+
+
+@pytest.mark.parametrize("stretch", [1, 3, 64])
+def test_sequential_by_stretches_equals_accelerate_at_every_margin(stretch):
+    # stretches of several lengths against accelerate with the device boundaries swept over every layer, the largest
+    # layer taken and recomputed inside stretches
+    model = nn.Sequential(*[Block(w, 0) for w in (8, 4, 1, 1, 4, 1, 2, 8, 1, 1, 2, 1)])
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    with mock.patch.object(sequential, "_STRETCH_FROM", 0), mock.patch.object(sequential, "_STRETCH", stretch):
+        for room in range(total // 4, 2 * total, 8):
+            for max_memory in ({0: room, "cpu": total}, {0: room // 2, 1: room, "cpu": total}):
+                theirs, ours, _ = both(model, max_memory, no_split_module_classes=["Block"])
+                assert ours == theirs, max_memory
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, buffer: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        if buffer:
+            self.register_buffer("b", torch.zeros(buffer))
+
+
+def flat_stack(layers: int, rng: random.Random) -> nn.Module:
+    """Layers of a few sizes (so that several share the largest), some with a buffer."""
+    widths = [rng.choice([1, 2, 4, 8]) for _ in range(3)]
+    return nn.Sequential(*[Block(rng.choice(widths), rng.choice([0, 0, 3])) for _ in range(layers)])
+
+
+def same_as_accelerate(data, model):
     total = allocator.build_problem(model, {"cpu": 0}).graph.total
     max_memory = data.draw(budgets(max(total, 1)))
     kwargs = dict(
