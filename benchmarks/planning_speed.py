@@ -320,22 +320,28 @@ def _ratio(rows, row) -> str:
 # Targets and profiles.
 
 def targets(rows, strategies) -> list[tuple[str, str, bool | None, str]]:
-    """(family, target, met or None when not measured, evidence) for the issue's two targets, per strategy."""
+    """(family, target, met or None when not measured, evidence) for the issue's targets, per strategy: seconds at
+    200k modules (the strategy alone, and the whole plan) and the ratio to accelerate."""
     out = []
     for family in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == family]
         for s in strategies:
             at = [r for r in mine if r["method"] == s and r["target_modules"] == TARGET_SIZE]
-            if not at:
-                out.append((family, f"{s} ≤ {TARGET_SECONDS:g} s at {TARGET_SIZE // 1000}k", None, "size not run"))
-            else:
+            # the strategy on a built problem, and the whole plan (which first reads the model: one walk of
+            # named_parameters() alone is most of a second at 200k modules here)
+            for what, column in (("strategy alone", "strategy_s"), ("plan", "plan_s")):
+                name = f"{s} {what} ≤ {TARGET_SECONDS:g} s at {TARGET_SIZE // 1000}k"
+                if not at:
+                    out.append((family, name, None, "size not run"))
+                    continue
                 r = at[0]
-                met = bool(r["plan_s"]) and float(r["plan_s"]) <= TARGET_SECONDS
-                out.append((family, f"{s} ≤ {TARGET_SECONDS:g} s at {TARGET_SIZE // 1000}k", met,
-                            f"{float(r['plan_s']):.2f} s" if r["plan_s"] else r["status"]))
+                met = bool(r[column]) and float(r[column]) <= TARGET_SECONDS
+                walk = r.get("named_parameters_s") if column == "plan_s" else ""
+                walk = f" (one walk {float(walk):.2f} s)" if walk else ""
+                out.append((family, name, met, f"{float(r[column]):.2f} s{walk}" if r[column] else r["status"]))
             big = [r for r in mine if r["method"] == s and r["target_modules"] >= TARGET_FROM]
             if not big:
-                out.append((family, f"{s} ≥ {TARGET_RATIO:g}× accelerate from {TARGET_FROM // 1000}k", None,
+                out.append((family, f"{s} plan ≥ {TARGET_RATIO:g}× accelerate from {TARGET_FROM // 1000}k", None,
                             "size not run"))
                 continue
             evidence, met = [], True
@@ -353,7 +359,7 @@ def targets(rows, strategies) -> list[tuple[str, str, bool | None, str]]:
                 evidence.append(f"{size}: {ratio}×")
                 if float(ratio.lstrip(">")) < TARGET_RATIO:
                     met = (None if met else met) if ratio[0] == ">" else False
-            out.append((family, f"{s} ≥ {TARGET_RATIO:g}× accelerate from {TARGET_FROM // 1000}k", met,
+            out.append((family, f"{s} plan ≥ {TARGET_RATIO:g}× accelerate from {TARGET_FROM // 1000}k", met,
                         ", ".join(evidence)))
     return out
 
