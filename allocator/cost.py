@@ -21,8 +21,8 @@ from .problem import Problem
 from .runs import FEMTO, Run, columns
 from .runtime import main_device, map_runs, moves_with_weights, offloaded_devices
 
-__all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds", "execute_seconds", "tensor_seconds",
-           "change_seconds"]
+__all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
+           "execute_seconds", "tensor_seconds", "change_seconds"]
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,11 @@ Notes
 -----
 Complexity: O(n · r) for n entries and r recomputations of the largest layer (as accelerate), with the
 per-node largest layer memoised. Without tie groups, entries that fit one after another are taken a stretch at a
-time with numpy (:meth:`_Tree.in_a_row`: the same decisions, without a Python step per entry). Deterministic for a given model in a given process; accelerate's tie-group
-order comes from a set of names, so with several tie groups it can depend on ``PYTHONHASHSEED`` — this
-strategy follows it (the builder records the groups in accelerate's order).
+time with numpy (:meth:`_Tree.in_a_row`: the same decisions, without a Python step per entry).
+
+Deterministic for a given model in a given process; accelerate's tie-group order comes from a set of names, so with
+several tie groups it can depend on ``PYTHONHASHSEED`` — this strategy follows it (the builder records the groups in
+accelerate's order).
 """
 
 from __future__ import annotations
