@@ -62,11 +62,15 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
         # first valid one is the best
         keys = [(_key(estimate_runs(problem, candidates[k].runs(), candidates[k].main)), -i, k)
                 for i, (_, k) in enumerate(ranked)]
+        failed: set[int] = set()   # a candidate listed twice (reserve: two starts, one fixed point) is checked once
         for key, _, k in sorted(keys, reverse=True):
+            if id(candidates[k]) in failed:
+                continue
             device_map = _final(problem, candidates[k])
             if not check(problem, device_map)[0]:
                 best = (key, device_map, candidates[k].note)
                 break
+            failed.add(id(candidates[k]))
     else:
         priced = 0
         for _, k in ranked:
