@@ -23,7 +23,7 @@ import numpy as np
 from .gc_pause import gc_paused
 from .graph import ModelGraph
 
-__all__ = ["Run", "Columns", "columns", "runs", "pieces", "expand", "devices_in", "first_device"]
+__all__ = ["Run", "Columns", "columns", "runs", "key_ranges", "pieces", "expand", "devices_in", "first_device"]
 
 
 class Run(NamedTuple):
@@ -256,7 +256,6 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
         return _carve(_spans(graph, cols, device_map, tensor_order), len(cols.module), tensor_order)
     keys = list(device_map)
     devices = list(device_map.values())
-    start, end, _ = cols.arrays()
     order = np.fromiter(map(graph.node_index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
     is_node = order >= 0
     if not is_node.all():
@@ -265,11 +264,8 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
             t = tensor_index.get(keys[k])
             if t is not None:
                 order[k] = tensor_order + t
-    named = order >= 0
-    is_tensor = order >= tensor_order
-    lo = np.where(is_tensor, order - tensor_order, start[np.where(is_tensor | ~named, 0, order)])
-    hi = np.where(is_tensor, order - tensor_order + 1, end[np.where(is_tensor | ~named, 0, order)])
-    keep = np.flatnonzero(named & (lo < hi))   # a module with no tensors covers nothing
+    lo, hi = key_ranges(cols, order, tensor_order)
+    keep = np.flatnonzero((order >= 0) & (lo < hi))   # a module with no tensors covers nothing
     # by start, the longer first, then the shallower (an ancestor's index is lower): enclosing keys come first
     ranked = keep
     if len(keep) > 1 and not (lo[keep[1:]] > lo[keep[:-1]]).all():   # keys in model order need no sort
@@ -280,6 +276,15 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     if len(ranked) < 2 or (lo[1:] >= hi[:-1]).all():  # no key below another: the usual map
         return _side_by_side(lo, hi, order, devices, len(cols.module), tensor_order)
     return _carve(list(zip(lo.tolist(), (-hi).tolist(), order.tolist(), devices)), len(cols.module), tensor_order)
+
+
+def key_ranges(cols: Columns, order: np.ndarray, tensor_order: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tensors ``[lo, hi)`` that keys cover, given by their order (a node index, or ``tensor_order`` plus a tensor
+    index; -1 for a key that names nothing, whose range is meaningless)."""
+    first, last, _ = cols.arrays()
+    is_tensor = order >= tensor_order
+    at = np.where(is_tensor | (order < 0), 0, order)
+    return np.where(is_tensor, order - tensor_order, first[at]), np.where(is_tensor, order - tensor_order + 1, last[at])
 
 
 def _spans(graph: ModelGraph, cols: Columns, device_map: Mapping, tensor_order: int) -> list[tuple]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .gc_pause import gc_paused
 from .graph import ModelGraph, _frozen, _new_row, _picklable, _Record, _same, _Table
-from .runs import _array, _ints, columns
+from .runs import _array, _ints, columns, key_ranges
 from .runtime import moves
 
 __all__ = ["Unit", "Group", "Units", "Groups", "units", "groups"]
@@ -98,14 +98,10 @@ class Units(_Arrays):
         node; the node count plus a tensor unit's tensor). ``graph`` is the one the units were made from; made once.
         """
         if "spans" not in self._arrays:
-            first, last, _ = columns(graph).arrays()
-            node, tensor = self.array("node"), self.array("tensor")
-            module = node >= 0
-            at = np.maximum(node, 0)
-            lo = np.where(module, first[at], tensor) if len(node) else node
-            hi = np.where(module, last[at], tensor + 1) if len(node) else node
+            node = self.array("node")
+            order = np.where(node >= 0, node, len(graph.nodes) + self.array("tensor"))
+            lo, hi = key_ranges(columns(graph), order, len(graph.nodes))
             keep = np.flatnonzero(lo < hi)
-            order = np.where(module, node, len(graph.nodes) + tensor)
             self._arrays["spans"] = keep, lo[keep], hi[keep], order[keep]
         return self._arrays["spans"]
 

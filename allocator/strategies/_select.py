@@ -60,8 +60,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     if len(candidates) <= PRICED:
         # every valid candidate is priced: check them from the best price down (on a tie, in ranked order); the
         # first valid one is the best
-        keys = [(_key(estimate_runs(problem, candidates[k].runs(), candidates[k].main)), -i, k)
-                for i, (_, k) in enumerate(ranked)]
+        keys = [(_price(problem, candidates[k]), -i, k) for i, (_, k) in enumerate(ranked)]
         failed: set[int] = set()   # a candidate listed twice (reserve: two starts, one fixed point) is checked once
         for key, _, k in sorted(keys, reverse=True):
             if id(candidates[k]) in failed:
@@ -80,7 +79,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             if check(problem, device_map)[0]:
                 continue
             priced += 1
-            key = _key(estimate_runs(problem, candidates[k].runs(), candidates[k].main))
+            key = _price(problem, candidates[k])
             if best is None or key > best[0]:
                 best = (key, device_map, candidates[k].note)
     if best is None:
@@ -89,6 +88,11 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     return Placement(device_map=device_map, strategy=strategy,
                      notes=(f"{note}: estimated {-key[0] * 1e3:.3f} ms per forward, {_fmt(key[1])} on the "
                             f"fastest tier, {-key[2]} device changes",))
+
+
+def _price(problem: Problem, candidate) -> tuple[float, int, int]:
+    """The ranking key of a candidate (as :func:`score` of its map), from its runs."""
+    return _key(estimate_runs(problem, candidate.runs(), candidate.main))
 
 
 def _final(problem: Problem, candidate) -> dict:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from operator import eq, itemgetter
+from operator import itemgetter
 
 import numpy as np
 
@@ -119,16 +119,11 @@ class _Tree:
         (tensors, leaves, no-split modules) are read from numpy columns instead of one call each."""
         if len(entries) < 1024:   # numpy pays from about a thousand entries on
             return _fold(self.layer(e) for e in entries)
-        arrays = self._arrays()
-        if arrays is None:   # sizes a float64 may not hold exactly
+        found = self._columns(entries)
+        if found is None:   # sizes a float64 may not hold exactly
             return _fold(self.layer(e) for e in entries)
-        size_of, whole_node, first, module, tensor_size = arrays
-        idx = np.fromiter(map(itemgetter(1), entries), dtype=np.int64, count=len(entries))
-        node = idx >= 0
-        t = np.where(node, 0, ~idx)
-        whole = ~node | whole_node[np.where(node, idx, 0)]
-        sizes = np.where(node, size_of[np.where(node, idx, 0)], tensor_size[t] if len(tensor_size) else 0.0)
-        places = np.where(node, idx + first[np.where(node, idx, 0)], module[t] + 1 + t if len(module) else 0)
+        idx, sizes, places, _ = found
+        whole = (idx < 0) | self._arrays()[1][np.maximum(idx, 0)]
         below: dict[int, list[int]] = {}
         for k in np.flatnonzero(~whole).tolist():   # split modules: their own (memoised) fold
             sizes[k], below[k] = self.layer(entries[k])
@@ -155,21 +150,12 @@ class _Tree:
         total size: it stops before the first that does not fit and before the one whose removal empties ``names``
         (the largest layer is then recomputed). ``(0, 0)`` where sizes are not integers held exactly.
         """
-        arrays = self._arrays()
-        if arrays is None:
+        found = self._columns(batch)
+        if found is None:
             return 0, 0
-        size_of, _, first, module, tensor_size = arrays
-        idx = np.fromiter(map(itemgetter(1), batch), dtype=np.int64, count=len(batch))
-        node = idx >= 0
-        at, t = np.where(node, idx, 0), np.where(node, 0, ~idx)
-        sizes = np.where(node, size_of[at], tensor_size[t] if len(tensor_size) else 0.0)
+        _, sizes, low, high = found
         if not (sizes == np.floor(sizes)).all():
             return 0, 0
-        # span() of every entry: node i and its subtree's tensors, or one tensor
-        end = _array(self._end)[at]
-        past = np.append(first, len(module))
-        low = np.where(node, idx + first[at], module[t] + 1 + t if len(module) else 0)
-        high = np.where(node, end + past[end], low + 1)
         places = names.array()
         # live places under the first k entries: all of them (a place dies only under a taken entry), or more
         # where an entry was put back after its places were dropped; counting those too only stops earlier
@@ -185,8 +171,25 @@ class _Tree:
         # drop the places of the taken entries, one call per stretch of adjacent spans
         cut = np.flatnonzero(low[1:count] != high[:count - 1]) + 1
         for a, b in zip(np.append(0, cut).tolist(), np.append(cut, count).tolist()):
-            names.drop(int(low[a]), int(high[b - 1]))
+            names.discard(int(low[a]), int(high[b - 1]))
         return count, int(sizes.sum())
+
+    def _columns(self, entries: list):
+        """``(index, size, low, high)`` of every entry as numpy arrays: :meth:`entry_size` (float64) and
+        :meth:`span`, vectorised; ``None`` where :meth:`_arrays` is."""
+        arrays = self._arrays()
+        if arrays is None:
+            return None
+        size_of, _, first, module, tensor_size = arrays
+        idx = np.fromiter(map(itemgetter(1), entries), dtype=np.int64, count=len(entries))
+        node = idx >= 0
+        at, t = np.where(node, idx, 0), np.where(node, 0, ~idx)
+        sizes = np.where(node, size_of[at], tensor_size[t] if len(tensor_size) else 0.0)
+        # node i and its subtree's tensors, or one tensor
+        end = _array(self._end)[at]
+        past = np.append(first, len(module))
+        low = np.where(node, idx + first[at], module[t] + 1 + t if len(module) else 0)
+        return idx, sizes, low, np.where(node, end + past[end], low + 1)
 
     def _arrays(self):
         """Columns for :meth:`fold` (sizes as float64, exact below 2**53), made once; ``None`` if a size is not."""
@@ -255,15 +258,15 @@ class _Names:
     """The entries realising the largest layer (by place in :meth:`_Tree.span`'s order); only emptiness and removal
     of what sits under a taken entry matter.
 
-    Sorted and bisected; removed places are skipped through path-compressed "next live place" pointers instead of
-    deleted (deleting from the middle of a list of n places costs O(n) each time: quadratic on a flat stack).
+    Sorted places and a live flag for each: removing an entry's places is two bisects and one slice of the flags,
+    counted and cleared at C speed (deleting from the middle of a list of n places would cost O(n) each time:
+    quadratic on a flat stack).
     """
 
     def __init__(self, places):
         self._sorted = sorted(places)
-        self._next = list(range(len(self._sorted) + 1))  # the first live position at or after each position
+        self._alive = bytearray(b"\x01") * len(self._sorted)
         self._live = len(self._sorted)
-        self._head = 0   # no live position before it: entries are mostly taken in order, so mostly the one removed
         self._array = None
 
     def __bool__(self) -> bool:
@@ -278,49 +281,15 @@ class _Names:
             self._array = np.array(self._sorted, dtype=np.int64)
         return self._array
 
-    def drop(self, low: int, high: int) -> None:
-        """:meth:`discard` of ``low`` to ``high - 1`` in bulk: the live places among them are counted and skipped at
-        once, at C speed."""
-        places, nxt = self._sorted, self._next
+    def discard(self, low: int, high: int) -> None:
+        """Drop the places ``low`` to ``high - 1`` (an entry and what is under it, or a stretch of adjacent entries):
+        O(log n) plus a C-speed pass over the places in the range."""
+        places = self._sorted
         i = bisect.bisect_left(places, low)
         j = bisect.bisect_left(places, high, i)
         if i < j:
-            self._live -= sum(map(eq, nxt[i:j], range(i, j)))   # a removed position no longer points at itself
-            nxt[i:j] = [j] * (j - i)
-
-    def _find(self, k: int) -> int:
-        nxt = self._next
-        root = k
-        while nxt[root] != root:
-            root = nxt[root]
-        while nxt[k] != root:
-            nxt[k], k = root, nxt[k]
-        return root
-
-    def discard(self, low: int, high: int) -> None:
-        """Drop the places ``low`` to ``high - 1`` (an entry and what is under it), in O(log n) plus what is removed
-        (amortised)."""
-        places, nxt, k = self._sorted, self._next, self._head
-        if nxt[k] != k:
-            k = self._head = self._find(k)
-        if k == len(places) or places[k] >= high:   # every live place is past the range
-            return
-        if places[k] >= low:   # nothing live before ``low``: remove from the head on
-            while k < len(places) and places[k] < high:
-                self._live -= 1
-                nxt[k] = k + 1
-                k = self._find(k + 1)
-            self._head = k
-            return
-        i = bisect.bisect_left(places, low)
-        if i == len(places) or places[i] >= high:
-            return
-        j = bisect.bisect_left(places, high, i)
-        k = self._find(i)
-        while k < j:
-            self._live -= 1
-            self._next[k] = k + 1
-            k = self._find(k + 1)
+            self._live -= self._alive.count(1, i, j)
+            self._alive[i:j] = bytes(j - i)
 
 
 def _fold(results) -> tuple[float, list]:
