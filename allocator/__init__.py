@@ -11,6 +11,7 @@ from .cost import Cost, estimate
 from .cost_profile import Profile
 from .errors import (
     AllocatorError,
+    BrokenContract,
     InfeasiblePlacement,
     InvalidBudget,
     InvalidDeviceMap,
@@ -23,11 +24,12 @@ from .hf import patch, unpatch
 from .placement import Placement
 from .problem import Options, Problem, build_problem
 from .strategies import STRATEGIES
+from .strategies.contract import contract_violations
 from .validate import Violation, validate
 
 __all__ = [
-    "AllocatorError", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel", "InvalidOption",
+    "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel", "InvalidOption",
     "UnsupportedByAccelerate", "Cost", "GenerationBudget", "Profile", "estimate", "Options", "Placement", "Plan", "Problem", "STRATEGIES", "Violation",
-    "build_problem", "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
+    "build_problem", "contract_violations", "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

@@ -6,20 +6,25 @@ The whole composition: build the problem once -> run a strategy -> check the res
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from .budgets import Budgets, Device
 from .cost import Cost
 from .cost_profile import Profile
-from .errors import InfeasiblePlacement
+from .errors import BrokenContract, InfeasiblePlacement
 from .gc_pause import gc_paused
 from .placement import Placement
 from .problem import Problem, build_problem
 from .strategies import resolve, run
 from .generation import GenerationBudget, breakdown
 from .strategies._select import priced
-from .validate import Violation, _fmt, check, normalize_map
+from .runtime import main_device
+from .strategies._fill import full_reserve
+from .strategies.contract import contract_main, contract_violations, why_empty
+from .strategies.sequential import insufficient_memory
+from .validate import Violation, _fmt, check, format_bytes, normalize_map
 
 __all__ = ["Plan", "plan", "infer_auto_device_map"]
 
@@ -119,11 +124,18 @@ def _finish(problem: Problem, placement: Placement) -> Plan:
     )
 
 
-def _with_ram(problem: Problem, ram: int) -> Problem:
+def _with_budget(problem: Problem, device, nbytes: int) -> Problem:
+    """The problem with ``device``'s budget set to ``nbytes`` (a new problem: what is derived from it is made anew)."""
     limits = dict(problem.budgets.limits)
-    limits["cpu"] = ram
-    order = tuple(d for d in problem.budgets.order if d not in ("cpu", "disk")) + ("cpu", "disk")
+    limits[device] = nbytes
+    named = set(problem.budgets.order) | {device}
+    order = tuple(d for d in problem.budgets.order if d not in ("cpu", "disk")) + \
+        tuple(d for d in ("cpu", "disk") if d in named or d == "disk")
     return replace(problem, budgets=Budgets(order=order, limits={d: limits[d] for d in order if d in limits}))
+
+
+def _with_ram(problem: Problem, ram: int) -> Problem:
+    return _with_budget(problem, "cpu", ram)
 
 
 def _feasible(problem: Problem, strategy) -> bool:
@@ -133,6 +145,45 @@ def _feasible(problem: Problem, strategy) -> bool:
         return False
     return not check(problem, placement.device_map)[0]
 
+
+def main_minimum(problem: Problem, device) -> int:
+    """The smallest budget on accelerator ``device`` (others unchanged) with which the contract makes it the main
+    device, to 1 % (bisection; the model's size plus its largest streamed chain always suffices)."""
+    low, high = problem.budgets.limit(device) or 0, problem.graph.total + full_reserve(problem) + 1
+    while high - low > max(1, high // 100):
+        middle = (low + high) // 2
+        if contract_main(_with_budget(problem, device, middle)) == device:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def minimum_budget_error(problem: Problem, strategy) -> InfeasiblePlacement:
+    """The error for a budget no plan fits, with the smallest budget that works: RAM's (:func:`minimum_ram_error`),
+    or the first accelerator's where ``max_memory`` gives no RAM (nothing can then be offloaded to it)."""
+    if "cpu" in problem.budgets.order or not problem.budgets.accelerators:
+        return minimum_ram_error(problem, strategy)
+    device = problem.budgets.accelerators[0]
+    low, high = problem.budgets.limit(device) or 0, problem.graph.total + full_reserve(problem) + 1
+    g = problem.graph
+    if not _feasible(_with_budget(problem, device, high), strategy):
+        return InfeasiblePlacement(
+            f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, even with "
+            f"{format_bytes(high)} on accelerator {device!r}; give max_memory a 'cpu' budget or try strategy='auto'.")
+    while high - low > max(1, high // 100):
+        middle = (low + high) // 2
+        if _feasible(_with_budget(problem, device, middle), strategy):
+            high = middle
+        else:
+            low = middle
+    return InfeasiblePlacement(
+        f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: max_memory has no 'cpu' "
+        f"budget, so nothing can be offloaded to RAM; the smallest budget found to work on accelerator {device!r} "
+        f"with the others unchanged is {format_bytes(high)} ({high} B); raise max_memory[{device!r}] to at least that, "
+        "or give RAM a budget.",
+        device=device, minimum=high,
+    )
 
 def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     """The error for a budget no plan fits, with the smallest RAM budget (other budgets unchanged) that works.
@@ -196,6 +247,7 @@ def plan(
     infer_no_split: bool = True,
     profile: Profile | None = None,
     generation: GenerationBudget | None = None,
+    objective: str = "contract",
 ) -> Plan:
     """Decide where every part of ``model`` lives.
 
@@ -224,6 +276,11 @@ def plan(
     generation : GenerationBudget, optional
         Room for ``generate`` (KV cache, logits, activations) on the devices where they live; every strategy but
         ``sequential`` (accelerate's algorithm, unchanged) keeps each device's peak with them within its budget.
+    objective : {"contract", "latency"}
+        ``"contract"`` (default): only plans that keep what ``device_map="auto"`` users rely on — the first accelerator
+        that can hold anything is the main device, accelerators are used in index order, and never fewer bytes on
+        them than accelerate's own valid map (:mod:`allocator.strategies.contract`) — ranked by the cost model.
+        ``"latency"``: the cost model alone decides, the CPU or any accelerator may be the main device.
 
     Returns
     -------
@@ -232,10 +289,14 @@ def plan(
     Raises
     ------
     InvalidBudget, InvalidOption, InvalidModel, UnsupportedByAccelerate
+    BrokenContract
+        A strategy (the caller's, or a bug in a built-in one) returned a plan that breaks the contract.
 
     Notes
     -----
-    The model is read once into a frozen :class:`Problem`; the strategy never touches it.
+    The model is read once into a frozen :class:`Problem`; the strategy never touches it. accelerate's warnings and
+    log lines (buffers of offloaded modules that fit no accelerator, devices left empty for want of memory) are
+    emitted for the plan returned, with accelerate's wording.
 
     Examples
     --------
@@ -253,7 +314,7 @@ def plan(
             special_dtypes=special_dtypes, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
             size_fn=size_fn, offload_buffers=offload_buffers, clean_result=clean_result,
             fallback_allocation=fallback_allocation, infer_no_split=infer_no_split, profile=profile,
-            generation=generation,
+            generation=generation, objective=objective,
         )
         resolve(strategy)
         try:
@@ -261,11 +322,47 @@ def plan(
         except InfeasiblePlacement as err:
             if err.minimum is not None:
                 raise
-            raise minimum_ram_error(problem, strategy) from None
+            raise minimum_budget_error(problem, strategy) from None
+        broken = contract_violations(problem, placement.device_map, strategy=placement.strategy)
+        short = [v for v in broken if v.kind == "contract-floor"]
+        for v in short:   # rules 1 and 2 come first; the strategies fall short of the floor only where they must
+            log.warning("plan by %s: %s", placement.strategy, v.message)
+        broken = [v for v in broken if v.kind != "contract-floor"]
+        if broken and not check(problem, placement.device_map)[0]:
+            raise BrokenContract(
+                f"strategy {placement.strategy!r} returned a plan that breaks the contract of device_map='auto': "
+                f"{'; '.join(map(str, broken))} Pass objective='latency' to accept such plans.")
+        placement = _with_empty_notes(problem, placement)
         result = _finish(problem, placement)
         for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
             log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
+        _report(placement)
         return result
+
+
+def _report(placement: Placement) -> None:
+    """accelerate's warnings and log lines for the plan returned (the strategy's diagnostics)."""
+    for level, message in placement.diagnostics:
+        if level == "warning":
+            warnings.warn(message, UserWarning, stacklevel=3)
+        else:
+            log.info("%s", message)
+
+
+def _with_empty_notes(problem: Problem, placement: Placement) -> Placement:
+    """Under the contract, say why accelerators before the main device hold nothing: a note, and accelerate's
+    "insufficient memory" log line with the budget that would let each hold a unit."""
+    if not problem.options.contract or placement.strategy.split(":")[0] in ("sequential", "balanced_low_0"):
+        return placement
+    main = main_device(placement.device_map.values())
+    accelerators = problem.budgets.accelerators
+    empty = accelerators[:accelerators.index(main)] if main in accelerators else accelerators
+    if not empty:
+        return placement
+    minimum = {d: main_minimum(problem, d) for d in empty}
+    notes = tuple(f"{why_empty(problem, d)}; it needs at least {format_bytes(minimum[d])}" for d in empty)
+    return replace(placement, notes=placement.notes + notes,
+                   diagnostics=placement.diagnostics + (("info", insufficient_memory(minimum)),))
 
 
 def infer_auto_device_map(
@@ -283,6 +380,7 @@ def infer_auto_device_map(
     hf_quantizer=None,
     no_placement_params=None,
     strategy="auto",
+    objective: str = "contract",
 ) -> dict:
     """Drop-in for accelerate's ``infer_auto_device_map``: the same arguments, the same dict shape.
 
@@ -303,6 +401,7 @@ def infer_auto_device_map(
         model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype,
         special_dtypes=special_dtypes, offload_buffers=offload_buffers, clean_result=clean_result,
         fallback_allocation=fallback_allocation, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
+        objective=objective,
     )
     if no_placement_params:
         log.debug("no_placement_params %s are handled by allocator.hf.patch, not here", sorted(no_placement_params)[:5])

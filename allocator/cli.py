@@ -444,7 +444,7 @@ def _cmd_plan(args) -> int:
     loaded = load_model(args.source)
     dtype = args.dtype or loaded.dtype
     options = dict(dtype=dtype, profile=profile, generation=generation)
-    ours = plan(loaded.model, max_memory, strategy=args.strategy, **options)
+    ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, **options)
     print(f"{loaded.source}")
     print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
           f"{f' in {_dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
@@ -568,6 +568,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="budgets, e.g. 0=20GiB,1=20GiB,cpu=64GiB (default: what this machine has)")
     p.add_argument("--dtype", help="dtype the weights will be loaded in, e.g. bfloat16 (default: the config's)")
     p.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
+    p.add_argument("--objective", default="contract", choices=["contract", "latency"],
+                   help="contract (default): GPU 0 first, accelerators in index order, never below accelerate; "
+                        "latency: the cost model's estimate alone decides (the CPU may run the model)")
     p.add_argument("--compare", action="store_true", help="also plan with accelerate's algorithm and compare")
     p.add_argument("--explain", action="store_true", help="print every decision of the strategy")
     p.add_argument("--json", metavar="FILE", help="write the device map as JSON")

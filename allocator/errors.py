@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "AllocatorError",
+    "BrokenContract",
     "InvalidBudget",
     "InvalidDeviceMap",
     "InvalidModel",
@@ -52,3 +53,8 @@ class InfeasiblePlacement(AllocatorError):
 
 class UnsupportedByAccelerate(AllocatorError):
     """accelerate's own algorithm fails on this input; ``strategy="sequential"`` reproduces that failure."""
+
+
+class BrokenContract(AllocatorError):
+    """A strategy returned a plan that breaks the contract of ``device_map="auto"`` (main device, accelerators in
+    index order, never below accelerate: :mod:`allocator.strategies.contract`); ``objective="latency"`` accepts it."""

@@ -23,6 +23,9 @@ class Placement:
     notes: tuple[str, ...] = ()
     optimal: bool | None = None
     """``True`` when the strategy proved no valid plan has a lower estimated cost (``ilp``); ``None`` if unknown."""
+    diagnostics: tuple[tuple[str, str], ...] = ()
+    """``(level, message)`` pairs that :func:`allocator.plan` reports for the plan it returns: ``"warning"``
+    (``warnings.warn``, as accelerate warns) or ``"info"`` (a log line at INFO, as accelerate logs)."""
 
 
 def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") -> dict:

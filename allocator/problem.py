@@ -14,9 +14,12 @@ from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
 
-__all__ = ["Options", "Problem", "build_problem"]
+__all__ = ["OBJECTIVES", "Options", "Problem", "build_problem"]
 
 log = logging.getLogger(__name__)
+
+OBJECTIVES = ("contract", "latency")
+"""Values of :attr:`Options.objective`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,11 +32,24 @@ class Options:
     """accelerate's BFS fallback when a device would stay empty (``sequential`` only)."""
     clean_result: bool = True
     """Merge map entries whose children all share one device."""
+    objective: str = "contract"
+    """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
+    ``device_map="auto"`` user relies on (:mod:`allocator.contract`: the first accelerator that can hold anything is
+    the main device, accelerators used in index order, never fewer bytes on them than accelerate's own valid map),
+    ranked by the cost model among themselves. ``"latency"``: the cost model's estimate alone decides, over every
+    device that could be main (the CPU included) and in any order of accelerators."""
 
     def __post_init__(self):
         for name in ("offload_buffers", "fallback_allocation", "clean_result"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.objective not in OBJECTIVES:
+            raise InvalidOption(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}.")
+
+    @property
+    def contract(self) -> bool:
+        """Whether plans must keep accelerate's conventions (``objective="contract"``)."""
+        return self.objective == "contract"
 
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)

@@ -12,7 +12,7 @@ from .problem import Problem, build_problem
 from .runs import columns, devices_in
 from .runtime import Memory, Recent, device_of, main_device, map_runs, offloaded_devices, peaks
 
-__all__ = ["Violation", "check", "validate", "normalize_map"]
+__all__ = ["Violation", "check", "validate", "normalize_map", "format_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +57,19 @@ def normalize_map(device_map) -> dict:
     return out
 
 
-def _fmt(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """A byte count as people read it: ``format_bytes(3 * 2**20)`` is ``'3.00 MiB'``.
+
+    >>> format_bytes(1536), format_bytes(12)
+    ('1.50 KiB', '12 B')
+    """
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+_fmt = format_bytes
 
 
 _CHECKED = Recent()
@@ -108,9 +116,13 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
         if len(set(where.values()) - {None}) > 1:
             found.append(Violation("tied", f"tied tensors are split across devices: {where}."))
     memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers)
+    placed = set(device_map.values())
     for device, used in memory.peak.items():
+        if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
+            continue   # no RAM budget given: the CPU only executes what streams from disk, unbudgeted (accelerate's view)
         if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
-            found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory."))
+            found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory; give it one or "
+                                   "map nothing there."))
             continue
         limit = problem.budgets.limit(device)
         if limit is not None and used > limit:

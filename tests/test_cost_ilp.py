@@ -94,8 +94,9 @@ def test_ilp_is_valid_and_never_costlier_than_any_other_strategy(name):
                 theirs = allocator.plan(model, budget, strategy=other)
             except allocator.InfeasiblePlacement:
                 continue
-            if theirs.valid:
+            if theirs.valid and not allocator.contract_violations(theirs.problem, theirs.device_map):
                 assert best.cost.seconds <= theirs.cost.seconds * (1 + 1e-6), (name, cell, other)
+        assert not allocator.contract_violations(best.problem, best.device_map), (name, cell)
 
 
 def test_ilp_proves_optimality_on_small_models():
@@ -230,7 +231,7 @@ def _brute_force(problem) -> float:
     best = float("inf")
     for choice in itertools.product(devices, repeat=len(found)):
         device_map = {u.name: d for grp, d in zip(found, choice) for u in grp.units}
-        if not check(problem, device_map)[0]:
+        if not check(problem, device_map)[0] and not allocator.contract_violations(problem, device_map):
             best = min(best, estimate(problem, device_map).seconds)
     return best
 
@@ -249,13 +250,16 @@ BRUTE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("objective", ["contract", "latency"])
 @pytest.mark.parametrize("switch_latency", [20e-6, 5e-3])
 @pytest.mark.parametrize("case", range(len(BRUTE_CASES)))
-def test_ilp_matches_brute_force_with_identical_blocks(case, switch_latency):
+def test_ilp_matches_brute_force_with_identical_blocks(case, switch_latency, objective):
     # Runs of identical blocks (symmetry broken by the model) around larger ones, two GPUs, RAM and disk; a large
-    # switch latency makes fewer changes of executing device worth streaming more.
+    # switch latency makes fewer changes of executing device worth streaming more. Under the contract the brute force
+    # keeps only maps that keep it (main device, index order, accelerate's floor): the optimum under the contract.
     model, budget = BRUTE_CASES[case]
-    problem = allocator.build_problem(model, budget, profile=allocator.Profile(switch_latency=switch_latency))
+    problem = allocator.build_problem(model, budget, profile=allocator.Profile(switch_latency=switch_latency),
+                                      objective=objective)
     placement = ilp.place(problem, hint={})  # no warm start: the model alone must find the optimum
     assert placement.optimal
     assert estimate(problem, placement.device_map).seconds == pytest.approx(_brute_force(problem), rel=1e-9)

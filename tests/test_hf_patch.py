@@ -107,8 +107,15 @@ def test_from_pretrained_auto_loads_the_plan_and_restores_transformers(cases, na
         assert all(getattr(m, a) is not o for (m, a), o in zip(PATCHED, originals))
         assert case.transformers_map() == plan.device_map
         model = case.load("auto", tmp_path / "ours")
-        assert model.hf_device_map == plan.device_map
+        loaded = dict(model.hf_device_map)
         torch.testing.assert_close(case.logits(model), case.reference, **TOL)
+    if loaded != plan.device_map:
+        # transformers 5 plans the model before it ties its weights: accelerate's map of that model (the contract's
+        # floor) can differ from the tied meta twin's (t5: all on disk), and so can the plan within the contract
+        assert name == "t5", (loaded, plan.device_map)
+        plan = allocator.plan(case.meta, dict(case.max_memory), objective="latency",
+                              strategy=lambda problem: allocator.Placement(loaded, "loaded"))
+        assert plan.valid, plan.violations
 
     assert _same_objects(_snapshot(), originals)
     after = case.transformers_map()

@@ -27,7 +27,8 @@ from allocator.problem import build_problem
 from allocator.runs import runs
 from allocator.runtime import map_runs, moves_with_weights, offloaded_devices, streamed_chain
 from allocator.strategies import _fill
-from allocator.strategies._fill import Filled, Streams, _FirstFit, fill, main_candidates, unit_map
+from allocator.strategies._fill import Filled, Streams, _FirstFit, fill, unit_map
+from allocator.strategies.contract import main_candidates
 from allocator.units import Group, Groups, Unit, Units, groups, units
 from trees import module_trees
 

@@ -24,13 +24,17 @@ from ..runs import NUMPY_FROM, Run, _array, _side_by_side, columns
 from ..runtime import main_device, map_runs, offloaded_devices, workspace
 from ..units import Groups
 
-__all__ = ["Filled", "Streams", "fill", "fill_to_fixed_point", "full_reserve", "main_candidates", "unit_map"]
+__all__ = ["Filled", "Streams", "every_main", "fill", "fill_to_fixed_point", "full_reserve", "reserve_sizes",
+           "unit_map"]
+
+#: At most this many candidate reserves (:func:`reserve_sizes`): the smallest and the largest ones are kept.
+MAX_RESERVES = 64
 
 
-def main_candidates(problem: Problem) -> list[Device]:
-    """Every device worth trying as main: an accelerator (the ones before it left empty) whose budget is larger than
-    every earlier accelerator's — otherwise relabelling the plan onto an earlier one gives the same plan with a lower
-    index — then cpu."""
+def every_main(problem: Problem) -> list[Device]:
+    """Every device worth trying as main when the contract is lifted (``objective="latency"``): an accelerator (the
+    ones before it left empty) whose budget is larger than every earlier accelerator's — otherwise relabelling the plan
+    onto an earlier one gives the same plan with a lower index — then cpu."""
     b = problem.budgets
     out, best = [], 0
     for d in b.accelerators:
@@ -70,7 +74,10 @@ def fill(problem: Problem, found: Groups, main: Device, reserve: int) -> list | 
     order, stays = _seating(found, reserve)
     # Buffers of groups still to place may all end up pinned on the main device: hold room for them until then.
     room[0] -= int(found.array("pinned")[~stays].sum()) if len(stays) else 0
-    chosen = _FirstFit(found, order, stays, room, [d in targets for d in devices], charges).run()
+    offloads = [d in targets for d in devices]
+    # the contract: accelerators in index order along the model (only matters with two or more that execute)
+    monotone = problem.options.contract and offloads.count(False) > 1
+    chosen = _FirstFit(found, order, stays, room, offloads, charges, monotone=monotone).run()
     if chosen is None:
         return None
     where = np.empty(len(chosen), dtype=np.int64)
@@ -93,18 +100,23 @@ class _FirstFit:
     SHORT = 16     # a stretch shorter than this is not worth the numpy calls
 
     def __init__(self, found: Groups, order: np.ndarray, stays: np.ndarray, room: list, offloads: list[bool],
-                 charges: list[bool]):
+                 charges: list[bool], *, monotone: bool = False):
         self.room, self.offloads, self.charges = room, offloads, charges
         arrays = [found.array(c) for c in ("pinned", "size", "offload")]
+        self.order = order
         self.stay = stays[order]
         self.pinned, self.size, self.offload = (a[order] for a in arrays)
+        self.monotone = monotone
         # numpy stretches need int64 sums: the model's total well inside int64
         total = sum(int(a.sum()) for a in arrays) if len(order) else 0
-        self.vector = all(a.dtype == np.int64 for a in arrays) and total < 2**60 and len(order) >= NUMPY_FROM
+        self.vector = (all(a.dtype == np.int64 for a in arrays) and total < 2**60 and len(order) >= NUMPY_FROM
+                       and not monotone)
         self._lists: list | None = None   # the columns as Python lists, for single steps (made on the first)
 
     def run(self) -> list[int] | None:
         """The device index of each group in seating order, or ``None`` when one fits nowhere."""
+        if self.monotone:
+            return self.run_in_index_order()
         n = len(self.stay)
         chosen: list[int] = []
         pos, last, window = 0, -1, 64
@@ -132,8 +144,9 @@ class _FirstFit:
             pos += 1
         return chosen
 
-    def step(self, k: int) -> int:
-        """Seat group ``k`` (seating order) on the first device with room; its index, or -1."""
+    def step(self, k: int, low: int = 0, high: int | None = None) -> int:
+        """Seat group ``k`` (seating order) on the first device with room; its index, or -1. Devices that execute
+        (not offload targets) are taken only from index ``low`` to ``high``."""
         if self._lists is None:
             self._lists = [self.stay.tolist(), self.pinned.tolist(), self.size.tolist(), self.offload.tolist()]
         stays, pinned, sizes, offloads = self._lists
@@ -150,10 +163,50 @@ class _FirstFit:
                     room[j] -= need
                     room[0] -= p
                     return j
-            elif room[j] >= size:
+            elif low <= j and (high is None or j <= high) and room[j] >= size:
                 room[j] -= size
                 return j
+        if not stay:
+            room[0] -= p
         return -1
+
+    def run_in_index_order(self) -> list[int] | None:
+        """:meth:`run` with the executing devices (the main device and the accelerators after it) used in index order
+        along the model: a group never goes to an executing device before one that an earlier group (in model order)
+        went to. Groups that must stay are seated first, in model order, each on the first executing device from the
+        last one used; then the others, in model order, each between the executing devices of the groups that must
+        stay before and after it. Single steps (no numpy stretches)."""
+        n, stay = len(self.stay), self.stay.tolist()
+        model = self.order.tolist()                 # seat -> group (model order)
+        chosen: list[int] = []
+        top = 0
+        first_free = stay.count(True)               # seats of the groups that must stay come first
+        for k in range(first_free):
+            top = self.step(k, low=top)
+            if top < 0:
+                return None
+            chosen.append(top)
+        # executing device of the nearest group that must stay, before (max so far) and after (min from there)
+        below = [0] * (len(model) + 1)
+        above: list = [None] * (len(model) + 1)
+        for k in range(first_free):
+            below[model[k] + 1] = chosen[k]
+            above[model[k]] = chosen[k]
+        for g in range(1, len(model) + 1):
+            below[g] = max(below[g], below[g - 1])
+        for g in range(len(model) - 1, -1, -1):
+            if above[g] is None:
+                above[g] = above[g + 1]
+        top = 0
+        for k in range(first_free, n):
+            g = model[k]
+            j = self.step(k, low=max(top, below[g]), high=above[g + 1])
+            if j < 0:
+                return None
+            if not self.offloads[j]:
+                top = j
+            chosen.append(j)
+        return chosen
 
     def stretch(self, a: int, b: int, j: int) -> int:
         """Seat as many of groups ``a..b-1`` as go, one after another, to device ``j``; how many went."""
@@ -264,6 +317,15 @@ class Filled:
                 self._runs = _side_by_side(lo, hi, order, devices[found.unit_groups()[keep]].tolist(),
                                            len(columns(graph).module), len(graph.nodes))
         return self._runs
+
+
+def reserve_sizes(problem: Problem, found: Groups) -> list[int]:
+    """Every streaming reserve worth a fill, ascending: 0, each group's streamed size, and the reserve that streams
+    anything (at most :data:`MAX_RESERVES`: the smallest and the largest)."""
+    sizes = sorted({*found.stream, 0, full_reserve(problem)})
+    if len(sizes) > MAX_RESERVES:
+        sizes = sizes[:1] + sizes[-(MAX_RESERVES - 1):]
+    return sizes
 
 
 def full_reserve(problem: Problem) -> int:

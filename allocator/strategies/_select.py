@@ -7,11 +7,11 @@ from ..cost import Cost, estimate, estimate_runs
 from ..errors import InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runs import columns
 from ..runtime import Recent
 from ..validate import _fmt, check
+from .contract import accelerate_map, contract_main, fast_bytes, floor, order_violations
 
-__all__ = ["score", "priced", "best_of", "infeasible"]
+__all__ = ["score", "priced", "best_of", "infeasible", "keeping_contract"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8
@@ -36,9 +36,7 @@ def score(problem: Problem, device_map) -> tuple[float, int, int]:
 
 def _quick(problem: Problem, found) -> int:
     """Bytes a map keeps on the fastest tier (orders the checks), from its runs."""
-    fast = set(problem.budgets.accelerators) or {"cpu"}
-    counted = columns(problem.graph).sum_counted
-    return sum(counted[run.end] - counted[run.start] for run in found if run.device in fast)
+    return fast_bytes(problem, found)
 
 
 def _key(cost: Cost) -> tuple[float, int, int]:
@@ -55,6 +53,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     checked from the best price down and the first valid one wins (usually one map and one check); with more, each
     is checked on the way, in ranked order.
     """
+    candidates = keeping_contract(problem, candidates)
     ranked = sorted(((_quick(problem, c.runs()), k) for k, c in enumerate(candidates)), reverse=True)
     best = None
     if len(candidates) <= PRICED:
@@ -83,11 +82,30 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             if best is None or key > best[0]:
                 best = (key, device_map, candidates[k].note)
     if best is None:
-        raise infeasible(problem)
+        fallback = accelerate_map(problem) if problem.options.contract else None
+        if fallback is None:
+            raise infeasible(problem)
+        return Placement(device_map=fallback, strategy=strategy,
+                         notes=(f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, "
+                                "accelerators in index order, at least accelerate's bytes on them): accelerate's own "
+                                "map is kept",))
     key, device_map, note = best
     return Placement(device_map=device_map, strategy=strategy,
                      notes=(f"{note}: estimated {-key[0] * 1e3:.3f} ms per forward, {_fmt(key[1])} on the "
                             f"fastest tier, {-key[2]} device changes",))
+
+
+def keeping_contract(problem: Problem, candidates: list) -> list:
+    """The candidates (:class:`allocator.strategies._fill.Filled`) that keep the contract's main device, index order
+    and floor (:mod:`allocator.strategies.contract`); all of them under ``objective="latency"``. When none reaches the
+    floor and accelerate's map cannot be kept instead (it breaks rule 1 or 2 itself), those that keep rules 1 and 2."""
+    if not problem.options.contract:
+        return list(candidates)
+    main = contract_main(problem)
+    keep = [c for c in candidates if c.main == main and not order_violations(problem, c.runs())]
+    need = floor(problem)
+    above = [c for c in keep if _quick(problem, c.runs()) >= need]
+    return above if above or accelerate_map(problem) is not None else keep
 
 
 def _price(problem: Problem, candidate) -> tuple[float, int, int]:

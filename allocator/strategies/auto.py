@@ -2,9 +2,11 @@
 
 Runs ``sequential`` (accelerate), ``reserve`` and ``backfill``, then ``ilp`` warm-started from the best of them
 within a small deterministic budget (when OR-Tools imports and the model has at most ``ilp.MAX_UNITS`` groups), and
-keeps the valid plan with the lowest estimated seconds per forward. Because accelerate's own map is a candidate, the
-result is never estimated slower than ``sequential`` wherever ``sequential``'s map is valid, and it is never
-invalid: when nothing fits, :class:`allocator.InfeasiblePlacement` says the minimum budget.
+keeps the valid plan with the lowest estimated seconds per forward among those that keep the contract
+(:mod:`allocator.strategies.contract`; every valid plan under ``objective="latency"``). Because accelerate's own map
+is a candidate where it keeps the contract, the result is never estimated slower than ``sequential`` there, never
+keeps fewer bytes on the accelerators than it wherever its map is valid, and it is never invalid: when nothing fits,
+:class:`allocator.InfeasiblePlacement` says the minimum budget.
 
 Notes
 -----
@@ -23,6 +25,7 @@ from ..units import groups
 from ..validate import check
 from . import backfill, ilp, reserve, sequential
 from ._select import infeasible, score
+from .contract import contract_violations
 
 __all__ = ["place"]
 
@@ -53,8 +56,13 @@ def place(problem: Problem, **_) -> Placement:
         if check(problem, placement.device_map)[0]:
             tried.append(f"{name}: invalid")
             return
-        key = score(problem, placement.device_map)
-        tried.append(f"{name}: {-key[0] * 1e3:.3f} ms")
+        broken = {v.kind for v in contract_violations(problem, placement.device_map, strategy="auto")}
+        if broken - {"contract-floor"}:
+            tried.append(f"{name}: breaks the contract")
+            return
+        # plans that reach accelerate's bytes first; below them only where no candidate does (contract.floor)
+        key = (not broken, *score(problem, placement.device_map))
+        tried.append(f"{name}: {-key[1] * 1e3:.3f} ms" + (" (below accelerate's bytes)" if broken else ""))
         if best is None or key > best[0]:
             best = (key, placement)
 

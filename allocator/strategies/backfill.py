@@ -14,8 +14,9 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ._fill import Filled, Streams, fill_to_fixed_point, main_candidates
+from ._fill import Filled, Streams, fill_to_fixed_point
 from ._select import best_of
+from .contract import fill_memo, main_candidates
 
 __all__ = ["place"]
 
@@ -25,7 +26,7 @@ def place(problem: Problem, **_) -> Placement:
     found = groups(problem.graph, problem.options.offload_buffers)
     offloadable = found.array("stream")[~found.array("resident_only")]
     start = int(offloadable.max()) if len(offloadable) else 0
-    candidates, streams, memo = [], Streams(problem, found), {}
+    candidates, streams, memo = [], Streams(problem, found), fill_memo(problem)
     for main in main_candidates(problem):
         where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
         if where is not None:

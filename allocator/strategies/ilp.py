@@ -43,10 +43,12 @@ from ..cost import Profile, change_seconds, estimate, tensor_seconds
 from ..errors import AllocatorError
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runtime import device_of, main_device, offloaded_devices, workspace
+from ..runs import columns
+from ..runtime import device_of, main_device, map_runs, offloaded_devices, workspace
 from ..units import Group, groups as unit_groups
 from ..validate import check
-from ._fill import main_candidates
+from .contract import (accelerate_map, contract_violations, fast_bytes, fast_tier, floor, main_candidates,
+                       order_violations)
 
 __all__ = ["place"]
 
@@ -88,11 +90,15 @@ class _Solved:
 
 
 def _devices(problem: Problem, main) -> list:
+    """The main device, the accelerators after it, then cpu and disk: those that ``max_memory`` names (``disk``
+    always; the CPU without a budget only executes what streams from disk)."""
     b = problem.budgets
     if main == "cpu":
-        return ["cpu", "disk"]
-    devices = [d for d in b.accelerators if b.order.index(d) >= b.order.index(main)]
-    return devices + (["disk"] if main == "mps" else ["cpu", "disk"])
+        devices = ["cpu", "disk"]
+    else:
+        devices = [d for d in b.accelerators if b.order.index(d) >= b.order.index(main)]
+        devices += ["disk"] if main == "mps" else ["cpu", "disk"]
+    return [d for d in devices if d in b.order]
 
 
 def _runs(found: list[Group], sequence: list[int], cost: list[dict], changes: bool) -> list[list[int]]:
@@ -126,8 +132,9 @@ def _runs(found: list[Group], sequence: list[int], cost: list[dict], changes: bo
 
 
 def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]], sequence: list[int], main,
-                    profile: Profile, seconds: float, hint: dict | None, cutoff: int | None) -> _Solved:
-    """CP-SAT for one main device; ``cutoff`` (picoseconds) bounds the objective from above when given."""
+                    profile: Profile, seconds: float, hint: dict | None, cutoff: int | None, need: int = 0) -> _Solved:
+    """CP-SAT for one main device; ``cutoff`` (picoseconds) bounds the objective from above when given; ``need``:
+    bytes the plan must keep on the fastest tier (the contract's floor)."""
     from ortools.sat.python import cp_model
 
     g, b = problem.graph, problem.budgets
@@ -177,12 +184,28 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
         else:
             model.Add(sum(grp.size * x[k, d] for k, grp in enumerate(found)) <= limit)
 
+    # The contract: resident groups take accelerators in index order along the model. A level per group that never
+    # decreases in model order; a group on an executing device has that device's level (offloaded groups follow it).
+    executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
+    if problem.options.contract and len(executing) > 1:
+        level = [model.NewIntVar(0, len(executing) - 1, f"level{k}") for k in range(len(found))]
+        for k in range(1, len(found)):
+            model.Add(level[k] >= level[k - 1])
+        for k in range(len(found)):
+            for i, d in enumerate(executing):
+                model.Add(level[k] == i).OnlyEnforceIf(x[k, d])
+        if hint:
+            _hint_levels(model, hint, found, executing, level)
+    if need:   # never below accelerate: at least its bytes on the fastest tier
+        counted = columns(g).counted
+        fast = [d for d in devices if d in fast_tier(problem)]
+        model.Add(sum(sum(counted[t] for t in tensors[k]) * x[k, d] for k in range(len(found)) for d in fast) >= need)
+
     # Objective: the estimate, tensor by tensor (reads, copies, per-tensor latencies), and the changes of executing
     # device, in picoseconds.
     cost = [{d: int(round(sum(tensor_seconds(problem, main, profile, g.tensors[t], d) for t in tensors[k]) * NS))
              for d in devices} for k in range(len(found))]
     terms = [cost[k][d] * x[k, d] for k in range(len(found)) for d in devices if cost[k][d]]
-    executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
     changes = len(executing) > 1
     switches = []  # (k1, k2, boolean): a change of executing device between consecutive groups k1 and k2
     if changes:
@@ -258,6 +281,15 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
     return _Solved(placed, status == cp_model.OPTIMAL, int(solver.ObjectiveValue()), work)
 
 
+def _hint_levels(model, hint: dict, found: list[Group], executing: list, level: list) -> None:
+    """Hint the contract's levels of a hinted plan: each group's executing device, carried over offloaded groups."""
+    rank = {d: i for i, d in enumerate(executing)}
+    current = 0
+    for k, grp in enumerate(found):
+        current = max(current, rank.get(hint.get(grp.units[0].name), current))
+        model.AddHint(level[k], current)
+
+
 def _sort_run(hint: dict, found: list[Group], sequence: list[int], run: list[int], rank_of: dict, targets, main,
               changes: bool) -> tuple[dict, bool]:
     """The hint with the devices of interchangeable groups sorted by rank: ascending, or with changes of executing
@@ -280,15 +312,15 @@ def _sort_run(hint: dict, found: list[Group], sequence: list[int], run: list[int
     return dict(hint) | {name(k): d for k, d in zip(run, chosen)}, ascending
 
 
-def _home_weightless(found, placed: dict, main) -> dict:
-    """Groups that stream nothing (buffers only, which stay on the main device anyway) put on the main device rather
-    than wherever the solver left them: the same memory and cost, and no ``disk`` in a map that needs no offload
-    folder."""
+def _home_weightless(found, placed: dict, main, home=None) -> dict:
+    """Groups that stream nothing (buffers only, which stay on the main device anyway) put on the main device (or
+    ``home``, an offload target) rather than wherever the solver left them: the same memory and cost, and no ``disk``
+    in a map that needs no offload folder."""
     offloaded = offloaded_devices(main)
     out = dict(placed)
     for grp in found:
         if grp.offload == 0 and not grp.resident_only and out.get(grp.units[0].name) in offloaded:
-            out.update(dict.fromkeys(grp.names, main))
+            out.update(dict.fromkeys(grp.names, main if home is None else home))
     return out
 
 
@@ -356,8 +388,9 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if hint is None:
         hint = _heuristic(problem, profile)
     incumbent = None  # (estimated seconds, device map): the hint, kept when CP-SAT finds nothing better
-    if hint is not None and not check(problem, hint)[0]:
+    if hint is not None and not check(problem, hint)[0] and not _breaks_order_or_main(problem, hint):
         incumbent = (estimate(problem, hint, profile).seconds, dict(hint))
+    need = _floor_to_keep(problem, incumbent)
     mains = main_candidates(problem)
     hinted = main_device(hint.values()) if hint else None
     # The other mains first, bounded by the hint's cost (most are pruned at once); the hint's main gets the time
@@ -375,7 +408,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
                 cutoff = bound if cutoff is None else min(cutoff, bound)
             start = hints.get(main, unit_hint if main == hinted else None)
             solved = _solve_for_main(problem, found, tensors, sequence, main, profile, left / (len(todo) - i), start,
-                                     cutoff)
+                                     cutoff, need)
             left = max(0.0, left - solved.work)
             if not solved.proven:
                 pending.append(main)
@@ -397,7 +430,14 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
         objective, main, placed = best
         kept = ""
     objective /= NS
-    placed = _home_weightless(found, placed, main)
+    homed = _home_weightless(found, placed, main)
+    if problem.options.contract and order_violations(problem, map_runs(g, homed)):
+        # on the main device, a buffers-only module that runs after units on later accelerators would break their
+        # index order: offloaded to RAM instead (the same memory: its buffers stay on the main device)
+        homed = _home_weightless(found, placed, main, home="cpu") if "cpu" in problem.budgets.order else placed
+    if homed != placed:   # from disk to RAM costs no more (a zero-size parameter still pays its hook): price it again
+        objective = estimate(problem, homed, profile).seconds
+    placed = homed
     device_map = clean_device_map(placed) if problem.options.clean_result else placed
     violations = check(problem, device_map)[0]
     if violations:
@@ -410,6 +450,23 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     return Placement(device_map=device_map, strategy="ilp", notes=tuple(notes), optimal=proven and not merged)
 
 
+def _breaks_order_or_main(problem: Problem, device_map) -> bool:
+    """Whether a map breaks the contract's main device or index order (the floor is :func:`_floor_to_keep`'s)."""
+    return any(v.kind != "contract-floor" for v in contract_violations(problem, device_map, strategy="ilp"))
+
+
+def _floor_to_keep(problem: Problem, incumbent) -> int:
+    """The contract's floor (accelerate's bytes on the fastest tier) where a plan keeping the contract is known to
+    reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.strategies._select.best_of`."""
+    if not problem.options.contract:
+        return 0
+    need = floor(problem)
+    if accelerate_map(problem) is not None:
+        return need
+    reached = incumbent is not None and fast_bytes(problem, map_runs(problem.graph, incumbent[1])) >= need
+    return need if reached else 0
+
+
 def _heuristic(problem: Problem, profile: Profile) -> dict | None:
     """The best valid map of the fast strategies (the warm start and first cutoff), or ``None``."""
     from . import backfill, reserve, sequential
@@ -420,7 +477,7 @@ def _heuristic(problem: Problem, profile: Profile) -> dict | None:
             device_map = strategy.place(problem).device_map
         except AllocatorError:
             continue
-        if not check(problem, device_map)[0]:
+        if not check(problem, device_map)[0] and not _breaks_order_or_main(problem, device_map):
             seconds = estimate(problem, device_map, profile).seconds
             if best is None or seconds < best[0]:
                 best = (seconds, device_map)

@@ -17,21 +17,18 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ._fill import Filled, Streams, fill_to_fixed_point, full_reserve, main_candidates
+from ._fill import Filled, Streams, fill_to_fixed_point, reserve_sizes
 from ._select import best_of
+from .contract import fill_memo, main_candidates
 
 __all__ = ["place"]
-
-MAX_CANDIDATES = 64
 
 
 def place(problem: Problem, **_) -> Placement:
     """Place by first fit, trying every streaming reserve that some unit's offload would need."""
     found = groups(problem.graph, problem.options.offload_buffers)
-    sizes = sorted({*found.stream, 0, full_reserve(problem)})
-    if len(sizes) > MAX_CANDIDATES:
-        sizes = sizes[:1] + sizes[-(MAX_CANDIDATES - 1):]
-    candidates, streams, memo, made = [], Streams(problem, found), {}, {}
+    sizes = reserve_sizes(problem, found)
+    candidates, streams, memo, made = [], Streams(problem, found), fill_memo(problem), {}
     for main in main_candidates(problem):
         for start in sizes:
             where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import UnsupportedByAccelerate
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runs import _array
+from ..runs import _array, columns
 
 __all__ = ["place"]
 
@@ -491,8 +491,47 @@ def place(problem: Problem, **_) -> Placement:
         current += 1
         entries.push([entry])
 
+    diagnostics = []
+    warning = _buffer_warning(problem, device_map, used)
+    if warning:
+        diagnostics.append(("warning", warning))
     if minimum:
-        log.info("no module could be assigned to %s; minimum bytes that would have taken one: %s", list(minimum), minimum)
+        diagnostics.append(("info", insufficient_memory(minimum)))
     if opts.clean_result:
         device_map = clean_device_map(device_map)
-    return Placement(device_map=device_map, strategy="sequential", notes=tuple(notes))
+    return Placement(device_map=device_map, strategy="sequential", notes=tuple(notes), diagnostics=tuple(diagnostics))
+
+
+def insufficient_memory(minimum) -> str:
+    """accelerate's log line for devices that got nothing, with the bytes that would have taken a module there
+    (``infer_auto_device_map``, accelerate/utils/modeling.py; tests look for "insufficient memory")."""
+    devices = "\n".join(f"  - {device}: {need} bytes required" for device, need in minimum.items())
+    return ("Based on the current allocation process, no modules could be assigned to the following devices due to "
+            f"insufficient memory:\n{devices}\nThese minimum requirements are specific to this allocation attempt and "
+            "may vary. Consider increasing the available memory for these devices to at least the specified minimum, "
+            "or adjusting the model config.")
+
+
+def _buffer_warning(problem: Problem, device_map: dict, used: dict) -> str | None:
+    """accelerate's warning when the buffers of modules mapped to cpu/disk (which stay on the main device) fit no
+    accelerator's remaining budget (``infer_auto_device_map``, accelerate/utils/modeling.py); ``None`` when they do."""
+    g, budgets = problem.graph, problem.budgets
+    if problem.options.offload_buffers or not budgets.accelerators:
+        return None
+    t = g.tensors
+    buffer = np.where(~np.asarray(t.is_param, dtype=bool) & (_array(t.canonical) == np.arange(len(t.name))),
+                      np.asarray(t.nbytes_accelerate, dtype=float), 0.0)
+    below = np.concatenate([[0.0], np.cumsum(buffer)])
+    cols, total = columns(g), 0
+    for name, device in device_map.items():
+        node = g.node_index.get(name) if device in ("cpu", "disk") else None
+        if node is not None:
+            total += below[cols.last[node]] - below[cols.first[node]]
+    if total <= 0:
+        return None
+    for gpu in budgets.accelerators:
+        if budgets.limit(gpu) >= total + used.get(gpu, 0):
+            return None
+    return (f"Current model requires {int(total)} bytes of buffer for offloaded layers, which seems does not fit any "
+            "GPU's remaining memory. If you are experiencing a OOM later, please consider using offload_buffers=True.")
+
