@@ -173,8 +173,8 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     return InfeasiblePlacement(
         f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: the smallest RAM budget "
         f"found to work with the other budgets unchanged is {_fmt(high)} ({high} B) on 'cpu' (buffers of offloaded "
-        f"modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to at least that, or "
-        f"give accelerators more room.",
+        f"modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to at least that"
+        f"{', or give accelerators more room' if problem.budgets.accelerators else ''}.",
         device="cpu", minimum=high,
     )
 

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -62,6 +64,110 @@ def test_bad_input_in_a_subprocess_is_one_line():
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("allocator: error: 'nope-7b' is neither")
+
+
+def test_version_in_a_subprocess():
+    done = subprocess.run([sys.executable, "-m", "allocator", "--version"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"allocator {allocator.__version__}\n", "")
+
+
+def test_a_closed_pipe_ends_quietly():
+    """``allocator plan llama-8b ... --compare | head -3``: no traceback, no "Broken pipe" on stderr, status 0. The
+    reader here closes the pipe before anything is written, so the write always fails (``head`` may be too slow)."""
+    argv = [sys.executable, "-m", "allocator", "plan", SEG, "--max-memory", "0=8MiB,cpu=64MiB", "--compare"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == ""
+    shell = subprocess.run(f"{' '.join(argv)} | head -3", shell=True, capture_output=True, text=True, timeout=120)
+    assert shell.returncode == 0 and shell.stderr == "" and len(shell.stdout.splitlines()) == 3
+
+
+@pytest.mark.parametrize("argv,suggested", [
+    (["plan", "llama8b"], "llama-8b"), (["plan", "Segformer-B0"], "segformer-b0"), (["demo", "--model", "t5base"], "t5-base"),
+])
+def test_unknown_example_suggests_the_closest_name(capsys, argv, suggested):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("allocator: error: ") and err.rstrip().endswith(f"Did you mean {suggested!r}?")
+
+
+def test_no_suggestion_for_a_name_like_no_example(capsys):
+    code, _, err = run(capsys, "plan", "nope-7b")
+    assert code == 2 and "Did you mean" not in err
+
+
+def test_default_budget_is_marked_as_the_default(capsys):
+    code, out, err = run(capsys, "plan", SEG)
+    assert code == 0 and err == ""
+    line = next(x for x in out.splitlines() if x.startswith("budgets: "))
+    assert "the default, this machine's free memory now (cpu=" in line and "--max-memory" in line
+    code, out, _ = run(capsys, "plan", SEG, "--max-memory", "cpu=1GiB")
+    assert code == 0 and "budgets: the default" not in out
+
+
+def test_infeasible_without_accelerators_does_not_suggest_them(capsys):
+    code, _, err = run(capsys, "plan", SEG, "--max-memory", "cpu=1MiB")
+    assert code == 2 and "smallest RAM budget" in err and "accelerators" not in err
+    code, _, err = run(capsys, "plan", SEG, "--max-memory", "0=1KiB,cpu=1MiB")
+    assert code == 2 and "or give accelerators more room." in err
+
+
+def custom_code_folder(path, model_type="tiny-custom"):
+    """A model folder whose config.json names its own code in ``auto_map`` (a renamed Llama)."""
+    path.mkdir()
+    (path / "configuration_tiny.py").write_text(textwrap.dedent(f"""
+        from transformers import LlamaConfig
+
+
+        class TinyConfig(LlamaConfig):
+            model_type = {model_type!r}
+        """))
+    (path / "modeling_tiny.py").write_text(textwrap.dedent("""
+        from transformers import LlamaForCausalLM
+
+        from .configuration_tiny import TinyConfig
+
+
+        class TinyForCausalLM(LlamaForCausalLM):
+            config_class = TinyConfig
+        """))
+    (path / "config.json").write_text(json.dumps({
+        "model_type": model_type, "architectures": ["TinyForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig", "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"},
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1000, "dtype": "float32"}))
+    return path
+
+
+def test_custom_code_needs_trust_remote_code(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    folder = custom_code_folder(tmp_path / "custom")
+    code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("allocator: error: the config ") and "add --trust-remote-code" in err
+
+
+def test_trust_remote_code_builds_with_the_folders_code_in_a_subprocess(tmp_path):
+    pytest.importorskip("transformers")
+    folder = custom_code_folder(tmp_path / "custom")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}  # transformers copies the code to its modules cache
+    done = subprocess.run([sys.executable, "-m", "allocator", "plan", str(folder), "--max-memory", "cpu=10MiB",
+                           "--trust-remote-code"], capture_output=True, text=True, timeout=120, env=env,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"TinyForCausalLM from {folder} (the folder's own code, --trust-remote-code)\n")
+
+
+def test_auto_map_of_a_type_transformers_knows_builds_without_the_code(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    folder = custom_code_folder(tmp_path / "native", model_type="llama")
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, "architectures": ["LlamaForCausalLM"]}))
+    code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB")
+    assert code == 0 and err == ""
+    assert out.startswith(f"LlamaForCausalLM from {folder} (config.auto_map names custom code; built with "
+                          "transformers' own classes: add --trust-remote-code")
 
 
 def test_plan_example(capsys, seg):
