@@ -615,15 +615,17 @@ def _cmd_profile(args) -> int:
 
 
 def _quantity(name: str, value: float) -> str:
-    """A Profile field with its unit.
+    """A Profile field with its unit: latencies (seconds) in µs or ms, bandwidths in GB/s.
 
     >>> _quantity("host_to_device", 1e10), _quantity("switch_latency", 2e-5), _quantity("tokens", 512)
-    ('10.0 GB/s', '20.0 us', '512')
+    ('10.0 GB/s', '20.0 µs', '512')
+    >>> _quantity("offload_tensor_latency", 6.6e-5), _quantity("disk_tensor_latency", 2.86e-3)
+    ('66.0 µs', '2.86 ms')
     """
     if name.endswith("flops"):
         return f"{value / 1e12:.2f} TFLOP/s"
-    if name == "switch_latency":
-        return f"{value * 1e6:.1f} us"
+    if name.endswith("latency"):
+        return f"{value * 1e6:.1f} µs" if value < 1e-3 else f"{value * 1e3:.2f} ms"
     if name == "activation_bytes":
         return _size(int(value))
     if name == "tokens":

@@ -302,6 +302,15 @@ def test_profile_out(capsys, tmp_path):
     assert cli.load_profile(str(path)) == measured
 
 
+def test_profile_in_a_subprocess_prints_latencies_in_time_units_and_nothing_on_stderr():
+    done = subprocess.run([sys.executable, "-m", "allocator", "profile"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == ""  # not accelerate's "Some parameters are on the meta device"
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
+    for name in ("switch_latency", "offload_tensor_latency", "disk_tensor_latency"):
+        assert rows[name].split()[2] in ("µs", "ms"), rows[name]
+    assert rows["disk_read"].split()[2] == "GB/s"
+
+
 # -- bad input -------------------------------------------------------------------------------------------------------
 
 
