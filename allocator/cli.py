@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Mapping
 
 from .errors import AllocatorError, InvalidBudget, InvalidModel, InvalidOption
@@ -96,6 +98,8 @@ def parse_generation(text: str):
 def parse_max_memory(text: str) -> dict:
     """``"0=20GiB,1=20GiB,cpu=64GiB"`` -> ``{0: "20GiB", 1: "20GiB", "cpu": "64GiB"}``, checked.
 
+    A size of digits alone is bytes (``cpu=64`` is ``{"cpu": 64}``, with accelerate's reading and its warning).
+
     Raises
     ------
     InvalidBudget
@@ -117,7 +121,7 @@ def parse_max_memory(text: str) -> dict:
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or not key or not value:
             raise InvalidBudget(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB.")
-        out[int(key) if key.isdigit() else key] = value
+        out[int(key) if key.isdigit() else key] = int(value) if value.isdigit() else value  # bytes, as in a dict
     if not out:
         raise InvalidBudget("--max-memory is empty; write e.g. 0=20GiB,cpu=64GiB.")
     parse_budgets(out)  # unknown devices, malformed sizes, a device named twice: before building any model
@@ -681,7 +685,9 @@ def main(argv=None) -> int:
     level = library.level
     library.setLevel(logging.ERROR)
     try:
-        code = commands[args.command](args)
+        with warnings.catch_warnings():  # restores showwarning after
+            warnings.showwarning = functools.partial(_show_warning, set())
+            code = commands[args.command](args)
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
         return code
     except BrokenPipeError:
@@ -693,6 +699,15 @@ def main(argv=None) -> int:
         return 130
     finally:
         library.setLevel(level)
+
+
+def _show_warning(shown: set, message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line, like the errors (``allocator: warning: max_memory['cpu'] = 64 is read as 64 bytes...``),
+    once per command: budgets are read twice (checked before the model is built, then planned)."""
+    text = f"allocator: warning: {_one_line(message, 10 * _MAX_MESSAGE)}"
+    if text not in shown:
+        shown.add(text)
+        print(text, file=sys.stderr)
 
 
 def _reader_gone() -> int:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -111,6 +112,17 @@ def test_infeasible_without_accelerators_does_not_suggest_them(capsys):
     assert code == 2 and "smallest RAM budget" in err and "accelerators" not in err
     code, _, err = run(capsys, "plan", SEG, "--max-memory", "0=1KiB,cpu=1MiB")
     assert code == 2 and "or give accelerators more room." in err
+
+
+def test_likely_budget_mistakes_warn_on_one_line_each(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # conftest ignores warnings; the command line shows what Python would
+        code, out, err = run(capsys, "plan", SEG, "--max-memory", "0=64,cpu=10gb")
+    assert code == 0 and "budget" in out
+    lines = err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("allocator: warning: ") for line in lines)  # once each, not per read
+    assert "max_memory[0] = 64 is read as 64 bytes" in lines[0] and "'64GiB'" in lines[0]
+    assert "max_memory['cpu'] '10gb' is read as 10 Gbit = 1250000000 bytes" in lines[1] and "'10GB'" in lines[1]
 
 
 def custom_code_folder(path, model_type="tiny-custom"):
@@ -341,6 +353,7 @@ def _bad_cases(tmp):
     return {
         "unknown device": (["plan", SEG, "--max-memory", "gpu0=1GiB"], "unknown device 'gpu0'"),
         "malformed size": (["plan", SEG, "--max-memory", "0=lots"], "'lots' is not a size"),
+        "size without a unit": (["plan", SEG, "--max-memory", "0=1e9,cpu=1GiB"], "give the int 1000000000 for bytes"),
         "entry without size": (["plan", SEG, "--max-memory", "0,cpu=1GiB"], "is not DEVICE=SIZE"),
         "empty max memory": (["plan", SEG, "--max-memory", ","], "--max-memory is empty"),
         "device twice": (["plan", SEG, "--max-memory", "0=1GiB,cuda:0=1GiB"], "appears twice"),
