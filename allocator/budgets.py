@@ -10,14 +10,11 @@ integers.
 from __future__ import annotations
 
 import math
-import os
 import re
-import sys
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import InvalidBudget
+from .errors import InvalidBudget, warn_caller
 
 __all__ = ["Device", "Budgets", "parse_size", "normalize_device", "parse_budgets", "is_accelerator"]
 
@@ -87,9 +84,10 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
         value = int(number * _UNITS[unit.upper()])
         if bits:
             value //= 8
-            _warn(f"{what} {size!r} is read as {match.group(1)} {unit[0].upper()}bit = {value} bytes ({_human(value)}), "
-                  f"as accelerate reads a lower-case 'b' (bits); write '{match.group(1)}{unit[0].upper()}B' for "
-                  f"{_human(int(number * _UNITS[unit.upper()]))}.")
+            prefix = unit[0].upper()
+            warn_caller(f"{what} {size!r} is read as {match.group(1)} {prefix}bit = {value} bytes ({_human(value)}), "
+                        f"as accelerate reads a lower-case 'b' (bits); write '{match.group(1)}{prefix}B' for "
+                        f"{_human(int(number * _UNITS[unit.upper()]))}.")
     else:
         raise InvalidBudget(
             f"{what} must be an int of bytes or a string like '10GiB', got {type(size).__name__} {size!r}."
@@ -109,15 +107,6 @@ def _human(n: int) -> str:
         if n >= scale:
             return f"{n / scale:g} {unit}"
     return f"{n} B"
-
-
-def _warn(message: str) -> None:
-    """A ``UserWarning`` attributed to the first caller outside this package (the line that gave the budget)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def normalize_device(device) -> Device:
@@ -220,8 +209,8 @@ def parse_budgets(max_memory: Mapping | None) -> Budgets:
             raise InvalidBudget(f"device {device!r} appears twice in max_memory (as {key!r}); give it once.")
         limits[device] = parse_size(value, what=f"max_memory[{key!r}]")
         if not isinstance(value, (str, bool)) and 0 < limits[device] < SMALL_BARE_BUDGET:
-            _warn(f"max_memory[{key!r}] = {value!r} is read as {limits[device]} bytes, as accelerate reads a bare "
-                  f"number; write a string with a unit, e.g. '{value}GiB', if you meant more.")
+            warn_caller(f"max_memory[{key!r}] = {value!r} is read as {limits[device]} bytes, as accelerate reads a "
+                        f"bare number; write a string with a unit, e.g. '{value}GiB', if you meant more.")
     gpus = sorted(d for d in limits if isinstance(d, int))
     order = tuple(gpus) + tuple(d for d in _NAMED if d in limits)
     if "disk" not in order:

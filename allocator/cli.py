@@ -83,7 +83,7 @@ def parse_generation(text: str):
     """``"4,2048"`` or ``"4,2048,1024"`` -> ``GenerationBudget(4, 2048, prompt_length=1024)``, checked.
 
     >>> parse_generation("4,2048,1024")
-    GenerationBudget(batch_size=4, max_length=2048, dtype=None, prompt_length=1024)
+    GenerationBudget(batch_size=4, max_length=2048, dtype=None, prompt_length=1024, max_new_tokens=None)
     """
     from .generation import GenerationBudget
 

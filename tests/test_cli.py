@@ -85,7 +85,8 @@ def test_a_closed_pipe_ends_quietly():
 
 
 @pytest.mark.parametrize("argv,suggested", [
-    (["plan", "llama8b"], "llama-8b"), (["plan", "Segformer-B0"], "segformer-b0"), (["demo", "--model", "t5base"], "t5-base"),
+    (["plan", "llama8b"], "llama-8b"), (["plan", "Segformer-B0"], "segformer-b0"),
+    (["demo", "--model", "t5base"], "t5-base"),
 ])
 def test_unknown_example_suggests_the_closest_name(capsys, argv, suggested):
     code, out, err = run(capsys, *argv)
@@ -146,7 +147,8 @@ def custom_code_folder(path, model_type="tiny-custom"):
         """))
     (path / "config.json").write_text(json.dumps({
         "model_type": model_type, "architectures": ["TinyForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig", "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"},
+        "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig",
+                     "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"},
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 1000, "dtype": "float32"}))
     return path
