@@ -209,8 +209,9 @@ def parse_budgets(max_memory: Mapping | None) -> Budgets:
             raise InvalidBudget(f"device {device!r} appears twice in max_memory (as {key!r}); give it once.")
         limits[device] = parse_size(value, what=f"max_memory[{key!r}]")
         if not isinstance(value, (str, bool)) and 0 < limits[device] < SMALL_BARE_BUDGET:
+            guess = f"{value}{'GiB' if limits[device] < 2**10 else 'MiB'}"  # 64 -> GiB, 40000 -> MiB
             warn_caller(f"max_memory[{key!r}] = {value!r} is read as {limits[device]} bytes, as accelerate reads a "
-                        f"bare number; write a string with a unit, e.g. '{value}GiB', if you meant more.")
+                        f"bare number; write a string with a unit, e.g. '{guess}', if you meant more.")
     gpus = sorted(d for d in limits if isinstance(d, int))
     order = tuple(gpus) + tuple(d for d in _NAMED if d in limits)
     if "disk" not in order:
