@@ -81,6 +81,17 @@ class Plan:
         return sum(counted[r.end] - counted[r.start] for r in map_runs(self.problem.graph, self.device_map)
                    if r.device == device)
 
+    def __repr__(self) -> str:
+        """One line: strategy, main device, estimate, resident and peak bytes per device (the rest: ``explain()``)."""
+        budgets = self.problem.budgets
+        devices = "; ".join(
+            f"{d}: resident {_fmt(self.resident(d))}, peak {_fmt(self.peak[d])}"
+            + (f" of {_fmt(budgets.limit(d))}" if budgets.limit(d) is not None else "")
+            for d in budgets.order if d in self.peak)
+        state = "valid" if self.valid else f"{len(self.violations)} violation(s)"
+        return (f"<Plan {self.strategy} for {self.problem.graph.model_class}: main device {self.main_device!r}, "
+                f"estimated {self.cost.seconds * 1e3:.3f} ms per forward, {state}; {devices}>")
+
     def explain(self) -> str:
         """The plan as text: per-device bytes against budgets, the streaming reserve, then the decisions."""
         g, budgets = self.problem.graph, self.problem.budgets
