@@ -14,6 +14,7 @@ from .cost import Cost
 from .cost_profile import Profile
 from .errors import InfeasiblePlacement
 from .gc_pause import gc_paused
+from .logs import shown
 from .placement import Placement
 from .problem import Problem, build_problem
 from .strategies import resolve, run
@@ -298,8 +299,10 @@ def infer_auto_device_map(
     """Drop-in for accelerate's ``infer_auto_device_map``: the same arguments, the same dict shape.
 
     ``strategy="sequential"`` returns exactly accelerate's map. ``verbose`` logs the decisions at INFO on
-    the ``allocator`` logger instead of printing. ``no_placement_params`` (transformers' argument, names relative to
-    a no-split block) is accepted for signature compatibility; :func:`allocator.hf.patch` is where it acts.
+    the ``allocator`` logger, made visible for the call (:func:`allocator.logs.shown`: to stderr when logging is
+    not configured, else to the configured handlers), where accelerate prints them. ``no_placement_params``
+    (transformers' argument, names relative to a no-split block) is accepted for signature compatibility;
+    :func:`allocator.hf.patch` is where it acts.
 
     Examples
     --------
@@ -310,13 +313,15 @@ def infer_auto_device_map(
     >>> infer_auto_device_map(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {"cpu": 400}, strategy="sequential")
     {'': 'disk'}
     """
-    result = plan(
-        model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype,
-        special_dtypes=special_dtypes, offload_buffers=offload_buffers, clean_result=clean_result,
-        fallback_allocation=fallback_allocation, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
-    )
-    if no_placement_params:
-        log.debug("no_placement_params %s are handled by allocator.hf.patch, not here", sorted(no_placement_params)[:5])
-    if verbose:
-        log.info("%s", result.explain())
+    with shown(verbose):  # the INFO records of this call reach stderr, or the handlers the caller configured
+        result = plan(
+            model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype,
+            special_dtypes=special_dtypes, offload_buffers=offload_buffers, clean_result=clean_result,
+            fallback_allocation=fallback_allocation, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
+        )
+        if no_placement_params:
+            log.debug("no_placement_params %s are handled by allocator.hf.patch, not here",
+                      sorted(no_placement_params)[:5])
+        if verbose:
+            log.info("%s", result.explain())
     return result.device_map

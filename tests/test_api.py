@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import allocator
 from allocator import zoo
@@ -31,3 +32,59 @@ def test_plan_repr_counts_violations():
     model, total = _segformer()
     p = allocator.plan(model, {0: int(0.15 * total), 1: int(0.15 * total), "cpu": 2 * total}, strategy="sequential")
     assert p.violations and f"{len(p.violations)} violation(s)" in repr(p)
+
+
+# -- infer_auto_device_map(verbose=True) --------------------------------------------------------------------------
+
+VERBOSE = """
+import logging, sys
+import torch.nn as nn
+import allocator
+{setup}
+model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+print(allocator.infer_auto_device_map(model, {{0: "20KiB", "cpu": "1MiB"}}, verbose={verbose}))
+"""
+
+
+def _run(verbose, setup=""):
+    import subprocess
+    import sys
+
+    code = VERBOSE.format(verbose=verbose, setup=setup)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_verbose_prints_the_decisions_on_stderr_like_accelerate():
+    """accelerate prints with verbose=True; ours log at INFO on a logger nobody configured, which showed nothing."""
+    done = _run(True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("{")
+    assert "strategy auto" in done.stderr and "main device" in done.stderr and "- 0 -> " in done.stderr
+    quiet = _run(False)
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == done.stdout
+
+
+def test_verbose_uses_the_callers_logging_configuration_and_restores_it():
+    setup = 'logging.basicConfig(stream=sys.stdout, format="LOG %(name)s %(message)s")'  # root at WARNING
+    done = _run(True, setup)
+    assert done.returncode == 0 and done.stderr == ""
+    assert "LOG allocator strategy auto" in done.stdout  # through the caller's handler, with its format
+    import logging
+
+    import torch.nn as nn
+
+    logger = logging.getLogger("allocator")
+    handlers, level = list(logger.handlers), logger.level
+    allocator.infer_auto_device_map(nn.Linear(4, 4), {"cpu": "1MiB"}, verbose=True)
+    assert logger.handlers == handlers and logger.level == level
+
+
+def test_verbose_records_reach_caplog(caplog):
+    import torch.nn as nn
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    assert logging.getLogger("allocator").getEffectiveLevel() > logging.INFO  # root at WARNING: INFO dropped
+    allocator.infer_auto_device_map(model, {"cpu": "1MiB"})
+    assert not any("strategy auto" in r.getMessage() for r in caplog.records)
+    allocator.infer_auto_device_map(model, {"cpu": "1MiB"}, verbose=True)
+    assert any("strategy auto" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
