@@ -417,15 +417,19 @@ def side_by_side(ours, theirs) -> str:
     return "\n".join(_align(rows))
 
 
-def plot_plans(plans: Mapping[str, object], path: str, *, title: str | None = None) -> None:
+def plot_plans(plans: Mapping[str, object], path: str, *, title: str | None = None):
     """A PNG bar chart of bytes per device for each labelled plan: resident bytes, the streaming reserve stacked
-    on the main device, and each device's budget as a black tick.
+    on the main device, and each device's budget as a black line.
 
-    Needs matplotlib; uses its Agg canvas, so no display and no global pyplot state.
+    Each bar says what its percentages are of: inside (or just above a short bar) the share *of the model* resident
+    on the device, above it the device's peak as a share *of its budget*. A label that would cross its device's
+    budget line is lifted above the line. Needs matplotlib; uses its Agg canvas, so no display and no global pyplot
+    state. Returns the matplotlib ``Figure`` written to ``path``.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
     except ImportError:
         raise InvalidOption("--plot needs matplotlib: pip install 'allocator[plot]'.") from None
     items = list(plans.items())
@@ -434,47 +438,64 @@ def plot_plans(plans: Mapping[str, object], path: str, *, title: str | None = No
     devices = _devices(*(p for _, p in items))
     scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
                         if first.problem.graph.total >= 4 * s), (1, "B"))
-    fig = Figure(figsize=(max(6.0, 1.2 + 1.3 * len(devices) * len(items)), 4.2))
+
+    def stack(p, d):  # (resident, streaming reserve) in plot units
+        return p.resident(d) / scale, (p.streamed if d == p.main_device else 0) / scale
+
+    tallest = max(sum(stack(p, d)) for _, p in items for d in devices)
+    limits = {j: budgets.limit(d) / scale for j, d in enumerate(devices) if budgets.limit(d) is not None}
+    top = 1.3 * max([tallest] + [b for b in limits.values() if b <= 2 * tallest]) or 1.0
+    shown = {j: b for j, b in limits.items() if b <= top}
+    line = 0.05 * top  # the height of one line of a label, in plot units (8 pt on a 4.2 in figure)
+
+    fig = Figure(figsize=(max(7.0, 3.2 + 1.3 * len(devices) * len(items)), 4.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     width = 0.8 / len(items)
     colors = ["#c44e52", "#4c72b0", "#55a868", "#8172b2", "#ccb974"]
-    tallest = 0.0
     for i, (label, p) in enumerate(items):
-        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(devices))]
-        resident = [p.resident(d) / scale for d in devices]
-        reserve = [(p.streamed if d == p.main_device else 0) / scale for d in devices]
         color = colors[i % len(colors)]
-        bars = ax.bar(xs, resident, width, color=color, label=f"{label}: resident")
-        if any(reserve):
-            ax.bar(xs, reserve, width, bottom=resident, color=color, alpha=0.35, hatch="//",
-                   label=f"{label}: streaming reserve")
         total = p.problem.graph.total
-        for bar, d, r in zip(bars, devices, reserve):
-            ax.annotate(f"{p.resident(d) / total:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height() + r),
-                        ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-        tallest = max([tallest] + [a + b for a, b in zip(resident, reserve)])
-    limits = [(j, budgets.limit(d) / scale) for j, d in enumerate(devices) if budgets.limit(d) is not None]
-    top = 1.2 * max([tallest] + [b for _, b in limits if b <= 2 * tallest]) or 1.0
-    for j, limit in limits:
-        if limit <= top:
+        for j, d in enumerate(devices):
+            x = j - 0.4 + width * (i + 0.5)
+            resident, reserve = stack(p, d)
+            ax.bar(x, resident, width, color=color, label=f"{label}: resident" if j == 0 else None)
+            if reserve:
+                ax.bar(x, reserve, width, bottom=resident, color=color, alpha=0.35, hatch="//",
+                       label=f"{label}: streaming reserve")
+            above = []
+            share = f"{p.resident(d) / total:.0%}\nof model" if total else ""
+            if resident >= 2.4 * line:
+                ax.text(x, resident / 2, share, ha="center", va="center", fontsize=8, color="white")
+            elif share:
+                above.append(share.replace("\n", " "))
+            if limits.get(j):
+                above.append(f"peak {p.peak.get(d, 0) / (limits[j] * scale):.0%}\nof budget")
+            if above:
+                text = "\n".join(above)
+                y = resident + reserve
+                height = (text.count("\n") + 1) * line
+                if j in shown and y - 0.2 * line <= shown[j] <= y + height:  # would sit on the budget line
+                    y = shown[j]
+                ax.annotate(text, (x, y), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
+                            textcoords="offset points", linespacing=1.0)
+    for j, limit in limits.items():
+        if j in shown:
             ax.hlines(limit, j - 0.45, j + 0.45, colors="black", linewidth=1.5)
         else:  # a budget far above everything placed: say it rather than squash the bars
             ax.annotate(f"budget {_size(int(limit * scale))} \u2191", (j, top), ha="center", va="top", fontsize=8)
-    if any(b <= top for _, b in limits):
-        from matplotlib.lines import Line2D
-
-        handles, labels = ax.get_legend_handles_labels()
-        ax.legend(handles + [Line2D([], [], color="black", linewidth=1.5)], labels + ["budget"], fontsize=8)
-    else:
-        ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    if shown:
+        handles, labels = handles + [Line2D([], [], color="black", linewidth=1.5)], labels + ["budget"]
+    ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_ylim(0, top)
     ax.set_xticks(range(len(devices)), [f"GPU {d}" if isinstance(d, int) else str(d) for d in devices])
     ax.set_ylabel(unit)
     ax.set_title(title or f"{first.problem.graph.model_class} ({_size(first.problem.graph.total)}): bytes per device",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
 
 
 # -- commands --------------------------------------------------------------------------------------------------------

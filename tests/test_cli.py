@@ -245,6 +245,30 @@ def test_plan_plot_is_a_png(capsys, seg, tmp_path):
         assert path.read_bytes()[:8] == PNG and path.stat().st_size > 5000
 
 
+@pytest.mark.parametrize("shares", [{0: 0.6, "cpu": 2.0}, {0: 0.3, 1: 0.3, "cpu": 2.0}, {"cpu": 0.5}])
+def test_plot_labels_say_model_or_budget_and_none_sits_on_a_budget_line(seg, tmp_path, shares):
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import LineCollection
+
+    model, total, _ = seg
+    budget = {d: int(f * total) for d, f in shares.items()}
+    plans = {"accelerate": allocator.plan(model, budget, strategy="sequential"),
+             "allocator": allocator.plan(model, budget)}
+    fig = cli.plot_plans(plans, str(tmp_path / "p.png"))
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    labels = [t for t in ax.texts if "%" in t.get_text()]
+    assert {"of model", "of budget"} <= {w for t in labels for w in ("of model", "of budget") if w in t.get_text()}
+    assert all("of model" in t.get_text() or "of budget" in t.get_text() for t in labels)
+    budget_lines = [seg_ for c in ax.collections if isinstance(c, LineCollection) for seg_ in c.get_segments()]
+    assert budget_lines
+    for (x0, y), (x1, _) in budget_lines:
+        (px0, py), (px1, _) = ax.transData.transform([(x0, y), (x1, y)])
+        for t in labels:
+            box = t.get_window_extent(renderer)
+            crosses = box.x1 > px0 and box.x0 < px1 and box.y0 - 1 <= py <= box.y1 + 1
+            assert not crosses, f"label {t.get_text()!r} sits on the budget line at {y:.2f}"
+
+
 def test_plan_profile_round_trip(capsys, seg, tmp_path):
     model, _, budget = seg
     slow = Profile(host_to_device=1e9, cpu_memory=5e9)
