@@ -15,6 +15,7 @@ from .cost import Cost
 from .cost_profile import Profile
 from .errors import BrokenContract, InfeasiblePlacement
 from .gc_pause import gc_paused
+from .logs import shown
 from .placement import Placement
 from .problem import Problem, build_problem
 from .strategies import resolve, run
@@ -85,6 +86,17 @@ class Plan:
         counted = columns(self.problem.graph).sum_counted
         return sum(counted[r.end] - counted[r.start] for r in map_runs(self.problem.graph, self.device_map)
                    if r.device == device)
+
+    def __repr__(self) -> str:
+        """One line: strategy, main device, estimate, resident and peak bytes per device (the rest: ``explain()``)."""
+        budgets = self.problem.budgets
+        devices = "; ".join(
+            f"{d}: resident {_fmt(self.resident(d))}, peak {_fmt(self.peak[d])}"
+            + (f" of {_fmt(budgets.limit(d))}" if budgets.limit(d) is not None else "")
+            for d in budgets.order if d in self.peak)
+        state = "valid" if self.valid else f"{len(self.violations)} violation(s)"
+        return (f"<Plan {self.strategy} for {self.problem.graph.model_class}: main device {self.main_device!r}, "
+                f"estimated {self.cost.seconds * 1e3:.3f} ms per forward, {state}; {devices}>")
 
     def explain(self) -> str:
         """The plan as text: per-device bytes against budgets, the streaming reserve, then the decisions."""
@@ -224,8 +236,8 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     return InfeasiblePlacement(
         f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: the smallest RAM budget "
         f"found to work with the other budgets unchanged is {_fmt(high)} ({high} B) on 'cpu' (buffers of offloaded "
-        f"modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to at least that, or "
-        f"give accelerators more room.",
+        f"modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to at least that"
+        f"{', or give accelerators more room' if problem.budgets.accelerators else ''}.",
         device="cpu", minimum=high,
     )
 
@@ -385,8 +397,10 @@ def infer_auto_device_map(
     """Drop-in for accelerate's ``infer_auto_device_map``: the same arguments, the same dict shape.
 
     ``strategy="sequential"`` returns exactly accelerate's map. ``verbose`` logs the decisions at INFO on
-    the ``allocator`` logger instead of printing. ``no_placement_params`` (transformers' argument, names relative to
-    a no-split block) is accepted for signature compatibility; :func:`allocator.hf.patch` is where it acts.
+    the ``allocator`` logger, made visible for the call (:func:`allocator.logs.shown`: to stderr when logging is
+    not configured, else to the configured handlers), where accelerate prints them. ``no_placement_params``
+    (transformers' argument, names relative to a no-split block) is accepted for signature compatibility;
+    :func:`allocator.hf.patch` is where it acts.
 
     Examples
     --------
@@ -397,14 +411,16 @@ def infer_auto_device_map(
     >>> infer_auto_device_map(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {"cpu": 400}, strategy="sequential")
     {'': 'disk'}
     """
-    result = plan(
-        model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype,
-        special_dtypes=special_dtypes, offload_buffers=offload_buffers, clean_result=clean_result,
-        fallback_allocation=fallback_allocation, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
-        objective=objective,
-    )
-    if no_placement_params:
-        log.debug("no_placement_params %s are handled by allocator.hf.patch, not here", sorted(no_placement_params)[:5])
-    if verbose:
-        log.info("%s", result.explain())
+    with shown(verbose):  # the INFO records of this call reach stderr, or the handlers the caller configured
+        result = plan(
+            model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype,
+            special_dtypes=special_dtypes, offload_buffers=offload_buffers, clean_result=clean_result,
+            fallback_allocation=fallback_allocation, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
+            objective=objective,
+        )
+        if no_placement_params:
+            log.debug("no_placement_params %s are handled by allocator.hf.patch, not here",
+                      sorted(no_placement_params)[:5])
+        if verbose:
+            log.info("%s", result.explain())
     return result.device_map

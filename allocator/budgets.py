@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import InvalidBudget
+from .errors import InvalidBudget, warn_caller
 
 __all__ = ["Device", "Budgets", "parse_size", "normalize_device", "parse_budgets", "is_accelerator"]
 
@@ -25,6 +25,8 @@ _NAMED = ("mps", "cpu", "disk")
 _SIZE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B|[KMGT]b|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+#: A bare number of bytes below this, for a device, is likely a size in GiB without its unit (``{"cpu": 64}``).
+SMALL_BARE_BUDGET = 2**20
 
 
 def parse_size(size: int | float | str, *, what: str = "size") -> int:
@@ -33,8 +35,10 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
     Parameters
     ----------
     size : int, float or str
-        A non-negative number of bytes, or a number followed by a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB;
-        a lower-case ``b`` means bits, as in accelerate's ``convert_file_size_to_int``).
+        A non-negative number of bytes, or a string of a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB;
+        any case). As in accelerate's ``convert_file_size_to_int``, a lower-case ``b`` means bits (``"10gb"`` and
+        ``"10Gb"`` are 1.25 GB), and a string needs a unit (``"1e9"`` and ``"64"`` are rejected: give ints for bytes).
+        accelerate does not read ``TB``, ``TiB`` or ``B``; they are accepted here.
     what : str
         Named in the error message.
 
@@ -45,7 +49,12 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
     Raises
     ------
     InvalidBudget
-        For negative, non-finite, boolean or unparsable sizes.
+        For negative, non-finite, boolean or unparsable sizes, and strings without a unit.
+
+    Warns
+    -----
+    UserWarning
+        For a lower-case ``b`` (bits): what it was read as, and what to write for bytes.
 
     Examples
     --------
@@ -67,10 +76,18 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
                 f"{what} {size!r} is not a size; use an int of bytes or a number with a unit such as '10GiB' or '500MB'."
             )
         number, unit = float(match.group(1)), (match.group(2) or "")
+        if not unit:
+            raise InvalidBudget(
+                f"{what} {size!r} has no unit, and accelerate rejects a size string without one; give the int "
+                f"{int(number)} for bytes, or a string with a unit such as '10GiB' or '500MB'.")
         bits = unit.endswith("b") and unit.upper() != "B" and not unit.upper().endswith("IB")
         value = int(number * _UNITS[unit.upper()])
         if bits:
             value //= 8
+            prefix = unit[0].upper()
+            warn_caller(f"{what} {size!r} is read as {match.group(1)} {prefix}bit = {value} bytes ({_human(value)}), "
+                        f"as accelerate reads a lower-case 'b' (bits); write '{match.group(1)}{prefix}B' for "
+                        f"{_human(int(number * _UNITS[unit.upper()]))}.")
     else:
         raise InvalidBudget(
             f"{what} must be an int of bytes or a string like '10GiB', got {type(size).__name__} {size!r}."
@@ -78,6 +95,18 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
     if value < 0:
         raise InvalidBudget(f"{what} is negative ({size!r}); budgets are non-negative byte counts.")
     return value
+
+
+def _human(n: int) -> str:
+    """``1.25 GB``: decimal units, as the mistaken unit was.
+
+    >>> _human(1_250_000_000), _human(187_500_000), _human(512)
+    ('1.25 GB', '187.5 MB', '512 B')
+    """
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
 
 
 def normalize_device(device) -> Device:
@@ -155,9 +184,15 @@ def parse_budgets(max_memory: Mapping | None) -> Budgets:
     InvalidBudget
         Wrong type, unknown device, malformed size, or the same device named twice (``0`` and ``"cuda:0"``).
 
+    Warns
+    -----
+    UserWarning
+        A budget given as a bare number below 1 MiB (``{"cpu": 64}`` is 64 bytes, as accelerate reads it), or a
+        size with a lower-case ``b`` (bits, see :func:`parse_size`).
+
     Examples
     --------
-    >>> b = parse_budgets({"cpu": "1GiB", "cuda:1": "2GB", 0: 100})
+    >>> b = parse_budgets({"cpu": "1GiB", "cuda:1": "2GB", 0: "100MB"})
     >>> b.order, b.limit(1), b.limit("disk")
     ((0, 1, 'cpu', 'disk'), 2000000000, None)
     """
@@ -173,6 +208,10 @@ def parse_budgets(max_memory: Mapping | None) -> Budgets:
         if device in limits:
             raise InvalidBudget(f"device {device!r} appears twice in max_memory (as {key!r}); give it once.")
         limits[device] = parse_size(value, what=f"max_memory[{key!r}]")
+        if not isinstance(value, (str, bool)) and 0 < limits[device] < SMALL_BARE_BUDGET:
+            guess = f"{value}{'GiB' if limits[device] < 2**10 else 'MiB'}"  # 64 -> GiB, 40000 -> MiB
+            warn_caller(f"max_memory[{key!r}] = {value!r} is read as {limits[device]} bytes, as accelerate reads a "
+                        f"bare number; write a string with a unit, e.g. '{guess}', if you meant more.")
     gpus = sorted(d for d in limits if isinstance(d, int))
     order = tuple(gpus) + tuple(d for d in _NAMED if d in limits)
     if "disk" not in order:

@@ -4,26 +4,32 @@
 
     allocator plan SOURCE [--max-memory 0=20GiB,1=20GiB,cpu=64GiB] [--dtype bfloat16] [--strategy auto]
                           [--compare] [--explain] [--json FILE] [--plot FILE] [--profile FILE]
+                          [--trust-remote-code]
     allocator plan --list
     allocator demo [--model t5-base] [--strategy auto]
     allocator profile [--out FILE]
+    allocator --version
 
 ``SOURCE`` is a local model folder holding a ``config.json``, a ``config.json`` path, or a built-in example
 (``allocator plan --list``). Models are built from their config on the meta device: nothing is downloaded and no
 weights are read.
 
-Bad input exits with status 2 and one line on stderr starting with ``allocator: error:``, never a traceback.
+Bad input exits with status 2 and one line on stderr starting with ``allocator: error:``, never a traceback. A reader
+that stops early (``allocator plan ... | head -3``) ends the command quietly, with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import functools
 import json
 import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Mapping
 
 from .errors import AllocatorError, InvalidBudget, InvalidModel, InvalidOption
@@ -77,7 +83,7 @@ def parse_generation(text: str):
     """``"4,2048"`` or ``"4,2048,1024"`` -> ``GenerationBudget(4, 2048, prompt_length=1024)``, checked.
 
     >>> parse_generation("4,2048,1024")
-    GenerationBudget(batch_size=4, max_length=2048, dtype=None, prompt_length=1024)
+    GenerationBudget(batch_size=4, max_length=2048, dtype=None, prompt_length=1024, max_new_tokens=None)
     """
     from .generation import GenerationBudget
 
@@ -91,6 +97,8 @@ def parse_generation(text: str):
 
 def parse_max_memory(text: str) -> dict:
     """``"0=20GiB,1=20GiB,cpu=64GiB"`` -> ``{0: "20GiB", 1: "20GiB", "cpu": "64GiB"}``, checked.
+
+    A size of digits alone is bytes (``cpu=64`` is ``{"cpu": 64}``, with accelerate's reading and its warning).
 
     Raises
     ------
@@ -113,7 +121,7 @@ def parse_max_memory(text: str) -> dict:
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or not key or not value:
             raise InvalidBudget(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB.")
-        out[int(key) if key.isdigit() else key] = value
+        out[int(key) if key.isdigit() else key] = int(value) if value.isdigit() else value  # bytes, as in a dict
     if not out:
         raise InvalidBudget("--max-memory is empty; write e.g. 0=20GiB,cpu=64GiB.")
     parse_budgets(out)  # unknown devices, malformed sizes, a device named twice: before building any model
@@ -161,32 +169,71 @@ class LoadedModel:
     """The dtype the config declares (``config.dtype``), used when ``--dtype`` is not given."""
 
 
-def load_model(source: str) -> LoadedModel:
+def load_model(source: str, *, trust_remote_code: bool = False) -> LoadedModel:
     """Build ``source`` on the meta device: a folder with ``config.json``, a config file, or a built-in example.
 
     A path that exists wins over an example of the same name. The class is the first of ``config.architectures``
-    that transformers defines, else ``transformers.AutoModel``. Nothing is downloaded.
+    that transformers defines, else ``transformers.AutoModel``. Nothing is downloaded. A config whose ``auto_map``
+    names code of its own is built with that code only with ``trust_remote_code`` (passed to transformers, so it
+    never asks on the terminal); without it, transformers' own classes are used where it has them.
 
     Raises
     ------
     InvalidModel
-        No such folder, file or example; no ``config.json`` in the folder; or transformers cannot read the config
-        or build the model from it.
+        No such folder, file or example; no ``config.json`` in the folder; transformers cannot read the config
+        or build the model from it; or the config needs its own code and ``trust_remote_code`` is not set.
     """
     from . import zoo
 
     if os.path.exists(source):
-        return _from_config(source)
+        return _from_config(source, trust_remote_code)
     if source in zoo.ZOO:
         entry = zoo.ZOO[source]
         return LoadedModel(zoo.build(source), f"{source} (built-in example: {entry.description})")
     hint = (" This command never downloads: fetch the config first, e.g. "
             f"'hf download {source} config.json --local-dir DIR', and pass DIR.") if _HUB_ID.match(source) else ""
     raise InvalidModel(f"{source!r} is neither a model folder, a config.json, nor a built-in example "
-                       f"(see 'allocator plan --list').{hint}")
+                       f"(see 'allocator plan --list').{did_you_mean(source)}{hint}")
 
 
-def _from_config(path: str) -> LoadedModel:
+def did_you_mean(name: str) -> str:
+    """`` Did you mean 'llama-8b'?`` for a name close to built-in examples (difflib), else ``""``.
+
+    >>> did_you_mean("llama8b")
+    " Did you mean 'llama-8b'?"
+    >>> did_you_mean("./my-model")
+    ''
+    """
+    from . import zoo
+
+    lowered = {n.lower(): n for n in zoo.ZOO}
+    close = difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=0.6)
+    return f" Did you mean {lowered[close[0]]!r}?" if close else ""
+
+
+def _auto_map(path: str) -> dict:
+    """The ``auto_map`` of the config at ``path`` (folder or file): auto class -> custom code; ``{}`` when none."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):  # unreadable or not JSON: transformers says so below
+        return {}
+    found = data.get("auto_map") if isinstance(data, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def _custom_class(auto_map: Mapping, declared: list[str]):
+    """The transformers auto class (``AutoModelForCausalLM``, ...) whose custom code is the declared architecture,
+    else the first model auto class the map names, else ``AutoModel``."""
+    import transformers
+
+    models = [k for k in auto_map if k.startswith("AutoModel") and isinstance(getattr(transformers, k, None), type)]
+    named = [k for k in models if isinstance(auto_map[k], str) and auto_map[k].rpartition(".")[2] in declared]
+    return getattr(transformers, (named or models or ["AutoModel"])[0])
+
+
+def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     import torch
 
     from .zoo import _move_strays_to_meta, _quiet
@@ -198,26 +245,51 @@ def _from_config(path: str) -> LoadedModel:
         import transformers
     except ImportError:
         raise InvalidModel("building a model from a config needs transformers: pip install 'allocator[hf]'.") from None
+    auto_map = _auto_map(path)
+    custom = bool(auto_map) and trust_remote_code
+    where = path
+    if custom and os.path.isfile(path):  # transformers finds the code beside config.json only given the folder
+        if os.path.basename(path) != "config.json":
+            raise InvalidModel(f"--trust-remote-code needs the model folder (its config.json and code), not {path}.")
+        where = os.path.dirname(os.path.abspath(path))
     with _quiet():
         try:
-            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            config = transformers.AutoConfig.from_pretrained(where, local_files_only=True,
+                                                             trust_remote_code=trust_remote_code)
         except Exception as err:  # a config's own checks raise anything (ZeroDivisionError for 0 heads, ...)
+            if auto_map and not trust_remote_code and "trust_remote_code" in str(err):
+                raise InvalidModel(
+                    f"the config {path} needs its own code (auto_map: {', '.join(auto_map)}), which transformers "
+                    f"runs only when asked: add --trust-remote-code if you trust the code in that folder.") from None
             raise InvalidModel(f"transformers cannot read the config {path}: "
                                f"{type(err).__name__}: {_one_line(err)}") from None
         declared = list(getattr(config, "architectures", None) or [])
         cls = next((c for c in (getattr(transformers, name, None) for name in declared)
                     if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)), None)
-        name = cls.__name__ if cls else f"AutoModel for {type(config).__name__}"
+        auto = _custom_class(auto_map, declared) if custom else None
+        name = (f"{auto.__name__} with the folder's code" if auto else cls.__name__ if cls
+                else f"AutoModel for {type(config).__name__}")
         try:
             with torch.device("meta"):
-                model = cls(config) if cls else transformers.AutoModel.from_config(config)
+                if auto is not None:
+                    model = auto.from_config(config, trust_remote_code=True)
+                else:
+                    model = cls(config) if cls else transformers.AutoModel.from_config(config)
         except Exception as err:  # anything the model's constructor raises is a config it cannot build
             raise InvalidModel(f"transformers cannot build {name} from {path}: "
                                f"{type(err).__name__}: {_one_line(err)}") from None
     _move_strays_to_meta(model)
     model.eval()
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    note = "" if cls else f" (config.architectures {'names no class transformers defines' if declared else 'is empty'})"
+    dtype = getattr(config, "dtype", None)  # transformers >= 5 (reading the old torch_dtype alias logs a warning)
+    if auto is not None:
+        note = " (the folder's own code, --trust-remote-code)"
+    elif cls:
+        note = ""
+    else:
+        note = f" (config.architectures {'names no class transformers defines' if declared else 'is empty'})"
+    if auto_map and not custom:
+        note += (" (config.auto_map names custom code; built with transformers' own classes: add "
+                 "--trust-remote-code to use the folder's code)")
     return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype)
 
 
@@ -345,15 +417,19 @@ def side_by_side(ours, theirs) -> str:
     return "\n".join(_align(rows))
 
 
-def plot_plans(plans: Mapping[str, object], path: str, *, title: str | None = None) -> None:
+def plot_plans(plans: Mapping[str, object], path: str, *, title: str | None = None):
     """A PNG bar chart of bytes per device for each labelled plan: resident bytes, the streaming reserve stacked
-    on the main device, and each device's budget as a black tick.
+    on the main device, and each device's budget as a black line.
 
-    Needs matplotlib; uses its Agg canvas, so no display and no global pyplot state.
+    Each bar says what its percentages are of: inside (or just above a short bar) the share *of the model* resident
+    on the device, above it the device's peak as a share *of its budget*. A label that would cross its device's
+    budget line is lifted above the line. Needs matplotlib; uses its Agg canvas, so no display and no global pyplot
+    state. Returns the matplotlib ``Figure`` written to ``path``.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
     except ImportError:
         raise InvalidOption("--plot needs matplotlib: pip install 'allocator[plot]'.") from None
     items = list(plans.items())
@@ -362,47 +438,64 @@ def plot_plans(plans: Mapping[str, object], path: str, *, title: str | None = No
     devices = _devices(*(p for _, p in items))
     scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
                         if first.problem.graph.total >= 4 * s), (1, "B"))
-    fig = Figure(figsize=(max(6.0, 1.2 + 1.3 * len(devices) * len(items)), 4.2))
+
+    def stack(p, d):  # (resident, streaming reserve) in plot units
+        return p.resident(d) / scale, (p.streamed if d == p.main_device else 0) / scale
+
+    tallest = max(sum(stack(p, d)) for _, p in items for d in devices)
+    limits = {j: budgets.limit(d) / scale for j, d in enumerate(devices) if budgets.limit(d) is not None}
+    top = 1.3 * max([tallest] + [b for b in limits.values() if b <= 2 * tallest]) or 1.0
+    shown = {j: b for j, b in limits.items() if b <= top}
+    line = 0.05 * top  # the height of one line of a label, in plot units (8 pt on a 4.2 in figure)
+
+    fig = Figure(figsize=(max(7.0, 3.2 + 1.3 * len(devices) * len(items)), 4.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     width = 0.8 / len(items)
     colors = ["#c44e52", "#4c72b0", "#55a868", "#8172b2", "#ccb974"]
-    tallest = 0.0
     for i, (label, p) in enumerate(items):
-        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(devices))]
-        resident = [p.resident(d) / scale for d in devices]
-        reserve = [(p.streamed if d == p.main_device else 0) / scale for d in devices]
         color = colors[i % len(colors)]
-        bars = ax.bar(xs, resident, width, color=color, label=f"{label}: resident")
-        if any(reserve):
-            ax.bar(xs, reserve, width, bottom=resident, color=color, alpha=0.35, hatch="//",
-                   label=f"{label}: streaming reserve")
         total = p.problem.graph.total
-        for bar, d, r in zip(bars, devices, reserve):
-            ax.annotate(f"{p.resident(d) / total:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height() + r),
-                        ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-        tallest = max([tallest] + [a + b for a, b in zip(resident, reserve)])
-    limits = [(j, budgets.limit(d) / scale) for j, d in enumerate(devices) if budgets.limit(d) is not None]
-    top = 1.2 * max([tallest] + [b for _, b in limits if b <= 2 * tallest]) or 1.0
-    for j, limit in limits:
-        if limit <= top:
+        for j, d in enumerate(devices):
+            x = j - 0.4 + width * (i + 0.5)
+            resident, reserve = stack(p, d)
+            ax.bar(x, resident, width, color=color, label=f"{label}: resident" if j == 0 else None)
+            if reserve:
+                ax.bar(x, reserve, width, bottom=resident, color=color, alpha=0.35, hatch="//",
+                       label=f"{label}: streaming reserve")
+            above = []
+            share = f"{p.resident(d) / total:.0%}\nof model" if total else ""
+            if resident >= 2.4 * line:
+                ax.text(x, resident / 2, share, ha="center", va="center", fontsize=8, color="white")
+            elif share:
+                above.append(share.replace("\n", " "))
+            if limits.get(j):
+                above.append(f"peak {p.peak.get(d, 0) / (limits[j] * scale):.0%}\nof budget")
+            if above:
+                text = "\n".join(above)
+                y = resident + reserve
+                height = (text.count("\n") + 1) * line
+                if j in shown and y - 0.2 * line <= shown[j] <= y + height:  # would sit on the budget line
+                    y = shown[j]
+                ax.annotate(text, (x, y), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
+                            textcoords="offset points", linespacing=1.0)
+    for j, limit in limits.items():
+        if j in shown:
             ax.hlines(limit, j - 0.45, j + 0.45, colors="black", linewidth=1.5)
         else:  # a budget far above everything placed: say it rather than squash the bars
             ax.annotate(f"budget {_size(int(limit * scale))} \u2191", (j, top), ha="center", va="top", fontsize=8)
-    if any(b <= top for _, b in limits):
-        from matplotlib.lines import Line2D
-
-        handles, labels = ax.get_legend_handles_labels()
-        ax.legend(handles + [Line2D([], [], color="black", linewidth=1.5)], labels + ["budget"], fontsize=8)
-    else:
-        ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    if shown:
+        handles, labels = handles + [Line2D([], [], color="black", linewidth=1.5)], labels + ["budget"]
+    ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_ylim(0, top)
     ax.set_xticks(range(len(devices)), [f"GPU {d}" if isinstance(d, int) else str(d) for d in devices])
     ax.set_ylabel(unit)
     ax.set_title(title or f"{first.problem.graph.model_class} ({_size(first.problem.graph.total)}): bytes per device",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
 
 
 # -- commands --------------------------------------------------------------------------------------------------------
@@ -441,13 +534,16 @@ def _cmd_plan(args) -> int:
     generation = parse_generation(args.generation) if args.generation is not None else None
     _check_writable(args.json, "--json")
     _check_writable(args.plot, "--plot")
-    loaded = load_model(args.source)
+    loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
     dtype = args.dtype or loaded.dtype
     options = dict(dtype=dtype, profile=profile, generation=generation)
     ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, **options)
     print(f"{loaded.source}")
     print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
           f"{f' in {_dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
+    if max_memory is None:
+        print(f"budgets: the default, this machine's free memory now ({_budget_spec(ours.problem.budgets)}); "
+              f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
     print()
     print(device_table(ours))
     if args.explain:
@@ -475,6 +571,11 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _budget_spec(budgets) -> str:
+    """``"0=22.0GiB,cpu=62.1GiB"``: budgets as --max-memory would take them (binary units, one decimal)."""
+    return ",".join(f"{d}={_size(b).replace(' ', '')}" for d, b in budgets.limits.items())
+
+
 def _accelerate(model, max_memory, options):
     """accelerate's plan, or the error saying it finds none (a valid outcome to report, not a failure)."""
     from . import plan
@@ -491,7 +592,8 @@ def _cmd_demo(args) -> int:
 
     resolve(args.strategy)
     if args.model not in zoo.ZOO:
-        raise InvalidModel(f"unknown built-in example {args.model!r}; see 'allocator plan --list'.")
+        raise InvalidModel(f"unknown built-in example {args.model!r}; see 'allocator plan --list'."
+                           f"{did_you_mean(args.model)}")
     model = zoo.build(args.model)
     total = build_problem(model, {"cpu": 0}).graph.total
     print(f"allocator demo: {args.model}, {_size(total)} in float32 ({zoo.ZOO[args.model].description}),")
@@ -538,15 +640,17 @@ def _cmd_profile(args) -> int:
 
 
 def _quantity(name: str, value: float) -> str:
-    """A Profile field with its unit.
+    """A Profile field with its unit: latencies (seconds) in µs or ms, bandwidths in GB/s.
 
     >>> _quantity("host_to_device", 1e10), _quantity("switch_latency", 2e-5), _quantity("tokens", 512)
-    ('10.0 GB/s', '20.0 us', '512')
+    ('10.0 GB/s', '20.0 µs', '512')
+    >>> _quantity("offload_tensor_latency", 6.6e-5), _quantity("disk_tensor_latency", 2.86e-3)
+    ('66.0 µs', '2.86 ms')
     """
     if name.endswith("flops"):
         return f"{value / 1e12:.2f} TFLOP/s"
-    if name == "switch_latency":
-        return f"{value * 1e6:.1f} us"
+    if name.endswith("latency"):
+        return f"{value * 1e6:.1f} µs" if value < 1e-3 else f"{value * 1e3:.2f} ms"
     if name == "activation_bytes":
         return _size(int(value))
     if name == "tokens":
@@ -558,7 +662,10 @@ def _parser() -> argparse.ArgumentParser:
     from .strategies import STRATEGIES
 
     strategies = ", ".join(STRATEGIES)
+    from . import __version__
+
     parser = _Parser(prog="allocator", description="Plan where each part of a model lives: accelerators, RAM, disk.")
+    parser.add_argument("--version", action="version", version=f"allocator {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo,profile}")
     p = sub.add_parser("plan", help="plan a model folder, a config.json or a built-in example",
                        description="Plan a model built on the meta device from its config (nothing is downloaded).")
@@ -578,6 +685,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="FILE", help="bandwidths written by 'allocator profile --out FILE'")
     p.add_argument("--generation", metavar="BATCH,MAX_LENGTH[,PROMPT]",
                    help="keep room for generate: KV cache, logits and activations (allocator.GenerationBudget)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the model folder's own code, for a config whose auto_map names it")
     d = sub.add_parser("demo", help="accelerate vs allocator on a built-in example under three budgets")
     d.add_argument("--model", default="t5-base", help="a built-in example (default: t5-base)")
     d.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
@@ -600,7 +709,13 @@ def main(argv=None) -> int:
     level = library.level
     library.setLevel(logging.ERROR)
     try:
-        return commands[args.command](args)
+        with warnings.catch_warnings():  # restores showwarning after
+            warnings.showwarning = functools.partial(_show_warning, set())
+            code = commands[args.command](args)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (AllocatorError, OSError) as err:  # every AllocatorError is a ValueError; typed and worded for users
         return _fail(str(err))
     except KeyboardInterrupt:
@@ -608,3 +723,27 @@ def main(argv=None) -> int:
         return 130
     finally:
         library.setLevel(level)
+
+
+def _show_warning(shown: set, message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line, like the errors (``allocator: warning: max_memory['cpu'] = 64 is read as 64 bytes...``),
+    once per command: budgets are read twice (checked before the model is built, then planned)."""
+    text = f"allocator: warning: {_one_line(message, 10 * _MAX_MESSAGE)}"
+    if text not in shown:
+        shown.add(text)
+        print(text, file=sys.stderr)
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``allocator plan ... | head -3``): stop quietly, with status 0.
+
+    What is still buffered would fail again when the interpreter flushes stdout at exit (printing "Exception ignored
+    ... BrokenPipeError" on stderr), so stdout is pointed at the null device first, as the Python docs advise.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (a notebook's, a test's)
+        pass
+    return 0

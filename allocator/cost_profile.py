@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -168,6 +169,23 @@ def _read_uncached(path: str) -> None:
             pass
 
 
+class _DropMetaDeviceWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Some parameters are on the meta device")
+
+
+@contextlib.contextmanager
+def _without_meta_device_warning():
+    """Drop dispatch_model's "Some parameters are on the meta device because they were offloaded ..." while the
+    timing models are dispatched: they are offloaded on purpose, and the line would reach the user's stderr."""
+    logger, drop = logging.getLogger("accelerate.big_modeling"), _DropMetaDeviceWarning()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def _tensor_latencies(repeats: int, layers: int = 64) -> dict:
     """Seconds per tensor of accelerate's offload hooks: the hook path from RAM, and the extra of a disk read.
 
@@ -192,7 +210,7 @@ def _tensor_latencies(repeats: int, layers: int = 64) -> dict:
         return 1 / _best(lambda: (model(x), sync()), 1, max(repeats, 3))
 
     state = {k: v.contiguous() for k, v in build().state_dict().items()}
-    with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
+    with torch.no_grad(), tempfile.TemporaryDirectory() as folder, _without_meta_device_warning():
         path = os.path.join(folder, "weights.safetensors")
         save_file(state, path)
         plain = seconds(build())

@@ -1,6 +1,14 @@
-"""Typed errors. Every error derives from ``ValueError`` and says what was wrong and how to fix it."""
+"""Typed errors. Every error derives from ``ValueError`` and says what was wrong and how to fix it.
+
+Likely mistakes that accelerate accepts (a budget of 64 bytes, gigabits) are kept and warned about with
+:func:`warn_caller`, a ``UserWarning`` pointing at the caller's line.
+"""
 
 from __future__ import annotations
+
+import os
+import sys
+import warnings
 
 __all__ = [
     "AllocatorError",
@@ -11,6 +19,7 @@ __all__ = [
     "InvalidOption",
     "InfeasiblePlacement",
     "UnsupportedByAccelerate",
+    "warn_caller",
 ]
 
 
@@ -58,3 +67,12 @@ class UnsupportedByAccelerate(AllocatorError):
 class BrokenContract(AllocatorError):
     """A strategy returned a plan that breaks the contract of ``device_map="auto"`` (main device, accelerators in
     index order, never below accelerate: :mod:`allocator.strategies.contract`); ``objective="latency"`` accepts it."""
+
+
+def warn_caller(message: str) -> None:
+    """A ``UserWarning`` attributed to the first caller outside this package (the line that passed the input)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)

@@ -55,9 +55,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field
 
-from .errors import InvalidOption
+from .errors import InvalidOption, warn_caller
 
-__all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs"]
+__all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +72,16 @@ SCORE_COPIES = 3  # float32 next-token logits, processed scores, sampling probab
 class GenerationBudget:
     """The largest ``generate`` call a plan must have room for.
 
+    Give ``max_length``, or ``max_new_tokens`` with ``prompt_length`` as in ``generate(max_new_tokens=...)``.
+
     Parameters
     ----------
     batch_size : int
         Sequences generated together.
-    max_length : int
+    max_length : int, optional
         The longest sequence ``generate`` produces, prompt included (its ``max_length``: prompt length plus
-        ``max_new_tokens``). For encoder-decoder models, the decoder's length, its start token included.
+        ``max_new_tokens``). For encoder-decoder models, the decoder's length, its start token included. Set from
+        ``prompt_length + max_new_tokens`` when omitted.
     dtype : torch.dtype or str, optional
         The dtype of the cache and activations; by default the dtype the weights are planned in (``plan(dtype=)``,
         else the key projection's).
@@ -86,16 +89,30 @@ class GenerationBudget:
         Keyword only. The longest prompt: the prefill length of a decoder-only model (default and at most
         ``max_length - 1``); for encoder-decoder models the number of encoder positions the cross-attention cache
         holds (default ``max_length``): the input tokens for T5 or BART, 1500 audio frames for Whisper.
+    max_new_tokens : int, optional
+        Keyword only. Tokens generated after the prompt, as ``generate(max_new_tokens=...)`` takes them; needs
+        ``prompt_length``. Then ``max_length`` is ``prompt_length + max_new_tokens`` as ``generate`` computes it
+        (giving both is allowed only when they agree); for an encoder-decoder model the decoder holds
+        ``max_new_tokens + 1`` tokens (its start token and the new ones) and ``prompt_length`` is the encoder's input.
 
     Raises
     ------
     InvalidOption
-        Non-integer or non-positive sizes, a prompt longer than allowed, a dtype torch does not know.
+        Non-integer or non-positive sizes, a prompt longer than allowed, a dtype torch does not know, neither
+        ``max_length`` nor ``max_new_tokens``, ``max_new_tokens`` without ``prompt_length``, or a ``max_length``
+        that disagrees with ``prompt_length + max_new_tokens``.
+
+    Notes
+    -----
+    A ``max_length`` above the model's ``max_position_embeddings`` is planned for, with a ``UserWarning`` naming both
+    numbers when the plan is made (the config is known only then).
 
     Examples
     --------
     >>> GenerationBudget(4, 2048, "bfloat16")
-    GenerationBudget(batch_size=4, max_length=2048, dtype=torch.bfloat16, prompt_length=None)
+    GenerationBudget(batch_size=4, max_length=2048, dtype=torch.bfloat16, prompt_length=None, max_new_tokens=None)
+    >>> GenerationBudget(batch_size=4, prompt_length=100, max_new_tokens=28).max_length
+    128
     >>> GenerationBudget(0, 2048)
     Traceback (most recent call last):
     ...
@@ -103,14 +120,20 @@ class GenerationBudget:
     """
 
     batch_size: int
-    max_length: int
+    max_length: int | None = None
     dtype: object = None
     _: KW_ONLY
     prompt_length: int | None = None
+    max_new_tokens: int | None = None
 
     def __post_init__(self):
-        for name, example in (("batch_size", 1), ("max_length", 2048)):
-            _positive(name, getattr(self, name), example)
+        _positive("batch_size", self.batch_size, 1)
+        if self.max_new_tokens is not None:
+            self._from_new_tokens()
+        elif self.max_length is None:
+            raise InvalidOption("GenerationBudget needs max_length, or max_new_tokens with prompt_length (as generate "
+                                "takes them); pass e.g. max_length=2048 or prompt_length=1024, max_new_tokens=256.")
+        _positive("max_length", self.max_length, 2048)
         if self.max_length < 2:
             raise InvalidOption(f"GenerationBudget.max_length must be at least 2 (a prompt token and a generated "
                                 f"one), got {self.max_length}.")
@@ -120,6 +143,23 @@ class GenerationBudget:
             from .graph import _as_dtype
 
             object.__setattr__(self, "dtype", _as_dtype(self.dtype, "GenerationBudget.dtype"))
+
+    def _from_new_tokens(self) -> None:
+        """``max_length = prompt_length + max_new_tokens``, as ``generate`` computes it; checked against a given one."""
+        _positive("max_new_tokens", self.max_new_tokens, 256)
+        if self.prompt_length is None:
+            raise InvalidOption(f"GenerationBudget.max_new_tokens={self.max_new_tokens} needs prompt_length, the "
+                                "longest prompt in tokens (generate's max_length is the prompt's length plus "
+                                "max_new_tokens); pass e.g. prompt_length=1024.")
+        _positive("prompt_length", self.prompt_length, 1024)
+        total = self.prompt_length + self.max_new_tokens
+        if self.max_length is None:
+            object.__setattr__(self, "max_length", total)
+        elif self.max_length != total:
+            raise InvalidOption(
+                f"GenerationBudget got max_length={self.max_length} and max_new_tokens={self.max_new_tokens}, but "
+                f"prompt_length {self.prompt_length} + max_new_tokens {self.max_new_tokens} = {total}; give "
+                f"max_length or max_new_tokens, not both.")
 
 
 def _positive(name: str, value, example: int) -> None:
@@ -279,6 +319,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
     config = _generative_config(model, budget)
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     prefill, encoder_tokens = _lengths(budget, encoder_decoder)
+    _check_positions(config, decoder_length(budget, encoder_decoder), encoder_tokens)
     names: dict[int, str] = {}
     for name, module in model.named_modules():
         names.setdefault(id(module), name)
@@ -291,7 +332,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
             "devices instead.")
     ebytes = _element_bytes(budget, dtype, self_layers[0].key_module.weight, config)
     kinds = _cache_layer_kinds(config, max(a.index for a in self_layers) + 1)
-    B, L = budget.batch_size, budget.max_length
+    B, L = budget.batch_size, decoder_length(budget, encoder_decoder)
     cache: dict[int, int] = {}
     layers: list[CacheLayer] = []
     for a in attentions:
@@ -330,9 +371,36 @@ def _generative_config(model, budget):
     return config
 
 
+#: Config fields bounding the positions of the decoder (or a decoder-only model), then of an encoder, in the order read.
+DECODER_POSITIONS = ("max_target_positions", "max_position_embeddings", "n_positions")
+ENCODER_POSITIONS = ("max_source_positions", "max_position_embeddings", "n_positions")
+
+
+def _check_positions(config, decoder_tokens: int, encoder_tokens: int) -> None:
+    """Warn when the sequences planned for are longer than the model's position embeddings allow."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    checks = [("max_length", decoder_tokens, text, DECODER_POSITIONS)]
+    if encoder_tokens:
+        checks.append(("prompt_length (the encoder's input)", encoder_tokens, config, ENCODER_POSITIONS))
+    for what, tokens, where, fields in checks:
+        name, limit = next(((f, n) for f in fields if (n := _first_int(getattr(where, f, None)))), (None, None))
+        if limit is not None and tokens > limit:
+            warn_caller(f"GenerationBudget {what} {tokens} is above {type(config).__name__}.{name} {limit}: the model "
+                        f"has no positions beyond {limit} (generate may fail or degrade there); planning for {tokens} "
+                        f"tokens anyway.")
+
+
+def decoder_length(budget: GenerationBudget, encoder_decoder: bool) -> int:
+    """The longest sequence the decoder holds: ``max_length``, or for an encoder-decoder model given
+    ``max_new_tokens``, those tokens and the decoder's start token (``generate`` adds them to the decoder's input)."""
+    if encoder_decoder and budget.max_new_tokens is not None:
+        return budget.max_new_tokens + 1
+    return budget.max_length
+
+
 def _lengths(budget: GenerationBudget, encoder_decoder: bool) -> tuple[int, int]:
     """(tokens of the decoder's prefill, tokens of the encoder input or 0)."""
-    L = budget.max_length
+    L = decoder_length(budget, encoder_decoder)
     if encoder_decoder:
         return 1, budget.prompt_length or L  # the decoder starts from its start token
     if budget.prompt_length is not None and budget.prompt_length > L - 1:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from .api import plan
 from .budgets import is_accelerator
 from .errors import InvalidOption
+from .logs import shown
 from .problem import quantizer_size_fn
 from .runtime import tensor_devices
 from .strategies import resolve
@@ -222,8 +223,9 @@ class Patch:
                        "offload_buffers": offload_buffers, "fallback_allocation": fallback_allocation}
             if tied_parameters is not None:
                 runtime["tied_parameters"] = tied_parameters
-            return self._device_map(model, budgets, mode, hf_quantizer=hf_quantizer,
-                                    no_split=no_split_module_classes, runtime=runtime, verbose=verbose)
+            with shown(verbose):  # accelerate prints its decisions with verbose=True: make ours visible
+                return self._device_map(model, budgets, mode, hf_quantizer=hf_quantizer,
+                                        no_split=no_split_module_classes, runtime=runtime, verbose=verbose)
 
         return _named(infer_auto_device_map, original)
 

@@ -17,7 +17,8 @@ container
     An ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` (or a subclass).
 block
     A child of a container that has at least one sibling of the same class with the same parameter names
-    and shapes; its class is a *block class*.
+    and shapes (or, for a container holding two of the class, one whose parameters are among the other's:
+    a T5 stack of two blocks, the first owning the relative-attention table); its class is a *block class*.
 stack
     A container holding blocks, with every child of a block class (so a first layer that owns an extra
     relative-position table, as in T5, still belongs to the stack).
@@ -106,14 +107,18 @@ def _parameter_signature() -> Callable[[nn.Module], int]:
 
 
 def _block_classes(container: nn.Module, sign: Callable[[nn.Module], int]) -> list[type]:
-    """Classes having ≥ 2 children of ``container`` with equal signatures, in order of first appearance.
+    """Classes having ≥ 2 children of ``container`` with equal signatures, in order of first appearance; or, when no
+    two of a class are equal, whose first two children's parameters (names and shapes) are one within the other.
 
-    Children that own no parameter, and plain containers (a ``Sequential`` of ``Sequential`` blocks), never make a
-    block class: the search goes on inside them instead. Once a class repeats, its further children are not signed
-    (they cannot change the answer), so a stack of identical blocks costs two signatures, not one per block.
+    The second rule finds stacks of two whose first block owns an extra tensor (T5's relative-attention table, in an
+    encoder of two blocks); with three or more blocks the others are equal and the first rule finds them. Children
+    that own no parameter, and plain containers (a ``Sequential`` of ``Sequential`` blocks), never make a block
+    class: the search goes on inside them instead. Once a class repeats, its further children are not signed (they
+    cannot change the answer), so a stack of identical blocks costs two signatures, not one per block.
     """
     counts: dict[tuple[type, int], int] = {}
     repeated: set[type] = set()
+    first_two: dict[type, list[nn.Module]] = {}
     for child in container._modules.values():
         cls = type(child)
         if child is None or cls in repeated or cls in _CONTAINERS:
@@ -123,7 +128,21 @@ def _block_classes(container: nn.Module, sign: Callable[[nn.Module], int]) -> li
             count = counts[cls, signature] = counts.get((cls, signature), 0) + 1
             if count == 2:
                 repeated.add(cls)
+            elif len(pair := first_two.setdefault(cls, [])) < 2:
+                pair.append(child)
+    for cls, pair in first_two.items():
+        if cls not in repeated and len(pair) == 2 and _nested(*pair):
+            repeated.add(cls)
     return list(dict.fromkeys(type(c) for c in container._modules.values() if type(c) in repeated))
+
+
+def _nested(a: nn.Module, b: nn.Module) -> bool:
+    """Whether the parameters (names and shapes) of one of ``a`` and ``b`` are among the other's."""
+    def shapes(module):
+        return {(name, tuple(p.shape)) for name, p in module.named_parameters(remove_duplicate=False)}
+
+    first, second = shapes(a), shapes(b)
+    return first <= second or second <= first
 
 
 def _stacks(model: nn.Module) -> list[_Stack]:
@@ -185,7 +204,9 @@ def infer_blocks(model: nn.Module) -> set[str]:
 
     Complexity: O(modules + parameters) time and memory; each module's parameter signature is computed
     at most once, bottom-up, and interned as an integer, and a container's children of a class stop being
-    signed once two of them match (a stack of identical blocks signs two of them).
+    signed once two of them match (a stack of identical blocks signs two of them). Where no two children of a
+    class match, the parameters of its first two are listed once more (the second rule), so a parameter is
+    read at most once per container above it.
 
     Examples
     --------
@@ -212,10 +233,12 @@ def find_layers(model: nn.Module) -> list[tuple[str, list[str]]]:
     Returns
     -------
     list of (str, list of str)
-        ``(container name, [block names])`` in definition order, names as in ``model.named_modules()``
-        (``""`` is the model itself). Encoder-decoders give two stacks (T5: ``encoder.block`` and
-        ``decoder.block``), a VLM its vision tower's and its language model's. A container holding blocks
-        of two classes appears once per class.
+        Every stack, ``(container name, [block names])``, in definition order (the order of
+        ``model.named_modules()``), names as in ``model.named_modules()`` (``""`` is the model itself).
+        Encoder-decoders give two stacks (T5: ``encoder.block`` then ``decoder.block``, also with two blocks
+        each), a VLM its vision tower's and its language model's. A container holding blocks of two classes
+        appears once per class. Callers that want one stack pick it (the longest, or by name): the result is
+        never just the last or largest.
 
     Raises
     ------
@@ -226,7 +249,9 @@ def find_layers(model: nn.Module) -> list[tuple[str, list[str]]]:
     -----
     Stacks are found by the rule of :func:`infer_blocks`, which is never told a path. A stack lists every
     child of the block class, including those whose parameters differ from the others' (T5's first block
-    owns the relative-attention table, DeepSeek's first layer is dense). Nested stacks are not reported
+    owns the relative-attention table, DeepSeek's first layer is dense). A stack of two blocks whose first
+    differs is found when one block's parameters are among the other's (T5); two blocks that differ
+    otherwise (a dense and an MoE layer) are not a stack. Nested stacks are not reported
     (experts inside a layer); stacks inside non-repeated stages are (Swin's ``layers.<i>.blocks``).
 
     Complexity: O(modules + parameters).

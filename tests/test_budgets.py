@@ -1,6 +1,8 @@
 import math
+import warnings
 
 import pytest
+import torch
 
 import allocator
 from allocator.budgets import normalize_device, parse_budgets, parse_size
@@ -8,8 +10,8 @@ from allocator.errors import InvalidBudget
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("10GiB", 10 * 2**30), ("500MB", 500 * 10**6), ("1.5GiB", int(1.5 * 2**30)), ("4Gb", 4 * 10**9 // 8),
-    ("12KiB", 12 * 1024), ("7", 7), (1234, 1234), ("0", 0), ("2 GB", 2 * 10**9),
+    ("10GiB", 10 * 2**30), ("500MB", 500 * 10**6), ("1.5GiB", int(1.5 * 2**30)), ("12KiB", 12 * 1024),
+    (1234, 1234), (0, 0), ("2 GB", 2 * 10**9), ("1e3MB", 10**9), ("10gib", 10 * 2**30),
 ])
 def test_parse_size_accepts_what_accelerate_accepts(text, expected):
     assert parse_size(text) == expected
@@ -19,6 +21,70 @@ def test_parse_size_accepts_what_accelerate_accepts(text, expected):
 def test_parse_size_rejects_with_a_fix(bad):
     with pytest.raises(InvalidBudget, match=r"size|bytes|negative|finite|boolean|must"):
         parse_size(bad)
+
+
+@pytest.mark.parametrize("text,fix", [("1e9", "1000000000"), ("64", "64"), ("0", "0"), ("2.5", "2")])
+def test_a_string_without_a_unit_is_rejected_as_accelerate_rejects_it(text, fix):
+    from accelerate.utils import convert_file_size_to_int
+
+    with pytest.raises(ValueError):
+        convert_file_size_to_int(text)
+    with pytest.raises(InvalidBudget, match=f"has no unit, and accelerate rejects.*give the int {fix} for bytes"):
+        parse_size(text)
+
+
+#: Where allocator reads more than accelerate's convert_file_size_to_int (documented in the README).
+EXTENSIONS = ("10TB", "1TiB", "100B", "0B")
+
+
+@pytest.mark.parametrize("text", ["10GiB", "10gib", "1.5GB", "10gb", "10Gb", "3mb", "5KB", "7kb", "1e3MB", "2 GB",
+                                  "1e9", "64", "ten", "10XB", "", "-1GB", *EXTENSIONS])
+def test_strings_are_read_as_accelerate_reads_them(text):
+    from accelerate.utils import convert_file_size_to_int
+
+    try:
+        theirs = convert_file_size_to_int(text)
+    except ValueError:
+        theirs = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours = parse_size(text)
+    except InvalidBudget:
+        ours = None
+    if text in EXTENSIONS:
+        assert theirs is None and ours is not None
+    else:
+        assert ours == theirs
+
+
+@pytest.mark.parametrize("text,read,fix", [
+    ("10gb", "10 Gbit = 1250000000 bytes (1.25 GB)", "'10GB' for 10 GB"),
+    ("4Gb", "4 Gbit = 500000000 bytes (500 MB)", "'4GB' for 4 GB"),
+    ("512mb", "512 Mbit = 64000000 bytes (64 MB)", "'512MB' for 512 MB"),
+])
+def test_a_lower_case_b_is_bits_with_a_warning(text, read, fix):
+    with pytest.warns(UserWarning) as caught:
+        value = parse_size(text, what="max_memory['cpu']")
+    assert len(caught) == 1 and caught[0].filename == __file__  # the caller's line, not allocator's
+    message = str(caught[0].message)
+    assert message.startswith(f"max_memory['cpu'] {text!r} is read as {read}") and fix in message
+    assert value == int(read.split("= ")[1].split()[0])
+
+
+def test_a_small_bare_number_for_a_device_warns():
+    with pytest.warns(UserWarning, match=r"max_memory\['cpu'\] = 64 is read as 64 bytes.*'64GiB'") as caught:
+        budgets = parse_budgets({"cpu": 64})
+    assert budgets.limit("cpu") == 64 and caught[0].filename == __file__
+    with pytest.warns(UserWarning, match=r"max_memory\[0\] = 8 is read as 8 bytes"):
+        allocator.plan(torch.nn.Linear(2, 2), {0: 8, "cpu": "1MiB"})
+
+
+@pytest.mark.parametrize("budget", [{"cpu": 0}, {"cpu": 2**20}, {"cpu": "64KiB"}, {"cpu": "10GB"}, {0: "1GiB"}])
+def test_no_warning_for_what_is_clearly_meant(budget):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_budgets(budget)
 
 
 @pytest.mark.parametrize("key,expected", [

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import textwrap
+import warnings
 
 import pytest
 
@@ -62,6 +65,122 @@ def test_bad_input_in_a_subprocess_is_one_line():
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("allocator: error: 'nope-7b' is neither")
+
+
+def test_version_in_a_subprocess():
+    done = subprocess.run([sys.executable, "-m", "allocator", "--version"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"allocator {allocator.__version__}\n", "")
+
+
+def test_a_closed_pipe_ends_quietly():
+    """``allocator plan llama-8b ... --compare | head -3``: no traceback, no "Broken pipe" on stderr, status 0. The
+    reader here closes the pipe before anything is written, so the write always fails (``head`` may read everything
+    before it exits, and then nothing fails). ``plan --list`` stands for every command: main handles the pipe."""
+    argv = [sys.executable, "-m", "allocator", "plan", "--list"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == ""
+
+
+@pytest.mark.parametrize("argv,suggested", [
+    (["plan", "llama8b"], "llama-8b"), (["plan", "Segformer-B0"], "segformer-b0"),
+    (["demo", "--model", "t5base"], "t5-base"),
+])
+def test_unknown_example_suggests_the_closest_name(capsys, argv, suggested):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("allocator: error: ") and err.rstrip().endswith(f"Did you mean {suggested!r}?")
+
+
+def test_no_suggestion_for_a_name_like_no_example(capsys):
+    code, _, err = run(capsys, "plan", "nope-7b")
+    assert code == 2 and "Did you mean" not in err
+
+
+def test_default_budget_is_marked_as_the_default(capsys):
+    code, out, err = run(capsys, "plan", SEG)
+    assert code == 0 and err == ""
+    line = next(x for x in out.splitlines() if x.startswith("budgets: "))
+    assert "the default, this machine's free memory now (cpu=" in line and "--max-memory" in line
+    code, out, _ = run(capsys, "plan", SEG, "--max-memory", "cpu=1GiB")
+    assert code == 0 and "budgets: the default" not in out
+
+
+def test_infeasible_without_accelerators_does_not_suggest_them(capsys):
+    code, _, err = run(capsys, "plan", SEG, "--max-memory", "cpu=1MiB")
+    assert code == 2 and "smallest RAM budget" in err and "accelerators" not in err
+    code, _, err = run(capsys, "plan", SEG, "--max-memory", "0=1KiB,cpu=1MiB")
+    assert code == 2 and "or give accelerators more room." in err
+
+
+def test_likely_budget_mistakes_warn_on_one_line_each(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # conftest ignores warnings; the command line shows what Python would
+        code, out, err = run(capsys, "plan", SEG, "--max-memory", "0=64,cpu=10gb")
+    assert code == 0 and "budget" in out
+    lines = err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("allocator: warning: ") for line in lines)  # once each, not per read
+    assert "max_memory[0] = 64 is read as 64 bytes" in lines[0] and "'64GiB'" in lines[0]
+    assert "max_memory['cpu'] '10gb' is read as 10 Gbit = 1250000000 bytes" in lines[1] and "'10GB'" in lines[1]
+
+
+def custom_code_folder(path, model_type="tiny-custom"):
+    """A model folder whose config.json names its own code in ``auto_map`` (a renamed Llama)."""
+    path.mkdir()
+    (path / "configuration_tiny.py").write_text(textwrap.dedent(f"""
+        from transformers import LlamaConfig
+
+
+        class TinyConfig(LlamaConfig):
+            model_type = {model_type!r}
+        """))
+    (path / "modeling_tiny.py").write_text(textwrap.dedent("""
+        from transformers import LlamaForCausalLM
+
+        from .configuration_tiny import TinyConfig
+
+
+        class TinyForCausalLM(LlamaForCausalLM):
+            config_class = TinyConfig
+        """))
+    (path / "config.json").write_text(json.dumps({
+        "model_type": model_type, "architectures": ["TinyForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig",
+                     "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"},
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1000, "dtype": "float32"}))
+    return path
+
+
+def test_custom_code_needs_trust_remote_code(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    folder = custom_code_folder(tmp_path / "custom")
+    code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("allocator: error: the config ") and "add --trust-remote-code" in err
+
+
+def test_trust_remote_code_builds_with_the_folders_code_in_a_subprocess(tmp_path):
+    pytest.importorskip("transformers")
+    folder = custom_code_folder(tmp_path / "custom")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}  # transformers copies the code to its modules cache
+    done = subprocess.run([sys.executable, "-m", "allocator", "plan", str(folder), "--max-memory", "cpu=10MiB",
+                           "--trust-remote-code"], capture_output=True, text=True, timeout=120, env=env,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"TinyForCausalLM from {folder} (the folder's own code, --trust-remote-code)\n")
+
+
+def test_auto_map_of_a_type_transformers_knows_builds_without_the_code(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    folder = custom_code_folder(tmp_path / "native", model_type="llama")
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, "architectures": ["LlamaForCausalLM"]}))
+    code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB")
+    assert code == 0 and err == ""
+    assert out.startswith(f"LlamaForCausalLM from {folder} (config.auto_map names custom code; built with "
+                          "transformers' own classes: add --trust-remote-code")
 
 
 def test_plan_example(capsys, seg):
@@ -123,6 +242,30 @@ def test_plan_plot_is_a_png(capsys, seg, tmp_path):
         code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget), "--plot", path, *extra)
         assert code == 0 and err == ""
         assert path.read_bytes()[:8] == PNG and path.stat().st_size > 5000
+
+
+@pytest.mark.parametrize("shares", [{0: 0.6, "cpu": 2.0}, {0: 0.3, 1: 0.3, "cpu": 2.0}, {"cpu": 0.5}])
+def test_plot_labels_say_model_or_budget_and_none_sits_on_a_budget_line(seg, tmp_path, shares):
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import LineCollection
+
+    model, total, _ = seg
+    budget = {d: int(f * total) for d, f in shares.items()}
+    plans = {"accelerate": allocator.plan(model, budget, strategy="sequential"),
+             "allocator": allocator.plan(model, budget)}
+    fig = cli.plot_plans(plans, str(tmp_path / "p.png"))
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    labels = [t for t in ax.texts if "%" in t.get_text()]
+    assert {"of model", "of budget"} <= {w for t in labels for w in ("of model", "of budget") if w in t.get_text()}
+    assert all("of model" in t.get_text() or "of budget" in t.get_text() for t in labels)
+    budget_lines = [seg_ for c in ax.collections if isinstance(c, LineCollection) for seg_ in c.get_segments()]
+    assert budget_lines
+    for (x0, y), (x1, _) in budget_lines:
+        (px0, py), (px1, _) = ax.transData.transform([(x0, y), (x1, y)])
+        for t in labels:
+            box = t.get_window_extent(renderer)
+            crosses = box.x1 > px0 and box.x0 < px1 and box.y0 - 1 <= py <= box.y1 + 1
+            assert not crosses, f"label {t.get_text()!r} sits on the budget line at {y:.2f}"
 
 
 def test_plan_profile_round_trip(capsys, seg, tmp_path):
@@ -196,6 +339,15 @@ def test_profile_out(capsys, tmp_path):
     assert cli.load_profile(str(path)) == measured
 
 
+def test_profile_in_a_subprocess_prints_latencies_in_time_units_and_nothing_on_stderr():
+    done = subprocess.run([sys.executable, "-m", "allocator", "profile"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == ""  # not accelerate's "Some parameters are on the meta device"
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
+    for name in ("switch_latency", "offload_tensor_latency", "disk_tensor_latency"):
+        assert rows[name].split()[2] in ("µs", "ms"), rows[name]
+    assert rows["disk_read"].split()[2] == "GB/s"
+
+
 # -- bad input -------------------------------------------------------------------------------------------------------
 
 
@@ -226,6 +378,7 @@ def _bad_cases(tmp):
     return {
         "unknown device": (["plan", SEG, "--max-memory", "gpu0=1GiB"], "unknown device 'gpu0'"),
         "malformed size": (["plan", SEG, "--max-memory", "0=lots"], "'lots' is not a size"),
+        "size without a unit": (["plan", SEG, "--max-memory", "0=1e9,cpu=1GiB"], "give the int 1000000000 for bytes"),
         "entry without size": (["plan", SEG, "--max-memory", "0,cpu=1GiB"], "is not DEVICE=SIZE"),
         "empty max memory": (["plan", SEG, "--max-memory", ","], "--max-memory is empty"),
         "device twice": (["plan", SEG, "--max-memory", "0=1GiB,cuda:0=1GiB"], "appears twice"),

@@ -310,6 +310,44 @@ def test_generation_errors_say_the_fix(meta_llama):
         allocator.plan(vit, {"cpu": 10**9}, generation=GenerationBudget(1, 10))
 
 
+def test_max_new_tokens_as_generate_takes_it(models, meta_llama):
+    budget = GenerationBudget(BATCH, prompt_length=PROMPT, max_new_tokens=NEW)
+    assert budget.max_length == PROMPT + NEW
+    assert budget == GenerationBudget(BATCH, PROMPT + NEW, prompt_length=PROMPT, max_new_tokens=NEW)  # agreeing
+    same = GenerationBudget(BATCH, PROMPT + NEW, prompt_length=PROMPT)
+    assert _predicted_layers(models["llama"], budget) == _predicted_layers(models["llama"], same)
+    # encoder-decoder: the decoder holds its start token and the new tokens; the prompt is the encoder's input
+    t5 = _predicted_layers(models["t5"], budget)
+    assert t5 == _predicted_layers(models["t5"], GenerationBudget(BATCH, NEW + 1, prompt_length=PROMPT))
+    out = _generate(models["t5"], NEW)
+    assert t5 == _measured_layers(out.past_key_values)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"max_new_tokens": 6}, "needs prompt_length"),
+    ({"max_length": 20, "prompt_length": 7, "max_new_tokens": 6}, "prompt_length 7 \\+ max_new_tokens 6 = 13"),
+    ({"prompt_length": 7, "max_new_tokens": 0}, "max_new_tokens must be a positive int"),
+    ({"prompt_length": 0, "max_new_tokens": 6}, "prompt_length must be a positive int"),
+    ({}, "needs max_length, or max_new_tokens with prompt_length"),
+])
+def test_max_new_tokens_errors_say_the_fix(kwargs, words):
+    with pytest.raises(InvalidOption, match=words):
+        GenerationBudget(2, **kwargs)
+
+
+def test_max_length_beyond_the_position_embeddings_warns_when_planning(meta_llama):
+    assert meta_llama.config.max_position_embeddings == 512
+    with pytest.warns(UserWarning, match="max_length 600 is above LlamaConfig.max_position_embeddings 512") as caught:
+        allocator.plan(meta_llama, {"cpu": "1GiB"}, generation=GenerationBudget(1, prompt_length=100,
+                                                                                max_new_tokens=500))
+    assert caught[0].filename == __file__  # the line that asked for the plan
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        allocator.plan(meta_llama, {"cpu": "1GiB"}, generation=GenerationBudget(1, 512))
+
+
 def test_inputs_are_not_modified(models):
     model = models["llama"]
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -481,3 +481,13 @@ def test_transformers4_from_pretrained(tmp_path, quiet):
         torch.testing.assert_close(model.eval()(input_ids=ids).logits, reference, **TOL)
     assert modeling_utils.get_balanced_memory is originals[0]
     assert modeling_utils.infer_auto_device_map is originals[1]
+
+
+def test_patched_infer_auto_device_map_verbose_shows_the_decisions(caplog):
+    """accelerate's infer_auto_device_map(verbose=True) prints; patched, our INFO records are made visible."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    with hf.patch():
+        big_modeling.infer_auto_device_map(model, {"cpu": 10**6})
+        assert not any("main device" in r.getMessage() for r in caplog.records)
+        big_modeling.infer_auto_device_map(model, {"cpu": 10**6}, verbose=True)
+    assert any("strategy " in r.getMessage() and "main device" in r.getMessage() for r in caplog.records)

@@ -203,6 +203,42 @@ def test_find_layers_t5_two_stacks_with_their_first_block():
     ]
 
 
+def _small_t5(encoder_blocks, decoder_blocks):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    with torch.device("meta"):
+        return T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, d_kv=8, num_heads=4, vocab_size=100,
+                                                   num_layers=encoder_blocks, num_decoder_layers=decoder_blocks))
+
+
+@pytest.mark.parametrize("encoder_blocks, decoder_blocks", [(2, 3), (2, 2), (3, 2), (4, 4)])
+def test_find_layers_t5_finds_both_stacks_even_of_two_blocks(encoder_blocks, decoder_blocks):
+    """The first block of each T5 stack owns the relative-attention table, so a stack of two has no two equal
+    blocks: the encoder of a 2-encoder, 3-decoder T5 used to be missed (only the decoder stack came back)."""
+    model = _small_t5(encoder_blocks, decoder_blocks)
+    assert find_layers(model) == [_stack("encoder.block", encoder_blocks), _stack("decoder.block", decoder_blocks)]
+    assert infer_blocks(model) == {"T5Block"}
+
+
+def test_find_layers_two_blocks_one_within_the_other_in_either_order():
+    class Extra(Block):
+        def __init__(self, extra):
+            super().__init__()
+            if extra:
+                self.table = nn.Embedding(4, 8)
+
+    for first, second in ((True, False), (False, True)):
+        assert find_layers(nn.ModuleList([Extra(first), Extra(second)])) == [("", ["0", "1"])]
+
+
+def test_find_layers_two_blocks_that_differ_otherwise_are_no_stack():
+    assert find_layers(nn.ModuleList([Block(8), Block(16)])) == []  # other shapes
+    # neither within the other (the router's shapes differ): no stack of MoEBlocks, so the search goes on inside them
+    assert find_layers(nn.ModuleList([MoEBlock(experts=2), MoEBlock(experts=3)])) == [
+        _stack("0.experts", 2), _stack("1.experts", 3)]
+    assert find_layers(nn.ModuleList([nn.GELU(), nn.GELU()])) == []  # no parameters
+
+
 def test_find_layers_llava_vision_tower_then_llm():
     assert find_layers(_zoo("llava-1.5-7b")) == [
         _stack("model.vision_tower.encoder.layers", 24),
