@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from .budgets import Budgets, Device
 from .cost import Cost
 from .cost_profile import Profile
-from .errors import BrokenContract, InfeasiblePlacement
+from .errors import AllocatorError, BrokenContract, InfeasiblePlacement
 from .gc_pause import gc_paused
 from .logs import shown
 from .placement import Placement
@@ -260,6 +260,7 @@ def plan(
     profile: Profile | None = None,
     generation: GenerationBudget | None = None,
     objective: str = "contract",
+    strict: bool = False,
 ) -> Plan:
     """Decide where every part of ``model`` lives.
 
@@ -293,6 +294,10 @@ def plan(
         that can hold anything is the main device, accelerators are used in index order, and never fewer bytes on
         them than accelerate's own valid map (:mod:`allocator.strategies.contract`) — ranked by the cost model.
         ``"latency"``: the cost model alone decides, the CPU or any accelerator may be the main device.
+    strict : bool
+        Where no valid plan exists: ``False`` (default) returns accelerate's own map, as ``device_map="auto"`` would,
+        flagged (``Plan.valid`` is ``False``, a ``UserWarning`` states the smallest budget that would work); ``True``
+        raises :class:`InfeasiblePlacement` with that budget.
 
     Returns
     -------
@@ -301,6 +306,9 @@ def plan(
     Raises
     ------
     InvalidBudget, InvalidOption, InvalidModel, UnsupportedByAccelerate
+    InfeasiblePlacement
+        With ``strict=True`` (or ``strategy="sequential"`` where accelerate fails) when no valid plan exists: the
+        message and ``minimum`` give the smallest budget that works.
     BrokenContract
         A strategy (the caller's, or a bug in a built-in one) returned a plan that breaks the contract.
 
@@ -332,9 +340,10 @@ def plan(
         try:
             placement = run(strategy, problem)
         except InfeasiblePlacement as err:
-            if err.minimum is not None:
-                raise
-            raise minimum_budget_error(problem, strategy) from None
+            error = err if err.minimum is not None else minimum_budget_error(problem, strategy)
+            placement = None if strict else _accelerate_instead(problem, strategy, error)
+            if placement is None:
+                raise error from None
         broken = contract_violations(problem, placement.device_map, strategy=placement.strategy)
         short = [v for v in broken if v.kind == "contract-floor"]
         for v in short:   # rules 1 and 2 come first; the strategies fall short of the floor only where they must
@@ -352,6 +361,24 @@ def plan(
         return result
 
 
+def _accelerate_instead(problem: Problem, strategy, error: InfeasiblePlacement) -> Placement | None:
+    """Where no valid plan exists, accelerate's own map (``sequential``), flagged, as accelerate and transformers
+    would load it: ``from_pretrained(device_map="auto")`` keeps working where it did. ``None`` where accelerate has
+    no map either, or the caller asked for ``sequential`` itself."""
+    name = resolve(strategy)[0]
+    if name == "sequential":
+        return None
+    try:
+        theirs = run("sequential", problem)
+    except AllocatorError:
+        return None
+    message = (f"{error} No valid plan exists, so accelerate's own map is returned, as device_map='auto' would "
+               "return it: it breaks these budgets at runtime (Plan.valid is False, Plan.violations says how); "
+               "pass strict=True to raise instead.")
+    return replace(theirs, strategy=f"sequential (no valid {name} plan)", notes=(message,) + theirs.notes,
+                   diagnostics=theirs.diagnostics + (("warning", message),))
+
+
 def _report(placement: Placement) -> None:
     """accelerate's warnings and log lines for the plan returned (the strategy's diagnostics)."""
     for level, message in placement.diagnostics:
@@ -364,7 +391,7 @@ def _report(placement: Placement) -> None:
 def _with_empty_notes(problem: Problem, placement: Placement) -> Placement:
     """Under the contract, say why accelerators before the main device hold nothing: a note, and accelerate's
     "insufficient memory" log line with the budget that would let each hold a unit."""
-    if not problem.options.contract or placement.strategy.split(":")[0] in ("sequential", "balanced_low_0"):
+    if not problem.options.contract or placement.strategy.startswith(("sequential", "balanced_low_0")):
         return placement
     main = main_device(placement.device_map.values())
     accelerators = problem.budgets.accelerators

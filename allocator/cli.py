@@ -537,7 +537,7 @@ def _cmd_plan(args) -> int:
     loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
     dtype = args.dtype or loaded.dtype
     options = dict(dtype=dtype, profile=profile, generation=generation)
-    ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, **options)
+    ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True, **options)
     print(f"{loaded.source}")
     print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
           f"{f' in {_dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
@@ -603,7 +603,7 @@ def _cmd_demo(args) -> int:
         spec = ",".join(f"{d}={_size(b).replace(' ', '')}" for d, b in budget.items())
         print(f"\n== {title}   (--max-memory {spec})")
         try:
-            ours = plan(model, budget, strategy=args.strategy)
+            ours = plan(model, budget, strategy=args.strategy, strict=True)
         except AllocatorError as err:
             print(f"allocator finds no map: {_one_line(err)}")
             continue

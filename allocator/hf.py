@@ -56,7 +56,7 @@ user gave, not over transformers' balanced budgets. ``"sequential"`` is accelera
 _RESERVED = frozenset({"model", "max_memory", "strategy", "hf_quantizer"})
 _PLAN_OPTIONS = frozenset({
     "no_split_module_classes", "dtype", "special_dtypes", "offload_buffers", "clean_result", "fallback_allocation",
-    "tied_parameters", "size_fn", "infer_no_split", "generation", "objective",
+    "tied_parameters", "size_fn", "infer_no_split", "generation", "objective", "strict",
 })
 _ACTIVE: list[Patch] = []
 """Live patches, oldest first. Process-global; not locked."""
@@ -265,7 +265,8 @@ def patch(strategy="auto", **options) -> Patch:
         model's), ``dtype``, ``special_dtypes``, ``clean_result``, ``fallback_allocation``, ``tied_parameters``,
         ``size_fn``, ``infer_no_split``, ``generation`` (an :class:`allocator.GenerationBudget`: room for
         ``generate``'s KV cache, logits and activations), ``objective`` (``"contract"``, the default, or
-        ``"latency"``: see :func:`allocator.plan`). What accelerate's ``infer_auto_device_map`` is called with
+        ``"latency"``: see :func:`allocator.plan`), ``strict`` (``True``: raise where no valid plan exists, instead of
+        loading accelerate's own map as transformers would). What accelerate's ``infer_auto_device_map`` is called with
         (``offload_buffers``, ``clean_result``, ``fallback_allocation``, and ``dtype`` / ``special_dtypes`` when
         not ``None``) wins over these: it describes how the model will really be loaded.
 

@@ -7,6 +7,8 @@ Models are built on the meta device from configs (nothing is downloaded); accele
 
 from __future__ import annotations
 
+import functools
+
 import copy
 import itertools
 from functools import cache
@@ -33,6 +35,9 @@ import transformers.integrations.accelerate as tia  # noqa: E402
 import transformers.modeling_utils as modeling_utils  # noqa: E402
 
 import allocator.hf as hf  # noqa: E402
+
+# where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
+strict_plan = functools.partial(allocator.plan, strict=True)
 
 
 def llama(layers: int, vocab: int, tied: bool) -> nn.Module:
@@ -254,9 +259,9 @@ def test_infeasible_states_a_minimum_that_works():
     total = total_of(model)
     budget = {0: int(0.05 * total), 1: int(0.05 * total), "cpu": int(0.05 * total)}
     with pytest.raises(allocator.InfeasiblePlacement) as info:
-        allocator.plan(model, budget, strategy="balanced")
+        strict_plan(model, budget, strategy="balanced")
     assert info.value.device == "cpu"
-    assert allocator.plan(model, {**budget, "cpu": info.value.minimum}, strategy="balanced").valid
+    assert strict_plan(model, {**budget, "cpu": info.value.minimum}, strategy="balanced").valid
 
 
 def min_first_prefix(sizes: list[int], budgets: list[int]) -> int:

@@ -1,5 +1,6 @@
 """Cost model and the CP-SAT strategy: exact estimates, optimality against the heuristics, determinism."""
 
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +17,9 @@ from allocator.cost import change_seconds, estimate
 from allocator.errors import InvalidOption
 from allocator.strategies import ilp
 from trees import budgets, module_trees
+
+# where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
+strict_plan = functools.partial(allocator.plan, strict=True)
 
 
 def test_profile_rejects_bad_values_and_round_trips():
@@ -82,16 +86,16 @@ def test_ilp_is_valid_and_never_costlier_than_any_other_strategy(name):
     for cell, fractions in CELLS.items():
         budget = {d: int(total * f) for d, f in fractions.items()}
         try:
-            best = allocator.plan(model, budget, strategy="ilp")
+            best = strict_plan(model, budget, strategy="ilp")
         except allocator.InfeasiblePlacement:
             for other in ("backfill", "reserve", "auto"):
                 with pytest.raises(allocator.InfeasiblePlacement):
-                    allocator.plan(model, budget, strategy=other)
+                    strict_plan(model, budget, strategy=other)
             continue
         assert best.valid, (name, cell, best.violations)
         for other in ("sequential", "backfill", "reserve"):
             try:
-                theirs = allocator.plan(model, budget, strategy=other)
+                theirs = strict_plan(model, budget, strategy=other)
             except allocator.InfeasiblePlacement:
                 continue
             if theirs.valid and not allocator.contract_violations(theirs.problem, theirs.device_map):
@@ -158,14 +162,14 @@ def test_ilp_on_random_trees(data):
     total = max(allocator.build_problem(model, {"cpu": 0}).graph.total, 1)
     budget = data.draw(budgets(total))
     try:
-        best = allocator.plan(model, budget, strategy="ilp")
+        best = strict_plan(model, budget, strategy="ilp")
     except allocator.InfeasiblePlacement:
         return
     assert best.valid, best.violations
     assert _ilp_objective(best.placement) == pytest.approx(best.cost.seconds, rel=1e-9, abs=2e-9)
     for other in ("backfill", "reserve"):
         try:
-            theirs = allocator.plan(model, budget, strategy=other)
+            theirs = strict_plan(model, budget, strategy=other)
         except allocator.InfeasiblePlacement:
             continue
         if best.optimal:

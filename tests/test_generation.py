@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ import allocator  # noqa: E402
 from allocator import GenerationBudget, InvalidOption  # noqa: E402
 from allocator.units import groups  # noqa: E402
 from allocator.validate import check  # noqa: E402
+
+# where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
+strict_plan = functools.partial(allocator.plan, strict=True)
 
 BATCH, PROMPT, NEW = 2, 7, 6
 
@@ -374,15 +378,15 @@ def test_cli_generation_flag(capsys):
 
 def test_minimum_ram_error_counts_generation(meta_llama):
     with pytest.raises(allocator.InfeasiblePlacement, match="what generate needs") as err:
-        allocator.plan(meta_llama, {"cpu": 2_000_000}, generation=BUDGET)
+        strict_plan(meta_llama, {"cpu": 2_000_000}, generation=BUDGET)
     minimum = err.value.minimum
     with pytest.raises(allocator.InfeasiblePlacement) as plain:
-        allocator.plan(meta_llama, {"cpu": 100_000})
+        strict_plan(meta_llama, {"cpu": 100_000})
     needs = allocator.build_problem(meta_llama, {"cpu": 1}, generation=BUDGET).generation
     assert minimum > plain.value.minimum + needs.cache_bytes + needs.activations
-    assert allocator.plan(meta_llama, {"cpu": minimum}, generation=BUDGET).valid
+    assert strict_plan(meta_llama, {"cpu": minimum}, generation=BUDGET).valid
     with pytest.raises(allocator.InfeasiblePlacement):
-        allocator.plan(meta_llama, {"cpu": int(minimum * 0.98)}, generation=BUDGET)
+        strict_plan(meta_llama, {"cpu": int(minimum * 0.98)}, generation=BUDGET)
 
 
 def test_patched_from_pretrained_plans_with_generation_and_generates(tmp_path):

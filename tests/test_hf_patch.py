@@ -254,9 +254,14 @@ def test_exception_inside_the_block_unpatches():
 def test_planner_error_inside_from_pretrained_path_unpatches(cases):
     originals = _snapshot()
     with pytest.raises(allocator.InfeasiblePlacement):
-        with hf.patch():
+        with hf.patch(strict=True):
             tia._get_device_map(cases["gpt2"].meta, "auto", {"cpu": 10}, None)
     assert _same_objects(_snapshot(), originals)
+    # without strict, the map transformers would use (accelerate's own), with a warning naming the minimum budget
+    with pytest.warns(UserWarning, match="No valid plan exists"):
+        with hf.patch():
+            theirs = tia._get_device_map(cases["gpt2"].meta, "auto", {"cpu": 10}, None)
+    assert theirs == tia._get_device_map(cases["gpt2"].meta, "auto", {"cpu": 10}, None)
 
 
 def test_plain_call_and_module_unpatch(cases):

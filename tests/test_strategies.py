@@ -1,5 +1,6 @@
 """Strategies that beat accelerate: every plan valid, never fewer resident bytes than accelerate's valid maps."""
 
+import functools
 import logging
 
 import pytest
@@ -21,6 +22,9 @@ GRID = {
     "ram30": {"cpu": .30}, "ram60": {"cpu": .60},
 }
 PLACERS = ["auto", "backfill", "reserve"]
+
+# where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
+strict_plan = functools.partial(allocator.plan, strict=True)
 
 
 def total_of(model):
@@ -53,7 +57,7 @@ def test_every_cell_valid_and_never_behind_a_valid_accelerate_map(index, name):
             if strategy == "auto" and cell not in AUTO_CELLS[index % 3]:
                 continue
             try:
-                ours = allocator.plan(model, budget, strategy=strategy)
+                ours = strict_plan(model, budget, strategy=strategy)
             except allocator.InfeasiblePlacement:
                 # auto: only where accelerate's own map is broken too; backfill's static reserve may find no plan
                 # with the contract's main device where accelerate's valid map breaks the contract
@@ -118,12 +122,12 @@ def test_infeasible_states_a_minimum_that_works():
     model = zoo.build("gpt2")
     total = total_of(model)
     with pytest.raises(allocator.InfeasiblePlacement) as info:
-        allocator.plan(model, {"cpu": int(total * 0.3)})
+        strict_plan(model, {"cpu": int(total * 0.3)})
     minimum = info.value.minimum
     assert info.value.device == "cpu" and str(minimum) in str(info.value)
-    assert allocator.plan(model, {"cpu": minimum}).valid
+    assert strict_plan(model, {"cpu": minimum}).valid
     with pytest.raises(allocator.InfeasiblePlacement):
-        allocator.plan(model, {"cpu": minimum - max(1, minimum // 100)})
+        strict_plan(model, {"cpu": minimum - max(1, minimum // 100)})
 
 
 @pytest.mark.parametrize("strategy", [s for s in allocator.STRATEGIES if s != "sequential"])
@@ -139,14 +143,14 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
     budget = data.draw(budgets(total))
     offload_buffers = data.draw(st.booleans())
     try:
-        ours = allocator.plan(model, budget, strategy=strategy, offload_buffers=offload_buffers)
+        ours = strict_plan(model, budget, strategy=strategy, offload_buffers=offload_buffers)
     except allocator.InfeasiblePlacement as err:
         if set(budget) == {"cpu"}:
             kwargs = dict(strategy=strategy, offload_buffers=offload_buffers)
-            assert allocator.plan(model, {"cpu": err.minimum}, **kwargs).valid
+            assert strict_plan(model, {"cpu": err.minimum}, **kwargs).valid
             if err.minimum > 0:  # 1 % less (at least a byte) is not enough
                 with pytest.raises(allocator.InfeasiblePlacement):
-                    allocator.plan(model, {"cpu": err.minimum - max(1, err.minimum // 100)}, **kwargs)
+                    strict_plan(model, {"cpu": err.minimum - max(1, err.minimum // 100)}, **kwargs)
         return
     assert ours.valid, ours.violations
     # the contract (main device, index order, accelerate's floor) holds for every strategy
@@ -176,10 +180,10 @@ def test_minimum_ram_where_auto_is_not_monotone_in_the_budget():
     model.c0.c0, model.c0.c1, model.c1.c0 = block(), block(), block()
     model.c0.c0.w0, model.c1.w0, model.c1.w1, model.c2.w0, model.c2.w1 = (param(n) for n in (1, 1024, 16, 4096, 0))
     model.c0.c1.register_buffer("buf", torch.empty(8, device="meta"), persistent=False)
-    assert allocator.plan(model, {"cpu": 16_484}).valid and allocator.plan(model, {"cpu": 20_600}).valid
+    assert strict_plan(model, {"cpu": 16_484}).valid and strict_plan(model, {"cpu": 20_600}).valid
     with pytest.raises(allocator.InfeasiblePlacement) as err:
-        allocator.plan(model, {"cpu": 0})
+        strict_plan(model, {"cpu": 0})
     minimum = err.value.minimum
-    assert minimum < 20_000 and allocator.plan(model, {"cpu": minimum}).valid
+    assert minimum < 20_000 and strict_plan(model, {"cpu": minimum}).valid
     with pytest.raises(allocator.InfeasiblePlacement):
-        allocator.plan(model, {"cpu": minimum - max(1, minimum // 100)})
+        strict_plan(model, {"cpu": minimum - max(1, minimum // 100)})

@@ -83,8 +83,8 @@ def fast_bytes(problem: Problem, found: list[Run]) -> int:
 # -- rule 1: the main device ----------------------------------------------------------------------------------------
 
 def contract_main(problem: Problem) -> Device:
-    """The main device the contract requires: the first accelerator (by index, with a budget above zero) on which a
-    valid plan executes, else ``"cpu"``.
+    """The main device the contract requires: the first accelerator (by index) on which a valid plan executes, else
+    ``"cpu"``.
 
     An accelerator admits a plan when accelerate's own valid map (``sequential``) has it as main device, or one of
     ``reserve``'s fills with it as the main device — every streaming reserve that some unit's offload would need,
@@ -103,7 +103,8 @@ def _first_main(problem: Problem) -> Device:
     theirs = _accelerate(problem)
     witness = main_device(theirs.values()) if theirs is not None else None
     for device in problem.budgets.accelerators:
-        if (problem.budgets.limit(device) or 0) > 0 and (device == witness or _admits(problem, device)):
+        if device == witness or ((problem.budgets.limit(device) or 0) > 0 or not problem.graph.total) \
+                and _admits(problem, device):
             return device
     return "cpu"
 
@@ -259,7 +260,7 @@ def contract_violations(problem: Problem, device_map: Mapping, *, strategy: str 
     >>> contract_violations(problem, {"0": 0, "1": 0, "2": 1, "3": 1})
     []
     """
-    if not problem.options.contract or strategy.split(":")[0] == "sequential" or not len(problem.graph.tensors.name):
+    if not problem.options.contract or strategy.startswith("sequential") or not len(problem.graph.tensors.name):
         return []   # lifted, accelerate's own algorithm, or a model without tensors (nothing lives anywhere)
     found = map_runs(problem.graph, device_map)
     out = [] if strategy in EXEMPT_FROM_MAIN else _main_violations(problem, device_map)
