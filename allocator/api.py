@@ -18,7 +18,7 @@ from .gc_pause import gc_paused
 from .logs import shown
 from .placement import Placement
 from .problem import Problem, build_problem
-from .strategies import resolve, run
+from .strategies import STRATEGIES, resolve, run
 from .generation import GenerationBudget, breakdown
 from .strategies._select import priced
 from .runtime import main_device
@@ -115,6 +115,7 @@ class Plan:
             if any(parts.get(k) for k in ("cache", "logits", "activations")):
                 lines.append("         = " + " + ".join(f"{k} {_fmt(parts[k])}" for k in
                                                         ("weights", "cache", "logits", "activations")))
+        lines.append(f"  {self._objective()}")
         if self.streamed:
             lines.append(f"  streaming reserve on {self.main_device!r}: {_fmt(self.streamed)}")
         if self.problem.generation is not None:
@@ -124,6 +125,28 @@ class Plan:
         if len(self.placement.notes) > 200:
             lines.append(f"  ... {len(self.placement.notes) - 200} more decisions")
         return "\n".join(lines)
+
+
+    def _objective(self) -> str:
+        """Which objective decided, and under ``"latency"`` what the contract would have chosen instead."""
+        if self.problem.options.contract:
+            return ("objective contract: main device the first accelerator that admits a plan "
+                    f"({contract_main(self.problem)!r}), accelerators in index order, at least accelerate's bytes on "
+                    "them; the cost model ranks the plans that keep it")
+        line = "objective latency: the cost model's estimate alone decided"
+        name = self.strategy.split(":")[0]
+        if name not in STRATEGIES:
+            return line
+        options = replace(self.problem.options, objective="contract")
+        try:
+            other = _finish(replace(self.problem, options=options), run(name, replace(self.problem, options=options)))
+        except AllocatorError:
+            return line + "; no plan keeps the contract"
+        if other.main_device == self.main_device:
+            return line + f"; the contract gives the same main device ({self.main_device!r})"
+        gain = other.cost.seconds / self.cost.seconds - 1 if self.cost.seconds else 0.0
+        return (line + f"; the contract would make main device {other.main_device!r} "
+                f"(estimated {other.cost.seconds * 1e3:.3f} ms per forward, {gain:+.0%} against this plan)")
 
 
 def _finish(problem: Problem, placement: Placement) -> Plan:

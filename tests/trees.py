@@ -52,13 +52,25 @@ def module_trees(draw, max_depth: int = 3, max_children: int = 4):
 
 @st.composite
 def budgets(draw, total: int):
-    """max_memory dicts: one GPU, two GPUs, RAM only, with fractions of the model's size."""
-    kind = draw(st.sampled_from(["gpu", "gpu2", "ram", "gpu-disk"]))
+    """max_memory dicts with fractions of the model's size: one, two or three GPUs with RAM, a disk budget, RAM only,
+    and the forms accelerate accepts without a ``"cpu"`` key (accelerators only, accelerators and disk, disk only)."""
+    kind = draw(st.sampled_from(["gpu", "gpu2", "gpu3", "ram", "gpu-disk", "gpu-only", "gpu2-only", "gpu-disk-only",
+                                 "disk-only"]))
     frac = lambda: int(total * draw(st.floats(0.0, 1.2)))  # noqa: E731
     if kind == "gpu":
         return {0: frac(), "cpu": frac()}
     if kind == "gpu2":
         return {0: frac(), 1: frac(), "cpu": frac()}
+    if kind == "gpu3":
+        return {0: frac(), 1: frac(), 2: frac(), "cpu": frac()}
     if kind == "gpu-disk":
         return {0: frac(), "cpu": frac(), "disk": frac()}
+    if kind == "gpu-only":
+        return {0: frac()}
+    if kind == "gpu2-only":
+        return {0: frac(), 1: frac()}
+    if kind == "gpu-disk-only":
+        return {0: frac(), "disk": frac()}
+    if kind == "disk-only":
+        return {"disk": frac()}
     return {"cpu": frac()}

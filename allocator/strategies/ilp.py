@@ -430,7 +430,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
         objective, main, placed = best
         kept = ""
     objective /= NS
-    homed = _home_weightless(found, placed, main)
+    homed = _home_weightless(found, placed, main) if main in problem.budgets.order else placed
     if problem.options.contract and order_violations(problem, map_runs(g, homed)):
         # on the main device, a buffers-only module that runs after units on later accelerators would break their
         # index order: offloaded to RAM instead (the same memory: its buffers stay on the main device)
