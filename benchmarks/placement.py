@@ -61,7 +61,7 @@ def transformers_map(mode):
 
 def ours(strategy):
     def run(model, budget, problem):
-        return allocator.plan(model, budget, strategy=strategy)
+        return allocator.plan(model, budget, strategy=strategy, strict=True)
 
     return run
 
@@ -86,7 +86,7 @@ def measure(names, cells, methods=None):
                     device_map = fn(model, budget, problem)
                 except allocator.InfeasiblePlacement as err:
                     rows.append(dict(model=name, cell=cell, method=method, share="", est_ms="", valid="infeasible",
-                                     violations="", seconds=f"{time.perf_counter() - start:.4f}",
+                                     violations="", contract="", seconds=f"{time.perf_counter() - start:.4f}",
                                      cpu_seconds=f"{time.process_time() - cpu:.4f}", optimal="",
                                      minimum_ram=err.minimum, largest="", offloaded=""))
                     continue
@@ -94,12 +94,14 @@ def measure(names, cells, methods=None):
                 optimal = getattr(device_map, "optimal", None)
                 device_map = getattr(device_map, "device_map", device_map)
                 violations, memory = check(problem, device_map)
+                broken = allocator.contract_violations(problem, device_map) if not violations else []
                 cost = estimate(problem, device_map)
                 accelerators = [memory.peak[d] for d in problem.budgets.accelerators if d in memory.peak]
                 rows.append(dict(model=name, cell=cell, method=method,
                                  share=f"{cost.resident_fast / total:.4f}", est_ms=f"{cost.seconds * 1e3:.4f}",
                                  valid=not violations,
                                  violations=";".join(sorted({v.kind for v in violations})),
+                                 contract=";".join(sorted({v.kind for v in broken})),
                                  seconds=f"{seconds:.4f}", cpu_seconds=f"{cpu:.4f}",
                                  optimal="" if optimal is None else optimal, minimum_ram="",
                                  largest=f"{max(accelerators) / total:.4f}" if accelerators else "",
@@ -146,10 +148,11 @@ def summary(rows) -> str:
         mine = [r for r in rows if r["method"] == method]
         invalid = sum(1 for r in mine if r["valid"] is False)
         infeasible = sum(1 for r in mine if r["valid"] == "infeasible")
+        broken = sum(1 for r in mine if r["valid"] is True and r["contract"])
         shares = [float(r["share"]) for r in mine if r["valid"] is True]
         secs = [float(r["seconds"]) for r in mine]
         geo, worst, n = _ratio(rows, method)
-        out.append(f"| {method} | {len(mine)} | {invalid} | {infeasible} | "
+        out.append(f"| {method} | {len(mine)} | {invalid} | {infeasible} | {broken} | "
                    f"{100 * statistics.mean(shares):.1f}% | {geo:.3f} (worst {worst:.3f}, {n} cells) | "
                    f"{1000 * statistics.median(secs):.1f} ms |")
     gains = []
@@ -159,10 +162,10 @@ def summary(rows) -> str:
         acc = next(x for x in rows if x["model"] == r["model"] and x["cell"] == r["cell"] and x["method"] == "accelerate")
         if acc["valid"] is True:
             gains.append(float(r["share"]) - float(acc["share"]))
-    head = ["| method | cells | invalid maps | no valid map | mean resident share (valid maps) | "
-            "est. time / accelerate's (geo. mean) | median planning time |",
-            "|---|---|---|---|---|---|---|"]
-    tail = (f"\nWhere accelerate's map is valid ({len(gains)} cells), `auto` keeps on average "
+    head = ["| method | cells | invalid maps | no valid map | valid maps breaking the contract | "
+            "mean resident share (valid maps) | est. time / accelerate's (geo. mean) | median planning time |",
+            "|---|---|---|---|---|---|---|---|"]
+    tail = (f"\n\nWhere accelerate's map is valid ({len(gains)} cells), `auto` keeps on average "
             f"{100 * statistics.mean(gains):.1f} points more of the model on the fastest tier "
             f"(max {100 * max(gains):.1f}, min {100 * min(gains):.1f}).") if gains else ""
     return "\n".join(head + out) + tail
