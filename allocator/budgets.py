@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from .errors import InvalidBudget, warn_caller
 
-__all__ = ["Device", "Budgets", "parse_size", "normalize_device", "parse_budgets", "is_accelerator"]
+__all__ = ["Device", "Budgets", "parse_size", "normalize_device", "parse_budgets", "is_accelerator",
+           "small_bare_number"]
 
 Device = int | str
 
@@ -170,6 +171,15 @@ def _machine_memory() -> dict:
     return get_max_memory(None)
 
 
+def small_bare_number(key, value) -> None:
+    """Warn when a budget written without a unit (``--max-memory cpu=64``) is under 1 MiB: it is read as bytes, as
+    accelerate reads a bare number, but more likely meant GiB."""
+    if not isinstance(value, bool) and isinstance(value, int) and 0 < value < SMALL_BARE_BUDGET:
+        guess = f"{value}{'GiB' if value < 2**10 else 'MiB'}"  # 64 -> GiB, 40000 -> MiB
+        warn_caller(f"max_memory[{key!r}] = {value!r} is read as {value} bytes, as accelerate reads a bare number; "
+                    f"write a string with a unit, e.g. '{guess}', if you meant more.")
+
+
 def parse_budgets(max_memory: Mapping | None) -> Budgets:
     """Budgets from ``max_memory`` as accelerate accepts it; ``None`` means what this machine has.
 
@@ -187,8 +197,9 @@ def parse_budgets(max_memory: Mapping | None) -> Budgets:
     Warns
     -----
     UserWarning
-        A budget given as a bare number below 1 MiB (``{"cpu": 64}`` is 64 bytes, as accelerate reads it), or a
-        size with a lower-case ``b`` (bits, see :func:`parse_size`).
+        A size with a lower-case ``b`` (bits, see :func:`parse_size`). An int is bytes, as in accelerate, without a
+        warning (accelerate's own tests plan with budgets of a few hundred bytes); the command line warns about a
+        small bare number (:func:`small_bare_number`), where ``cpu=64`` is more likely GiB without its unit.
 
     Examples
     --------
@@ -208,10 +219,6 @@ def parse_budgets(max_memory: Mapping | None) -> Budgets:
         if device in limits:
             raise InvalidBudget(f"device {device!r} appears twice in max_memory (as {key!r}); give it once.")
         limits[device] = parse_size(value, what=f"max_memory[{key!r}]")
-        if not isinstance(value, (str, bool)) and 0 < limits[device] < SMALL_BARE_BUDGET:
-            guess = f"{value}{'GiB' if limits[device] < 2**10 else 'MiB'}"  # 64 -> GiB, 40000 -> MiB
-            warn_caller(f"max_memory[{key!r}] = {value!r} is read as {limits[device]} bytes, as accelerate reads a "
-                        f"bare number; write a string with a unit, e.g. '{guess}', if you meant more.")
     gpus = sorted(d for d in limits if isinstance(d, int))
     order = tuple(gpus) + tuple(d for d in _NAMED if d in limits)
     if "disk" not in order:

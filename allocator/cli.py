@@ -114,7 +114,7 @@ def parse_max_memory(text: str) -> dict:
     ...
     allocator.errors.InvalidBudget: unknown device 'gpu': use an accelerator index ...
     """
-    from .budgets import parse_budgets
+    from .budgets import parse_budgets, small_bare_number
 
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -122,6 +122,8 @@ def parse_max_memory(text: str) -> dict:
         if not sep or not key or not value:
             raise InvalidBudget(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB.")
         out[int(key) if key.isdigit() else key] = int(value) if value.isdigit() else value  # bytes, as in a dict
+    for key, value in out.items():
+        small_bare_number(key, value)
     if not out:
         raise InvalidBudget("--max-memory is empty; write e.g. 0=20GiB,cpu=64GiB.")
     parse_budgets(out)  # unknown devices, malformed sizes, a device named twice: before building any model
