@@ -162,10 +162,10 @@ def test_plan_keeps_more_in_ram_than_transformers_auto(cases, name, tmp_path, mo
     # transformers keeps room for the largest layer of the model on the main device (lm_head / classifier /
     # the 256 KB embeddings) and so sends to disk modules that fit; the plan reserves only what is streamed.
     # Under half-size budgets the plan is strictly better for all three models: it reads fewer tensors from disk
-    # (t5: 34 against 46, for 58 kB less in RAM: per tensor the hooks pay more than for the bytes).
+    # (t5: 35 against 46) and, by the contract's floor, never keeps fewer bytes in RAM than transformers' valid map.
     ours_disk, theirs_disk = case.disk_tensors(case.plan.device_map), case.disk_tensors(hf_map)
     assert ours_disk < theirs_disk, f"{name}: plan reads {ours_disk} tensors from disk, transformers {theirs_disk}"
-    assert ours > theirs or ours_disk < theirs_disk, f"{name}: plan keeps {ours} B in RAM, transformers {theirs} B"
+    assert ours >= theirs, f"{name}: plan keeps {ours} B in RAM, transformers {theirs} B"
 
     violations, memory = check(case.problem, hf_map)
     assert memory.main == "cpu"
