@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from .budgets import Budgets, Device
+from .budgets import Budgets, ByDevice, Device, canonical
 from .cost import Cost
 from .cost_profile import Profile
 from .errors import AllocatorError, BrokenContract, InfeasiblePlacement
@@ -42,7 +42,9 @@ class Plan:
         Accepted as ``device_map=`` by ``from_pretrained``, ``dispatch_model`` and ``load_checkpoint_and_dispatch``.
     peak : dict
         Bytes per device at the peak of a forward (main device: resident + offloaded buffers + streamed chain), and
-        with a generation budget at the peak of ``generate`` (plus KV cache, logits and activations).
+        with a generation budget at the peak of ``generate`` (plus KV cache, logits and activations). Keyed by the
+        canonical devices of the map (``0``, ``"cpu"``) and answering to the caller's spelling (``peak["cuda:0"]``,
+        :class:`allocator.budgets.ByDevice`); so do ``parts`` and :meth:`resident`.
     strategy : str
         The strategy that produced it.
     main_device : int or str
@@ -84,6 +86,7 @@ class Plan:
         from .runtime import map_runs
 
         counted = columns(self.problem.graph).sum_counted
+        device = canonical(device)   # the caller's spelling: "cuda:0" is 0
         return sum(counted[r.end] - counted[r.start] for r in map_runs(self.problem.graph, self.device_map)
                    if r.device == device)
 
@@ -153,9 +156,9 @@ def _finish(problem: Problem, placement: Placement) -> Plan:
     violations, memory = check(problem, placement.device_map)
     parts = breakdown(problem.generation, problem.graph, normalize_map(placement.device_map), memory)
     return Plan(
-        device_map=dict(placement.device_map), peak=dict(memory.peak), strategy=placement.strategy,
+        device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
-        placement=placement, cost=priced(problem, placement.device_map), parts=parts,
+        placement=placement, cost=priced(problem, placement.device_map), parts=ByDevice(parts),
     )
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from .errors import InvalidBudget, warn_caller
 
-__all__ = ["Device", "Budgets", "parse_size", "normalize_device", "parse_budgets", "is_accelerator",
+__all__ = ["Device", "Budgets", "ByDevice", "canonical", "parse_size", "normalize_device", "parse_budgets",
+           "is_accelerator",
            "small_bare_number"]
 
 Device = int | str
@@ -138,6 +139,32 @@ def normalize_device(device) -> Device:
     raise InvalidBudget(
         f"unknown device {device!r}: use an accelerator index (0, 1, ... or 'cuda:1', 'xpu:0'), 'mps', 'cpu' or 'disk'."
     )
+
+
+def canonical(device):
+    """:func:`normalize_device` of ``device``, or ``device`` itself where it names no device (a lookup then misses)."""
+    try:
+        return normalize_device(device)
+    except InvalidBudget:
+        return device
+
+
+class ByDevice(dict):
+    """A dict keyed by canonical devices (``0``, ``"cpu"``) that answers to the caller's spelling too: ``"cuda:0"``,
+    ``"xpu:0"``, ``torch.device("cuda", 0)`` look up ``0``.
+
+    >>> ByDevice({0: 5}).get("cuda:0"), "cuda:0" in ByDevice({0: 5})
+    (5, True)
+    """
+
+    def __getitem__(self, key):
+        return super().__getitem__(canonical(key))
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(canonical(key))
+
+    def get(self, key, default=None):
+        return super().get(canonical(key), default)
 
 
 def is_accelerator(device: Device) -> bool:

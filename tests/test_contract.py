@@ -300,3 +300,12 @@ def test_auto_does_not_repeat_accelerates_diagnostics_for_a_map_it_did_not_retur
     model = with_buffers()
     _, found = caught(lambda: allocator.plan(model, {0: 400, "cpu": "1GB"}))
     assert not found   # auto's plan keeps the buffers of offloaded modules within GPU 0's budget
+
+
+def test_results_answer_to_the_callers_spelling_of_devices():
+    model = tiny_llama()
+    total = size_of(model)
+    p = allocator.plan(model, {"cuda:0": int(0.7 * total), "cpu": 2 * total})
+    assert p.main_device == 0 and p.resident("cuda:0") == p.resident(0) > 0
+    assert p.peak.get("cuda:0") == p.peak[0] == p.peak[torch.device("cuda", 0)] and "cuda:0" in p.peak
+    assert p.parts["cuda:0"] == p.parts[0] and p.peak.get("cuda:7") is None
