@@ -166,7 +166,10 @@ class LoadedModel:
     source: str
     """What was built, for the report: ``"t5-base (built-in example: ...)"`` or ``"LlamaForCausalLM from DIR"``."""
     dtype: object = None
-    """The dtype the config declares (``config.dtype``), used when ``--dtype`` is not given."""
+    """The dtype ``from_pretrained`` would load the model in by default (:func:`allocator.checkpoint.load_dtype`; a
+    built-in example's published dtype, :func:`allocator.zoo.dtype`), used when ``--dtype`` is not given."""
+    dtype_reason: str = ""
+    """Why that dtype: ``"the config's dtype, as from_pretrained loads it"``."""
 
 
 def load_model(source: str, *, trust_remote_code: bool = False) -> LoadedModel:
@@ -188,8 +191,12 @@ def load_model(source: str, *, trust_remote_code: bool = False) -> LoadedModel:
     if os.path.exists(source):
         return _from_config(source, trust_remote_code)
     if source in zoo.ZOO:
+        import torch
+
         entry = zoo.ZOO[source]
-        return LoadedModel(zoo.build(source), f"{source} (built-in example: {entry.description})")
+        return LoadedModel(zoo.build(source), f"{source} (built-in example: {entry.description})",
+                           getattr(torch, zoo.dtype(source)),
+                           "the published checkpoint's dtype, as from_pretrained loads it")
     hint = (" This command never downloads: fetch the config first, e.g. "
             f"'hf download {source} config.json --local-dir DIR', and pass DIR.") if _HUB_ID.match(source) else ""
     raise InvalidModel(f"{source!r} is neither a model folder, a config.json, nor a built-in example "
@@ -211,15 +218,20 @@ def did_you_mean(name: str) -> str:
     return f" Did you mean {lowered[close[0]]!r}?" if close else ""
 
 
-def _auto_map(path: str) -> dict:
-    """The ``auto_map`` of the config at ``path`` (folder or file): auto class -> custom code; ``{}`` when none."""
+def _config_json(path: str) -> dict:
+    """The config at ``path`` (folder or file) as a dict; ``{}`` when unreadable (transformers then says why)."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
         with open(file) as fh:
             data = json.load(fh)
     except (OSError, ValueError):  # unreadable or not JSON: transformers says so below
         return {}
-    found = data.get("auto_map") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
+def _auto_map(path: str) -> dict:
+    """The ``auto_map`` of the config at ``path`` (folder or file): auto class -> custom code; ``{}`` when none."""
+    found = _config_json(path).get("auto_map")
     return found if isinstance(found, dict) else {}
 
 
@@ -236,6 +248,7 @@ def _custom_class(auto_map: Mapping, declared: list[str]):
 def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     import torch
 
+    from .checkpoint import load_dtype
     from .zoo import _move_strays_to_meta, _quiet
 
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -280,7 +293,8 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
                                f"{type(err).__name__}: {_one_line(err)}") from None
     _move_strays_to_meta(model)
     model.eval()
-    dtype = getattr(config, "dtype", None)  # transformers >= 5 (reading the old torch_dtype alias logs a warning)
+    # config.dtype: transformers >= 5 (reading the old torch_dtype alias logs a warning)
+    dtype, why = load_dtype(path, getattr(config, "dtype", None), _config_json(path))
     if auto is not None:
         note = " (the folder's own code, --trust-remote-code)"
     elif cls:
@@ -290,7 +304,7 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     if auto_map and not custom:
         note += (" (config.auto_map names custom code; built with transformers' own classes: add "
                  "--trust-remote-code to use the folder's code)")
-    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype)
+    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype, why)
 
 
 def _check_writable(path: str | None, flag: str) -> None:
@@ -541,6 +555,7 @@ def _cmd_plan(args) -> int:
     print(f"{loaded.source}")
     print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
           f"{f' in {_dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
+    print(_dtype_line(args.dtype, loaded))
     if max_memory is None:
         print(f"budgets: the default, this machine's free memory now ({_budget_spec(ours.problem.budgets)}); "
               f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
@@ -569,6 +584,19 @@ def _cmd_plan(args) -> int:
         plot_plans(plans, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _dtype_line(given, loaded: LoadedModel) -> str:
+    """``dtype bfloat16 (the config's dtype, as from_pretrained loads it)``: the dtype planned in, and why."""
+    default = _dtype_name(loaded.dtype) if loaded.dtype is not None else None
+    if given is None:
+        return f"dtype {default or 'as built'} ({loaded.dtype_reason or 'each tensor as the model holds it'})"
+    from .graph import _as_dtype
+
+    name = _dtype_name(_as_dtype(given, "--dtype"))
+    if default is None or default == name:
+        return f"dtype {name} (--dtype)"
+    return f"dtype {name} (--dtype; from_pretrained would load {default}: {loaded.dtype_reason})"
 
 
 def _budget_spec(budgets) -> str:
