@@ -170,6 +170,9 @@ class LoadedModel:
     built-in example's published dtype, :func:`allocator.zoo.dtype`), used when ``--dtype`` is not given."""
     dtype_reason: str = ""
     """Why that dtype: ``"the config's dtype, as from_pretrained loads it"``."""
+    quantization: object = None
+    """How the config's ``quantization_config`` stores the weights (:class:`allocator.quantization.QuantizedSizes`),
+    or ``None`` for an unquantized model."""
 
 
 def load_model(source: str, *, trust_remote_code: bool = False) -> LoadedModel:
@@ -295,6 +298,7 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     model.eval()
     # config.dtype: transformers >= 5 (reading the old torch_dtype alias logs a warning)
     dtype, why = load_dtype(path, getattr(config, "dtype", None), _config_json(path))
+    quantization = _quantization(model, config)
     if auto is not None:
         note = " (the folder's own code, --trust-remote-code)"
     elif cls:
@@ -304,7 +308,24 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     if auto_map and not custom:
         note += (" (config.auto_map names custom code; built with transformers' own classes: add "
                  "--trust-remote-code to use the folder's code)")
-    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype, why)
+    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype, why, quantization)
+
+
+def _quantization(model, config):
+    """The sizes under the config's ``quantization_config`` (where transformers' ``get_hf_quantizer`` looks: the
+    config, else its text config), or ``None``.
+
+    Raises
+    ------
+    InvalidOption
+        A method whose storage is not modelled, or unknown (never a silent full-size plan).
+    """
+    from .quantization import quantized_sizes
+
+    found = getattr(config, "quantization_config", None)
+    if found is None and hasattr(config, "get_text_config"):
+        found = getattr(config.get_text_config(decoder=True), "quantization_config", None)
+    return quantized_sizes(model, found) if found is not None else None
 
 
 def _check_writable(path: str | None, flag: str) -> None:
@@ -551,11 +572,15 @@ def _cmd_plan(args) -> int:
     loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
     dtype = args.dtype or loaded.dtype
     options = dict(dtype=dtype, profile=profile, generation=generation)
+    if loaded.quantization is not None:
+        options.update(size_fn=loaded.quantization.size_fn, hf_quantizer=loaded.quantization.hf_quantizer)
     ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True, **options)
     print(f"{loaded.source}")
     print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
           f"{f' in {_dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
     print(_dtype_line(args.dtype, loaded))
+    if loaded.quantization is not None:
+        print(_quantization_line(loaded.quantization, dtype, ours))
     if max_memory is None:
         print(f"budgets: the default, this machine's free memory now ({_budget_spec(ours.problem.budgets)}); "
               f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
@@ -597,6 +622,27 @@ def _dtype_line(given, loaded: LoadedModel) -> str:
     if default is None or default == name:
         return f"dtype {name} (--dtype)"
     return f"dtype {name} (--dtype; from_pretrained would load {default}: {loaded.dtype_reason})"
+
+
+def _quantization_line(q, dtype, result) -> str:
+    """``quantization: bitsandbytes 4-bit (nf4): 218.0 MiB for 7.0M weights in 224 layers; not converted: lm_head;
+    ...``: what the config's quantization_config changes, with transformers' budget margin and offload rule."""
+    line = (f"quantization: {q.method}: {q.quantized_elements:,} weights in {len(q.sizes)} tensors stored in "
+            f"{_size(sum(q.sizes.values()))}; not converted: {', '.join(q.not_converted) or 'nothing'}; "
+            f"embeddings, norms and the rest in {_dtype_name(dtype) if dtype else 'their own dtype'}")
+    quantizer = q.hf_quantizer
+    if quantizer is not None and hasattr(quantizer, "adjust_max_memory"):
+        kept = quantizer.adjust_max_memory({0: 1000})[0] / 1000
+        if kept != 1:
+            line += (f"; budgets x{kept:.2f}, as transformers' {type(quantizer).__name__}.adjust_max_memory has "
+                     f"from_pretrained plan")
+    config = getattr(quantizer, "quantization_config", None)
+    offloaded = {"cpu", "disk"} & set(result.device_map.values())
+    if q.method.startswith("bitsandbytes") and offloaded and not getattr(config, "llm_int8_enable_fp32_cpu_offload",
+                                                                         True):
+        line += ("; note: bitsandbytes refuses a device_map with cpu or disk entries unless quantization_config has "
+                 "llm_int8_enable_fp32_cpu_offload=True (and then loads those modules unquantized)")
+    return line
 
 
 def _budget_spec(budgets) -> str:
