@@ -10,6 +10,10 @@ transformers 5 defaults ``from_pretrained(dtype=...)`` to ``"auto"``, which ``mo
 :func:`load_dtype` follows these steps; safetensors headers are read, never the tensors. A folder without weights (a
 bare ``config.json``) has no answer to step 3: transformers would have nothing to load, and ``from_config`` builds in
 torch's default dtype, float32.
+
+Some tensors do not take that dtype: a model's ``_keep_in_fp32_modules`` stay float32 when it loads in float16, its
+``_keep_in_fp32_modules_strict`` in float16 and bfloat16 (``PreTrainedModel._get_dtype_plan``, matched against the
+checkpoint's keys as ``core_model_loading`` does); :func:`kept_in_float32` names them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Mapping
 
 from .errors import InvalidModel
 
-__all__ = ["load_dtype", "safetensors_dtypes", "weights_files"]
+__all__ = ["kept_in_float32", "load_dtype", "safetensors_dtypes", "weights_files"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -151,3 +155,39 @@ def _torch_dtype(value):
     if not isinstance(found, torch.dtype):
         raise InvalidModel(f"the config's dtype {value!r} is not a torch dtype; pass --dtype.")
     return found
+
+
+def kept_in_float32(model, dtype) -> tuple[dict, list[str]]:
+    """(tensor name -> float32 for every checkpoint tensor ``from_pretrained(dtype=dtype)`` keeps in float32, the
+    patterns that matched), as ``special_dtypes`` for :func:`allocator.plan`.
+
+    transformers' own ``model._get_dtype_plan(dtype)`` and ``build_glob_alternation`` decide, over the model's
+    state-dict keys (what a checkpoint holds); nothing for a model without them.
+
+    Examples
+    --------
+    >>> import torch, torch.nn as nn
+    >>> kept_in_float32(nn.Linear(2, 2), torch.float16)
+    ({}, [])
+    """
+    import torch
+
+    get_plan = getattr(model, "_get_dtype_plan", None)
+    if get_plan is None or dtype is None:
+        return {}, []
+    try:
+        from transformers.core_model_loading import build_glob_alternation
+
+        plan = get_plan(_torch_dtype(dtype))
+    except (ImportError, AttributeError, TypeError, InvalidModel):  # an older transformers, or a dtype it rejects
+        return {}, []
+    if not plan:
+        return {}, []
+    pattern, group_to_glob, _ = build_glob_alternation(list(plan))
+    kept, used = {}, set()
+    for name in model.state_dict(keep_vars=True):
+        found = pattern.search(name)
+        if found is not None and plan[group_to_glob[found.lastgroup]] == torch.float32:
+            kept[name] = torch.float32
+            used.add(group_to_glob[found.lastgroup])
+    return kept, sorted(used)

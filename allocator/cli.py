@@ -552,6 +552,7 @@ def _align_left(rows) -> list[str]:
 
 def _cmd_plan(args) -> int:
     from . import plan
+    from .checkpoint import kept_in_float32
     from .strategies import resolve
 
     if args.list:
@@ -571,14 +572,16 @@ def _cmd_plan(args) -> int:
     _check_writable(args.plot, "--plot")
     loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
     dtype = args.dtype or loaded.dtype
-    options = dict(dtype=dtype, profile=profile, generation=generation)
+    kept, patterns = kept_in_float32(loaded.model, dtype)  # from_pretrained's _keep_in_fp32_modules(_strict)
+    options = dict(dtype=dtype, profile=profile, generation=generation, special_dtypes=kept or None)
     if loaded.quantization is not None:
         options.update(size_fn=loaded.quantization.size_fn, hf_quantizer=loaded.quantization.hf_quantizer)
     ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True, **options)
     print(f"{loaded.source}")
     print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
           f"{f' in {_dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
-    print(_dtype_line(args.dtype, loaded))
+    print(_dtype_line(args.dtype, loaded) + (f"; {len(kept)} tensors kept in float32, as from_pretrained keeps "
+                                             f"{', '.join(patterns)}" if kept else ""))
     if loaded.quantization is not None:
         print(_quantization_line(loaded.quantization, dtype, ours))
     if max_memory is None:

@@ -132,3 +132,24 @@ def test_cli_plans_a_builtin_example_in_its_published_dtype():
     lines = done.stdout.splitlines()
     assert lines[1] == f"LlamaForCausalLM: {cli._size(bf16)} in bfloat16" and 2 * bf16 == float32
     assert lines[2] == "dtype bfloat16 (the published checkpoint's dtype, as from_pretrained loads it)"
+
+
+def test_modules_kept_in_float32_are_those_from_pretrained_keeps(tmp_path):
+    """T5 keeps ``wo`` in float32 when loaded in float16 (``_keep_in_fp32_modules``), not in bfloat16: a real
+    ``from_pretrained`` of a tiny T5 agrees with :func:`kept_in_float32` tensor for tensor."""
+    from allocator.checkpoint import kept_in_float32
+
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    for dtype in (torch.float16, torch.bfloat16):
+        loaded = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "t5", dtype=dtype)
+        float32 = {n for n, p in loaded.named_parameters() if p.dtype == torch.float32}
+        kept, patterns = kept_in_float32(loaded, dtype)
+        assert float32 == {n for n in kept if n in dict(loaded.named_parameters())}
+        assert (patterns, bool(float32)) == ((["wo"], True) if dtype == torch.float16 else ([], False))
+
+
+def test_cli_says_which_tensors_stay_float32(capsys):
+    assert cli.main(["plan", "t5-base", "--dtype", "float16", "--max-memory", "0=1GiB,cpu=8GiB"]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line.endswith("; 24 tensors kept in float32, as from_pretrained keeps wo")
