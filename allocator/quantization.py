@@ -32,6 +32,10 @@ fbgemm_fp8          float8 weight, float32 scale per output row, float32 ``input
 ==================  ================================================================================================
 
 Other methods raise :class:`~allocator.errors.InvalidOption` naming them: a plan at full size would be wrong.
+
+fp8 is sized as it loads on a GPU of compute capability 8.9 or more; elsewhere (CPU only, older GPUs) transformers'
+``FineGrainedFP8HfQuantizer.validate_environment`` sets ``dequantize=True`` and the model loads in bfloat16, which a
+config with ``"dequantize": true`` plans.
 """
 
 from __future__ import annotations
@@ -172,7 +176,8 @@ def _describe(method: str, config) -> str:
         return f"{method} {config.bits}-bit, group size {config.group_size}"
     if method == "fp8":
         block = config.weight_block_size
-        return f"fp8 ({'blocks of ' + 'x'.join(map(str, block)) if block else 'per tensor'} scales)"
+        return (f"fp8 ({'blocks of ' + 'x'.join(map(str, block)) if block else 'per tensor'} scales; as on a GPU of "
+                f"compute capability >= 8.9, elsewhere transformers loads it dequantized)")
     return "fbgemm_fp8 (per-row scales)"
 
 

@@ -198,3 +198,9 @@ def test_int4_is_half_a_byte_per_weight():
 
     int8 = allocator.build_problem(zoo.build("llama-3.2-1b"), {"cpu": 0}, dtype="int8").graph.total
     assert done.stdout.splitlines()[1] == f"LlamaForCausalLM: {cli._size(math.ceil(int8 / 2))} in int4"
+
+
+def test_fp8_with_dequantize_plans_the_unquantized_model():
+    model = llama()
+    q = quantized_sizes(model, {"quant_method": "fp8", "dequantize": True})
+    assert q.sizes == {} and planned_total(model, {"quant_method": "fp8", "dequantize": True}) == bf16_total(model)
