@@ -298,7 +298,8 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     model.eval()
     # config.dtype: transformers >= 5 (reading the old torch_dtype alias logs a warning)
     dtype, why = load_dtype(path, getattr(config, "dtype", None), _config_json(path))
-    quantization = _quantization(model, config)
+    with _quiet():  # transformers' quantization config classes log about their defaults
+        quantization = _quantization(model, config)
     if auto is not None:
         note = " (the folder's own code, --trust-remote-code)"
     elif cls:
@@ -628,8 +629,9 @@ def _dtype_line(given, loaded: LoadedModel) -> str:
 
 
 def _quantization_line(q, dtype, result) -> str:
-    """``quantization: bitsandbytes 4-bit (nf4): 218.0 MiB for 7.0M weights in 224 layers; not converted: lm_head;
-    ...``: what the config's quantization_config changes, with transformers' budget margin and offload rule."""
+    """``quantization: bitsandbytes 4-bit (nf4, double quant): 6,979,321,856 weights in 224 tensors stored in 3.4 GiB;
+    not converted: lm_head; ...``: what the config's quantization_config changes, with transformers' budget margin
+    and bitsandbytes' rule on offloaded modules."""
     line = (f"quantization: {q.method}: {q.quantized_elements:,} weights in {len(q.sizes)} tensors stored in "
             f"{_size(sum(q.sizes.values()))}; not converted: {', '.join(q.not_converted) or 'nothing'}; "
             f"embeddings, norms and the rest in {_dtype_name(dtype) if dtype else 'their own dtype'}")
