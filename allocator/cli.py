@@ -168,7 +168,13 @@ class LoadedModel:
     source: str
     """What was built, for the report: ``"t5-base (built-in example: ...)"`` or ``"LlamaForCausalLM from DIR"``."""
     dtype: object = None
-    """The dtype the config declares (``config.dtype``), used when ``--dtype`` is not given."""
+    """The dtype ``from_pretrained`` would load the model in by default (:func:`allocator.checkpoint.load_dtype`; a
+    built-in example's published dtype, :func:`allocator.zoo.dtype`), used when ``--dtype`` is not given."""
+    dtype_reason: str = ""
+    """Why that dtype: ``"the config's dtype, as from_pretrained loads it"``."""
+    quantization: object = None
+    """How the config's ``quantization_config`` stores the weights (:class:`allocator.quantization.QuantizedSizes`),
+    or ``None`` for an unquantized model."""
 
 
 def load_model(source: str, *, trust_remote_code: bool = False) -> LoadedModel:
@@ -190,8 +196,12 @@ def load_model(source: str, *, trust_remote_code: bool = False) -> LoadedModel:
     if os.path.exists(source):
         return _from_config(source, trust_remote_code)
     if source in zoo.ZOO:
+        import torch
+
         entry = zoo.ZOO[source]
-        return LoadedModel(zoo.build(source), f"{source} (built-in example: {entry.description})")
+        return LoadedModel(zoo.build(source), f"{source} (built-in example: {entry.description})",
+                           getattr(torch, zoo.dtype(source)),
+                           "the published checkpoint's dtype, as from_pretrained loads it")
     hint = (" This command never downloads: fetch the config first, e.g. "
             f"'hf download {source} config.json --local-dir DIR', and pass DIR.") if _HUB_ID.match(source) else ""
     raise InvalidModel(f"{source!r} is neither a model folder, a config.json, nor a built-in example "
@@ -213,15 +223,20 @@ def did_you_mean(name: str) -> str:
     return f" Did you mean {lowered[close[0]]!r}?" if close else ""
 
 
-def _auto_map(path: str) -> dict:
-    """The ``auto_map`` of the config at ``path`` (folder or file): auto class -> custom code; ``{}`` when none."""
+def _config_json(path: str) -> dict:
+    """The config at ``path`` (folder or file) as a dict; ``{}`` when unreadable (transformers then says why)."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
         with open(file) as fh:
             data = json.load(fh)
     except (OSError, ValueError):  # unreadable or not JSON: transformers says so below
         return {}
-    found = data.get("auto_map") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
+def _auto_map(path: str) -> dict:
+    """The ``auto_map`` of the config at ``path`` (folder or file): auto class -> custom code; ``{}`` when none."""
+    found = _config_json(path).get("auto_map")
     return found if isinstance(found, dict) else {}
 
 
@@ -238,6 +253,7 @@ def _custom_class(auto_map: Mapping, declared: list[str]):
 def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     import torch
 
+    from .checkpoint import load_dtype
     from .zoo import _move_strays_to_meta, _quiet
 
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -282,7 +298,10 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
                                f"{type(err).__name__}: {_one_line(err)}") from None
     _move_strays_to_meta(model)
     model.eval()
-    dtype = getattr(config, "dtype", None)  # transformers >= 5 (reading the old torch_dtype alias logs a warning)
+    # config.dtype: transformers >= 5 (reading the old torch_dtype alias logs a warning)
+    dtype, why = load_dtype(path, getattr(config, "dtype", None), _config_json(path))
+    with _quiet():  # transformers' quantization config classes log about their defaults
+        quantization = _quantization(model, config)
     if auto is not None:
         note = " (the folder's own code, --trust-remote-code)"
     elif cls:
@@ -292,7 +311,24 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     if auto_map and not custom:
         note += (" (config.auto_map names custom code; built with transformers' own classes: add "
                  "--trust-remote-code to use the folder's code)")
-    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype)
+    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype, why, quantization)
+
+
+def _quantization(model, config):
+    """The sizes under the config's ``quantization_config`` (where transformers' ``get_hf_quantizer`` looks: the
+    config, else its text config), or ``None``.
+
+    Raises
+    ------
+    InvalidOption
+        A method whose storage is not modelled, or unknown (never a silent full-size plan).
+    """
+    from .quantization import quantized_sizes
+
+    found = getattr(config, "quantization_config", None)
+    if found is None and hasattr(config, "get_text_config"):
+        found = getattr(config.get_text_config(decoder=True), "quantization_config", None)
+    return quantized_sizes(model, found) if found is not None else None
 
 
 def _check_writable(path: str | None, flag: str) -> None:
@@ -519,6 +555,7 @@ def _align_left(rows) -> list[str]:
 
 def _cmd_plan(args) -> int:
     from . import plan
+    from .checkpoint import kept_in_float32
     from .strategies import resolve
 
     if args.list:
@@ -538,11 +575,18 @@ def _cmd_plan(args) -> int:
     _check_writable(args.plot, "--plot")
     loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
     dtype = args.dtype or loaded.dtype
-    options = dict(dtype=dtype, profile=profile, generation=generation)
+    kept, patterns = kept_in_float32(loaded.model, dtype)  # from_pretrained's _keep_in_fp32_modules(_strict)
+    options = dict(dtype=dtype, profile=profile, generation=generation, special_dtypes=kept or None)
+    if loaded.quantization is not None:
+        options.update(size_fn=loaded.quantization.size_fn, hf_quantizer=loaded.quantization.hf_quantizer)
     ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True, **options)
     print(f"{loaded.source}")
     print(f"{ours.problem.graph.model_class}: {_size(ours.problem.graph.total)}"
           f"{f' in {_dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
+    print(_dtype_line(args.dtype, loaded) + (f"; {len(kept)} tensors kept in float32, as from_pretrained keeps "
+                                             f"{', '.join(patterns)}" if kept else ""))
+    if loaded.quantization is not None:
+        print(_quantization_line(loaded.quantization, dtype, ours))
     if max_memory is None:
         print(f"budgets: the default, this machine's free memory now ({_budget_spec(ours.problem.budgets)}); "
               f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
@@ -571,6 +615,41 @@ def _cmd_plan(args) -> int:
         plot_plans(plans, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _dtype_line(given, loaded: LoadedModel) -> str:
+    """``dtype bfloat16 (the config's dtype, as from_pretrained loads it)``: the dtype planned in, and why."""
+    default = _dtype_name(loaded.dtype) if loaded.dtype is not None else None
+    if given is None:
+        return f"dtype {default or 'as built'} ({loaded.dtype_reason or 'each tensor as the model holds it'})"
+    from .graph import _as_dtype
+
+    name = _dtype_name(_as_dtype(given, "--dtype"))
+    if default is None or default == name:
+        return f"dtype {name} (--dtype)"
+    return f"dtype {name} (--dtype; from_pretrained would load {default}: {loaded.dtype_reason})"
+
+
+def _quantization_line(q, dtype, result) -> str:
+    """``quantization: bitsandbytes 4-bit (nf4, double quant): 6,979,321,856 weights in 224 tensors stored in 3.4 GiB;
+    not converted: lm_head; ...``: what the config's quantization_config changes, with transformers' budget margin
+    and bitsandbytes' rule on offloaded modules."""
+    line = (f"quantization: {q.method}: {q.quantized_elements:,} weights in {len(q.sizes)} tensors stored in "
+            f"{_size(sum(q.sizes.values()))}; not converted: {', '.join(q.not_converted) or 'nothing'}; "
+            f"embeddings, norms and the rest in {_dtype_name(dtype) if dtype else 'their own dtype'}")
+    quantizer = q.hf_quantizer
+    if quantizer is not None and hasattr(quantizer, "adjust_max_memory"):
+        kept = quantizer.adjust_max_memory({0: 1000})[0] / 1000
+        if kept != 1:
+            line += (f"; budgets x{kept:.2f}, as transformers' {type(quantizer).__name__}.adjust_max_memory has "
+                     f"from_pretrained plan")
+    config = getattr(quantizer, "quantization_config", None)
+    offloaded = {"cpu", "disk"} & set(result.device_map.values())
+    if q.method.startswith("bitsandbytes") and offloaded and not getattr(config, "llm_int8_enable_fp32_cpu_offload",
+                                                                         True):
+        line += ("; note: bitsandbytes refuses a device_map with cpu or disk entries unless quantization_config has "
+                 "llm_int8_enable_fp32_cpu_offload=True (and then loads those modules unquantized)")
+    return line
 
 
 def _budget_spec(budgets) -> str:

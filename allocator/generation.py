@@ -245,8 +245,9 @@ def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
         return dtype_bytes(budget.dtype)[0]
     own = weight.dtype if weight.is_floating_point() else _as_dtype(getattr(config, "dtype", None) or torch.float32,
                                                                      "config.dtype")
-    if plan_dtype is not None:
-        return min(dtype_bytes(_as_dtype(plan_dtype, "dtype"))[0], dtype_bytes(own)[0])
+    plan_dtype = _as_dtype(plan_dtype, "dtype") if plan_dtype is not None else None
+    if plan_dtype is not None and plan_dtype.is_floating_point:  # int8/int4 weights still compute in floating point
+        return min(dtype_bytes(plan_dtype)[0], dtype_bytes(own)[0])
     return dtype_bytes(own)[0]
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from array import array
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -407,6 +408,9 @@ class ModelGraph:
 
 # ----------------------------------------------------------------------------------------------- sizes
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+_SUB_BYTE = {f"torch.{sign}int{bits}": bits for sign in ("", "u") for bits in range(1, 8)}
+"""torch's sub-byte integer dtypes (``torch.int4``, ``torch.uint2``, ...) -> bits per element. torch reports an
+element size of 1 byte for them; stored, they are packed (``int4``: two per byte)."""
 
 
 def _as_dtype(dtype, what: str):
@@ -423,12 +427,15 @@ def _as_dtype(dtype, what: str):
     return dtype
 
 
-def dtype_bytes(dtype) -> tuple[int, float]:
+def dtype_bytes(dtype) -> tuple[float, float]:
     """(real bytes per element, bytes per element as accelerate's ``dtype_byte_size`` says).
 
+    Sub-byte integers are packed: ``int4`` is half a byte, as accelerate counts its ``CustomDtype.INT4`` (its
+    ``dtype_byte_size(torch.int4)`` says 0, ``4 // 8``). Every other dtype has a whole number of bytes.
+
     >>> import torch
-    >>> dtype_bytes(torch.bool), dtype_bytes(torch.float16)
-    ((1, 0.125), (2, 2))
+    >>> dtype_bytes(torch.bool), dtype_bytes(torch.float16), dtype_bytes(torch.int4)
+    ((1, 0.125), (2, 2), (0.5, 0.5))
     """
     found = _DTYPE_BYTES.get(dtype)
     if found is None:
@@ -439,9 +446,12 @@ def dtype_bytes(dtype) -> tuple[int, float]:
 _DTYPE_BYTES: dict = {}  # dtype -> dtype_bytes(dtype); torch dtypes are few and immutable
 
 
-def _dtype_bytes(dtype) -> tuple[int, float]:
+def _dtype_bytes(dtype) -> tuple[float, float]:
     import torch
 
+    bits = _SUB_BYTE.get(str(dtype))
+    if bits is not None:
+        return bits / 8, bits / 8
     real = torch.empty((), dtype=dtype).element_size()
     if dtype == torch.bool:
         return real, 1 / 8
@@ -849,14 +859,14 @@ def build_graph(
 
     per_element = _PerElement(target)
 
-
     def size_of(name, tensor, numel):
         if size_fn is None and name not in special:
             real, accel = per_element(tensor.dtype)
-            return numel * real, numel * accel
+            return _whole(numel * real), numel * accel
         return _tensor_bytes(name, tensor, target, special, size_fn, numel)
 
-    by_dtype = per_element if size_fn is None and not special else None
+    packed = target is not None and str(target) in _SUB_BYTE  # bytes per tensor rounded up: not by dtype alone
+    by_dtype = per_element if size_fn is None and not special and not packed else None
 
     with gc_paused():
         read = _read_model(model, size_of, by_dtype)
@@ -986,8 +996,13 @@ def _tensor_bytes(name, tensor, target, special, size_fn, numel) -> tuple[int, f
     own_real, own_acc = dtype_bytes(tensor.dtype)
     if name in special:
         real, acc = dtype_bytes(special[name])
-        return numel * real, numel * acc
+        return _whole(numel * real), numel * acc
     if target is None or _keeps_dtype(tensor.dtype):
-        return numel * own_real, numel * own_acc
+        return _whole(numel * own_real), numel * own_acc
     t_real, t_acc = dtype_bytes(target)
-    return numel * min(t_real, own_real), numel * min(t_acc, own_acc)
+    return _whole(numel * min(t_real, own_real)), numel * min(t_acc, own_acc)
+
+
+def _whole(nbytes: float) -> int:
+    """Whole bytes: a packed (sub-byte) tensor's last byte is stored whole."""
+    return nbytes if isinstance(nbytes, int) else math.ceil(nbytes)

@@ -142,7 +142,10 @@ def build_problem(
     budgets = parse_budgets(max_memory)
     _note_missing_accelerators(budgets)
     if hf_quantizer is not None and hasattr(hf_quantizer, "adjust_max_memory"):
-        budgets = parse_budgets(hf_quantizer.adjust_max_memory(dict(budgets.limits)))
+        adjusted = hf_quantizer.adjust_max_memory(dict(budgets.limits))
+        # bytes already (bitsandbytes returns 0.9 x each as a float): with a unit, so no small-bare-number warning
+        budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
+                                 and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
     if profile is not None and not isinstance(profile, Profile):
         raise InvalidOption(f"profile must be an allocator.Profile, got {type(profile).__name__}.")
     return Problem(graph=graph, budgets=budgets, options=Options(**options), profile=profile or Profile(),

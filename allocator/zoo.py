@@ -12,7 +12,12 @@ on (the share of embeddings versus decoder layers, tied heads, expert blocks,
 vision towers and so on).
 
 Parameters are left in the config's default dtype (float32); no dtype is
-passed anywhere.
+passed anywhere, so :func:`build` and every size derived from it are float32.
+Each entry also records, as data, the dtype its published checkpoint is
+stored in (:attr:`ZooEntry.dtype`, :func:`dtype`): what transformers 5's
+``from_pretrained`` loads it in by default (``dtype="auto"``: the config's
+``dtype``/``torch_dtype``, else the weights'). ``allocator plan NAME`` plans
+in it unless ``--dtype`` says otherwise.
 
 Importing this module is cheap: ``torch`` and ``transformers`` are only
 imported when a model is built.
@@ -36,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-__all__ = ["FAMILIES", "ZOO", "ZooEntry", "build", "names"]
+__all__ = ["FAMILIES", "ZOO", "ZooEntry", "build", "dtype", "names"]
 
 #: The families an entry may belong to, in catalogue order.
 FAMILIES: tuple[str, ...] = (
@@ -65,12 +70,17 @@ class ZooEntry:
         Builds the model on the meta device and returns it in eval mode.
     description : str
         Which checkpoint the sizes come from, and which class is built.
+    dtype : str
+        The dtype the published checkpoint is stored in (its config's
+        ``torch_dtype``, else its weights'), which ``from_pretrained`` loads
+        by default. :attr:`build` ignores it: the model it returns is float32.
     """
 
     name: str
     family: str
     build: Callable[[], "torch.nn.Module"]
     description: str
+    dtype: str = "float32"
 
 
 # --------------------------------------------------------------------------- #
@@ -210,8 +220,10 @@ def _entry(
     model_class: str,
     description: str,
     patch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    *,
+    dtype: str,
 ) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
-    """Register a config factory as a zoo entry building ``model_class``."""
+    """Register a config factory as a zoo entry building ``model_class``; ``dtype`` is the published checkpoint's."""
     if family not in FAMILIES:  # pragma: no cover - guards the table below
         raise ValueError(f"unknown family {family!r}")
 
@@ -227,6 +239,7 @@ def _entry(
                 family=family,
                 build=_build,
                 description=f"{description} [{model_class}]",
+                dtype=dtype,
             )
         )
         return make_config
@@ -240,7 +253,7 @@ def _entry(
 
 
 @_entry("llama-8b", "dense-llm", "LlamaForCausalLM",
-        "Meta-Llama-3-8B: 32 layers, hidden 4096, GQA 32/8 heads, vocab 128256, untied head")
+        "Meta-Llama-3-8B: 32 layers, hidden 4096, GQA 32/8 heads, vocab 128256, untied head", dtype="bfloat16")
 def _llama_8b(tf: Any) -> Any:
     return tf.LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -251,7 +264,7 @@ def _llama_8b(tf: Any) -> Any:
 
 
 @_entry("llama-70b", "dense-llm", "LlamaForCausalLM",
-        "Meta-Llama-3-70B: 80 layers, hidden 8192, GQA 64/8 heads, vocab 128256, untied head")
+        "Meta-Llama-3-70B: 80 layers, hidden 8192, GQA 64/8 heads, vocab 128256, untied head", dtype="bfloat16")
 def _llama_70b(tf: Any) -> Any:
     return tf.LlamaConfig(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672,
@@ -262,7 +275,7 @@ def _llama_70b(tf: Any) -> Any:
 
 
 @_entry("llama-3.2-1b", "dense-llm", "LlamaForCausalLM",
-        "Llama-3.2-1B: 16 layers, hidden 2048, GQA 32/8 heads, vocab 128256, tied embeddings")
+        "Llama-3.2-1B: 16 layers, hidden 2048, GQA 32/8 heads, vocab 128256, tied embeddings", dtype="bfloat16")
 def _llama_1b(tf: Any) -> Any:
     return tf.LlamaConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -273,7 +286,7 @@ def _llama_1b(tf: Any) -> Any:
 
 
 @_entry("mistral-7b", "dense-llm", "MistralForCausalLM",
-        "Mistral-7B-v0.1: 32 layers, hidden 4096, GQA 32/8 heads, vocab 32000, untied head")
+        "Mistral-7B-v0.1: 32 layers, hidden 4096, GQA 32/8 heads, vocab 32000, untied head", dtype="bfloat16")
 def _mistral_7b(tf: Any) -> Any:
     return tf.MistralConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -285,7 +298,7 @@ def _mistral_7b(tf: Any) -> Any:
 
 @_entry("qwen2-0.5b", "dense-llm", "Qwen2ForCausalLM",
         "Qwen2-0.5B: 24 layers, hidden 896, GQA 14/2 heads, vocab 151936, tied embeddings "
-        "(embedding is ~27% of the model)")
+        "(embedding is ~27% of the model)", dtype="bfloat16")
 def _qwen2_05b(tf: Any) -> Any:
     return tf.Qwen2Config(
         vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -297,7 +310,7 @@ def _qwen2_05b(tf: Any) -> Any:
 
 @_entry("qwen3-0.6b", "dense-llm", "Qwen3ForCausalLM",
         "Qwen3-0.6B: 28 layers, hidden 1024, GQA 16/8 heads of dim 128, vocab 151936, "
-        "tied embeddings")
+        "tied embeddings", dtype="bfloat16")
 def _qwen3_06b(tf: Any) -> Any:
     return tf.Qwen3Config(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -309,7 +322,7 @@ def _qwen3_06b(tf: Any) -> Any:
 
 @_entry("gemma-2b", "dense-llm", "GemmaForCausalLM",
         "gemma-2b: 18 layers, hidden 2048, MQA 8/1 heads of dim 256, vocab 256000, "
-        "tied embeddings (embedding is ~21% of the model)")
+        "tied embeddings (embedding is ~21% of the model)", dtype="bfloat16")
 def _gemma_2b(tf: Any) -> Any:
     return tf.GemmaConfig(
         vocab_size=256000, hidden_size=2048, intermediate_size=16384,
@@ -321,7 +334,7 @@ def _gemma_2b(tf: Any) -> Any:
 
 @_entry("gemma2-2b", "dense-llm", "Gemma2ForCausalLM",
         "gemma-2-2b: 26 layers, hidden 2304, GQA 8/4 heads of dim 256, vocab 256000, "
-        "tied embeddings")
+        "tied embeddings", dtype="float32")
 def _gemma2_2b(tf: Any) -> Any:
     return tf.Gemma2Config(
         vocab_size=256000, hidden_size=2304, intermediate_size=9216,
@@ -334,7 +347,7 @@ def _gemma2_2b(tf: Any) -> Any:
 
 @_entry("phi-3-mini", "dense-llm", "Phi3ForCausalLM",
         "Phi-3-mini-4k-instruct: 32 layers, hidden 3072, 32 heads (no GQA), fused qkv and "
-        "gate_up projections, vocab 32064, untied head")
+        "gate_up projections, vocab 32064, untied head", dtype="bfloat16")
 def _phi3_mini(tf: Any) -> Any:
     return tf.Phi3Config(
         vocab_size=32064, hidden_size=3072, intermediate_size=8192,
@@ -346,7 +359,7 @@ def _phi3_mini(tf: Any) -> Any:
 
 
 @_entry("gpt2", "dense-llm", "GPT2LMHeadModel",
-        "gpt2 (124M): 12 layers, hidden 768, Conv1D projections, vocab 50257, tied embeddings")
+        "gpt2 (124M): 12 layers, hidden 768, Conv1D projections, vocab 50257, tied embeddings", dtype="float32")
 def _gpt2(tf: Any) -> Any:
     return tf.GPT2Config(
         vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
@@ -356,7 +369,7 @@ def _gpt2(tf: Any) -> Any:
 
 @_entry("opt-1.3b", "dense-llm", "OPTForCausalLM",
         "facebook/opt-1.3b: 24 layers, hidden 2048, ffn 8192, 32 heads, vocab 50272, "
-        "learned positions, tied embeddings")
+        "learned positions, tied embeddings", dtype="float16")
 def _opt_13b(tf: Any) -> Any:
     return tf.OPTConfig(
         vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
@@ -368,7 +381,7 @@ def _opt_13b(tf: Any) -> Any:
 
 @_entry("bloom-560m", "dense-llm", "BloomForCausalLM",
         "bigscience/bloom-560m: 24 layers, hidden 1024, 16 heads, ALiBi, vocab 250880, "
-        "tied embeddings (embedding is ~46% of the model)")
+        "tied embeddings (embedding is ~46% of the model)", dtype="float16")
 def _bloom_560m(tf: Any) -> Any:
     return tf.BloomConfig(
         vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16,
@@ -378,7 +391,7 @@ def _bloom_560m(tf: Any) -> Any:
 
 @_entry("falcon-7b", "dense-llm", "FalconForCausalLM",
         "tiiuae/falcon-7b: 32 layers, hidden 4544, 71 heads with multi-query attention, "
-        "parallel attention/MLP, vocab 65024, tied embeddings")
+        "parallel attention/MLP, vocab 65024, tied embeddings", dtype="bfloat16")
 def _falcon_7b(tf: Any) -> Any:
     return tf.FalconConfig(
         vocab_size=65024, hidden_size=4544, num_hidden_layers=32,
@@ -396,7 +409,7 @@ def _falcon_7b(tf: Any) -> Any:
 
 @_entry("mixtral-8x7b", "moe-llm", "MixtralForCausalLM",
         "Mixtral-8x7B-v0.1: 32 layers, hidden 4096, 8 experts (top-2) of size 14336, "
-        "GQA 32/8 heads, vocab 32000, untied head")
+        "GQA 32/8 heads, vocab 32000, untied head", dtype="bfloat16")
 def _mixtral(tf: Any) -> Any:
     return tf.MixtralConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -409,7 +422,7 @@ def _mixtral(tf: Any) -> Any:
 
 @_entry("qwen2-moe-a2.7b", "moe-llm", "Qwen2MoeForCausalLM",
         "Qwen1.5-MoE-A2.7B: 24 layers, hidden 2048, 60 experts (top-4) of size 1408 plus a "
-        "shared expert of size 5632, vocab 151936, untied head")
+        "shared expert of size 5632, vocab 151936, untied head", dtype="bfloat16")
 def _qwen2_moe(tf: Any) -> Any:
     return tf.Qwen2MoeConfig(
         vocab_size=151936, hidden_size=2048, intermediate_size=5632,
@@ -423,7 +436,7 @@ def _qwen2_moe(tf: Any) -> Any:
 
 @_entry("qwen3-moe-30b-a3b", "moe-llm", "Qwen3MoeForCausalLM",
         "Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts (top-8) of size 768, "
-        "GQA 32/4 heads of dim 128, vocab 151936, untied head")
+        "GQA 32/4 heads of dim 128, vocab 151936, untied head", dtype="bfloat16")
 def _qwen3_moe(tf: Any) -> Any:
     return tf.Qwen3MoeConfig(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -437,7 +450,7 @@ def _qwen3_moe(tf: Any) -> Any:
 
 @_entry("deepseek-v2-lite", "moe-llm", "DeepseekV2ForCausalLM",
         "DeepSeek-V2-Lite: 27 layers (first dense), hidden 2048, MLA (kv_lora_rank 512), "
-        "64 routed experts (top-6) + 2 shared of size 1408, vocab 102400, untied head")
+        "64 routed experts (top-6) + 2 shared of size 1408, vocab 102400, untied head", dtype="bfloat16")
 def _deepseek_v2_lite(tf: Any) -> Any:
     return tf.DeepseekV2Config(
         vocab_size=102400, hidden_size=2048, intermediate_size=10944,
@@ -454,7 +467,7 @@ def _deepseek_v2_lite(tf: Any) -> Any:
 
 @_entry("olmoe-1b-7b", "moe-llm", "OlmoeForCausalLM",
         "OLMoE-1B-7B-0924: 16 layers, hidden 2048, 64 experts (top-8) of size 1024, "
-        "vocab 50304, untied head")
+        "vocab 50304, untied head", dtype="bfloat16")
 def _olmoe(tf: Any) -> Any:
     return tf.OlmoeConfig(
         vocab_size=50304, hidden_size=2048, intermediate_size=1024,
@@ -472,7 +485,7 @@ def _olmoe(tf: Any) -> Any:
 
 @_entry("t5-base", "encoder-decoder", "T5ForConditionalGeneration",
         "google-t5/t5-base: 12+12 layers, d_model 768, ReLU FFN 3072, vocab 32128, shared "
-        "embedding tied to encoder, decoder and lm_head")
+        "embedding tied to encoder, decoder and lm_head", dtype="float32")
 def _t5_base(tf: Any) -> Any:
     return tf.T5Config(
         vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12,
@@ -485,7 +498,7 @@ def _t5_base(tf: Any) -> Any:
 @_entry("flan-t5-large", "encoder-decoder", "T5ForConditionalGeneration",
         "google/flan-t5-large: 24+24 layers, d_model 1024, gated-GELU FFN 2816, vocab 32128; "
         "the checkpoint's lm_head is untied (783M params), but transformers 5 forces "
-        "T5Config.tie_word_embeddings=True, so lm_head is tied to shared here (750M)")
+        "T5Config.tie_word_embeddings=True, so lm_head is tied to shared here (750M)", dtype="float32")
 def _flan_t5_large(tf: Any) -> Any:
     return tf.T5Config(
         vocab_size=32128, d_model=1024, d_kv=64, d_ff=2816, num_layers=24,
@@ -497,7 +510,7 @@ def _flan_t5_large(tf: Any) -> Any:
 
 @_entry("bart-large", "encoder-decoder", "BartForConditionalGeneration",
         "facebook/bart-large: 12+12 layers, d_model 1024, 16 heads, FFN 4096, vocab 50265, "
-        "shared embedding tied to the lm_head")
+        "shared embedding tied to the lm_head", dtype="float32")
 def _bart_large(tf: Any) -> Any:
     return tf.BartConfig(
         vocab_size=50265, d_model=1024, encoder_layers=12, decoder_layers=12,
@@ -514,7 +527,7 @@ def _bart_large(tf: Any) -> Any:
 
 @_entry("bert-base", "encoder", "BertForMaskedLM",
         "google-bert/bert-base-uncased: 12 layers, hidden 768, vocab 30522, MLM head tied "
-        "to the word embeddings")
+        "to the word embeddings", dtype="float32")
 def _bert_base(tf: Any) -> Any:
     return tf.BertConfig(
         vocab_size=30522, hidden_size=768, num_hidden_layers=12,
@@ -526,7 +539,7 @@ def _bert_base(tf: Any) -> Any:
 
 @_entry("roberta-base", "encoder", "RobertaForMaskedLM",
         "FacebookAI/roberta-base: 12 layers, hidden 768, vocab 50265, 514 positions, MLM head "
-        "tied to the word embeddings")
+        "tied to the word embeddings", dtype="float32")
 def _roberta_base(tf: Any) -> Any:
     return tf.RobertaConfig(
         vocab_size=50265, hidden_size=768, num_hidden_layers=12,
@@ -538,7 +551,7 @@ def _roberta_base(tf: Any) -> Any:
 
 @_entry("clip-vit-base", "encoder", "CLIPModel",
         "openai/clip-vit-base-patch32 (multimodal dual encoder): text 12 layers x 512, "
-        "vision ViT-B/32 12 layers x 768, projection 512")
+        "vision ViT-B/32 12 layers x 768, projection 512", dtype="float32")
 def _clip_vit_base(tf: Any) -> Any:
     return tf.CLIPConfig(
         text_config=dict(
@@ -561,7 +574,7 @@ def _clip_vit_base(tf: Any) -> Any:
 
 
 @_entry("vit-base", "vision", "ViTForImageClassification",
-        "google/vit-base-patch16-224: 12 layers, hidden 768, patch 16 at 224px, 1000 classes")
+        "google/vit-base-patch16-224: 12 layers, hidden 768, patch 16 at 224px, 1000 classes", dtype="float32")
 def _vit_base(tf: Any) -> Any:
     return tf.ViTConfig(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -571,7 +584,7 @@ def _vit_base(tf: Any) -> Any:
 
 @_entry("swin-tiny", "vision", "SwinForImageClassification",
         "microsoft/swin-tiny-patch4-window7-224: embed 96, depths 2-2-6-2, window 7, "
-        "1000 classes")
+        "1000 classes", dtype="float32")
 def _swin_tiny(tf: Any) -> Any:
     return tf.SwinConfig(
         image_size=224, patch_size=4, embed_dim=96, depths=[2, 2, 6, 2],
@@ -581,7 +594,7 @@ def _swin_tiny(tf: Any) -> Any:
 
 
 @_entry("convnext-tiny", "vision", "ConvNextForImageClassification",
-        "facebook/convnext-tiny-224: widths 96-192-384-768, depths 3-3-9-3, 1000 classes")
+        "facebook/convnext-tiny-224: widths 96-192-384-768, depths 3-3-9-3, 1000 classes", dtype="float32")
 def _convnext_tiny(tf: Any) -> Any:
     return tf.ConvNextConfig(
         hidden_sizes=[96, 192, 384, 768], depths=[3, 3, 9, 3],
@@ -591,7 +604,7 @@ def _convnext_tiny(tf: Any) -> Any:
 
 @_entry("segformer-b0", "vision", "SegformerForSemanticSegmentation",
         "nvidia/segformer-b0-finetuned-ade-512-512: MiT-b0 encoder (32-64-160-256), "
-        "all-MLP decoder 256, 150 classes")
+        "all-MLP decoder 256, 150 classes", dtype="float32")
 def _segformer_b0(tf: Any) -> Any:
     return tf.SegformerConfig(
         num_channels=3, num_encoder_blocks=4, depths=[2, 2, 2, 2],
@@ -603,7 +616,7 @@ def _segformer_b0(tf: Any) -> Any:
 
 
 @_entry("dinov2-base", "vision", "Dinov2Model",
-        "facebook/dinov2-base: ViT-B/14 at 518px, 12 layers, hidden 768, layer scale")
+        "facebook/dinov2-base: ViT-B/14 at 518px, 12 layers, hidden 768, layer scale", dtype="float32")
 def _dinov2_base(tf: Any) -> Any:
     return tf.Dinov2Config(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -622,7 +635,7 @@ def _resnet50_backbone(tf: Any, out_features: list[str]) -> Any:
 
 @_entry("detr-resnet-50", "vision", "DetrForObjectDetection",
         "facebook/detr-resnet-50 sizes (6+6 layer transformer, d_model 256, 100 queries, "
-        "91 classes) with the native transformers ResNet-50 backbone instead of timm's")
+        "91 classes) with the native transformers ResNet-50 backbone instead of timm's", dtype="float32")
 def _detr_resnet50(tf: Any) -> Any:
     return tf.DetrConfig(
         backbone_config=_resnet50_backbone(tf, ["stage4"]),
@@ -637,7 +650,7 @@ def _detr_resnet50(tf: Any) -> Any:
         "nothing pretrained), 6-layer pixel decoder, 10-layer masked-attention decoder, "
         "100 queries, 80 classes; scipy, needed only by the training loss, is not "
         "required to build",
-        patch=lambda: _no_scipy_check("transformers.models.mask2former.modeling_mask2former"))
+        patch=lambda: _no_scipy_check("transformers.models.mask2former.modeling_mask2former"), dtype="float32")
 def _mask2former_swin_tiny(tf: Any) -> Any:
     backbone = tf.SwinConfig(
         image_size=224, patch_size=4, embed_dim=96, depths=[2, 2, 6, 2],
@@ -654,7 +667,7 @@ def _mask2former_swin_tiny(tf: Any) -> Any:
 
 @_entry("sam-vit-base", "vision", "SamModel",
         "facebook/sam-vit-base (promptable segmentation, multimodal encoder): ViT-B image "
-        "encoder at 1024px with windowed attention, prompt encoder, two-way mask decoder")
+        "encoder at 1024px with windowed attention, prompt encoder, two-way mask decoder", dtype="float32")
 def _sam_vit_base(tf: Any) -> Any:
     vision = tf.SamVisionConfig(
         hidden_size=768, output_channels=256, num_hidden_layers=12,
@@ -672,7 +685,7 @@ def _sam_vit_base(tf: Any) -> Any:
 
 @_entry("llava-1.5-7b", "vlm", "LlavaForConditionalGeneration",
         "llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14-336 vision tower (24 layers x 1024), "
-        "2-layer MLP projector, Vicuna/Llama-2-7B text model (32 layers x 4096, vocab 32064)")
+        "2-layer MLP projector, Vicuna/Llama-2-7B text model (32 layers x 4096, vocab 32064)", dtype="float16")
 def _llava_15_7b(tf: Any) -> Any:
     vision = tf.CLIPVisionConfig(
         hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
@@ -695,7 +708,7 @@ def _llava_15_7b(tf: Any) -> Any:
 
 @_entry("gemma3-4b", "vlm", "Gemma3ForConditionalGeneration",
         "google/gemma-3-4b-it: SigLIP-So400m vision tower at 896px (27 layers x 1152), "
-        "Gemma-3 text model (34 layers x 2560, GQA 8/4, vocab 262208), tied embeddings")
+        "Gemma-3 text model (34 layers x 2560, GQA 8/4, vocab 262208), tied embeddings", dtype="bfloat16")
 def _gemma3_4b(tf: Any) -> Any:
     text = tf.Gemma3TextConfig(
         vocab_size=262208, hidden_size=2560, intermediate_size=10240,
@@ -717,7 +730,7 @@ def _gemma3_4b(tf: Any) -> Any:
 
 @_entry("paligemma-3b", "vlm", "PaliGemmaForConditionalGeneration",
         "google/paligemma-3b-pt-224: SigLIP-So400m vision tower at 224px (27 layers x 1152), "
-        "Gemma-2B text model (18 layers x 2048, vocab 257216), tied embeddings")
+        "Gemma-2B text model (18 layers x 2048, vocab 257216), tied embeddings", dtype="float32")
 def _paligemma_3b(tf: Any) -> Any:
     text = tf.GemmaConfig(
         vocab_size=257216, hidden_size=2048, intermediate_size=16384,
@@ -738,7 +751,7 @@ def _paligemma_3b(tf: Any) -> Any:
 
 @_entry("qwen2-vl-2b", "vlm", "Qwen2VLForConditionalGeneration",
         "Qwen/Qwen2-VL-2B-Instruct: 32-layer ViT (1280) with 2x2 patch merger, Qwen2-1.5B "
-        "text model (28 layers x 1536, GQA 12/2, vocab 151936), tied embeddings")
+        "text model (28 layers x 1536, GQA 12/2, vocab 151936), tied embeddings", dtype="bfloat16")
 def _qwen2_vl_2b(tf: Any) -> Any:
     text = tf.Qwen2VLTextConfig(
         vocab_size=151936, hidden_size=1536, intermediate_size=8960,
@@ -764,7 +777,7 @@ def _qwen2_vl_2b(tf: Any) -> Any:
 @_entry("wav2vec2-base", "speech", "Wav2Vec2ForCTC",
         "facebook/wav2vec2-base-960h: 7-layer conv feature encoder, 12 transformer layers "
         "x 768, weight-normed positional conv, CTC head over 32 tokens (masked_spec_embed, "
-        "created on CPU by transformers, is moved to meta)")
+        "created on CPU by transformers, is moved to meta)", dtype="float32")
 def _wav2vec2_base(tf: Any) -> Any:
     return tf.Wav2Vec2Config(
         vocab_size=32, hidden_size=768, num_hidden_layers=12,
@@ -779,7 +792,7 @@ def _wav2vec2_base(tf: Any) -> Any:
 
 @_entry("whisper-small", "speech", "WhisperForConditionalGeneration",
         "openai/whisper-small (encoder-decoder): 12+12 layers, d_model 768, 80 mel bins, "
-        "vocab 51865, decoder embedding tied to proj_out")
+        "vocab 51865, decoder embedding tied to proj_out", dtype="float32")
 def _whisper_small(tf: Any) -> Any:
     return tf.WhisperConfig(
         vocab_size=51865, num_mel_bins=80, d_model=768, encoder_layers=12,
@@ -791,7 +804,7 @@ def _whisper_small(tf: Any) -> Any:
 
 @_entry("whisper-large-v3", "speech", "WhisperForConditionalGeneration",
         "openai/whisper-large-v3 (encoder-decoder): 32+32 layers, d_model 1280, 128 mel bins, "
-        "vocab 51866, decoder embedding tied to proj_out")
+        "vocab 51866, decoder embedding tied to proj_out", dtype="float16")
 def _whisper_large_v3(tf: Any) -> Any:
     return tf.WhisperConfig(
         vocab_size=51866, num_mel_bins=128, d_model=1280, encoder_layers=32,
@@ -808,7 +821,7 @@ def _whisper_large_v3(tf: Any) -> Any:
 
 @_entry("mamba-130m", "ssm", "MambaForCausalLM",
         "state-spaces/mamba-130m-hf: 24 Mamba blocks, hidden 768, state 16, expand 2, "
-        "vocab 50280, tied embeddings")
+        "vocab 50280, tied embeddings", dtype="float32")
 def _mamba_130m(tf: Any) -> Any:
     return tf.MambaConfig(
         vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24,
@@ -819,7 +832,7 @@ def _mamba_130m(tf: Any) -> Any:
 
 @_entry("mamba2-130m", "ssm", "Mamba2ForCausalLM",
         "state-spaces/mamba2-130m sizes: 24 Mamba-2 blocks, hidden 768, 24 heads of dim 64, "
-        "state 128, 1 group, vocab 50288, tied embeddings")
+        "state 128, 1 group, vocab 50288, tied embeddings", dtype="float32")
 def _mamba2_130m(tf: Any) -> Any:
     return tf.Mamba2Config(
         vocab_size=50288, hidden_size=768, state_size=128, num_hidden_layers=24,
@@ -910,3 +923,25 @@ def build(name: str) -> "torch.nn.Module":
             f"unknown zoo model {name!r}; valid names: {', '.join(ZOO)}"
         ) from None
     return entry.build()
+
+
+def dtype(name: str) -> str:
+    """The dtype ``name``'s published checkpoint is stored in, which ``from_pretrained`` loads by default.
+
+    :func:`build` does not apply it (its models are float32); pass it as ``dtype=`` to plan the model as it would
+    be loaded.
+
+    Raises
+    ------
+    KeyError
+        If ``name`` is not in the zoo.
+
+    Examples
+    --------
+    >>> dtype("llama-8b"), dtype("opt-1.3b"), dtype("t5-base")
+    ('bfloat16', 'float16', 'float32')
+    """
+    try:
+        return ZOO[name].dtype
+    except KeyError:
+        raise KeyError(f"unknown zoo model {name!r}; valid names: {', '.join(ZOO)}") from None
