@@ -14,6 +14,7 @@ from .budgets import Budgets, Device
 from .cost import Cost
 from .cost_profile import Profile
 from .errors import AllocatorError, BrokenContract, InfeasiblePlacement
+from .explain import reasons
 from .gc_pause import gc_paused
 from .logs import shown
 from .placement import Placement
@@ -21,9 +22,9 @@ from .problem import Problem, build_problem
 from .strategies import STRATEGIES, resolve, run
 from .generation import GenerationBudget, breakdown
 from .strategies._select import priced
-from .runtime import main_device
+from .runtime import main_device, map_runs
 from .strategies._fill import full_reserve
-from .strategies.contract import contract_main, contract_violations, why_empty
+from .strategies.contract import contract_main, contract_violations, fast_bytes, floor, why_empty
 from .strategies.sequential import insufficient_memory
 from .validate import Violation, _fmt, check, format_bytes, normalize_map
 
@@ -99,7 +100,10 @@ class Plan:
                 f"estimated {self.cost.seconds * 1e3:.3f} ms per forward, {state}; {devices}>")
 
     def explain(self) -> str:
-        """The plan as text: per-device bytes against budgets, the streaming reserve, then the decisions."""
+        """The plan as text: per-device bytes against budgets, which objective decided, then why — the main device,
+        what each device holds and why not more (or why nothing), why units are offloaded, the streaming reserve and
+        the offloaded modules that set it, which candidate won and by what margin — then the strategy's decisions
+        (at most 200)."""
         g, budgets = self.problem.graph, self.problem.budgets
         lines = [f"strategy {self.strategy} for {g.model_class} ({_fmt(g.total)}); main device {self.main_device!r}",
                  f"  estimated {self.cost.seconds * 1e3:.3f} ms per forward, {_fmt(self.cost.streamed_bytes)} streamed "
@@ -116,23 +120,32 @@ class Plan:
                 lines.append("         = " + " + ".join(f"{k} {_fmt(parts[k])}" for k in
                                                         ("weights", "cache", "logits", "activations")))
         lines.append(f"  {self._objective()}")
-        if self.streamed:
-            lines.append(f"  streaming reserve on {self.main_device!r}: {_fmt(self.streamed)}")
         if self.problem.generation is not None:
             lines.append(f"  {self.problem.generation.summary()}")
         lines += [f"  violation {v}" for v in self.violations]
-        lines += [f"  - {note}" for note in self.placement.notes[:200]]
-        if len(self.placement.notes) > 200:
-            lines.append(f"  ... {len(self.placement.notes) - 200} more decisions")
+        why, said = reasons(self)
+        lines.append("why:")
+        lines += [f"  - {sentence}" for sentence in why]
+        notes = [note for note in self.placement.notes if note not in said]
+        if notes:
+            lines.append(f"decisions of {self.strategy.split(':')[-1]}:")
+        lines += [f"  - {note}" for note in notes[:200]]
+        if len(notes) > 200:
+            lines.append(f"  ... {len(notes) - 200} more decisions")
         return "\n".join(lines)
 
 
     def _objective(self) -> str:
-        """Which objective decided, and under ``"latency"`` what the contract would have chosen instead."""
-        if self.problem.options.contract:
+        """Which objective decided: under ``"contract"`` its main device and floor (accelerate's bytes on the fastest
+        tier, and this plan's); under ``"latency"`` what the contract would have chosen instead."""
+        problem = self.problem
+        if problem.options.contract:
+            need = floor(problem)
+            have = fast_bytes(problem, map_runs(problem.graph, self.device_map))
             return ("objective contract: main device the first accelerator that admits a plan "
-                    f"({contract_main(self.problem)!r}), accelerators in index order, at least accelerate's bytes on "
-                    "them; the cost model ranks the plans that keep it")
+                    f"({contract_main(problem)!r}), accelerators in index order, at least accelerate's bytes on "
+                    f"them ({format_bytes(need)}, this plan {format_bytes(have)}); the cost model ranks the plans that "
+                    "keep it")
         line = "objective latency: the cost model's estimate alone decided"
         name = self.strategy.split(":")[0]
         if name not in STRATEGIES:
