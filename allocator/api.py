@@ -22,7 +22,7 @@ from .problem import Problem, build_problem
 from .strategies import STRATEGIES, resolve, run
 from .generation import GenerationBudget, breakdown
 from .strategies._select import priced
-from .runtime import main_device, map_runs
+from .runtime import main_device, map_runs, workspace
 from .strategies._fill import full_reserve
 from .strategies.contract import contract_main, contract_violations, fast_bytes, floor, why_empty
 from .strategies.sequential import insufficient_memory
@@ -196,8 +196,15 @@ def _feasible(problem: Problem, strategy) -> bool:
 
 def main_minimum(problem: Problem, device) -> int:
     """The smallest budget on accelerator ``device`` (others unchanged) with which the contract makes it the main
-    device, to 1 % (bisection; the model's size plus its largest streamed chain always suffices)."""
-    low, high = problem.budgets.limit(device) or 0, problem.graph.total + full_reserve(problem) + 1
+    device, to 1 % (bisection; the model's size plus its largest streamed chain and, with a generation budget, all
+    that generate needs on the main device suffice: the upper end is doubled until it works)."""
+    g = problem.graph
+    low = problem.budgets.limit(device) or 0
+    high = max(low + 1, g.total + full_reserve(problem) + workspace(g, main=True) + sum(g.extra.values()) + 1)
+    for _ in range(8):
+        if contract_main(_with_budget(problem, device, high)) == device:
+            break
+        low, high = high, 2 * high
     while high - low > max(1, high // 100):
         middle = (low + high) // 2
         if contract_main(_with_budget(problem, device, middle)) == device:

@@ -140,3 +140,21 @@ def test_explain_stays_bounded_for_a_model_with_many_modules():
     text = p.explain()
     assert len(p.placement.notes) > 200
     assert "more decisions" in text and len(text.splitlines()) < 230
+
+
+def test_an_accelerator_too_small_for_generate_names_it_and_a_budget_that_works():
+    """With a generation budget the main device also holds generate's activations and scores: the smallest budget
+    the note states is above the budget given, and does make the accelerator the main device."""
+    from allocator.api import _with_budget, main_minimum
+    from allocator.strategies.contract import contract_main
+
+    model = llama(vocab=1000)
+    total = size_of(model)
+    p = quiet_plan(model, {0: total, "cpu": 100 * total},
+                   generation=allocator.GenerationBudget(batch_size=8, max_length=512))
+    text = p.explain()
+    assert p.main_device == "cpu"
+    assert "0 holds nothing: accelerator 0" in text and "what generate needs on the main device" in text
+    minimum = main_minimum(p.problem, 0)
+    assert minimum > total and f"it needs at least {format_bytes(minimum)}" in text
+    assert contract_main(_with_budget(p.problem, 0, minimum)) == 0
