@@ -702,7 +702,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="contract (default): GPU 0 first, accelerators in index order, never below accelerate; "
                         "latency: the cost model's estimate alone decides (the CPU may run the model)")
     p.add_argument("--compare", action="store_true", help="also plan with accelerate's algorithm and compare")
-    p.add_argument("--explain", action="store_true", help="print every decision of the strategy")
+    p.add_argument("--explain", action="store_true",
+                   help="print why: the main device, what each device holds and why not more, the budget that bound, "
+                        "the streaming reserve, the candidate kept and its margin; then the strategy's decisions")
     p.add_argument("--json", metavar="FILE", help="write the device map as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of bytes per device")
     p.add_argument("--profile", metavar="FILE", help="bandwidths written by 'allocator profile --out FILE'")

@@ -311,6 +311,17 @@ def test_generation_shows_where_the_room_for_generate_goes_without_explain(capsy
     assert code == 0 and "activations" not in out and "cache" not in out
 
 
+def test_explain_prints_why(capsys, tmp_path):
+    folder = llama_folder(tmp_path / "llama", architectures=["LlamaForCausalLM"])
+    budget = "0=500KiB,cpu=10MiB"
+    code, out, err = run(capsys, "plan", folder, "--max-memory", budget, "--explain")
+    assert code == 0 and err == ""
+    ours = allocator.plan(cli.load_model(str(folder)).model, cli.parse_max_memory(budget))
+    assert ours.explain() in out
+    assert "\nwhy:\n" in out and "auto chose" in out and "candidates:" not in out
+    assert f"streaming reserve on {ours.main_device!r}: " in out and "are offloaded to 'cpu'" in out
+
+
 def test_plan_local_folder_without_architectures_uses_automodel(capsys, tmp_path):
     folder = llama_folder(tmp_path / "bare")
     code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB")
