@@ -248,7 +248,7 @@ def _empty(plan, layout: _Layout, device, full: set, notes: list[str], used: set
                 if layout.on("disk") else None)
     if not layout.after(device):
         return f"{device!r} holds nothing: the model fits on the devices before it"
-    room = _room(plan, layout, device, full)
+    room = _room(plan, layout, device, full).replace("; it is full: ", ": ", 1)
     note = next((n for n in notes if n.startswith(f"device {device!r} gets nothing") or _names(n, device)), None)
     if note is not None:
         used.add(note)
@@ -313,7 +313,9 @@ def reasons(plan) -> tuple[list[str], set[str]]:
     full: set = set()
     out = [_main_sentence(plan, layout)]
     budgets = plan.problem.budgets
-    for device in budgets.order:
+    if not plan.problem.graph.total:
+        out.append("the model has no weights to place")
+    for device in budgets.order if plan.problem.graph.total else ():
         if device not in budgets.limits and not layout.on(device) and not plan.peak.get(device):
             continue
         if layout.on(device) and plan.resident(device):
