@@ -14,6 +14,7 @@ from .budgets import Budgets, ByDevice, Device, canonical
 from .cost import Cost
 from .cost_profile import Profile
 from .errors import AllocatorError, BrokenContract, InfeasiblePlacement
+from .explain import reasons
 from .gc_pause import gc_paused
 from .logs import shown
 from .placement import Placement
@@ -21,9 +22,9 @@ from .problem import Problem, build_problem
 from .strategies import STRATEGIES, resolve, run
 from .generation import GenerationBudget, breakdown
 from .strategies._select import priced
-from .runtime import main_device
+from .runtime import main_device, map_runs, workspace
 from .strategies._fill import full_reserve
-from .strategies.contract import contract_main, contract_violations, why_empty
+from .strategies.contract import contract_main, contract_violations, fast_bytes, floor, why_empty
 from .strategies.sequential import insufficient_memory
 from .validate import Violation, _fmt, check, format_bytes, normalize_map
 
@@ -102,7 +103,10 @@ class Plan:
                 f"estimated {self.cost.seconds * 1e3:.3f} ms per forward, {state}; {devices}>")
 
     def explain(self) -> str:
-        """The plan as text: per-device bytes against budgets, the streaming reserve, then the decisions."""
+        """The plan as text: per-device bytes against budgets, which objective decided, then why — the main device,
+        what each device holds and why not more (or why nothing), why units are offloaded, the streaming reserve and
+        the offloaded modules that set it, which candidate won and by what margin — then the strategy's decisions
+        (at most 200)."""
         g, budgets = self.problem.graph, self.problem.budgets
         lines = [f"strategy {self.strategy} for {g.model_class} ({_fmt(g.total)}); main device {self.main_device!r}",
                  f"  estimated {self.cost.seconds * 1e3:.3f} ms per forward, {_fmt(self.cost.streamed_bytes)} streamed "
@@ -119,23 +123,32 @@ class Plan:
                 lines.append("         = " + " + ".join(f"{k} {_fmt(parts[k])}" for k in
                                                         ("weights", "cache", "logits", "activations")))
         lines.append(f"  {self._objective()}")
-        if self.streamed:
-            lines.append(f"  streaming reserve on {self.main_device!r}: {_fmt(self.streamed)}")
         if self.problem.generation is not None:
             lines.append(f"  {self.problem.generation.summary()}")
         lines += [f"  violation {v}" for v in self.violations]
-        lines += [f"  - {note}" for note in self.placement.notes[:200]]
-        if len(self.placement.notes) > 200:
-            lines.append(f"  ... {len(self.placement.notes) - 200} more decisions")
+        why, said = reasons(self)
+        lines.append("why:")
+        lines += [f"  - {sentence}" for sentence in why]
+        notes = [note for note in self.placement.notes if note not in said]
+        if notes:
+            lines.append(f"decisions of {self.strategy.split(':')[-1]}:")
+        lines += [f"  - {note}" for note in notes[:200]]
+        if len(notes) > 200:
+            lines.append(f"  ... {len(notes) - 200} more decisions")
         return "\n".join(lines)
 
 
     def _objective(self) -> str:
-        """Which objective decided, and under ``"latency"`` what the contract would have chosen instead."""
-        if self.problem.options.contract:
+        """Which objective decided: under ``"contract"`` its main device and floor (accelerate's bytes on the fastest
+        tier, and this plan's); under ``"latency"`` what the contract would have chosen instead."""
+        problem = self.problem
+        if problem.options.contract:
+            need = floor(problem)
+            have = fast_bytes(problem, map_runs(problem.graph, self.device_map))
             return ("objective contract: main device the first accelerator that admits a plan "
-                    f"({contract_main(self.problem)!r}), accelerators in index order, at least accelerate's bytes on "
-                    "them; the cost model ranks the plans that keep it")
+                    f"({contract_main(problem)!r}), accelerators in index order, at least accelerate's bytes on "
+                    f"them ({format_bytes(need)}, this plan {format_bytes(have)}); the cost model ranks the plans that "
+                    "keep it")
         line = "objective latency: the cost model's estimate alone decided"
         name = self.strategy.split(":")[0]
         if name not in STRATEGIES:
@@ -186,8 +199,15 @@ def _feasible(problem: Problem, strategy) -> bool:
 
 def main_minimum(problem: Problem, device) -> int:
     """The smallest budget on accelerator ``device`` (others unchanged) with which the contract makes it the main
-    device, to 1 % (bisection; the model's size plus its largest streamed chain always suffices)."""
-    low, high = problem.budgets.limit(device) or 0, problem.graph.total + full_reserve(problem) + 1
+    device, to 1 % (bisection; the model's size plus its largest streamed chain and, with a generation budget, all
+    that generate needs on the main device suffice: the upper end is doubled until it works)."""
+    g = problem.graph
+    low = problem.budgets.limit(device) or 0
+    high = max(low + 1, g.total + full_reserve(problem) + workspace(g, main=True) + sum(g.extra.values()) + 1)
+    for _ in range(8):
+        if contract_main(_with_budget(problem, device, high)) == device:
+            break
+        low, high = high, 2 * high
     while high - low > max(1, high // 100):
         middle = (low + high) // 2
         if contract_main(_with_budget(problem, device, middle)) == device:

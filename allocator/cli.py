@@ -34,8 +34,8 @@ from collections.abc import Mapping
 
 from .errors import AllocatorError, InvalidBudget, InvalidModel, InvalidOption
 
-__all__ = ["main", "parse_max_memory", "LoadedModel", "load_model", "load_profile", "device_table", "compare_text",
-           "side_by_side", "plot_plans", "DEMO_SCENARIOS"]
+__all__ = ["main", "parse_max_memory", "LoadedModel", "load_model", "load_profile", "device_table", "generation_table",
+           "compare_text", "side_by_side", "plot_plans", "DEMO_SCENARIOS"]
 
 ACCELERATE = "sequential"
 """The strategy that reproduces accelerate's ``infer_auto_device_map`` output for output."""
@@ -407,6 +407,23 @@ def device_table(result) -> str:
     return "\n".join(lines)
 
 
+def generation_table(result) -> str:
+    """With a generation budget, what each device's peak is made of (``Plan.parts``): weights (with the buffers of
+    offloaded modules and the streaming reserve), KV cache, logits and activations; ``""`` without one."""
+    needs = result.problem.generation
+    if needs is None:
+        return ""
+    rows = [("device", "weights", "cache", "logits", "activations", "peak", "of budget")]
+    for d in _devices(result):
+        limit = result.problem.budgets.limit(d)
+        parts, peak = result.parts.get(d, {}), result.peak.get(d, 0)
+        rows.append((str(d), *(_size(parts.get(k, 0)) for k in ("weights", "cache", "logits", "activations")),
+                     _size(peak), f"{peak / limit:.0%}" if limit else "-"))
+    title = (f"{needs.notes[0] if needs.notes else 'generate'}: the parts of each peak (weights with the buffers of "
+             "offloaded modules and the streaming reserve)")
+    return "\n".join([title, *_align(rows)])
+
+
 def _align(rows) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
@@ -592,6 +609,9 @@ def _cmd_plan(args) -> int:
               f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
     print()
     print(device_table(ours))
+    if generation is not None:
+        print()
+        print(generation_table(ours))
     if args.explain:
         print()
         print(ours.explain())
@@ -604,6 +624,9 @@ def _cmd_plan(args) -> int:
         else:
             print(f"accelerate's infer_auto_device_map (strategy {ACCELERATE}, reproduced output for output):")
             print(device_table(theirs))
+            if generation is not None:
+                print()
+                print(generation_table(theirs))
             print()
             print(compare_text(ours, theirs, violations=False))
             plans = {"accelerate": theirs, **plans}
@@ -760,7 +783,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="contract (default): GPU 0 first, accelerators in index order, never below accelerate; "
                         "latency: the cost model's estimate alone decides (the CPU may run the model)")
     p.add_argument("--compare", action="store_true", help="also plan with accelerate's algorithm and compare")
-    p.add_argument("--explain", action="store_true", help="print every decision of the strategy")
+    p.add_argument("--explain", action="store_true",
+                   help="print why: the main device, what each device holds and why not more, the budget that bound, "
+                        "the streaming reserve, the candidate kept and its margin; then the strategy's decisions")
     p.add_argument("--json", metavar="FILE", help="write the device map as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of bytes per device")
     p.add_argument("--profile", metavar="FILE", help="bandwidths written by 'allocator profile --out FILE'")

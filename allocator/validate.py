@@ -132,9 +132,11 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
             if memory.generation.get(device):
                 extra += f"{', and' if extra else ', of which'} {_fmt(memory.generation[device])} is for generate " \
                          "(KV cache, logits, activations)"
+            short = used - limit
             found.append(Violation(
                 "budget", f"device {device!r} needs {_fmt(used)} ({used} B){extra} but its budget is "
-                f"{_fmt(limit)} ({limit} B); raise it by {used - limit} B or move modules off it."
+                f"{_fmt(limit)} ({limit} B); raise it by {_fmt(short)}{f' ({short} B)' if short >= 1024 else ''} or "
+                "move modules off it."
             ))
     return found, memory
 

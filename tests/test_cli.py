@@ -292,6 +292,36 @@ def test_plan_local_folder_and_config_json(capsys, tmp_path):
     assert outputs[0] == outputs[1]
 
 
+def test_generation_shows_where_the_room_for_generate_goes_without_explain(capsys, tmp_path):
+    folder = llama_folder(tmp_path / "llama", architectures=["LlamaForCausalLM"])
+    budget = "0=1MiB,cpu=10MiB"
+    code, out, err = run(capsys, "plan", folder, "--max-memory", budget, "--generation", "2,64")
+    assert code == 0 and err == ""
+    assert "why:" not in out   # not the explanation: the table
+    table = out[out.index("generate: batch 2, max_length 64"):].splitlines()
+    assert table[1].split() == ["device", "weights", "cache", "logits", "activations", "peak", "of", "budget"]
+    ours = allocator.plan(cli.load_model(str(folder)).model, cli.parse_max_memory(budget),
+                          generation=cli.parse_generation("2,64"))
+    row = table[2].split()
+    assert row[0] == "0" and ours.parts[0]["cache"] > 0 and ours.parts[0]["activations"] > 0
+    cells = [" ".join(row[i:i + 2]) for i in range(1, 11, 2)]
+    assert cells == [cli._size(ours.parts[0][k]) for k in ("weights", "cache", "logits", "activations")] + \
+        [cli._size(ours.peak[0])]
+    code, out, err = run(capsys, "plan", folder, "--max-memory", budget)
+    assert code == 0 and "activations" not in out and "cache" not in out
+
+
+def test_explain_prints_why(capsys, tmp_path):
+    folder = llama_folder(tmp_path / "llama", architectures=["LlamaForCausalLM"])
+    budget = "0=500KiB,cpu=10MiB"
+    code, out, err = run(capsys, "plan", folder, "--max-memory", budget, "--explain")
+    assert code == 0 and err == ""
+    ours = allocator.plan(cli.load_model(str(folder)).model, cli.parse_max_memory(budget))
+    assert ours.explain() in out
+    assert "\nwhy:\n" in out and "auto chose" in out and "candidates:" not in out
+    assert f"streaming reserve on {ours.main_device!r}: " in out and "are offloaded to 'cpu'" in out
+
+
 def test_plan_local_folder_without_architectures_uses_automodel(capsys, tmp_path):
     folder = llama_folder(tmp_path / "bare")
     code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB")

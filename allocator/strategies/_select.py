@@ -90,9 +90,13 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
                                 "accelerators in index order, at least accelerate's bytes on them): accelerate's own "
                                 "map is kept",))
     key, device_map, note = best
+    count = len({id(c) for c in candidates})
+    kept = "its only candidate plan" if count == 1 else f"the fastest of {count} candidate plans"
+    if problem.options.contract:
+        kept += " that keeps the contract" if count == 1 else " that keep the contract"
     return Placement(device_map=device_map, strategy=strategy,
-                     notes=(f"{note}: estimated {-key[0] * 1e3:.3f} ms per forward, {_fmt(key[1])} on the "
-                            f"fastest tier, {-key[2]} device changes",))
+                     notes=(f"{strategy} kept {kept} ({note}): estimated {-key[0] * 1e3:.3f} ms per forward, "
+                            f"{_fmt(key[1])} on the fastest tier, {-key[2]} device changes",))
 
 
 def keeping_contract(problem: Problem, candidates: list) -> list:

@@ -17,6 +17,7 @@ default, so that from the same warm start it returns the same plan. Deterministi
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ..errors import AllocatorError
 from ..placement import Placement
@@ -25,9 +26,10 @@ from ..units import groups
 from ..validate import check
 from . import backfill, ilp, reserve, sequential
 from ._select import infeasible, score
-from .contract import contract_violations
+from ..runtime import main_device
+from .contract import contract_main, contract_violations
 
-__all__ = ["place"]
+__all__ = ["place", "choice_note"]
 
 log = logging.getLogger(__name__)
 CANDIDATES = {"sequential": sequential.place, "reserve": reserve.place, "backfill": backfill.place}
@@ -51,20 +53,25 @@ def place(problem: Problem, **_) -> Placement:
         try:
             placement = run()
         except AllocatorError as err:
-            tried.append(f"{name}: {type(err).__name__}")
+            tried.append(Tried(name, f"finds no plan ({type(err).__name__})"))
             return
-        if check(problem, placement.device_map)[0]:
-            tried.append(f"{name}: invalid")
+        violations = check(problem, placement.device_map)[0]
+        if violations:
+            tried.append(Tried(name, f"is invalid: it breaks a runtime rule ({violations[0].kind})"))
             return
-        broken = {v.kind for v in contract_violations(problem, placement.device_map, strategy="auto")}
-        if broken - {"contract-floor"}:
-            tried.append(f"{name}: breaks the contract")
+        broken = contract_violations(problem, placement.device_map, strategy="auto")
+        kinds = {v.kind for v in broken}
+        if kinds - {"contract-floor"}:
+            seconds = score(problem, placement.device_map)[0]
+            tried.append(Tried(name, f"breaks the contract: {_broken_rule(problem, placement.device_map, kinds)}",
+                               -seconds))
             return
         # plans that reach accelerate's bytes first; below them only where no candidate does (contract.floor)
-        key = (not broken, *score(problem, placement.device_map))
-        tried.append(f"{name}: {-key[1] * 1e3:.3f} ms" + (" (below accelerate's bytes)" if broken else ""))
+        key = (not kinds, *score(problem, placement.device_map))
+        tried.append(Tried(name, "keeps fewer bytes on the fastest tier than accelerate's map" if kinds else "",
+                           -key[1], eligible=True))
         if best is None or key > best[0]:
-            best = (key, placement)
+            best = (key, placement, name)
 
     for name, strategy in CANDIDATES.items():
         consider(name, lambda strategy=strategy: strategy(problem))
@@ -78,4 +85,67 @@ def place(problem: Problem, **_) -> Placement:
     if problem.budgets.accelerators and not used - {"cpu", "disk"}:
         log.info("no accelerator plan is valid or faster; running everything from RAM (cpu as main device)")
     return Placement(device_map=placement.device_map, strategy=f"auto:{placement.strategy}",
-                     notes=(f"candidates: {'; '.join(tried)}",) + placement.notes, optimal=placement.optimal)
+                     notes=(choice_note(best[2], tried),) + placement.notes, optimal=placement.optimal)
+
+
+@dataclass(frozen=True, slots=True)
+class Tried:
+    """What became of one candidate: its estimate where it has one, and why it lost when it could not win."""
+
+    name: str
+    why: str = ""          # empty for a candidate that keeps every rule
+    seconds: float | None = None
+    eligible: bool = False  # valid and keeps rules 1 and 2 of the contract
+
+
+def _broken_rule(problem: Problem, device_map, kinds) -> str:
+    if "contract-main" in kinds:
+        return (f"it runs on {main_device(device_map.values())!r}, not on the first accelerator that admits a plan "
+                f"({contract_main(problem)!r})")
+    return "it goes back to a lower accelerator index along the model"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _against(seconds: float, other: float) -> str:
+    """``"12.3 % faster"``: how ``seconds`` compares with ``other``."""
+    if other <= 0 or abs(seconds - other) <= 1e-12 + 1e-9 * other:
+        return "as fast as"
+    change = (other - seconds) / other
+    percent = abs(change) * 100
+    number = f"{percent:.1f}" if percent >= 0.1 else f"{percent:.2g}"
+    return f"{number} % {'faster' if change > 0 else 'slower'} than"
+
+
+def choice_note(winner: str, tried: list[Tried]) -> str:
+    """One sentence: the candidate kept, its estimate, the margin over accelerate's map (``sequential``) and over the
+    runner-up, and what became of the others."""
+    chosen = next(t for t in tried if t.name == winner)
+    text = f"auto chose {winner}: estimated {_ms(chosen.seconds)} per forward"
+    if chosen.why:
+        text += f" (it {chosen.why}, and no candidate keeps as many)"
+    theirs = next((t for t in tried if t.name == "sequential"), None)
+    if winner == "sequential":
+        text += ", accelerate's own map"
+    elif theirs is not None and theirs.seconds is not None:
+        text += (f", {_against(chosen.seconds, theirs.seconds)} accelerate's map (sequential, "
+                 f"{_ms(theirs.seconds)})" + (f", which {theirs.why}" if theirs.why else ""))
+    elif theirs is not None:
+        text += f"; accelerate's map (sequential) {theirs.why}"
+    others = [t for t in tried if t.name not in (winner, "sequential" if winner != "sequential" else "")]
+    rivals = sorted((t for t in others if t.eligible and t.seconds is not None), key=lambda t: t.seconds)
+    if rivals:
+        runner = rivals[0]
+        if _against(chosen.seconds, runner.seconds) == "as fast as":
+            text += (f"; {runner.name} is estimated the same, and {winner} comes first on the ties (more bytes on "
+                     "the fastest tier, fewer device changes, then the order of the candidates)")
+        else:
+            text += f"; the runner-up, {runner.name}, is estimated {_ms(runner.seconds)} ({winner} " \
+                    f"{_against(chosen.seconds, runner.seconds)} it)"
+    rest = [f"{t.name} {_ms(t.seconds)}" + (f" ({t.why})" if t.why else "") if t.eligible else f"{t.name} {t.why}"
+            for t in others if not rivals or t is not rivals[0]]
+    if rest:
+        text += "; the others: " + ", ".join(rest)
+    return text

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
+from ..validate import format_bytes
 from ._fill import Filled, Streams, fill_to_fixed_point
 from ._select import best_of
 from .contract import fill_memo, main_candidates
@@ -30,5 +31,5 @@ def place(problem: Problem, **_) -> Placement:
     for main in main_candidates(problem):
         where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
         if where is not None:
-            candidates.append(Filled(problem, found, where, reserve, f"main {main!r}, reserve {reserve} B"))
+            candidates.append(Filled(problem, found, where, reserve, f"main device {main!r}, streaming reserve {format_bytes(reserve)}"))
     return best_of(problem, candidates, "backfill")

@@ -154,9 +154,13 @@ def why_empty(problem: Problem, device: Device) -> str:
         return f"accelerator {device!r} has a budget of 0"
     need = full_reserve(problem)
     smallest = min((s for s in groups(problem.graph, problem.options.offload_buffers).size if s), default=0)
+    g = problem.graph
+    generate = g.workspace + g.main_workspace
     return (f"accelerator {device!r} ({format_bytes(limit)}) admits no valid plan as the main device: it would hold "
             f"at least one unit (the smallest is {format_bytes(smallest)}) plus the weights streamed through it at "
-            f"once (up to {format_bytes(need)}) and the buffers of offloaded modules")
+            f"once (up to {format_bytes(need)}) and the buffers of offloaded modules"
+            + (f", and what generate needs on the main device ({format_bytes(generate)} of activations and "
+               "next-token scores, plus the KV cache of the layers it runs)" if generate else ""))
 
 
 # -- rule 2: accelerators in index order ----------------------------------------------------------------------------

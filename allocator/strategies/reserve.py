@@ -17,6 +17,7 @@ from __future__ import annotations
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
+from ..validate import format_bytes
 from ._fill import Filled, Streams, fill_to_fixed_point, reserve_sizes
 from ._select import best_of
 from .contract import fill_memo, main_candidates
@@ -34,6 +35,6 @@ def place(problem: Problem, **_) -> Placement:
             where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
             if where is not None:
                 if (main, reserve) not in made:   # several starts may settle on one reserve: one candidate
-                    made[main, reserve] = Filled(problem, found, where, reserve, f"main {main!r}, reserve {reserve} B")
+                    made[main, reserve] = Filled(problem, found, where, reserve, f"main device {main!r}, streaming reserve {format_bytes(reserve)}")
                 candidates.append(made[main, reserve])
     return best_of(problem, candidates, "reserve")

@@ -32,6 +32,7 @@ from ..errors import UnsupportedByAccelerate
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
 from ..runs import _array, columns
+from ..validate import format_bytes
 
 __all__ = ["place"]
 
@@ -487,7 +488,8 @@ def place(problem: Problem, **_) -> Placement:
         if used[device] == 0:
             minimum[device] = size_with_ties + reserved
         used[device] += reserved
-        notes.append(f"{device} full at {name} (reserving {reserved} for the largest layer); next device")
+        notes.append(f"{device} full at {name} ({format_bytes(reserved)} kept free for the largest layer, as accelerate "
+                     "does); next device")
         current += 1
         entries.push([entry])
 
