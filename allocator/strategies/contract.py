@@ -9,8 +9,9 @@ keep accelerate's conventions:
    accelerator can. So no lower-index accelerator is left empty while a later one holds weights, unless no valid plan
    can use it (the plan's notes say why).
 2. **Index order.** Along the model (execution order), the accelerator indices of resident units never decrease:
-   ``0, cpu, 0, 1, disk, 1`` is fine, ``0, 1, 0`` is not (:func:`order_violations`). A tensor tied to an earlier one
-   sits with it, so the module that holds the second name of tied memory (a tied ``lm_head``) is not counted.
+   ``0, cpu, 0, 1, disk, 1`` is fine, ``0, 1, 0`` is not (:func:`order_violations`). A tie group is placed as one at
+   its first unit, so the units a tie pulls along (a tied ``lm_head``, BERT's decoder and the bias it shares) are
+   not counted where they stand.
 3. **Never below accelerate.** Wherever ``sequential``'s map is valid, the plan keeps at least as many bytes on the
    fastest tier (the accelerators; RAM when there are none) as it does (:func:`floor`). Where accelerate's map itself
    breaks rule 1 or 2 (it leaves GPU 0 empty, or places a module with its tie on an earlier accelerator) and no
