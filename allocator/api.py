@@ -22,6 +22,7 @@ from .problem import Problem, build_problem
 from .strategies import STRATEGIES, resolve, run
 from .generation import GenerationBudget, breakdown
 from .strategies._select import priced
+from .runs import columns
 from .runtime import main_device, map_runs, workspace
 from .strategies._fill import full_reserve
 from .strategies.contract import contract_main, contract_violations, fast_bytes, floor, why_empty
@@ -83,9 +84,6 @@ class Plan:
 
     def resident(self, device: Device) -> int:
         """Counted bytes of the model that live on ``device`` (not counting the streaming reserve)."""
-        from .runs import columns
-        from .runtime import map_runs
-
         counted = columns(self.problem.graph).sum_counted
         device = canonical(device)   # the caller's spelling: "cuda:0" is 0
         return sum(counted[r.end] - counted[r.start] for r in map_runs(self.problem.graph, self.device_map)

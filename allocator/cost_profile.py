@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidOption
 
-__all__ = ["Profile"]
+__all__ = ["Profile", "read_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,13 @@ class Profile:
         except Exception as err:  # a broken driver must not break planning; say so
             log.warning("could not measure the accelerator (%s); keeping default bandwidths", err)
         return cls(**values)
+
+
+def read_rates(profile: Profile, run_on) -> tuple[float, float]:
+    """Seconds per byte read and per parameter element computed with (``2 * tokens`` FLOP) on ``run_on``."""
+    if run_on == "cpu":
+        return 1 / profile.cpu_memory, 2 * profile.tokens / profile.cpu_flops
+    return 1 / profile.accelerator_memory, 2 * profile.tokens / profile.accelerator_flops
 
 
 def _best(fn, size: int, repeats: int) -> float:

@@ -38,8 +38,8 @@ import torch.nn as nn
 
 from .budgets import parse_size
 from .errors import InfeasiblePlacement, InvalidModel, InvalidOption
-from .graph import build_graph, no_split_classes
-from .introspect import find_layers, infer_blocks
+from .graph import build_graph
+from .introspect import find_layers, infer_blocks, no_split_classes
 from .partition import least_feasible, split
 from .validate import _fmt
 

@@ -48,6 +48,7 @@ except ImportError:  # another Python implementation
 
 from .errors import InvalidModel, InvalidOption
 from .gc_pause import gc_paused
+from .introspect import declared_no_split, infer_blocks, no_split_classes
 
 __all__ = ["ModuleNode", "TensorNode", "Nodes", "Tensors", "ModelGraph", "build_graph", "dtype_bytes"]
 
@@ -747,53 +748,18 @@ def _find_tied(all_params: list[tuple[str, Hashable]], unique: dict[str, Hashabl
     return [tuple(sorted([w] + list(set(t)))) for w, t in groups.items()]
 
 
-def no_split_classes(model) -> set[str]:
-    """``_no_split_modules`` of the model and of every sub-model, united.
-
-    >>> import torch.nn as nn
-    >>> class Tower(nn.Module):
-    ...     _no_split_modules = ["Block"]
-    >>> no_split_classes(nn.Sequential(Tower()))
-    {'Block'}
-    """
-    return _declared_no_split(model.modules())
-
-
-_NOT_FOUND = object()
-
-
 def _read_no_split(read: _Reader) -> set[str]:
-    """:func:`_declared_no_split` over the modules the walk met (each object once), asking each class once when no
-    module declares its own and no class declares through a descriptor (the per-module rule costs a slow
-    ``__dict__`` lookup per module)."""
+    """:func:`~allocator.introspect.declared_no_split` over the modules the walk met (each object once), asking each
+    class once when no module declares its own and no class declares through a descriptor (the per-module rule costs
+    a slow ``__dict__`` lookup per module)."""
     unique = (read.modules[i] for i in read.first_node_of.values())
     if read.own_no_split:
-        return _declared_no_split(unique)
+        return declared_no_split(unique)
     found: set[str] = set()
     for cls in read.classes:
         declared = getattr(cls, "_no_split_modules", None)
         if hasattr(type(declared), "__get__"):  # a property or other descriptor: ask the instances
-            return _declared_no_split(unique)
-        if declared:
-            found.update(str(c) for c in declared)
-    return found
-
-
-def _declared_no_split(modules) -> set[str]:
-    """Each module's ``_no_split_modules`` (its own attribute, else its class's), united."""
-    found: set[str] = set()
-    by_class: dict[type, object] = {}
-    for module in modules:
-        declared = module.__dict__.get("_no_split_modules", _NOT_FOUND)
-        if declared is _NOT_FOUND:
-            cls = type(module)
-            declared = by_class.get(cls, _NOT_FOUND)
-            if declared is _NOT_FOUND:
-                declared = getattr(cls, "_no_split_modules", None)
-                if hasattr(type(declared), "__get__"):  # a property or other descriptor: ask the instance
-                    declared = getattr(module, "_no_split_modules", None)
-                else:
-                    by_class[cls] = declared
+            return declared_no_split(unique)
         if declared:
             found.update(str(c) for c in declared)
     return found
@@ -870,7 +836,7 @@ def build_graph(
 
     with gc_paused():
         read = _read_model(model, size_of, by_dtype)
-        no_split, declared_no_split = _no_split(model, read, no_split, discover_no_split, infer_no_split)
+        no_split, declared_classes = _no_split(model, read, no_split, discover_no_split, infer_no_split)
         nodes = Nodes(read.names, read.cls, read.parents, read.alias_of, read.first, read.n_params, read.n_buffers,
                       read.end)
         node_index = dict(zip(nodes.name, range(len(nodes))))  # zip: no Python loop
@@ -897,7 +863,7 @@ def build_graph(
                 log.warning("no-split class %r matches no module of %s; check the spelling.", c, type(model).__name__)
         graph = ModelGraph(
             nodes=nodes, tensors=tensors, size=size, size_accelerate=size_acc,
-            no_split=frozenset(no_split), no_split_declared=declared_no_split, tied_groups=tuple(tied),
+            no_split=frozenset(no_split), no_split_declared=declared_classes, tied_groups=tuple(tied),
             declared_ties=tuple(declared_ties), node_index=node_index, tensor_index=tensor_index,
             model_class=type(model).__name__,
         )
@@ -913,8 +879,6 @@ def _no_split(model, read: _Reader, given: set[str], discover: bool, infer: bool
         no_split |= _read_no_split(read) if not read.repeats else no_split_classes(model)
     declared = frozenset(no_split)
     if infer and not no_split:
-        from .introspect import infer_blocks
-
         no_split = infer_blocks(model)
         if no_split:
             log.info("%s declares no no-split classes; keeping its repeated blocks %s whole "

@@ -20,8 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .cost_profile import read_rates
 from .gc_pause import gc_paused
 from .graph import ModelGraph
+from .rules import moves
 
 __all__ = ["Run", "Columns", "columns", "runs", "key_ranges", "pieces", "expand", "devices_in", "first_device"]
 
@@ -103,12 +105,11 @@ class Columns:
         return found
 
     def reads(self, profile) -> tuple[list[int], list[int]]:
-        """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``), on
-        the CPU and on an accelerator. Integers, so that a sum does not depend on how a map cuts it into runs."""
+        """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``, from
+        :func:`allocator.cost_profile.read_rates`), on the CPU and on an accelerator. Integers, so that a sum does
+        not depend on how a map cuts it into runs."""
         found = self._reads.get(profile)
         if found is None:
-            from .cost import read_rates
-
             nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
                 .astype(np.float64)
             found = []
@@ -182,8 +183,6 @@ class Moving:
 
     @gc_paused()
     def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
-        from .runtime import moves
-
         persistent = np.array(graph.tensors.persistent, dtype=bool)
         moving = moves(cols._is_param, persistent, offload_buffers)   # the rule, applied to whole columns
         nbytes = np.where(moving, _array(cols.nbytes), 0)   # what each hook copies

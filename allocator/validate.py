@@ -1,4 +1,7 @@
-"""One checker for every runtime rule a device map must respect (see :mod:`allocator.runtime`)."""
+"""One checker for every runtime rule a device map must respect (see :mod:`allocator.runtime`).
+
+:func:`normalize_map` and :func:`format_bytes` are :mod:`allocator.budgets`'s, re-exported here where callers found them.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from itertools import filterfalse
 
-from .budgets import normalize_device
-from .errors import InvalidBudget, InvalidDeviceMap
+from .budgets import format_bytes, normalize_map
 from .problem import Problem, build_problem
 from .runs import columns, devices_in
 from .runtime import Memory, Recent, device_of, main_device, map_runs, offloaded_devices, peaks
@@ -25,48 +27,6 @@ class Violation:
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
-
-
-def normalize_map(device_map) -> dict:
-    """A copy of ``device_map`` with devices in canonical form; a typed error if it is not a device map."""
-    if not isinstance(device_map, Mapping):
-        raise InvalidDeviceMap(
-            f"device_map must be a dict of module names to devices, got {type(device_map).__name__}."
-        )
-    try:  # a map has few distinct values: normalise each once (type too: True == 1, but True is no device)
-        values = device_map.values()
-        if set(map(type, values)) <= {int, str}:   # the usual map: no value equals one of another type
-            distinct = {(type(value), value) for value in set(values)}
-        else:
-            distinct = set(zip(map(type, values), values))
-        canonical = {kind: normalize_device(kind[1]) for kind in distinct}
-    except (TypeError, InvalidBudget):  # unhashable or bad values: the loop below names the key
-        canonical = None
-    if canonical is not None and all(issubclass(kind, str) for kind in set(map(type, device_map))):
-        if all(type(c) is kind and c == value for (kind, value), c in canonical.items()):
-            return dict(device_map)
-        return {key: canonical[type(value), value] for key, value in device_map.items()}
-    out = {}
-    for key, value in device_map.items():
-        if not isinstance(key, str):
-            raise InvalidDeviceMap(f"device_map keys are module names (str); got {key!r}.")
-        try:
-            out[key] = normalize_device(value)
-        except InvalidBudget as err:
-            raise InvalidDeviceMap(f"device_map[{key!r}]: {err}") from None
-    return out
-
-
-def format_bytes(n: float) -> str:
-    """A byte count as people read it: ``format_bytes(3 * 2**20)`` is ``'3.00 MiB'``.
-
-    >>> format_bytes(1536), format_bytes(12)
-    ('1.50 KiB', '12 B')
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 _fmt = format_bytes
