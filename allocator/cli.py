@@ -39,11 +39,11 @@ from .checkpoint import kept_in_float32, load_dtype
 from .cost_profile import Profile
 from .errors import AllocatorError, InvalidBudget, InvalidModel, InvalidOption
 from .generation import GenerationBudget
-from .graph import _as_dtype
+from .graph import as_dtype
 from .problem import build_problem
 from .quantization import quantized_sizes
 from .strategies import STRATEGIES, resolve
-from .zoo import _move_strays_to_meta, _quiet
+from .zoo import move_strays_to_meta, quiet_transformers
 
 __all__ = ["main", "parse_max_memory", "LoadedModel", "load_model", "load_profile", "device_table", "generation_table",
            "compare_text", "side_by_side", "plot_plans", "DEMO_SCENARIOS"]
@@ -268,7 +268,7 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
         if os.path.basename(path) != "config.json":
             raise InvalidModel(f"--trust-remote-code needs the model folder (its config.json and code), not {path}.")
         where = os.path.dirname(os.path.abspath(path))
-    with _quiet():
+    with quiet_transformers():
         try:
             config = transformers.AutoConfig.from_pretrained(where, local_files_only=True,
                                                              trust_remote_code=trust_remote_code)
@@ -294,11 +294,11 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
         except Exception as err:  # anything the model's constructor raises is a config it cannot build
             raise InvalidModel(f"transformers cannot build {name} from {path}: "
                                f"{type(err).__name__}: {_one_line(err)}") from None
-    _move_strays_to_meta(model)
+    move_strays_to_meta(model)
     model.eval()
     # config.dtype: transformers >= 5 (reading the old torch_dtype alias logs a warning)
     dtype, why = load_dtype(path, getattr(config, "dtype", None), _config_json(path))
-    with _quiet():  # transformers' quantization config classes log about their defaults
+    with quiet_transformers():  # transformers' quantization config classes log about their defaults
         quantization = _quantization(model, config)
     if auto is not None:
         note = " (the folder's own code, --trust-remote-code)"
@@ -573,7 +573,7 @@ def _cmd_plan(args) -> int:
     max_memory = parse_max_memory(args.max_memory) if args.max_memory is not None else None
     resolve(args.strategy)
     if args.dtype is not None:
-        _as_dtype(args.dtype, "--dtype")
+        as_dtype(args.dtype, "--dtype")
     profile = load_profile(args.profile) if args.profile else None
     generation = parse_generation(args.generation) if args.generation is not None else None
     _check_writable(args.json, "--json")
@@ -633,7 +633,7 @@ def _dtype_line(given, loaded: LoadedModel) -> str:
     default = _dtype_name(loaded.dtype) if loaded.dtype is not None else None
     if given is None:
         return f"dtype {default or 'as built'} ({loaded.dtype_reason or 'each tensor as the model holds it'})"
-    name = _dtype_name(_as_dtype(given, "--dtype"))
+    name = _dtype_name(as_dtype(given, "--dtype"))
     if default is None or default == name:
         return f"dtype {name} (--dtype)"
     return f"dtype {name} (--dtype; from_pretrained would load {default}: {loaded.dtype_reason})"

@@ -19,7 +19,7 @@ import numpy as np
 
 from .budgets import is_accelerator
 from .runtime import map_runs, offloaded_devices
-from .strategies._select import priced
+from .strategies.ranking import priced
 from .strategies.contract import contract_violations, why_empty
 from .units import groups
 from .validate import check, format_bytes

@@ -57,7 +57,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from .budgets import format_bytes
 from .errors import InvalidOption, warn_caller
-from .graph import _as_dtype, dtype_bytes
+from .graph import as_dtype, dtype_bytes
 from .runtime import executes_on, extra_by_device, map_runs, offloaded_devices
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
@@ -143,7 +143,7 @@ class GenerationBudget:
         if self.prompt_length is not None:
             _positive("prompt_length", self.prompt_length, self.max_length - 1)
         if self.dtype is not None:
-            object.__setattr__(self, "dtype", _as_dtype(self.dtype, "GenerationBudget.dtype"))
+            object.__setattr__(self, "dtype", as_dtype(self.dtype, "GenerationBudget.dtype"))
 
     def _from_new_tokens(self) -> None:
         """``max_length = prompt_length + max_new_tokens``, as ``generate`` computes it; checked against a given one."""
@@ -241,9 +241,9 @@ def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
 
     if budget.dtype is not None:
         return dtype_bytes(budget.dtype)[0]
-    own = weight.dtype if weight.is_floating_point() else _as_dtype(getattr(config, "dtype", None) or torch.float32,
+    own = weight.dtype if weight.is_floating_point() else as_dtype(getattr(config, "dtype", None) or torch.float32,
                                                                      "config.dtype")
-    plan_dtype = _as_dtype(plan_dtype, "dtype") if plan_dtype is not None else None
+    plan_dtype = as_dtype(plan_dtype, "dtype") if plan_dtype is not None else None
     if plan_dtype is not None and plan_dtype.is_floating_point:  # int8/int4 weights still compute in floating point
         return min(dtype_bytes(plan_dtype)[0], dtype_bytes(own)[0])
     return dtype_bytes(own)[0]

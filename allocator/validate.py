@@ -1,6 +1,7 @@
 """One checker for every runtime rule a device map must respect (see :mod:`allocator.runtime`).
 
-:func:`normalize_map` and :func:`format_bytes` are :mod:`allocator.budgets`'s, re-exported here where callers found them.
+:func:`normalize_map` and :func:`format_bytes` are :mod:`allocator.budgets`'s, re-exported here, where callers found
+them.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ class Violation:
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
-
-
-_fmt = format_bytes
 
 
 _CHECKED = Recent()
@@ -88,15 +86,15 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
         if limit is not None and used > limit:
             extra = ""
             if device == memory.main and memory.streamed:
-                extra = f", of which {_fmt(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
+                extra = f", of which {format_bytes(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
             if memory.generation.get(device):
-                extra += f"{', and' if extra else ', of which'} {_fmt(memory.generation[device])} is for generate " \
-                         "(KV cache, logits, activations)"
+                extra += (f"{', and' if extra else ', of which'} {format_bytes(memory.generation[device])} is for "
+                          "generate (KV cache, logits, activations)")
             short = used - limit
+            exact = f" ({short} B)" if short >= 1024 else ""
             found.append(Violation(
-                "budget", f"device {device!r} needs {_fmt(used)} ({used} B){extra} but its budget is "
-                f"{_fmt(limit)} ({limit} B); raise it by {_fmt(short)}{f' ({short} B)' if short >= 1024 else ''} or "
-                "move modules off it."
+                "budget", f"device {device!r} needs {format_bytes(used)} ({used} B){extra} but its budget is "
+                f"{format_bytes(limit)} ({limit} B); raise it by {format_bytes(short)}{exact} or move modules off it."
             ))
     return found, memory
 

@@ -15,8 +15,8 @@ from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
 from ..validate import format_bytes
-from ._fill import Filled, Streams, fill_to_fixed_point
-from ._select import best_of
+from .first_fit import Filled, Streams, fill_to_fixed_point
+from .ranking import best_of
 from .contract import fill_memo, main_candidates
 
 __all__ = ["place"]

@@ -48,7 +48,7 @@ from ..runtime import device_of, main_device, map_runs, offloaded_devices, works
 from ..units import Group, groups as unit_groups
 from ..validate import check
 from . import backfill, reserve, sequential
-from ._select import infeasible
+from .ranking import infeasible
 from .contract import (accelerate_map, contract_violations, fast_bytes, fast_tier, floor, main_candidates,
                        order_violations)
 
@@ -457,7 +457,7 @@ def _breaks_order_or_main(problem: Problem, device_map) -> bool:
 
 def _floor_to_keep(problem: Problem, incumbent) -> int:
     """The contract's floor (accelerate's bytes on the fastest tier) where a plan keeping the contract is known to
-    reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.strategies._select.best_of`."""
+    reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.strategies.ranking.best_of`."""
     if not problem.options.contract:
         return 0
     need = floor(problem)
