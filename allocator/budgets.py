@@ -74,7 +74,8 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
         match = _SIZE_RE.match(size)
         if match is None:
             raise InvalidBudget(
-                f"{what} {size!r} is not a size; use an int of bytes or a number with a unit such as '10GiB' or '500MB'."
+                f"{what} {size!r} is not a size; use an int of bytes or a number with a unit such as '10GiB' or "
+                "'500MB'."
             )
         number, unit = float(match.group(1)), (match.group(2) or "")
         if not unit:

@@ -39,8 +39,8 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
     Notes
     -----
     O(k log k) for k map entries, plus the tensors of offloaded runs that are not whole subtrees (once per graph,
-    O(nodes + tensors) for its :class:`allocator.runs.Columns`). The last few results are remembered (:class:`Recent`); each call returns
-    its own copies.
+    O(nodes + tensors) for its :class:`allocator.runs.Columns`). The last few results are remembered
+    (:class:`Recent`); each call returns its own copies.
     """
     known, key = _CHECKED.get(problem, device_map)
     if known is None:
@@ -77,7 +77,7 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     placed = set(device_map.values())
     for device, used in memory.peak.items():
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
-            continue   # no RAM budget given: the CPU only executes what streams from disk, unbudgeted (accelerate's view)
+            continue   # no RAM budget: the CPU only executes what streams from disk, unbudgeted (accelerate's view)
         if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
             found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory; give it one or "
                                    "map nothing there."))

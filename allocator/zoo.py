@@ -853,7 +853,6 @@ ZOO: dict[str, ZooEntry] = {
     for entry in _ENTRIES
     if entry.family == family
 }
-del _ENTRIES
 
 
 def names(*, family: str | None = None) -> list[str]:

@@ -79,7 +79,8 @@ def test_units_follow_their_definition(data):
         g = dataclasses.replace(g, extra={i: data.draw(st.integers(1, 999)) for i in nodes})
     found = units(g, offload_buffers)
     assert isinstance(found, Units) and all(isinstance(u, Unit) for u in found)
-    assert [(u.name, u.node, u.size, u.offload, u.pinned, u.numel) for u in found] == reference_units(g, offload_buffers)
+    expected = reference_units(g, offload_buffers)
+    assert [(u.name, u.node, u.size, u.offload, u.pinned, u.numel) for u in found] == expected
 
 
 @SETTINGS

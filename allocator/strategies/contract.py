@@ -192,7 +192,8 @@ def accelerator_sequence(problem: Problem, found: list[Run]) -> list[Device]:
     for run in found:
         if not is_accelerator(run.device) or run.device is None:
             continue
-        if pulled and bisect.bisect_left(pulled, run.end) - bisect.bisect_left(pulled, run.start) == run.end - run.start:
+        inside = bisect.bisect_left(pulled, run.end) - bisect.bisect_left(pulled, run.start) if pulled else 0
+        if pulled and inside == run.end - run.start:
             continue
         out.append(run.device)
     return out

@@ -216,7 +216,7 @@ class _FirstFit:
         if self.offloads[j]:
             if room[0] < 0:
                 return 0
-            main = room[0] + back                  # groups sent to a target give their pinned bytes back, then take them
+            main = room[0] + back   # groups sent to a target give their pinned bytes back, then take them
             need = offload if self.charges[j] else np.zeros_like(offload)
             ok = ~stay & (room[j] - (np.cumsum(need) - need) >= need)
         elif j == 0:

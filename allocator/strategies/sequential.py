@@ -488,8 +488,8 @@ def place(problem: Problem, **_) -> Placement:
         if used[device] == 0:
             minimum[device] = size_with_ties + reserved
         used[device] += reserved
-        notes.append(f"{device} full at {name} ({format_bytes(reserved)} kept free for the largest layer, as accelerate "
-                     "does); next device")
+        notes.append(f"{device} full at {name} ({format_bytes(reserved)} kept free for the largest layer, as "
+                     "accelerate does); next device")
         current += 1
         entries.push([entry])
 
