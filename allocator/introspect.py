@@ -3,7 +3,8 @@
 Four pure functions over an ``nn.Module``; none of them mutates the model.
 
 :func:`no_split_classes`
-    The classes the model declares unsplittable (``_no_split_modules``), over every sub-model.
+    The classes the model declares unsplittable (``_no_split_modules``), over every sub-model
+    (:func:`declared_no_split` is the same rule over any modules).
 :func:`infer_blocks`
     The classes of the repeated blocks, inferred from the structure, for models that declare none.
 :func:`find_layers`
@@ -26,9 +27,11 @@ wrapper
     A module whose only job is to hold another one: ``DistributedDataParallel.module``,
     ``OptimizedModule._orig_mod``, ``FullyShardedDataParallel._fsdp_wrapped_module``, ...
 
-:mod:`allocator.graph` builds on these (it reads the declarations, and infers blocks when there are none), so this
-module imports nothing of the package but its errors; ``torch`` is imported where first needed, as in the graph, so
-that ``import allocator`` stays light.
+:mod:`allocator.graph` builds on this module (it reads the declarations, and infers blocks when there are none), so
+it imports nothing of the package but its errors; ``torch`` is imported where first needed, as in the graph, so that
+``import allocator`` stays light.
+
+``no_split_classes`` looks into every sub-model:
 
 >>> import torch.nn as nn
 >>> class Tower(nn.Module):
@@ -97,7 +100,6 @@ def no_split_classes(model) -> set[str]:
 _NOT_FOUND = object()
 
 
-
 def declared_no_split(modules) -> set[str]:
     """Each module's ``_no_split_modules`` (its own attribute, else its class's), united: :func:`no_split_classes` over
     any iterable of modules (the graph's reader passes each module object once)."""
@@ -117,7 +119,6 @@ def declared_no_split(modules) -> set[str]:
         if declared:
             found.update(str(c) for c in declared)
     return found
-
 
 
 # ---------------------------------------------------------------------------------------- repeated blocks
