@@ -23,6 +23,7 @@ demo: $(STAMP)
 	$(PY) -m allocator demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2
 
 clean:

@@ -28,8 +28,9 @@ from .strategies.contract import contract_violations
 from .validate import Violation, validate
 
 __all__ = [
-    "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel", "InvalidOption",
-    "UnsupportedByAccelerate", "Cost", "GenerationBudget", "Profile", "estimate", "Options", "Placement", "Plan", "Problem", "STRATEGIES", "Violation",
-    "build_problem", "contract_violations", "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
+    "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",
+    "InvalidOption", "UnsupportedByAccelerate", "Cost", "GenerationBudget", "Profile", "estimate", "Options",
+    "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem", "contract_violations",
+    "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

@@ -21,12 +21,13 @@ from .placement import Placement
 from .problem import Problem, build_problem
 from .strategies import STRATEGIES, resolve, run
 from .generation import GenerationBudget, breakdown
-from .strategies._select import priced
+from .strategies.ranking import priced
+from .runs import columns
 from .runtime import main_device, map_runs, workspace
-from .strategies._fill import full_reserve
+from .strategies.first_fit import full_reserve
 from .strategies.contract import contract_main, contract_violations, fast_bytes, floor, why_empty
 from .strategies.sequential import insufficient_memory
-from .validate import Violation, _fmt, check, format_bytes, normalize_map
+from .validate import Violation, check, format_bytes, normalize_map
 
 __all__ = ["Plan", "plan", "infer_auto_device_map"]
 
@@ -83,9 +84,6 @@ class Plan:
 
     def resident(self, device: Device) -> int:
         """Counted bytes of the model that live on ``device`` (not counting the streaming reserve)."""
-        from .runs import columns
-        from .runtime import map_runs
-
         counted = columns(self.problem.graph).sum_counted
         device = canonical(device)   # the caller's spelling: "cuda:0" is 0
         return sum(counted[r.end] - counted[r.start] for r in map_runs(self.problem.graph, self.device_map)
@@ -95,8 +93,8 @@ class Plan:
         """One line: strategy, main device, estimate, resident and peak bytes per device (the rest: ``explain()``)."""
         budgets = self.problem.budgets
         devices = "; ".join(
-            f"{d}: resident {_fmt(self.resident(d))}, peak {_fmt(self.peak[d])}"
-            + (f" of {_fmt(budgets.limit(d))}" if budgets.limit(d) is not None else "")
+            f"{d}: resident {format_bytes(self.resident(d))}, peak {format_bytes(self.peak[d])}"
+            + (f" of {format_bytes(budgets.limit(d))}" if budgets.limit(d) is not None else "")
             for d in budgets.order if d in self.peak)
         state = "valid" if self.valid else f"{len(self.violations)} violation(s)"
         return (f"<Plan {self.strategy} for {self.problem.graph.model_class}: main device {self.main_device!r}, "
@@ -108,19 +106,21 @@ class Plan:
         the offloaded modules that set it, which candidate won and by what margin — then the strategy's decisions
         (at most 200)."""
         g, budgets = self.problem.graph, self.problem.budgets
-        lines = [f"strategy {self.strategy} for {g.model_class} ({_fmt(g.total)}); main device {self.main_device!r}",
-                 f"  estimated {self.cost.seconds * 1e3:.3f} ms per forward, {_fmt(self.cost.streamed_bytes)} streamed "
-                 f"per forward, {self.cost.device_changes} device changes"
+        lines = [f"strategy {self.strategy} for {g.model_class} ({format_bytes(g.total)}); main device "
+                 f"{self.main_device!r}",
+                 f"  estimated {self.cost.seconds * 1e3:.3f} ms per forward, {format_bytes(self.cost.streamed_bytes)} "
+                 f"streamed per forward, {self.cost.device_changes} device changes"
                  + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal"))]
         for device in budgets.order:
             if device not in self.peak:
                 continue
             limit = budgets.limit(device)
-            share = f" of {_fmt(limit)} ({self.peak[device] / limit:.0%})" if limit else ""
-            lines.append(f"  {device!s:>5}: resident {_fmt(self.resident(device))}, peak {_fmt(self.peak[device])}{share}")
+            share = f" of {format_bytes(limit)} ({self.peak[device] / limit:.0%})" if limit else ""
+            lines.append(f"  {device!s:>5}: resident {format_bytes(self.resident(device))}, peak "
+                         f"{format_bytes(self.peak[device])}{share}")
             parts = self.parts.get(device, {})
             if any(parts.get(k) for k in ("cache", "logits", "activations")):
-                lines.append("         = " + " + ".join(f"{k} {_fmt(parts[k])}" for k in
+                lines.append("         = " + " + ".join(f"{k} {format_bytes(parts[k])}" for k in
                                                         ("weights", "cache", "logits", "activations")))
         lines.append(f"  {self._objective()}")
         if self.problem.generation is not None:
@@ -263,7 +263,7 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
         if high > ceiling:
             return InfeasiblePlacement(
                 f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, and strategy "
-                f"{strategy!r} finds none even with {_fmt(ceiling)} of RAM; try strategy='auto'.")
+                f"{strategy!r} finds none even with {format_bytes(ceiling)} of RAM; try strategy='auto'.")
     generation = ", and what generate needs on the devices that run the model" if problem.generation else ""
     floor = low  # the caller's budget, or the last one the doubling found failing
     for _ in range(16):
@@ -281,8 +281,9 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
         high, low = below, floor
     return InfeasiblePlacement(
         f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: the smallest RAM budget "
-        f"found to work with the other budgets unchanged is {_fmt(high)} ({high} B) on 'cpu' (buffers of offloaded "
-        f"modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to at least that"
+        f"found to work with the other budgets unchanged is {format_bytes(high)} ({high} B) on 'cpu' (buffers of "
+        f"offloaded modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to "
+        "at least that"
         f"{', or give accelerators more room' if problem.budgets.accelerators else ''}.",
         device="cpu", minimum=high,
     )

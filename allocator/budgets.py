@@ -14,11 +14,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import InvalidBudget, warn_caller
+from .errors import InvalidBudget, InvalidDeviceMap, warn_caller
 
-__all__ = ["Device", "Budgets", "ByDevice", "canonical", "parse_size", "normalize_device", "parse_budgets",
-           "is_accelerator",
-           "small_bare_number"]
+__all__ = ["Device", "Budgets", "ByDevice", "canonical", "parse_size", "format_bytes", "normalize_device",
+           "normalize_map", "parse_budgets", "is_accelerator", "small_bare_number"]
 
 Device = int | str
 
@@ -75,7 +74,8 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
         match = _SIZE_RE.match(size)
         if match is None:
             raise InvalidBudget(
-                f"{what} {size!r} is not a size; use an int of bytes or a number with a unit such as '10GiB' or '500MB'."
+                f"{what} {size!r} is not a size; use an int of bytes or a number with a unit such as '10GiB' or "
+                "'500MB'."
             )
         number, unit = float(match.group(1)), (match.group(2) or "")
         if not unit:
@@ -109,6 +109,18 @@ def _human(n: int) -> str:
         if n >= scale:
             return f"{n / scale:g} {unit}"
     return f"{n} B"
+
+
+def format_bytes(n: float) -> str:
+    """A byte count as people read it: ``format_bytes(3 * 2**20)`` is ``'3.00 MiB'``.
+
+    >>> format_bytes(1536), format_bytes(12)
+    ('1.50 KiB', '12 B')
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def normalize_device(device) -> Device:
@@ -147,6 +159,41 @@ def canonical(device):
         return normalize_device(device)
     except InvalidBudget:
         return device
+
+
+def normalize_map(device_map) -> dict:
+    """A copy of ``device_map`` with devices in canonical form (:func:`normalize_device`); a typed error if it is not a
+    device map.
+
+    >>> normalize_map({"": "cuda:1", "lm_head": "CPU"})
+    {'': 1, 'lm_head': 'cpu'}
+    """
+    if not isinstance(device_map, Mapping):
+        raise InvalidDeviceMap(
+            f"device_map must be a dict of module names to devices, got {type(device_map).__name__}."
+        )
+    try:  # a map has few distinct values: normalise each once (type too: True == 1, but True is no device)
+        values = device_map.values()
+        if set(map(type, values)) <= {int, str}:   # the usual map: no value equals one of another type
+            distinct = {(type(value), value) for value in set(values)}
+        else:
+            distinct = set(zip(map(type, values), values))
+        forms = {kind: normalize_device(kind[1]) for kind in distinct}
+    except (TypeError, InvalidBudget):  # unhashable or bad values: the loop below names the key
+        forms = None
+    if forms is not None and all(issubclass(kind, str) for kind in set(map(type, device_map))):
+        if all(type(c) is kind and c == value for (kind, value), c in forms.items()):
+            return dict(device_map)
+        return {key: forms[type(value), value] for key, value in device_map.items()}
+    out = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise InvalidDeviceMap(f"device_map keys are module names (str); got {key!r}.")
+        try:
+            out[key] = normalize_device(value)
+        except InvalidBudget as err:
+            raise InvalidDeviceMap(f"device_map[{key!r}]: {err}") from None
+    return out
 
 
 class ByDevice(dict):

@@ -32,7 +32,18 @@ import sys
 import warnings
 from collections.abc import Mapping
 
+from . import __version__, zoo
+from .api import plan
+from .budgets import parse_budgets, small_bare_number
+from .checkpoint import kept_in_float32, load_dtype
+from .cost_profile import Profile
 from .errors import AllocatorError, InvalidBudget, InvalidModel, InvalidOption
+from .generation import GenerationBudget
+from .graph import as_dtype
+from .problem import build_problem
+from .quantization import quantized_sizes
+from .strategies import STRATEGIES, resolve
+from .zoo import move_strays_to_meta, quiet_transformers
 
 __all__ = ["main", "parse_max_memory", "LoadedModel", "load_model", "load_profile", "device_table", "generation_table",
            "compare_text", "side_by_side", "plot_plans", "DEMO_SCENARIOS"]
@@ -85,8 +96,6 @@ def parse_generation(text: str):
     >>> parse_generation("4,2048,1024")
     GenerationBudget(batch_size=4, max_length=2048, dtype=None, prompt_length=1024, max_new_tokens=None)
     """
-    from .generation import GenerationBudget
-
     parts = [p.strip() for p in text.split(",")]
     if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
         raise InvalidOption(f"--generation takes BATCH,MAX_LENGTH or BATCH,MAX_LENGTH,PROMPT as integers, got "
@@ -114,8 +123,6 @@ def parse_max_memory(text: str) -> dict:
     ...
     allocator.errors.InvalidBudget: unknown device 'gpu': use an accelerator index ...
     """
-    from .budgets import parse_budgets, small_bare_number
-
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = (s.strip() for s in part.partition("="))
@@ -138,8 +145,6 @@ def load_profile(path: str):
     InvalidOption
         The file cannot be read, is not JSON, not an object, or has unknown or invalid fields.
     """
-    from .cost_profile import Profile
-
     try:
         with open(path) as fh:
             text = fh.read()
@@ -191,8 +196,6 @@ def load_model(source: str, *, trust_remote_code: bool = False) -> LoadedModel:
         No such folder, file or example; no ``config.json`` in the folder; transformers cannot read the config
         or build the model from it; or the config needs its own code and ``trust_remote_code`` is not set.
     """
-    from . import zoo
-
     if os.path.exists(source):
         return _from_config(source, trust_remote_code)
     if source in zoo.ZOO:
@@ -216,8 +219,6 @@ def did_you_mean(name: str) -> str:
     >>> did_you_mean("./my-model")
     ''
     """
-    from . import zoo
-
     lowered = {n.lower(): n for n in zoo.ZOO}
     close = difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=0.6)
     return f" Did you mean {lowered[close[0]]!r}?" if close else ""
@@ -253,9 +254,6 @@ def _custom_class(auto_map: Mapping, declared: list[str]):
 def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     import torch
 
-    from .checkpoint import load_dtype
-    from .zoo import _move_strays_to_meta, _quiet
-
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise InvalidModel(f"folder {path} has no config.json; pass a model folder saved by save_pretrained, "
                            f"a config.json, or a built-in example.")
@@ -270,7 +268,7 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
         if os.path.basename(path) != "config.json":
             raise InvalidModel(f"--trust-remote-code needs the model folder (its config.json and code), not {path}.")
         where = os.path.dirname(os.path.abspath(path))
-    with _quiet():
+    with quiet_transformers():
         try:
             config = transformers.AutoConfig.from_pretrained(where, local_files_only=True,
                                                              trust_remote_code=trust_remote_code)
@@ -296,11 +294,11 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
         except Exception as err:  # anything the model's constructor raises is a config it cannot build
             raise InvalidModel(f"transformers cannot build {name} from {path}: "
                                f"{type(err).__name__}: {_one_line(err)}") from None
-    _move_strays_to_meta(model)
+    move_strays_to_meta(model)
     model.eval()
     # config.dtype: transformers >= 5 (reading the old torch_dtype alias logs a warning)
     dtype, why = load_dtype(path, getattr(config, "dtype", None), _config_json(path))
-    with _quiet():  # transformers' quantization config classes log about their defaults
+    with quiet_transformers():  # transformers' quantization config classes log about their defaults
         quantization = _quantization(model, config)
     if auto is not None:
         note = " (the folder's own code, --trust-remote-code)"
@@ -323,8 +321,6 @@ def _quantization(model, config):
     InvalidOption
         A method whose storage is not modelled, or unknown (never a silent full-size plan).
     """
-    from .quantization import quantized_sizes
-
     found = getattr(config, "quantization_config", None)
     if found is None and hasattr(config, "get_text_config"):
         found = getattr(config.get_text_config(decoder=True), "quantization_config", None)
@@ -557,8 +553,6 @@ def plot_plans(plans: Mapping[str, object], path: str, *, title: str | None = No
 
 
 def _list() -> int:
-    from . import zoo
-
     rows = [("name", "family", "what it is")] + [(n, e.family, e.description) for n, e in zoo.ZOO.items()]
     print("\n".join(_align_left(rows)))
     print("\nallocator plan NAME --max-memory 0=8GiB,cpu=64GiB   (built on the meta device; nothing is downloaded)")
@@ -571,10 +565,6 @@ def _align_left(rows) -> list[str]:
 
 
 def _cmd_plan(args) -> int:
-    from . import plan
-    from .checkpoint import kept_in_float32
-    from .strategies import resolve
-
     if args.list:
         return _list()
     if args.source is None:
@@ -583,9 +573,7 @@ def _cmd_plan(args) -> int:
     max_memory = parse_max_memory(args.max_memory) if args.max_memory is not None else None
     resolve(args.strategy)
     if args.dtype is not None:
-        from .graph import _as_dtype
-
-        _as_dtype(args.dtype, "--dtype")
+        as_dtype(args.dtype, "--dtype")
     profile = load_profile(args.profile) if args.profile else None
     generation = parse_generation(args.generation) if args.generation is not None else None
     _check_writable(args.json, "--json")
@@ -645,9 +633,7 @@ def _dtype_line(given, loaded: LoadedModel) -> str:
     default = _dtype_name(loaded.dtype) if loaded.dtype is not None else None
     if given is None:
         return f"dtype {default or 'as built'} ({loaded.dtype_reason or 'each tensor as the model holds it'})"
-    from .graph import _as_dtype
-
-    name = _dtype_name(_as_dtype(given, "--dtype"))
+    name = _dtype_name(as_dtype(given, "--dtype"))
     if default is None or default == name:
         return f"dtype {name} (--dtype)"
     return f"dtype {name} (--dtype; from_pretrained would load {default}: {loaded.dtype_reason})"
@@ -682,8 +668,6 @@ def _budget_spec(budgets) -> str:
 
 def _accelerate(model, max_memory, options):
     """accelerate's plan, or the error saying it finds none (a valid outcome to report, not a failure)."""
-    from . import plan
-
     try:
         return plan(model, max_memory, strategy=ACCELERATE, **options)
     except AllocatorError as err:
@@ -691,9 +675,6 @@ def _accelerate(model, max_memory, options):
 
 
 def _cmd_demo(args) -> int:
-    from . import build_problem, plan, zoo
-    from .strategies import resolve
-
     resolve(args.strategy)
     if args.model not in zoo.ZOO:
         raise InvalidModel(f"unknown built-in example {args.model!r}; see 'allocator plan --list'."
@@ -725,8 +706,6 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from .cost_profile import Profile
-
     _check_writable(args.out, "--out")
     measured = Profile.measure()
     default = Profile()
@@ -763,11 +742,7 @@ def _quantity(name: str, value: float) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .strategies import STRATEGIES
-
     strategies = ", ".join(STRATEGIES)
-    from . import __version__
-
     parser = _Parser(prog="allocator", description="Plan where each part of a model lives: accelerators, RAM, disk.")
     parser.add_argument("--version", action="version", version=f"allocator {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo,profile}")

@@ -7,7 +7,7 @@ executing device between consecutive units pays an activation transfer plus a fi
 effect: bytes kept resident on accelerators are bytes not copied at every forward.
 
 Default bandwidths are named constants with their source in :mod:`allocator.cost_profile`;
-:meth:`Profile.measure` measures this machine.
+:meth:`Profile.measure` measures this machine. :func:`read_rates` is that module's, re-exported here.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .budgets import Device, is_accelerator
-from .cost_profile import Profile
+from .budgets import Device, is_accelerator, normalize_map
+from .cost_profile import Profile, read_rates
 from .problem import Problem
 from .runs import FEMTO, Run, columns
 from .runtime import main_device, map_runs, moves_with_weights, offloaded_devices
@@ -36,13 +36,6 @@ class Cost:
     disk_bytes: int         # of which read from disk
     device_changes: int     # changes of executing device along the model
     resident_fast: int      # bytes resident on the fastest tier
-
-
-def read_rates(profile: Profile, run_on) -> tuple[float, float]:
-    """Seconds per byte read and per parameter element computed with (``2 * tokens`` FLOP) on ``run_on``."""
-    if run_on == "cpu":
-        return 1 / profile.cpu_memory, 2 * profile.tokens / profile.cpu_flops
-    return 1 / profile.accelerator_memory, 2 * profile.tokens / profile.accelerator_flops
 
 
 def read_seconds(profile: Profile, run_on, nbytes: int, numel: int) -> float:
@@ -105,8 +98,6 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
     >>> estimate(p, {"0": 0, "1": "cpu"}).streamed_bytes, estimate(p, {"": 0}).streamed_bytes
     (263168, 0)
     """
-    from .validate import normalize_map
-
     device_map = normalize_map(device_map)
     # the main device as validate.check's memory.main, without the check
     return estimate_runs(problem, map_runs(problem.graph, device_map), main_device(set(device_map.values())), profile)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidOption
 
-__all__ = ["Profile"]
+__all__ = ["Profile", "read_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class Profile:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or value == float("inf"):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not value >= 0 or value == float("inf"):
                 raise InvalidOption(f"Profile.{field.name} must be a finite number >= 0, got {value!r}.")
         for name in ("accelerator_memory", "host_to_device", "disk_read", "cpu_memory", "device_to_device",
                      "accelerator_flops", "cpu_flops"):
@@ -103,7 +104,8 @@ class Profile:
     def from_dict(cls, data: dict) -> "Profile":
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise InvalidOption(f"unknown Profile fields {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}.")
+            known = [f.name for f in dataclasses.fields(cls)]
+            raise InvalidOption(f"unknown Profile fields {sorted(unknown)}; known: {known}.")
         return cls(**data)
 
     @classmethod
@@ -149,6 +151,13 @@ class Profile:
         except Exception as err:  # a broken driver must not break planning; say so
             log.warning("could not measure the accelerator (%s); keeping default bandwidths", err)
         return cls(**values)
+
+
+def read_rates(profile: Profile, run_on) -> tuple[float, float]:
+    """Seconds per byte read and per parameter element computed with (``2 * tokens`` FLOP) on ``run_on``."""
+    if run_on == "cpu":
+        return 1 / profile.cpu_memory, 2 * profile.tokens / profile.cpu_flops
+    return 1 / profile.accelerator_memory, 2 * profile.tokens / profile.accelerator_flops
 
 
 def _best(fn, size: int, repeats: int) -> float:

@@ -38,10 +38,10 @@ import torch.nn as nn
 
 from .budgets import parse_size
 from .errors import InfeasiblePlacement, InvalidModel, InvalidOption
-from .graph import build_graph, no_split_classes
-from .introspect import find_layers, infer_blocks
+from .graph import build_graph
+from .introspect import find_layers, infer_blocks, no_split_classes
 from .partition import least_feasible, split
-from .validate import _fmt
+from .budgets import format_bytes
 
 __all__ = [
     "PipelineSplit",
@@ -359,13 +359,13 @@ class PipelineSplit:
         n = len(self.stages)
         even = sum(self.stage_bytes) / n
         lines = [f"{self.model_class or 'model'}: {len(self.block_bytes)} blocks in {n} stages; largest stage "
-                 f"{_fmt(self.largest)} (an even split would be {_fmt(even)})"]
+                 f"{format_bytes(self.largest)} (an even split would be {format_bytes(even)})"]
         for j, (blocks, nbytes) in enumerate(zip(self.stages, self.stage_bytes)):
             span = blocks[0] if len(blocks) == 1 else f"{blocks[0]} .. {blocks[-1]}"
-            line = f"  stage {j}: {span} ({len(blocks)} block{'s' * (len(blocks) > 1)}), {_fmt(nbytes)}"
+            line = f"  stage {j}: {span} ({len(blocks)} block{'s' * (len(blocks) > 1)}), {format_bytes(nbytes)}"
             if self.stage_budgets is not None:
                 budget = self.stage_budgets[j]
-                line += f" of {_fmt(budget)}" + (f" ({nbytes / budget:.0%})" if budget else "")
+                line += f" of {format_bytes(budget)}" + (f" ({nbytes / budget:.0%})" if budget else "")
             if j == 0:
                 line += ", with what precedes the first block"
             if j == n - 1:
@@ -463,8 +463,8 @@ def pipeline_split_spec(model: nn.Module, n_stages: int, *, stage_budgets=None, 
             minimum = _bottleneck(charged, best)
             raise InfeasiblePlacement(
                 f"no split of the {len(blocks)} blocks of {type(model).__name__} into {n_stages} stages fits "
-                f"stage_budgets [{', '.join(_fmt(b) for b in budgets)}]: every split has a stage of at least "
-                f"{_fmt(minimum)} ({minimum} B). Give each stage at least {minimum} B, or use more stages.",
+                f"stage_budgets [{', '.join(format_bytes(b) for b in budgets)}]: every split has a stage of at least "
+                f"{format_bytes(minimum)} ({minimum} B). Give each stage at least {minimum} B, or use more stages.",
                 minimum=minimum,
             ) from None
     bounds = [0, *cuts, len(blocks)]

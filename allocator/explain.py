@@ -19,7 +19,7 @@ import numpy as np
 
 from .budgets import is_accelerator
 from .runtime import map_runs, offloaded_devices
-from .strategies._select import priced
+from .strategies.ranking import priced
 from .strategies.contract import contract_violations, why_empty
 from .units import groups
 from .validate import check, format_bytes
@@ -275,14 +275,16 @@ def _offloaded(plan, layout: _Layout, full: set) -> str | None:
     room = {d: plan.problem.budgets.limit(d) - plan.peak.get(d, 0) for d in hosts}
     moved = [k for d in offload for k in layout.on(d)]
     fits = [k for k in moved if any(layout.increment(k, d) <= room[d] for d in hosts)]
-    text = (f"{_units(count)} ({format_bytes(held)}, {_share(held, total)}) {'is' if count == 1 else 'are'} offloaded to "
-            f"{' and '.join(map(repr, offload))}: {'it executes' if count == 1 else 'they execute'} on {layout.main!r}, "
-            f"{'its' if count == 1 else 'their'} weights copied there at each forward ({format_bytes(plan.cost.streamed_bytes)} per forward)")
+    one = count == 1
+    text = (f"{_units(count)} ({format_bytes(held)}, {_share(held, total)}) {'is' if one else 'are'} offloaded to "
+            f"{' and '.join(map(repr, offload))}: {'it executes' if one else 'they execute'} on {layout.main!r}, "
+            f"{'its' if one else 'their'} weights copied there at each forward "
+            f"({format_bytes(plan.cost.streamed_bytes)} per forward)")
     if not hosts:
         return text
     left = ", ".join(f"{format_bytes(max(room[d], 0))} on {d!r}" for d in hosts)
     if not fits:
-        return text + f"; the budgets bound: {'it does not fit' if count == 1 else 'none of them fits'} the room left ({left})"
+        return text + f"; the budgets bound: {'it does not fit' if one else 'none of them fits'} the room left ({left})"
     smallest = min(fits, key=lambda k: int(layout.size[k]))
     return (text + f"; by size alone {len(fits)} of them would fit the room left ({left}; the smallest, "
             f"'{layout.name(smallest)}', {format_bytes(int(layout.size[smallest]))}): the sentences above say why "

@@ -55,7 +55,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field
 
+from .budgets import format_bytes
 from .errors import InvalidOption, warn_caller
+from .graph import as_dtype, dtype_bytes
+from .runtime import executes_on, extra_by_device, map_runs, offloaded_devices
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
 
@@ -140,9 +143,7 @@ class GenerationBudget:
         if self.prompt_length is not None:
             _positive("prompt_length", self.prompt_length, self.max_length - 1)
         if self.dtype is not None:
-            from .graph import _as_dtype
-
-            object.__setattr__(self, "dtype", _as_dtype(self.dtype, "GenerationBudget.dtype"))
+            object.__setattr__(self, "dtype", as_dtype(self.dtype, "GenerationBudget.dtype"))
 
     def _from_new_tokens(self) -> None:
         """``max_length = prompt_length + max_new_tokens``, as ``generate`` computes it; checked against a given one."""
@@ -201,12 +202,11 @@ class GenerationNeeds:
         kinds: dict[str, list[int]] = {}
         for layer in self.layers:
             kinds.setdefault(layer.kind, []).append(layer.nbytes)
-        from .validate import _fmt
-
-        cache = ", ".join(f"{len(v)} {k} layers {_fmt(sum(v))}" for k, v in kinds.items())
-        return (f"{self.notes[0] if self.notes else 'generate'}: KV cache {_fmt(self.cache_bytes)} ({cache}), logits "
-                f"{_fmt(sum(self.logits.values()))} where the head runs, scores {_fmt(self.scores)} on the main "
-                f"device, activations {_fmt(self.activations)} on every device that runs the model")
+        cache = ", ".join(f"{len(v)} {k} layers {format_bytes(sum(v))}" for k, v in kinds.items())
+        return (f"{self.notes[0] if self.notes else 'generate'}: KV cache {format_bytes(self.cache_bytes)} ({cache}), "
+                f"logits {format_bytes(sum(self.logits.values()))} where the head runs, scores "
+                f"{format_bytes(self.scores)} on the main device, activations {format_bytes(self.activations)} on "
+                "every device that runs the model")
 
     def node_bytes(self) -> dict[int, int]:
         """Cache and logits bytes per node: what :attr:`ModelGraph.extra` holds."""
@@ -239,13 +239,11 @@ def _in_features(linear) -> int:
 def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
     import torch
 
-    from .graph import _as_dtype, dtype_bytes
-
     if budget.dtype is not None:
         return dtype_bytes(budget.dtype)[0]
-    own = weight.dtype if weight.is_floating_point() else _as_dtype(getattr(config, "dtype", None) or torch.float32,
+    own = weight.dtype if weight.is_floating_point() else as_dtype(getattr(config, "dtype", None) or torch.float32,
                                                                      "config.dtype")
-    plan_dtype = _as_dtype(plan_dtype, "dtype") if plan_dtype is not None else None
+    plan_dtype = as_dtype(plan_dtype, "dtype") if plan_dtype is not None else None
     if plan_dtype is not None and plan_dtype.is_floating_point:  # int8/int4 weights still compute in floating point
         return min(dtype_bytes(plan_dtype)[0], dtype_bytes(own)[0])
     return dtype_bytes(own)[0]
@@ -526,8 +524,6 @@ def _activations(model, config, attention: _Attention, tokens: int, length: int,
 def breakdown(needs: GenerationNeeds | None, graph, device_map: Mapping, memory) -> dict:
     """Per device of ``memory.peak`` (from :func:`allocator.validate.check`): ``weights``, ``cache``, ``logits`` and
     ``activations`` bytes, summing to the peak (``weights`` includes buffers and the streaming reserve)."""
-    from .runtime import executes_on, extra_by_device, map_runs, offloaded_devices
-
     devices = map_runs(graph, device_map)
     used = set(device_map.values())
     hooks = len(used) > 1 or "disk" in used

@@ -25,77 +25,32 @@ one entry per module path or tensor, in preorder. A 200k-module model then holds
 besides its strings instead of one record per module and per tensor: cheaper to build, a fraction of the memory, and
 nothing for the caller's garbage collections to walk. ``graph.nodes[i]`` / ``graph.tensors[k]`` still give the
 records (:class:`ModuleNode`, :class:`TensorNode`), built when asked for; loops over a whole model read the columns
-(``graph.nodes.parent``, ``graph.tensors.nbytes``), numpy reads the int64 ones without a copy.
+(``graph.nodes.parent``, ``graph.tensors.nbytes``), numpy reads the int64 ones without a copy. The record and table
+machinery is :mod:`allocator.table`'s.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from array import array
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
-
-try:
-    from _collections import _tuplegetter  # namedtuple's field accessor, in C
-except ImportError:  # another Python implementation
-    from operator import itemgetter
-
-    def _tuplegetter(index, doc):
-        return property(itemgetter(index), doc=doc)
 
 from .errors import InvalidModel, InvalidOption
 from .gc_pause import gc_paused
+from .introspect import declared_no_split, infer_blocks, no_split_classes
+from .table import Paths, Record, Table, frozen, new_row
 
-__all__ = ["ModuleNode", "TensorNode", "Nodes", "Tensors", "ModelGraph", "build_graph", "dtype_bytes"]
+__all__ = ["ModuleNode", "TensorNode", "Nodes", "Tensors", "ModelGraph", "build_graph", "as_dtype", "dtype_bytes",
+           "no_split_classes"]
 
 log = logging.getLogger(__name__)
 
 SizeFn = Callable[[str, object], "int | None"]
 
 
-class _Record(tuple):
-    """An immutable record: a tuple whose fields, declared as annotations in order, also read as attributes
-    (``namedtuple``'s accessors). Build one with the fields in order, or by name; defaults come from ``_defaults``.
-
-    Why a tuple: a large model has hundreds of thousands of nodes and tensors, and a tuple builds 5x faster than a
-    frozen slotted dataclass (which sets each field through ``object.__setattr__``). Records compare and hash as
-    tuples; ``_replace`` stands for ``dataclasses.replace``.
-    """
-
-    __slots__ = ()
-    _fields: ClassVar[tuple[str, ...]] = ()
-    _defaults: ClassVar[dict[str, object]] = {}
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        cls._fields = tuple(inspect.get_annotations(cls))
-        for k, name in enumerate(cls._fields):
-            setattr(cls, name, _tuplegetter(k, None))
-
-    def __new__(cls, /, *args, **kwargs):
-        if kwargs or len(args) != len(cls._fields):
-            given = {**cls._defaults, **dict(zip(cls._fields, args)), **kwargs}
-            if len(args) > len(cls._fields) or given.keys() != set(cls._fields):
-                raise TypeError(f"{cls.__name__} takes the fields {cls._fields}, got {len(args)} positional "
-                                f"and {sorted(kwargs)}")
-            args = tuple(given[f] for f in cls._fields)
-        return tuple.__new__(cls, args)
-
-    def _replace(self, /, **changes) -> _Record:
-        """A copy with some fields changed."""
-        return type(self)(**{**dict(zip(self._fields, self)), **changes})
-
-    def __getnewargs__(self) -> tuple:  # pickle and copy call __new__ with the fields
-        return tuple(self)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{n}={v!r}' for n, v in zip(self._fields, self))})"
-
-
-class TensorNode(_Record):
+class TensorNode(Record):
     """One parameter or buffer."""
 
     __slots__ = ()
@@ -119,7 +74,7 @@ class TensorNode(_Record):
         return self.nbytes if self.storage == self._index else 0
 
 
-class ModuleNode(_Record):
+class ModuleNode(Record):
     """One module, by path."""
 
     __slots__ = ()
@@ -133,114 +88,7 @@ class ModuleNode(_Record):
     alias_of: int                 # first node of the same module object, or -1
 
 
-def _frozen(column):
-    """A read-only column: an int64 ``array`` as a read-only view of it (no copy, no object per entry; numpy reads it
-    with ``np.frombuffer``), anything else as a tuple."""
-    if isinstance(column, array):
-        return memoryview(column).toreadonly()
-    if isinstance(column, memoryview):
-        return column.toreadonly()
-    if isinstance(column, _Paths):
-        return column
-    return tuple(column)
-
-
-def _same(a, b) -> bool:
-    return a == b if type(a) is type(b) else len(a) == len(b) and all(x == y for x, y in zip(a, b))
-
-
-def _picklable(column):
-    return array(column.format, column.tobytes()) if isinstance(column, memoryview) else column
-
-
-class _Paths(Sequence):
-    """Full tensor names, each made from its module's path and its local name when asked for: a large model's names
-    are not kept twice. ``_Paths(node_names, module, local)[k]`` is ``node_names[module[k]] + "." + local[k]`` (just
-    the local name under the root)."""
-
-    __slots__ = ("_node_names", "_module", "_local")
-
-    def __init__(self, node_names: Sequence[str], module: Sequence[int], local: Sequence[str]):
-        self._node_names, self._module, self._local = node_names, module, local
-
-    def __len__(self) -> int:
-        return len(self._local)
-
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            return tuple(self[j] for j in range(*k.indices(len(self))))
-        node = self._node_names[self._module[k]]
-        return f"{node}.{self._local[k]}" if node else self._local[k]
-
-    def __iter__(self):
-        return map(_path, map(self._node_names.__getitem__, self._module), self._local)
-
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, str):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
-    def __hash__(self) -> int:
-        return hash(self._local)
-
-    def __reduce__(self):
-        return tuple, (tuple(self),)   # unpickles as a plain tuple of names
-
-
-def _path(node: str, local: str) -> str:
-    return f"{node}.{local}" if node else local
-
-
-class _Table(Sequence):
-    """Columns of equal length, one per name in ``_columns`` (a subclass's ``__slots__``), frozen by
-    :func:`_frozen`; ``table[i]`` is row ``i`` as a record (``_row``), slices give tuples of records. Immutable."""
-
-    __slots__ = ()
-    _columns: ClassVar[tuple[str, ...]] = ()
-    _what: ClassVar[str] = "rows"
-
-    def __init__(self, *columns):
-        if len(columns) != len(self._columns):
-            raise TypeError(f"{type(self).__name__} takes the columns {self._columns}, got {len(columns)}")
-        columns = tuple(map(_frozen, columns))
-        if len(set(map(len, columns))) > 1:
-            raise ValueError(f"{type(self).__name__} columns of different lengths {[len(c) for c in columns]}")
-        for field_name, column in zip(self._columns, columns):
-            object.__setattr__(self, field_name, column)
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"{type(self).__name__} is immutable")
-
-    def __len__(self) -> int:
-        return len(getattr(self, self._columns[0]))
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(map(self._row, range(*i.indices(len(self)))))
-        return self._row(range(len(self))[i])  # an int in range (negative from the end), else an error
-
-    def __iter__(self):
-        return map(self._row, range(len(self)))
-
-    def _row(self, i: int):
-        raise NotImplementedError
-
-    def __eq__(self, other) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return all(_same(getattr(self, c), getattr(other, c)) for c in self._columns)
-
-    def __hash__(self) -> int:
-        return hash(getattr(self, self._columns[0]))
-
-    def __reduce__(self):
-        return type(self), tuple(_picklable(getattr(self, c)) for c in self._columns)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self)} {self._what})"
-
-
-class Nodes(_Table):
+class Nodes(Table):
     """The modules of a graph in preorder, stored as columns; ``nodes[i]`` is node ``i`` as a :class:`ModuleNode`.
 
     Each column is a tuple with one entry per node: ``name``, ``cls``, ``parent``, ``alias_of`` (as in
@@ -267,7 +115,7 @@ class Nodes(_Table):
     def _row(self, i: int) -> ModuleNode:
         first = self.first[i]
         params = first + self.n_params[i]
-        return _new_row(ModuleNode, (self.name[i], self.cls[i], self.parent[i], self.children(i),
+        return new_row(ModuleNode, (self.name[i], self.cls[i], self.parent[i], self.children(i),
                                      tuple(range(first, params)), tuple(range(params, params + self.n_buffers[i])),
                                      self.alias_of[i]))
 
@@ -287,7 +135,7 @@ class Nodes(_Table):
         return range(first, first + self.n_params[i] + self.n_buffers[i])
 
 
-class Tensors(_Table):
+class Tensors(Table):
     """The parameters and buffers of a graph in node preorder, stored as columns (one tuple per field of
     :class:`TensorNode` but ``_index``); ``tensors[k]`` is tensor ``k`` as a :class:`TensorNode`."""
 
@@ -297,7 +145,7 @@ class Tensors(_Table):
     _what = "tensors"
 
     def _row(self, k: int) -> TensorNode:
-        return _new_row(TensorNode, (self.name[k], self.module[k], self.local[k], self.is_param[k], self.persistent[k],
+        return new_row(TensorNode, (self.name[k], self.module[k], self.local[k], self.is_param[k], self.persistent[k],
                                      self.numel[k], self.nbytes[k], self.nbytes_accelerate[k], self.canonical[k],
                                      self.storage[k], k))
 
@@ -413,7 +261,13 @@ _SUB_BYTE = {f"torch.{sign}int{bits}": bits for sign in ("", "u") for bits in ra
 element size of 1 byte for them; stored, they are packed (``int4``: two per byte)."""
 
 
-def _as_dtype(dtype, what: str):
+def as_dtype(dtype, what: str):
+    """``dtype`` as a ``torch.dtype``: a dtype, or its name (``"float16"``, ``"torch.bfloat16"``); ``what`` names it in
+    the :class:`~allocator.errors.InvalidOption` raised for anything else.
+
+    >>> as_dtype("bfloat16", "dtype")
+    torch.bfloat16
+    """
     import torch
 
     if isinstance(dtype, str):
@@ -678,9 +532,6 @@ class _Reader:
                 list(module.named_children()))
 
 
-_new_row = tuple.__new__  # a record from a row in field order, without _Record.__new__'s checks
-
-
 def _read_model(model, size_of, by_dtype) -> _Reader:
     """Read the model, again carefully where the fast read was not exact."""
     read = _Reader(model, size_of, by_dtype)
@@ -747,53 +598,18 @@ def _find_tied(all_params: list[tuple[str, Hashable]], unique: dict[str, Hashabl
     return [tuple(sorted([w] + list(set(t)))) for w, t in groups.items()]
 
 
-def no_split_classes(model) -> set[str]:
-    """``_no_split_modules`` of the model and of every sub-model, united.
-
-    >>> import torch.nn as nn
-    >>> class Tower(nn.Module):
-    ...     _no_split_modules = ["Block"]
-    >>> no_split_classes(nn.Sequential(Tower()))
-    {'Block'}
-    """
-    return _declared_no_split(model.modules())
-
-
-_NOT_FOUND = object()
-
-
 def _read_no_split(read: _Reader) -> set[str]:
-    """:func:`_declared_no_split` over the modules the walk met (each object once), asking each class once when no
-    module declares its own and no class declares through a descriptor (the per-module rule costs a slow
-    ``__dict__`` lookup per module)."""
+    """:func:`~allocator.introspect.declared_no_split` over the modules the walk met (each object once), asking each
+    class once when no module declares its own and no class declares through a descriptor (the per-module rule costs
+    a slow ``__dict__`` lookup per module)."""
     unique = (read.modules[i] for i in read.first_node_of.values())
     if read.own_no_split:
-        return _declared_no_split(unique)
+        return declared_no_split(unique)
     found: set[str] = set()
     for cls in read.classes:
         declared = getattr(cls, "_no_split_modules", None)
         if hasattr(type(declared), "__get__"):  # a property or other descriptor: ask the instances
-            return _declared_no_split(unique)
-        if declared:
-            found.update(str(c) for c in declared)
-    return found
-
-
-def _declared_no_split(modules) -> set[str]:
-    """Each module's ``_no_split_modules`` (its own attribute, else its class's), united."""
-    found: set[str] = set()
-    by_class: dict[type, object] = {}
-    for module in modules:
-        declared = module.__dict__.get("_no_split_modules", _NOT_FOUND)
-        if declared is _NOT_FOUND:
-            cls = type(module)
-            declared = by_class.get(cls, _NOT_FOUND)
-            if declared is _NOT_FOUND:
-                declared = getattr(cls, "_no_split_modules", None)
-                if hasattr(type(declared), "__get__"):  # a property or other descriptor: ask the instance
-                    declared = getattr(module, "_no_split_modules", None)
-                else:
-                    by_class[cls] = declared
+            return declared_no_split(unique)
         if declared:
             found.update(str(c) for c in declared)
     return found
@@ -852,10 +668,10 @@ def build_graph(
         if not isinstance(c, str):
             raise InvalidOption(f"no_split_module_classes must hold class names (str), got {c!r}.")
         no_split.add(c)
-    target = _as_dtype(dtype, "dtype") if dtype is not None else None
+    target = as_dtype(dtype, "dtype") if dtype is not None else None
     special = {}
     for key, value in (special_dtypes or {}).items():
-        special[key] = _as_dtype(value, f"special_dtypes[{key!r}]")
+        special[key] = as_dtype(value, f"special_dtypes[{key!r}]")
 
     per_element = _PerElement(target)
 
@@ -870,12 +686,12 @@ def build_graph(
 
     with gc_paused():
         read = _read_model(model, size_of, by_dtype)
-        no_split, declared_no_split = _no_split(model, read, no_split, discover_no_split, infer_no_split)
+        no_split, declared_classes = _no_split(model, read, no_split, discover_no_split, infer_no_split)
         nodes = Nodes(read.names, read.cls, read.parents, read.alias_of, read.first, read.n_params, read.n_buffers,
                       read.end)
         node_index = dict(zip(nodes.name, range(len(nodes))))  # zip: no Python loop
-        module, local = _frozen(read.t_module), tuple(read.t_local)
-        names = _Paths(nodes.name, module, local)
+        module, local = frozen(read.t_module), tuple(read.t_local)
+        names = Paths(nodes.name, module, local)
         tensor_index = _TensorIndex(node_index, nodes, local, names)
         storage = read.t_canonical[:]   # a copy
         moved = _declared_storage(model, storage, tensor_index)
@@ -897,7 +713,7 @@ def build_graph(
                 log.warning("no-split class %r matches no module of %s; check the spelling.", c, type(model).__name__)
         graph = ModelGraph(
             nodes=nodes, tensors=tensors, size=size, size_accelerate=size_acc,
-            no_split=frozenset(no_split), no_split_declared=declared_no_split, tied_groups=tuple(tied),
+            no_split=frozenset(no_split), no_split_declared=declared_classes, tied_groups=tuple(tied),
             declared_ties=tuple(declared_ties), node_index=node_index, tensor_index=tensor_index,
             model_class=type(model).__name__,
         )
@@ -913,8 +729,6 @@ def _no_split(model, read: _Reader, given: set[str], discover: bool, infer: bool
         no_split |= _read_no_split(read) if not read.repeats else no_split_classes(model)
     declared = frozenset(no_split)
     if infer and not no_split:
-        from .introspect import infer_blocks
-
         no_split = infer_blocks(model)
         if no_split:
             log.info("%s declares no no-split classes; keeping its repeated blocks %s whole "

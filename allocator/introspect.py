@@ -3,7 +3,8 @@
 Four pure functions over an ``nn.Module``; none of them mutates the model.
 
 :func:`no_split_classes`
-    The classes the model declares unsplittable (``_no_split_modules``), over every sub-model.
+    The classes the model declares unsplittable (``_no_split_modules``), over every sub-model
+    (:func:`declared_no_split` is the same rule over any modules).
 :func:`infer_blocks`
     The classes of the repeated blocks, inferred from the structure, for models that declare none.
 :func:`find_layers`
@@ -26,7 +27,11 @@ wrapper
     A module whose only job is to hold another one: ``DistributedDataParallel.module``,
     ``OptimizedModule._orig_mod``, ``FullyShardedDataParallel._fsdp_wrapped_module``, ...
 
-``no_split_classes`` is :func:`allocator.graph.no_split_classes`, re-exported:
+:mod:`allocator.graph` builds on this module (it reads the declarations, and infers blocks when there are none), so
+it imports nothing of the package but its errors; ``torch`` is imported where first needed, as in the graph, so that
+``import allocator`` stays light.
+
+``no_split_classes`` looks into every sub-model:
 
 >>> import torch.nn as nn
 >>> class Tower(nn.Module):
@@ -48,23 +53,72 @@ import types
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from .errors import InvalidModel
-from .graph import no_split_classes
 
-__all__ = ["find_layers", "infer_blocks", "no_split_classes", "unwrap"]
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+__all__ = ["declared_no_split", "find_layers", "infer_blocks", "no_split_classes", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+def _nn():
+    """``torch.nn``, imported on first use."""
+    import torch.nn
+
+    return torch.nn
+
+
+def _containers() -> tuple[type, ...]:
+    """The container classes whose children may be blocks: ``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``."""
+    nn = _nn()
+    return nn.ModuleList, nn.Sequential, nn.ModuleDict
 
 
 def _require_module(model, caller: str) -> None:
     """Raise :class:`InvalidModel` unless ``model`` is an ``nn.Module``."""
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, _nn().Module):
         raise InvalidModel(f"{caller}() expects a torch.nn.Module, got {type(model).__name__}; pass the model itself.")
+
+
+# ------------------------------------------------------------------------------------------ declared no-split
+def no_split_classes(model) -> set[str]:
+    """``_no_split_modules`` of the model and of every sub-model, united.
+
+    >>> import torch.nn as nn
+    >>> class Tower(nn.Module):
+    ...     _no_split_modules = ["Block"]
+    >>> no_split_classes(nn.Sequential(Tower()))
+    {'Block'}
+    """
+    return declared_no_split(model.modules())
+
+
+_NOT_FOUND = object()
+
+
+def declared_no_split(modules) -> set[str]:
+    """Each module's ``_no_split_modules`` (its own attribute, else its class's), united: :func:`no_split_classes` over
+    any iterable of modules (the graph's reader passes each module object once)."""
+    found: set[str] = set()
+    by_class: dict[type, object] = {}
+    for module in modules:
+        declared = module.__dict__.get("_no_split_modules", _NOT_FOUND)
+        if declared is _NOT_FOUND:
+            cls = type(module)
+            declared = by_class.get(cls, _NOT_FOUND)
+            if declared is _NOT_FOUND:
+                declared = getattr(cls, "_no_split_modules", None)
+                if hasattr(type(declared), "__get__"):  # a property or other descriptor: ask the instance
+                    declared = getattr(module, "_no_split_modules", None)
+                else:
+                    by_class[cls] = declared
+        if declared:
+            found.update(str(c) for c in declared)
+    return found
 
 
 # ---------------------------------------------------------------------------------------- repeated blocks
@@ -116,12 +170,13 @@ def _block_classes(container: nn.Module, sign: Callable[[nn.Module], int]) -> li
     class: the search goes on inside them instead. Once a class repeats, its further children are not signed (they
     cannot change the answer), so a stack of identical blocks costs two signatures, not one per block.
     """
+    containers = _containers()
     counts: dict[tuple[type, int], int] = {}
     repeated: set[type] = set()
     first_two: dict[type, list[nn.Module]] = {}
     for child in container._modules.values():
         cls = type(child)
-        if child is None or cls in repeated or cls in _CONTAINERS:
+        if child is None or cls in repeated or cls in containers:
             continue
         signature = sign(child)
         if signature:
@@ -148,6 +203,7 @@ def _nested(a: nn.Module, b: nn.Module) -> bool:
 def _stacks(model: nn.Module) -> list[_Stack]:
     """The outermost stacks of ``model`` in definition (preorder) order; blocks are not searched inside."""
     sign = _parameter_signature()
+    containers = _containers()
     found: list[_Stack] = []
     pending: list[tuple[str, nn.Module]] = [("", model)]
     visited: set[int] = set()
@@ -156,7 +212,7 @@ def _stacks(model: nn.Module) -> list[_Stack]:
         if id(module) in visited:  # shared sub-module (or cycle): its first path is the one reported
             continue
         visited.add(id(module))
-        classes = _block_classes(module, sign) if isinstance(module, _CONTAINERS) else []
+        classes = _block_classes(module, sign) if isinstance(module, containers) else []
         keys: dict[type, list[str]] = {cls: [] for cls in classes}  # the blocks of each class, in order
         children = []
         for k, child in module._modules.items():  # one pass: a container may hold 100k blocks
@@ -294,6 +350,7 @@ _ACCELERATE_METHODS = ("to", "cuda", "npu", "xpu", "mlu", "sdaa", "musa", "neuro
 
 def _wrapped(module: nn.Module) -> nn.Module | None:
     """The module ``module`` wraps, or ``None`` when it is not a wrapper."""
+    nn = _nn()
     for cls in type(module).__mro__:
         attribute = _WRAPPER_CLASSES.get(cls.__name__)
         if attribute is not None and isinstance(module._modules.get(attribute), nn.Module):

@@ -116,8 +116,9 @@ def build_problem(
     """Build the :class:`Problem` once: introspect the model, parse budgets, check options.
 
     ``generation`` (a :class:`allocator.GenerationBudget`) adds the KV cache, logits and activations of ``generate``
-    to the graph (:mod:`allocator.generation`). ``options`` are the fields of :class:`Options`. ``hf_quantizer`` supplies sizes (``param_element_size``) and
-    may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is modified.
+    to the graph (:mod:`allocator.generation`). ``options`` are the fields of :class:`Options`. ``hf_quantizer``
+    supplies sizes (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does.
+    Nothing given is modified.
 
     Examples
     --------

@@ -20,10 +20,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .cost_profile import read_rates
 from .gc_pause import gc_paused
 from .graph import ModelGraph
+from .rules import moves
 
-__all__ = ["Run", "Columns", "columns", "runs", "key_ranges", "pieces", "expand", "devices_in", "first_device"]
+__all__ = ["Run", "Columns", "Moving", "columns", "runs", "key_ranges", "side_by_side_runs", "pieces", "expand",
+           "devices_in", "first_device", "as_array", "as_ints", "NUMPY_FROM", "FEMTO"]
 
 
 class Run(NamedTuple):
@@ -44,6 +47,12 @@ class Columns:
     Prefix sums ``P`` have one more entry than the tensors: the sum over tensors ``a`` to ``b - 1`` is
     ``P[b] - P[a]``. Everything that depends on ``offload_buffers`` (which tensors move with their module) or on a
     cost profile is built on first use and kept.
+
+    Per node: ``first`` (its first own tensor; one more entry, the tensor count), ``last`` (one past the last tensor
+    of its subtree), ``parent``, ``end`` (as :class:`allocator.graph.Nodes`), ``parent_array`` (``parent`` as an int64
+    numpy array) and ``levels`` (node indices by depth, deepest first). Per tensor: ``module``, ``nbytes``,
+    ``counted``, ``numel`` and ``is_param`` (a numpy bool array), with the prefix sums ``sum_counted``,
+    ``sum_weighted``, ``sum_numel``; ``sum_extra`` over nodes.
     """
 
     @gc_paused()
@@ -52,26 +61,26 @@ class Columns:
         n = len(nodes)
         # node i's own tensors are first[i] to first[i + 1] - 1: its builder reads each node's parameters, then
         # buffers, in preorder, so they start where those of the nodes before it end
-        first = np.append(_array(nodes.first), len(tensors))
-        self.first = _ints(first)
+        first = np.append(as_array(nodes.first), len(tensors))
+        self.first = as_ints(first)
         self.parent = nodes.parent
-        self._parents = _array(nodes.parent)
-        self.levels = _levels(self._parents)
+        self.parent_array = as_array(nodes.parent)
+        self.levels = _levels(self.parent_array)
         self.end = nodes.end   # the node after a node's subtree
-        self.last = _ints(first[_array(nodes.end)])    # one past the last tensor of a subtree
+        self.last = as_ints(first[as_array(nodes.end)])    # one past the last tensor of a subtree
         self.module = tensors.module
         self.nbytes = tensors.nbytes
-        storage, nbytes = _array(tensors.storage), _array(tensors.nbytes)
+        storage, nbytes = as_array(tensors.storage), as_array(tensors.nbytes)
         counted = np.where(storage == np.arange(len(storage)), nbytes, 0)   # 0 for a second name of shared memory
-        self.counted = _ints(counted)
+        self.counted = as_ints(counted)
         self.sum_counted = _prefix(counted)
         self.sum_weighted = _prefix(nbytes > 0)  # tensors with bytes
         # parameter elements, counted once: the compute term of the cost model
         is_param = np.array(tensors.is_param, dtype=bool)
-        numel = np.where(is_param & (np.asarray(counted) != 0), _array(tensors.numel), 0).astype(np.int64)
-        self.numel = _ints(numel)
+        numel = np.where(is_param & (np.asarray(counted) != 0), as_array(tensors.numel), 0).astype(np.int64)
+        self.numel = as_ints(numel)
         self.sum_numel = _prefix(numel)
-        self._is_param = is_param
+        self.is_param = is_param
         extra = [0] * n
         for node, nbytes in (graph.extra or {}).items():
             extra[node] += nbytes
@@ -85,14 +94,14 @@ class Columns:
         """``first`` (without its last entry), ``last`` and ``parent`` as int64 numpy arrays, one entry per node."""
         found = self.cache.get("arrays")
         if found is None:
-            found = self.cache["arrays"] = (_array(self.first)[:-1], _array(self.last), self._parents)
+            found = self.cache["arrays"] = (as_array(self.first)[:-1], as_array(self.last), self.parent_array)
         return found
 
     def module_array(self) -> np.ndarray:
         """The ``module`` of each tensor as an int64 numpy array."""
         found = self.cache.get("module")
         if found is None:
-            found = self.cache["module"] = _array(self.module)
+            found = self.cache["module"] = as_array(self.module)
         return found
 
     def moving(self, offload_buffers: bool) -> Moving:
@@ -103,12 +112,11 @@ class Columns:
         return found
 
     def reads(self, profile) -> tuple[list[int], list[int]]:
-        """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``), on
-        the CPU and on an accelerator. Integers, so that a sum does not depend on how a map cuts it into runs."""
+        """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``, from
+        :func:`allocator.cost_profile.read_rates`), on the CPU and on an accelerator. Integers, so that a sum does
+        not depend on how a map cuts it into runs."""
         found = self._reads.get(profile)
         if found is None:
-            from .cost import read_rates
-
             nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
                 .astype(np.float64)
             found = []
@@ -139,7 +147,7 @@ def _levels(parents: np.ndarray) -> list:
     return np.split(order, bounds)
 
 
-def _array(column) -> np.ndarray:
+def as_array(column) -> np.ndarray:
     """An integer column as a numpy array: a view of an int64 buffer (no copy), else converted; of Python ints
     (``dtype=object``) where a value does not fit in an int64 (a size_fn may say anything)."""
     if isinstance(column, array) and column.typecode == "q" or isinstance(column, memoryview) and column.format == "q":
@@ -150,7 +158,7 @@ def _array(column) -> np.ndarray:
         return np.array(column, dtype=object)
 
 
-def _ints(values: np.ndarray):
+def as_ints(values: np.ndarray):
     """Integers for indexing from Python: an int64 ``array`` (Python ints out, no object per entry kept), or a
     list where the values are not int64."""
     if isinstance(values, np.ndarray) and values.dtype == np.int64:
@@ -174,7 +182,7 @@ def _prefix(values):
     out = np.empty(len(values) + 1, dtype=np.int64)
     out[0] = 0
     np.cumsum(values, out=out[1:])
-    return _ints(out)
+    return as_ints(out)
 
 
 class Moving:
@@ -182,15 +190,13 @@ class Moving:
 
     @gc_paused()
     def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
-        from .runtime import moves
-
         persistent = np.array(graph.tensors.persistent, dtype=bool)
-        moving = moves(cols._is_param, persistent, offload_buffers)   # the rule, applied to whole columns
-        nbytes = np.where(moving, _array(cols.nbytes), 0)   # what each hook copies
-        self.nbytes = _ints(nbytes)
+        moving = moves(cols.is_param, persistent, offload_buffers)   # the rule, applied to whole columns
+        nbytes = np.where(moving, as_array(cols.nbytes), 0)   # what each hook copies
+        self.nbytes = as_ints(nbytes)
         self.sum_nbytes = _prefix(nbytes)
         self.sum_count = _prefix(moving)
-        self.sum_counted = _prefix(np.where(moving, _array(cols.counted), 0))
+        self.sum_counted = _prefix(np.where(moving, as_array(cols.counted), 0))
         # What each node's hook streams (its own tensors: first[i] to first[i + 1] - 1), and the streamed chain of
         # each subtree were all of it offloaded: its own plus the largest chain among its children, level by level.
         sums = np.array(self.sum_nbytes, dtype=object) if isinstance(self.sum_nbytes, list) else \
@@ -201,9 +207,9 @@ class Moving:
         for level in cols.levels:   # deepest first
             chain[level] += below[level]
             if level is not cols.levels[-1]:
-                np.maximum.at(below, cols._parents[level], chain[level])
-        self.own = _ints(own)
-        self.chain = _ints(chain)
+                np.maximum.at(below, cols.parent_array[level], chain[level])
+        self.own = as_ints(own)
+        self.chain = as_ints(chain)
         self._chain, self._nbytes = chain, nbytes
         self._nodes = graph.nodes
 
@@ -234,7 +240,7 @@ def columns(graph: ModelGraph) -> Columns:
     return made
 
 
-#: From this many entries (map keys here, groups in :mod:`allocator.strategies._fill`) work goes through numpy;
+#: From this many entries (map keys here, groups in :mod:`allocator.strategies.first_fit`) work goes through numpy;
 #: below, plain loops: numpy's fixed cost per call is larger than the whole loop over a few hundred entries.
 NUMPY_FROM = 512
 
@@ -274,7 +280,7 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     if len(ranked) != len(devices) or ranked is not keep:
         devices = list(itemgetter(*ranked.tolist())(devices)) if len(ranked) > 1 else [devices[k] for k in ranked]
     if len(ranked) < 2 or (lo[1:] >= hi[:-1]).all():  # no key below another: the usual map
-        return _side_by_side(lo, hi, order, devices, len(cols.module), tensor_order)
+        return side_by_side_runs(lo, hi, order, devices, len(cols.module), tensor_order)
     return _carve(list(zip(lo.tolist(), (-hi).tolist(), order.tolist(), devices)), len(cols.module), tensor_order)
 
 
@@ -340,8 +346,8 @@ def _carve(spans: list[tuple], tensors: int, tensor_order: int) -> list[Run]:
     return [Run(*run) for run in out]
 
 
-def _side_by_side(lo: np.ndarray, hi: np.ndarray, order: np.ndarray, devices: list, tensors: int,
-                  tensor_order: int) -> list[Run]:
+def side_by_side_runs(lo: np.ndarray, hi: np.ndarray, order: np.ndarray, devices: list, tensors: int,
+                      tensor_order: int) -> list[Run]:
     """:func:`runs` of sorted key ranges none of which encloses another: a run starts at a gap or where the device
     changes (its type too: ``True == 1``, but ``True`` is no device); a run of one key is that key's subtree."""
     if not len(lo):

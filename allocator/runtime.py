@@ -13,6 +13,9 @@ Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignD
 - Offloaded ``cpu`` weights stay in RAM; ``disk`` weights are memory-mapped (no RAM budget is used while
   an accelerator is main; with ``cpu`` as main they are streamed into RAM like any offloaded weight).
 - A map with one device other than disk gets no hooks: everything lives on that device.
+
+The rules themselves, one function each, are in :mod:`allocator.rules` (re-exported here); this module says what they
+mean as memory: the runs of a map, its peaks, its streamed chain.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import numpy as np
 
 from .budgets import Device
 from .graph import ModelGraph
+from .rules import device_of, executes_on, main_device, moves, moves_with_weights, offloaded_devices
 from .runs import Run, columns, expand, first_device, pieces, runs
 
-__all__ = ["Memory", "Recent", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs",
+__all__ = ["Memory", "Recent", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs", "moves",
            "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain", "workspace"]
 
 
@@ -45,64 +49,6 @@ class Memory:
     chain: tuple[str, ...]
     generation: Mapping = field(default_factory=dict)
     """Of ``peak``, the bytes per device a generation budget adds (KV cache, logits, activations)."""
-
-
-def main_device(devices) -> Device:
-    """The device offloaded modules execute on, exactly as ``dispatch_model`` picks it.
-
-    ``devices`` are the values of a device map. Integer indices give the lowest index for small indices; the
-    expression is kept literal so that it matches accelerate in the same process.
-
-    >>> main_device([1, "cpu", 0]), main_device(["cpu", "disk"])
-    (0, 'cpu')
-    """
-    non_offloaded = set(devices) - {"cpu", "disk"}
-    return list(non_offloaded)[0] if non_offloaded else "cpu"
-
-
-def offloaded_devices(main: Device) -> frozenset:
-    """The map values whose weights are streamed to ``main`` at each forward."""
-    return frozenset({"disk"}) if main in ("cpu", "mps") else frozenset({"cpu", "disk"})
-
-
-def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
-    """The device of a module or tensor name by longest-prefix match (``None`` where the map does not cover it).
-
-    >>> device_of("layers.1.mlp.weight", {"layers.1": 0, "": "cpu"})
-    0
-    """
-    while True:
-        if name in device_map:
-            return device_map[name]
-        if not name:
-            return None
-        name = name.rpartition(".")[0]
-
-
-def moves_with_weights(tensor, offload_buffers: bool) -> bool:
-    """A tensor leaves the main device with its offloaded module: parameters, and persistent buffers when
-    ``offload_buffers`` (non-persistent buffers always stay)."""
-    return moves(tensor.is_param, tensor.persistent, offload_buffers)
-
-
-def moves(is_param, persistent, offload_buffers: bool):
-    """:func:`moves_with_weights` from a tensor's flags, or from whole columns of them (numpy bool arrays of
-    :class:`allocator.graph.Tensors` columns, elementwise)."""
-    return is_param | (offload_buffers & persistent)
-
-
-def executes_on(device: Device, main: Device, offloaded, hooks: bool) -> Device:
-    """Where a module mapped to ``device`` runs: the main device when offloaded; ``mps`` for ``cpu`` modules when
-    ``mps`` is main (they move there at dispatch); else its own device.
-
-    >>> executes_on("cpu", 0, {"cpu", "disk"}, True), executes_on(1, 0, {"cpu", "disk"}, True)
-    (0, 1)
-    """
-    if device in offloaded:
-        return main
-    if device == "cpu" and main == "mps" and hooks:
-        return "mps"
-    return device
 
 
 def extra_by_device(graph: ModelGraph, found: list, node_bytes: Mapping[int, int], main: Device, offloaded,

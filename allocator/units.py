@@ -17,17 +17,18 @@ from typing import ClassVar
 import numpy as np
 
 from .gc_pause import gc_paused
-from .graph import ModelGraph, _frozen, _new_row, _picklable, _Record, _same, _Table
-from .runs import _array, _ints, columns, key_ranges
-from .runtime import moves
+from .graph import ModelGraph
+from .rules import moves
+from .runs import as_array, as_ints, columns, key_ranges
+from .table import Record, Table, frozen, new_row, picklable, same
 
 __all__ = ["Unit", "Group", "Units", "Groups", "units", "groups"]
 
 
-class Unit(_Record):
+class Unit(Record):
     """A piece a plan places whole: a module that is not split, or a direct tensor of one that is.
 
-    An immutable record (:class:`allocator.graph._Record`, a tuple with named fields)."""
+    An immutable record (:class:`allocator.table.Record`, a tuple with named fields)."""
 
     __slots__ = ()
     _defaults = {"numel": 0}
@@ -41,7 +42,7 @@ class Unit(_Record):
     numel: int         # parameter elements (counted once), for the compute term of the cost model (default 0)
 
 
-class Group(_Record):
+class Group(Record):
     """Units that must share a device, in model order (an immutable record, as :class:`Unit`).
 
     ``resident_only``: holds a lone tensor (a direct tensor of a split module), so it cannot be offloaded, since
@@ -63,7 +64,7 @@ class Group(_Record):
         return tuple(u.name for u in self.units)
 
 
-class _Arrays(_Table):
+class _Arrays(Table):
     """A table whose columns are also given as numpy arrays, each made once (:meth:`array`)."""
 
     __slots__ = ()
@@ -78,7 +79,7 @@ class _Arrays(_Table):
         cache = self._arrays
         if column not in cache:
             values = getattr(self, column)
-            cache[column] = np.array(values, dtype=self._kinds[column]) if column in self._kinds else _array(values)
+            cache[column] = np.array(values, dtype=self._kinds[column]) if column in self._kinds else as_array(values)
         return cache[column]
 
 
@@ -106,7 +107,7 @@ class Units(_Arrays):
         return self._arrays["spans"]
 
     def _row(self, k: int) -> Unit:
-        return _new_row(Unit, (self.name[k], self.node[k], self.size[k], self.offload[k], self.pinned[k],
+        return new_row(Unit, (self.name[k], self.node[k], self.size[k], self.offload[k], self.pinned[k],
                                self.stream[k], self.numel[k]))
 
 
@@ -124,7 +125,7 @@ class Groups(_Arrays):
     def __init__(self, units: Units, members, *columns):
         super().__init__(*columns)
         object.__setattr__(self, "units", units)
-        object.__setattr__(self, "members", _frozen(members))
+        object.__setattr__(self, "members", frozen(members))
 
     def records(self) -> tuple[Group, ...]:
         """Every group as a :class:`Group` record, made once (for strategies that visit groups one by one)."""
@@ -150,21 +151,21 @@ class Groups(_Arrays):
 
     def _row(self, k: int) -> Group:
         found = self.units
-        return _new_row(Group, (tuple(found[self.members[j]] for j in self.member_range(k)), self.size[k],
+        return new_row(Group, (tuple(found[self.members[j]] for j in self.member_range(k)), self.size[k],
                                 self.offload[k], self.pinned[k], self.stream[k], self.numel[k],
                                 self.resident_only[k]))
 
     def __eq__(self, other) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return super().__eq__(other) and self.units == other.units and _same(self.members, other.members)
+        return super().__eq__(other) and self.units == other.units and same(self.members, other.members)
 
     def __hash__(self) -> int:
         return hash(self.units)
 
     def __reduce__(self):
-        return type(self), (self.units, _picklable(self.members),
-                            *(_picklable(getattr(self, c)) for c in self._columns))
+        return type(self), (self.units, picklable(self.members),
+                            *(picklable(getattr(self, c)) for c in self._columns))
 
 
 def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
@@ -186,13 +187,13 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
     n = len(nodes)
     if not n:
         return Units((), (), (), (), (), (), (), ())
-    end = _array(nodes.end)
+    end = as_array(nodes.end)
     no_split = g.no_split
     split = (end > np.arange(1, n + 1)) & ~np.fromiter(map(no_split.__contains__, nodes.cls), dtype=bool, count=n)
     # reached: every proper ancestor is split (levels run deepest first, so read them from the root down)
     reached = np.zeros(n, dtype=bool)
     reached[0] = True
-    parents = cols._parents
+    parents = cols.parent_array
     for level in reversed(cols.levels[:-1]):
         reached[level] = reached[parents[level]] & split[parents[level]]
     module_units = np.flatnonzero(reached & ~split)
@@ -208,16 +209,16 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
 
     def column(module_values, tensor_values):
         values = np.concatenate([np.asarray(module_values), np.asarray(tensor_values)])[order]
-        return _ints(values) if values.dtype != object else values.tolist()
+        return as_ints(values) if values.dtype != object else values.tolist()
 
     a, b = first[module_units], last[module_units]
-    sum_counted, moving_counted = _array(cols.sum_counted), _array(mov.sum_counted)
-    sum_extra = _array(cols.sum_extra)
+    sum_counted, moving_counted = as_array(cols.sum_counted), as_array(mov.sum_counted)
+    sum_extra = as_array(cols.sum_extra)
     extra = sum_extra[end[module_units]] - sum_extra[module_units]
     module_offload = moving_counted[b] - moving_counted[a]
-    counted = _array(cols.counted)[tensor_units]
+    counted = as_array(cols.counted)[tensor_units]
     persistent, tensor_names = g.tensors.persistent, g.tensors.name
-    tensor_moves = moves(cols._is_param[tensor_units],
+    tensor_moves = moves(cols.is_param[tensor_units],
                          np.array([persistent[t] for t in tensor_units.tolist()], dtype=bool), offload_buffers)
     zero = np.zeros(len(tensor_units), dtype=counted.dtype)
     names = np.concatenate([np.array(nodes.name, dtype=object)[module_units],
@@ -229,9 +230,9 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
         column(subtree + extra, counted),
         column(module_offload, np.where(tensor_moves, counted, zero)),
         column(subtree - module_offload + extra, np.where(tensor_moves, zero, counted)),
-        column(_array(mov.chain)[module_units],
-               np.where(cols._is_param[tensor_units] | tensor_moves, _array(cols.nbytes)[tensor_units], zero)),
-        column(_array(cols.sum_numel)[b] - _array(cols.sum_numel)[a], _array(cols.numel)[tensor_units]),
+        column(as_array(mov.chain)[module_units],
+               np.where(cols.is_param[tensor_units] | tensor_moves, as_array(cols.nbytes)[tensor_units], zero)),
+        column(as_array(cols.sum_numel)[b] - as_array(cols.sum_numel)[a], as_array(cols.numel)[tensor_units]),
         column(np.full(m, -1), tensor_units),
     )
     found._arrays["name"] = names
@@ -255,7 +256,7 @@ def _groups(g: ModelGraph, offload_buffers: bool) -> Groups:
     n = len(found)
     node = found.array("node")
     if not g.all_tie_groups():  # every unit is a group of its own
-        every = _ints(np.arange(n, dtype=np.int64))
+        every = as_ints(np.arange(n, dtype=np.int64))
         return Groups(found, every, found.size, found.offload, found.pinned, found.stream, found.numel,
                       (node < 0).tolist(), every)
     label = _tie_roots(found, g.all_tie_groups())
@@ -269,16 +270,16 @@ def _groups(g: ModelGraph, offload_buffers: bool) -> Groups:
     start = np.concatenate([[0], np.cumsum(count)[:-1]])
 
     def total(values, at=np.add.at):
-        values = _array(values)
+        values = as_array(values)
         out = np.zeros(len(roots), dtype=values.dtype) if values.dtype != object else np.array([0] * len(roots),
                                                                                              dtype=object)
         at(out, label, values)
-        return _ints(out) if out.dtype != object else out.tolist()
+        return as_ints(out) if out.dtype != object else out.tolist()
 
     resident_only = np.zeros(len(roots), dtype=bool)
     np.logical_or.at(resident_only, label, node < 0)
-    return Groups(found, _ints(members), total(found.size), total(found.offload), total(found.pinned),
-                  total(found.stream, np.maximum.at), total(found.numel), resident_only.tolist(), _ints(start))
+    return Groups(found, as_ints(members), total(found.size), total(found.offload), total(found.pinned),
+                  total(found.stream, np.maximum.at), total(found.numel), resident_only.tolist(), as_ints(start))
 
 
 def _tie_roots(found: Units, tie_groups) -> np.ndarray:

@@ -1,4 +1,8 @@
-"""One checker for every runtime rule a device map must respect (see :mod:`allocator.runtime`)."""
+"""One checker for every runtime rule a device map must respect (see :mod:`allocator.runtime`).
+
+:func:`normalize_map` and :func:`format_bytes` are :mod:`allocator.budgets`'s, re-exported here, where callers found
+them.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from itertools import filterfalse
 
-from .budgets import normalize_device
-from .errors import InvalidBudget, InvalidDeviceMap
+from .budgets import format_bytes, normalize_map
 from .problem import Problem, build_problem
 from .runs import columns, devices_in
 from .runtime import Memory, Recent, device_of, main_device, map_runs, offloaded_devices, peaks
@@ -27,51 +30,6 @@ class Violation:
         return f"{self.kind}: {self.message}"
 
 
-def normalize_map(device_map) -> dict:
-    """A copy of ``device_map`` with devices in canonical form; a typed error if it is not a device map."""
-    if not isinstance(device_map, Mapping):
-        raise InvalidDeviceMap(
-            f"device_map must be a dict of module names to devices, got {type(device_map).__name__}."
-        )
-    try:  # a map has few distinct values: normalise each once (type too: True == 1, but True is no device)
-        values = device_map.values()
-        if set(map(type, values)) <= {int, str}:   # the usual map: no value equals one of another type
-            distinct = {(type(value), value) for value in set(values)}
-        else:
-            distinct = set(zip(map(type, values), values))
-        canonical = {kind: normalize_device(kind[1]) for kind in distinct}
-    except (TypeError, InvalidBudget):  # unhashable or bad values: the loop below names the key
-        canonical = None
-    if canonical is not None and all(issubclass(kind, str) for kind in set(map(type, device_map))):
-        if all(type(c) is kind and c == value for (kind, value), c in canonical.items()):
-            return dict(device_map)
-        return {key: canonical[type(value), value] for key, value in device_map.items()}
-    out = {}
-    for key, value in device_map.items():
-        if not isinstance(key, str):
-            raise InvalidDeviceMap(f"device_map keys are module names (str); got {key!r}.")
-        try:
-            out[key] = normalize_device(value)
-        except InvalidBudget as err:
-            raise InvalidDeviceMap(f"device_map[{key!r}]: {err}") from None
-    return out
-
-
-def format_bytes(n: float) -> str:
-    """A byte count as people read it: ``format_bytes(3 * 2**20)`` is ``'3.00 MiB'``.
-
-    >>> format_bytes(1536), format_bytes(12)
-    ('1.50 KiB', '12 B')
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-_fmt = format_bytes
-
-
 _CHECKED = Recent()
 
 
@@ -81,8 +39,8 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
     Notes
     -----
     O(k log k) for k map entries, plus the tensors of offloaded runs that are not whole subtrees (once per graph,
-    O(nodes + tensors) for its :class:`allocator.runs.Columns`). The last few results are remembered (:class:`Recent`); each call returns
-    its own copies.
+    O(nodes + tensors) for its :class:`allocator.runs.Columns`). The last few results are remembered
+    (:class:`Recent`); each call returns its own copies.
     """
     known, key = _CHECKED.get(problem, device_map)
     if known is None:
@@ -119,7 +77,7 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     placed = set(device_map.values())
     for device, used in memory.peak.items():
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
-            continue   # no RAM budget given: the CPU only executes what streams from disk, unbudgeted (accelerate's view)
+            continue   # no RAM budget: the CPU only executes what streams from disk, unbudgeted (accelerate's view)
         if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
             found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory; give it one or "
                                    "map nothing there."))
@@ -128,15 +86,15 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
         if limit is not None and used > limit:
             extra = ""
             if device == memory.main and memory.streamed:
-                extra = f", of which {_fmt(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
+                extra = f", of which {format_bytes(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
             if memory.generation.get(device):
-                extra += f"{', and' if extra else ', of which'} {_fmt(memory.generation[device])} is for generate " \
-                         "(KV cache, logits, activations)"
+                extra += (f"{', and' if extra else ', of which'} {format_bytes(memory.generation[device])} is for "
+                          "generate (KV cache, logits, activations)")
             short = used - limit
+            exact = f" ({short} B)" if short >= 1024 else ""
             found.append(Violation(
-                "budget", f"device {device!r} needs {_fmt(used)} ({used} B){extra} but its budget is "
-                f"{_fmt(limit)} ({limit} B); raise it by {_fmt(short)}{f' ({short} B)' if short >= 1024 else ''} or "
-                "move modules off it."
+                "budget", f"device {device!r} needs {format_bytes(used)} ({used} B){extra} but its budget is "
+                f"{format_bytes(limit)} ({limit} B); raise it by {format_bytes(short)}{exact} or move modules off it."
             ))
     return found, memory
 

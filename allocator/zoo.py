@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-__all__ = ["FAMILIES", "ZOO", "ZooEntry", "build", "dtype", "names"]
+__all__ = ["FAMILIES", "ZOO", "ZooEntry", "build", "dtype", "names", "move_strays_to_meta", "quiet_transformers"]
 
 #: The families an entry may belong to, in catalogue order.
 FAMILIES: tuple[str, ...] = (
@@ -89,7 +89,7 @@ class ZooEntry:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silence transformers logging and Python warnings, restoring both after."""
     import warnings
 
@@ -130,17 +130,17 @@ def _meta(
     import torch
     import transformers
 
-    with _quiet():
+    with quiet_transformers():
         config = make_config(transformers)
         cls = getattr(transformers, model_class)
         with torch.device("meta"), (patch() if patch else contextlib.nullcontext()):
             model = cls(config)
-    _move_strays_to_meta(model)
+    move_strays_to_meta(model)
     model.eval()
     return model
 
 
-def _move_strays_to_meta(model: "torch.nn.Module") -> None:
+def move_strays_to_meta(model: "torch.nn.Module") -> None:
     """Put parameters and buffers that ignored the default device on meta.
 
     A few models create tensors with the legacy ``torch.Tensor(n)``
@@ -853,7 +853,6 @@ ZOO: dict[str, ZooEntry] = {
     for entry in _ENTRIES
     if entry.family == family
 }
-del _ENTRIES
 
 
 def names(*, family: str | None = None) -> list[str]:

@@ -176,7 +176,8 @@ def run(args) -> dict:
             fallback_allocation=rng.random() < 0.5, infer_no_split=rng.random() < 0.7,
         )
         try:
-            problem = allocator.build_problem(model, {"cpu": 0}, no_split_module_classes=kwargs["no_split_module_classes"],
+            problem = allocator.build_problem(model, {"cpu": 0},
+                                              no_split_module_classes=kwargs["no_split_module_classes"],
                                               infer_no_split=kwargs["infer_no_split"])
         except Exception as err:
             out["tree", seed] = ("error", type(err).__name__, str(err))

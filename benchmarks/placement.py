@@ -71,7 +71,8 @@ METHODS = {"accelerate": accelerate_map, "transformers-auto": transformers_map("
 
 
 def measure(names, cells, methods=None):
-    """One row per (architecture, budget cell, method) of ``methods`` (a subset of :data:`METHODS`; all when omitted)."""
+    """One row per (architecture, budget cell, method) of ``methods`` (a subset of :data:`METHODS`; all when
+    omitted)."""
     methods = {m: METHODS[m] for m in (methods or METHODS)}
     rows = []
     for name in names:
@@ -159,7 +160,8 @@ def summary(rows) -> str:
     for r in rows:
         if r["method"] != "auto" or r["valid"] is not True:
             continue
-        acc = next(x for x in rows if x["model"] == r["model"] and x["cell"] == r["cell"] and x["method"] == "accelerate")
+        acc = next(x for x in rows
+                   if x["model"] == r["model"] and x["cell"] == r["cell"] and x["method"] == "accelerate")
         if acc["valid"] is True:
             gains.append(float(r["share"]) - float(acc["share"]))
     head = ["| method | cells | invalid maps | no valid map | valid maps breaking the contract | "
@@ -183,7 +185,8 @@ def balanced_summary(rows) -> str:
         n += 1
         if theirs["valid"] is True and theirs["offloaded"] is True and ours["offloaded"] is False:
             spills += 1
-        if theirs["valid"] is True and ours["offloaded"] is False and theirs["offloaded"] is False and theirs["largest"]:
+        if theirs["valid"] is True and ours["offloaded"] is False and theirs["offloaded"] is False \
+                and theirs["largest"]:
             ratios.append(float(ours["largest"]) / float(theirs["largest"]))
     if not n:
         return ""
@@ -236,7 +239,8 @@ def main(argv=None) -> int:
     write_csv(args.out / "placement.csv", rows)
     text = (f"# Placement benchmark\n\n`python benchmarks/placement.py{' --quick' if args.quick else ''}` — "
             f"{len(names)} architectures x {len(cells)} budgets, {time.time() - start:.0f} s.\n\n"
-            f"{summary(rows)}\n\n{balanced_summary(rows)}\n\nResident share on the fastest tier, accelerate → ours (`auto`); "
+            f"{summary(rows)}\n\n{balanced_summary(rows)}\n\n"
+            "Resident share on the fastest tier, accelerate → ours (`auto`); "
             f"`!` = the map breaks a runtime rule (it would run out of memory or fail); "
             f"'none fits' = no valid map exists for these budgets and `auto` says the minimum RAM.\n\n"
             f"{table(rows, cells)}\n\nEstimated milliseconds per forward (`allocator.cost.estimate`, default "

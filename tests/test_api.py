@@ -7,7 +7,7 @@ import logging
 
 import allocator
 from allocator import zoo
-from allocator.validate import _fmt
+from allocator.validate import format_bytes
 
 
 @functools.cache
@@ -23,8 +23,9 @@ def test_plan_repr_is_one_short_line():
     assert "\n" not in text and len(text) < 300, text  # the dataclass repr of the whole Problem ran to 11-16k
     assert text.startswith(f"<Plan {p.strategy} for SegformerForSemanticSegmentation: main device 0, "
                            f"estimated {p.cost.seconds * 1e3:.3f} ms per forward, valid; ")
-    assert f"0: resident {_fmt(p.resident(0))}, peak {_fmt(p.peak[0])} of {_fmt(int(0.6 * total))}" in text
-    assert f"cpu: resident {_fmt(p.resident('cpu'))}" in text
+    assert (f"0: resident {format_bytes(p.resident(0))}, peak {format_bytes(p.peak[0])} of "
+            f"{format_bytes(int(0.6 * total))}") in text
+    assert f"cpu: resident {format_bytes(p.resident('cpu'))}" in text
     assert str(p) == text
 
 

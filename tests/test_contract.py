@@ -1,5 +1,5 @@
-"""The contract of ``device_map="auto"`` (allocator.strategies.contract): the first accelerator that can hold anything is
-the main device, accelerators are used in index order, never fewer bytes on them than accelerate's valid map; every
+"""The contract of ``device_map="auto"`` (allocator.strategies.contract): the first accelerator that can hold anything
+is the main device, accelerators are used in index order, never fewer bytes on them than accelerate's valid map; every
 ``max_memory`` accelerate accepts plans; accelerate's warnings and log lines where its tests look for them;
 ``objective="latency"`` lifts the contract; where no valid plan exists, accelerate's map comes back flagged."""
 

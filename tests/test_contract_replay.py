@@ -182,7 +182,8 @@ MODEL_TESTS = (
                   vocab_size=99, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                   decoder_attention_heads=4, encoder_ffn_dim=4, decoder_ffn_dim=4, dropout=0.1, attention_dropout=0.1,
                   max_position_embeddings=20, eos_token_id=2, bos_token_id=0, pad_token_id=1),
-              ("BartModel", "BartForConditionalGeneration", "BartForSequenceClassification", "BartForQuestionAnswering"),
+              ("BartModel", "BartForConditionalGeneration", "BartForSequenceClassification",
+               "BartForQuestionAnswering"),
               "BartForConditionalGeneration"),
     ModelTest("whisper", lambda tf: tf.WhisperConfig(
                   vocab_size=200, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

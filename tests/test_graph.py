@@ -169,7 +169,8 @@ def test_columns_give_the_records_torch_walks():
         assert nodes.end[i] == i + 1 + len(below)  # the subtree is one preorder range
         assert list(nodes.tensors_of(i)) == list(nodes[i].params + nodes[i].buffers)
     assert [t.name for t in tensors] == list(tensors.name) == list(g.tensor_index)
-    assert nodes[-1] == nodes[len(nodes) - 1] and nodes[1:3] == (nodes[1], nodes[2]) and tensors[-1]._index == len(tensors) - 1
+    assert nodes[-1] == nodes[len(nodes) - 1] and nodes[1:3] == (nodes[1], nodes[2])
+    assert tensors[-1]._index == len(tensors) - 1
     with pytest.raises(IndexError):
         nodes[len(nodes)]
     with pytest.raises(IndexError):

@@ -5,8 +5,8 @@ and loaded on this CPU machine with half of their size as the RAM budget (CPU ma
 the patch, ``from_pretrained(device_map="auto")`` must load the planner's map, compute exactly what the fully
 loaded model computes and keep at least as much in RAM as transformers' own map; after the patch transformers'
 maps and the patched module attributes are what they were. Then: modes (``"sequential"`` is accelerate's map,
-``"balanced"`` is the ``balanced`` strategy over the user's budgets), accelerate's ``load_checkpoint_and_dispatch``, nesting,
-errors, the plain-call form, ``_no_placement_params`` and the transformers 4 path.
+``"balanced"`` is the ``balanced`` strategy over the user's budgets), accelerate's ``load_checkpoint_and_dispatch``,
+nesting, errors, the plain-call form, ``_no_placement_params`` and the transformers 4 path.
 """
 
 from __future__ import annotations

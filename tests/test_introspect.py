@@ -89,7 +89,7 @@ def process_group():
 
 
 # ------------------------------------------------------------------------------------------ no_split_classes
-def test_no_split_classes_is_graphs_function():
+def test_no_split_classes_is_one_function_read_by_the_graph():
     assert no_split_classes is graph.no_split_classes
 
 

@@ -28,3 +28,8 @@ def test_lower_bounds_the_code_relies_on():
     assert requirements["accelerate"] == "accelerate>=1.15"  # sequential reproduces 1.15's algorithm
     assert requirements["transformers"] == "transformers>=5"  # _get_device_map, DynamicCache(config=...)
     assert requirements["torch"] == "torch>=2.1"
+
+
+def test_requires_python_is_the_oldest_that_runs_the_code():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11"  # dataclass(weakref_slot=True) raises TypeError on 3.10

@@ -92,7 +92,8 @@ def test_measured_targets(name, fraction, at_least):
 
 @pytest.mark.parametrize("name", ["t5-base", "whisper-small", "mamba-130m"])
 def test_no_empty_first_gpu_with_an_unreserved_main(name):
-    """accelerate leaves GPU 0 empty and GPU 1 becomes main with no room for streaming; our plans check the real main."""
+    """accelerate leaves GPU 0 empty and GPU 1 becomes main with no room for streaming; our plans check the real
+    main."""
     model = zoo.build(name)
     total = total_of(model)
     broken = 0

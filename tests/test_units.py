@@ -3,8 +3,8 @@
 - :func:`allocator.units.units` against a preorder walk written from the definition (stop at every node that is not
   split, take the direct tensors of every node that is), sizes summed tensor by tensor;
 - :func:`allocator.units.groups` against connected components of the tie groups;
-- :class:`allocator.strategies._fill.Streams` against :func:`allocator.runtime.streamed_chain` of the unit map;
-- the runs and price of a fill's answer (:class:`allocator.strategies._fill.Filled`) against those of its map;
+- :class:`allocator.strategies.first_fit.Streams` against :func:`allocator.runtime.streamed_chain` of the unit map;
+- the runs and price of a fill's answer (:class:`allocator.strategies.first_fit.Filled`) against those of its map;
 - the numpy stretches of the first fit against the same fit one group at a time.
 """
 
@@ -26,8 +26,8 @@ from allocator.placement import clean_device_map
 from allocator.problem import build_problem
 from allocator.runs import runs
 from allocator.runtime import map_runs, moves_with_weights, offloaded_devices, streamed_chain
-from allocator.strategies import _fill
-from allocator.strategies._fill import Filled, Streams, _FirstFit, fill, unit_map
+from allocator.strategies import first_fit
+from allocator.strategies.first_fit import Filled, Streams, _FirstFit, fill, unit_map
 from allocator.strategies.contract import main_candidates
 from allocator.units import Group, Groups, Unit, Units, groups, units
 from trees import module_trees
@@ -79,7 +79,8 @@ def test_units_follow_their_definition(data):
         g = dataclasses.replace(g, extra={i: data.draw(st.integers(1, 999)) for i in nodes})
     found = units(g, offload_buffers)
     assert isinstance(found, Units) and all(isinstance(u, Unit) for u in found)
-    assert [(u.name, u.node, u.size, u.offload, u.pinned, u.numel) for u in found] == reference_units(g, offload_buffers)
+    expected = reference_units(g, offload_buffers)
+    assert [(u.name, u.node, u.size, u.offload, u.pinned, u.numel) for u in found] == expected
 
 
 @SETTINGS
@@ -162,8 +163,8 @@ def test_runs_and_price_of_a_fill_equal_those_of_its_map(data):
     reserve = data.draw(st.sampled_from(sorted({0, *found.stream})))
     placed = unit_map(found, where, reserve)
     expected = runs(problem.graph, placed)
-    for numpy_from in (_fill.NUMPY_FROM, 0):   # the small path (runs of the map) and the one from unit ranges
-        with mock.patch.object(_fill, "NUMPY_FROM", numpy_from):
+    for numpy_from in (first_fit.NUMPY_FROM, 0):   # the small path (runs of the map) and the one from unit ranges
+        with mock.patch.object(first_fit, "NUMPY_FROM", numpy_from):
             made = Filled(problem, found, where, reserve, "")
             assert made.runs() == expected
             assert made.device_map() == placed and list(made.device_map()) == list(placed)

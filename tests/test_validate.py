@@ -69,9 +69,11 @@ def test_each_rule():
     assert kinds(model, {"embed": 0, "attn": 0}, big) == ["coverage"]
     assert kinds(model, {"": 0, "nope": 0}, big) == ["unknown-key"]
     assert kinds(model, {"": 3}, big) == ["unknown-device"]
-    assert kinds(model, {"embed": 0, "head": 0, "attn.q": "cpu", "attn.bias_table": 0, "attn.index": 0}, big) == ["no-split"]
+    assert kinds(model, {"embed": 0, "head": 0, "attn.q": "cpu", "attn.bias_table": 0, "attn.index": 0},
+                 big) == ["no-split"]
     # a lone tensor offloaded is never loaded by accelerate's hooks
-    assert kinds(model, {"embed": 0, "head": 0, "attn.q": 0, "attn.bias_table": "cpu", "attn.index": 0}, big) == ["no-split", "unhooked"]
+    assert kinds(model, {"embed": 0, "head": 0, "attn.q": 0, "attn.bias_table": "cpu", "attn.index": 0},
+                 big) == ["no-split", "unhooked"]
     assert kinds(model, {"embed": 0, "head": 0, "attn.q": 0, "attn.bias_table": "cpu", "attn.index": 0}, big,
                  no_split_module_classes=[]) == ["no-split", "unhooked"]
     assert kinds(model, {"embed": 0, "head": "cpu", "attn": 0}, big) == ["tied"]

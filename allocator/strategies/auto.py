@@ -25,7 +25,7 @@ from ..problem import Problem
 from ..units import groups
 from ..validate import check
 from . import backfill, ilp, reserve, sequential
-from ._select import infeasible, score
+from .ranking import infeasible, score
 from ..runtime import main_device
 from .contract import contract_main, contract_violations
 

@@ -1,8 +1,9 @@
 """``backfill``: first-fit over the ordered devices, so a later unit may go back to an earlier device with room.
 
 The reserve on the main device is static, as in accelerate, but measured right: the largest streamed size of any
-group that may be offloaded, raised to what the offloaded groups really stream together (nested hooks) if needed. Every device that could be main is tried (the first accelerator, or a later one with the
-earlier ones left empty, or cpu) and the plan that keeps the most bytes on the fastest tier is kept.
+group that may be offloaded, raised to what the offloaded groups really stream together (nested hooks) if needed.
+Every device that could be main is tried (the first accelerator, or a later one with the earlier ones left empty, or
+cpu) and the valid plan the cost model estimates fastest is kept (:func:`allocator.strategies.ranking.best_of`).
 
 Notes
 -----
@@ -15,8 +16,8 @@ from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
 from ..validate import format_bytes
-from ._fill import Filled, Streams, fill_to_fixed_point
-from ._select import best_of
+from .first_fit import Filled, Streams, fill_to_fixed_point
+from .ranking import best_of
 from .contract import fill_memo, main_candidates
 
 __all__ = ["place"]
@@ -31,5 +32,6 @@ def place(problem: Problem, **_) -> Placement:
     for main in main_candidates(problem):
         where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
         if where is not None:
-            candidates.append(Filled(problem, found, where, reserve, f"main device {main!r}, streaming reserve {format_bytes(reserve)}"))
+            note = f"main device {main!r}, streaming reserve {format_bytes(reserve)}"
+            candidates.append(Filled(problem, found, where, reserve, note))
     return best_of(problem, candidates, "backfill")

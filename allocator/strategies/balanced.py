@@ -71,7 +71,8 @@ from ..placement import Placement, clean_device_map
 from ..problem import Problem
 from ..runtime import device_of, main_device, workspace
 from ..units import Group, groups
-from ..validate import _fmt, check
+from ..budgets import format_bytes
+from ..validate import check
 from . import reserve
 
 __all__ = ["place", "place_low_0"]
@@ -260,7 +261,7 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
         for i in run:
             placed.update(dict.fromkeys(found[resident[i]].names, device))
     note = (f"{lead}; its {len(resident)} resident groups re-split contiguously over {devices}, main device {main!r} "
-            f"charged {_fmt(extra)} for offloaded buffers and streaming")
+            f"charged {format_bytes(extra)} for offloaded buffers and streaming")
     balanced = _checked(problem, placed, name, [note])
     if balanced is None or not _no_worse(problem, balanced, base, main, low_0):
         return _relabel(problem, base, name,
@@ -316,8 +317,8 @@ def _checked(problem: Problem, placed: dict, name: str, notes: list[str]) -> Pla
     if violations:  # the split's loads disagree with the validator's peaks: fall back rather than return it
         log.debug("balanced split rejected by the validator: %s", violations[:3])
         return None
-    peaks = ", ".join(f"{d!r} {_fmt(memory.peak[d])} of {_fmt(problem.budgets.limit(d))}"
+    peaks = ", ".join(f"{d!r} {format_bytes(memory.peak[d])} of {format_bytes(problem.budgets.limit(d))}"
                       f" ({memory.peak[d] / problem.budgets.limit(d):.0%})" if problem.budgets.limit(d) else
-                      f"{d!r} {_fmt(memory.peak[d])}"
+                      f"{d!r} {format_bytes(memory.peak[d])}"
                       for d in problem.budgets.accelerators if d in memory.peak)
     return Placement(device_map=device_map, strategy=name, notes=tuple(notes) + (f"accelerator peaks: {peaks}",))

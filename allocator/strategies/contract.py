@@ -24,9 +24,9 @@ purpose (transformers' meaning of the mode): rule 1 does not apply to it.
 
 Notes
 -----
-:func:`contract_main` runs ``reserve``'s fills (:mod:`allocator.strategies._fill`) for each accelerator in index order
-until one admits a valid plan: O(a · s · g) for a accelerators, s candidate reserves, g groups, and it is computed once
-per problem. :func:`floor` runs ``sequential`` once per problem.
+:func:`contract_main` runs ``reserve``'s fills (:mod:`allocator.strategies.first_fit`) for each accelerator in index
+order until one admits a valid plan: O(a · s · g) for a accelerators, s candidate reserves, g groups, and it is computed
+once per problem. :func:`floor` runs ``sequential`` once per problem.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from ..runtime import main_device, map_runs
 from ..units import groups
 from ..validate import Violation, check, format_bytes
 from . import sequential
-from ._fill import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
+from .first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
 
 __all__ = ["accelerate_map", "contract_main", "contract_violations", "fast_bytes", "fast_tier", "fill_memo", "floor",
            "main_candidates", "order_violations", "why_empty"]
@@ -96,7 +96,7 @@ def contract_main(problem: Problem) -> Device:
 
 def main_candidates(problem: Problem) -> list[Device]:
     """The devices a strategy tries as main: :func:`contract_main` alone under the contract; every device that could
-    be main (:func:`allocator.strategies._fill.every_main`) under ``objective="latency"``."""
+    be main (:func:`allocator.strategies.first_fit.every_main`) under ``objective="latency"``."""
     return [contract_main(problem)] if problem.options.contract else every_main(problem)
 
 
@@ -192,7 +192,8 @@ def accelerator_sequence(problem: Problem, found: list[Run]) -> list[Device]:
     for run in found:
         if not is_accelerator(run.device) or run.device is None:
             continue
-        if pulled and bisect.bisect_left(pulled, run.end) - bisect.bisect_left(pulled, run.start) == run.end - run.start:
+        inside = bisect.bisect_left(pulled, run.end) - bisect.bisect_left(pulled, run.start) if pulled else 0
+        if pulled and inside == run.end - run.start:
             continue
         out.append(run.device)
     return out

@@ -47,6 +47,8 @@ from ..runs import columns
 from ..runtime import device_of, main_device, map_runs, offloaded_devices, workspace
 from ..units import Group, groups as unit_groups
 from ..validate import check
+from . import backfill, reserve, sequential
+from .ranking import infeasible
 from .contract import (accelerate_map, contract_violations, fast_bytes, fast_tier, floor, main_candidates,
                        order_violations)
 
@@ -375,8 +377,6 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     InfeasiblePlacement
         When no main device admits a plan (CP-SAT proves it, or finds nothing in time) and the hint is not valid.
     """
-    from ._select import infeasible
-
     profile = profile or problem.profile
     g = problem.graph
     found = list(unit_groups(g, problem.options.offload_buffers).records())
@@ -457,7 +457,7 @@ def _breaks_order_or_main(problem: Problem, device_map) -> bool:
 
 def _floor_to_keep(problem: Problem, incumbent) -> int:
     """The contract's floor (accelerate's bytes on the fastest tier) where a plan keeping the contract is known to
-    reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.strategies._select.best_of`."""
+    reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.strategies.ranking.best_of`."""
     if not problem.options.contract:
         return 0
     need = floor(problem)
@@ -469,8 +469,6 @@ def _floor_to_keep(problem: Problem, incumbent) -> int:
 
 def _heuristic(problem: Problem, profile: Profile) -> dict | None:
     """The best valid map of the fast strategies (the warm start and first cutoff), or ``None``."""
-    from . import backfill, reserve, sequential
-
     best = None
     for strategy in (sequential, reserve, backfill):
         try:

@@ -4,7 +4,7 @@ accelerate reserves the largest layer of the whole model. Here the reserve ``R``
 only units whose streamed chain fits ``R`` may be offloaded, the rest must stay resident, and the room ``R``
 frees on the main device holds more of the model. Every distinct streamed size is a candidate ``R`` (the fixed
 point of "reserve the largest streamed size among what is actually offloaded"), for every device that could be
-main; the plan with the most bytes on the fastest tier wins.
+main; the valid plan the cost model estimates fastest wins (:func:`allocator.strategies.ranking.best_of`).
 
 Notes
 -----
@@ -18,8 +18,8 @@ from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
 from ..validate import format_bytes
-from ._fill import Filled, Streams, fill_to_fixed_point, reserve_sizes
-from ._select import best_of
+from .first_fit import Filled, Streams, fill_to_fixed_point, reserve_sizes
+from .ranking import best_of
 from .contract import fill_memo, main_candidates
 
 __all__ = ["place"]
@@ -35,6 +35,7 @@ def place(problem: Problem, **_) -> Placement:
             where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
             if where is not None:
                 if (main, reserve) not in made:   # several starts may settle on one reserve: one candidate
-                    made[main, reserve] = Filled(problem, found, where, reserve, f"main device {main!r}, streaming reserve {format_bytes(reserve)}")
+                    note = f"main device {main!r}, streaming reserve {format_bytes(reserve)}"
+                    made[main, reserve] = Filled(problem, found, where, reserve, note)
                 candidates.append(made[main, reserve])
     return best_of(problem, candidates, "reserve")

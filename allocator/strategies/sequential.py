@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import UnsupportedByAccelerate
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runs import _array, columns
+from ..runs import as_array, columns
 from ..validate import format_bytes
 
 __all__ = ["place"]
@@ -187,7 +187,7 @@ class _Tree:
         at, t = np.where(node, idx, 0), np.where(node, 0, ~idx)
         sizes = np.where(node, size_of[at], tensor_size[t] if len(tensor_size) else 0.0)
         # node i and its subtree's tensors, or one tensor
-        end = _array(self._end)[at]
+        end = as_array(self._end)[at]
         past = np.append(first, len(module))
         low = np.where(node, idx + first[at], module[t] + 1 + t if len(module) else 0)
         return idx, sizes, low, np.where(node, end + past[end], low + 1)
@@ -198,15 +198,15 @@ class _Tree:
             g = self.g
             size_of = np.array(g.size_accelerate, dtype=np.float64)
             tensors = g.tensors
-            canonical = _array(tensors.canonical)
+            canonical = as_array(tensors.canonical)
             tensor_size = np.where(canonical == np.arange(len(canonical)),
                                    np.array(tensors.nbytes_accelerate, dtype=np.float64), 0.0)
             n = len(g.nodes)
-            end = _array(self._end)
+            end = as_array(self._end)
             whole_node = (end == np.arange(1, n + 1)) | np.fromiter(map(self.no_split_classes.__contains__,
                                                                         g.nodes.cls), dtype=bool, count=n)
             exact = (size_of.max(initial=0) < 2**53) and (tensor_size.max(initial=0) < 2**53)
-            self._cache = (size_of, whole_node, _array(self._first), _array(self._module), tensor_size) \
+            self._cache = (size_of, whole_node, as_array(self._first), as_array(self._module), tensor_size) \
                 if exact else False
         return self._cache or None
 
@@ -488,8 +488,8 @@ def place(problem: Problem, **_) -> Placement:
         if used[device] == 0:
             minimum[device] = size_with_ties + reserved
         used[device] += reserved
-        notes.append(f"{device} full at {name} ({format_bytes(reserved)} kept free for the largest layer, as accelerate "
-                     "does); next device")
+        notes.append(f"{device} full at {name} ({format_bytes(reserved)} kept free for the largest layer, as "
+                     "accelerate does); next device")
         current += 1
         entries.push([entry])
 
@@ -521,7 +521,7 @@ def _buffer_warning(problem: Problem, device_map: dict, used: dict) -> str | Non
     if problem.options.offload_buffers or not budgets.accelerators:
         return None
     t = g.tensors
-    buffer = np.where(~np.asarray(t.is_param, dtype=bool) & (_array(t.canonical) == np.arange(len(t.name))),
+    buffer = np.where(~np.asarray(t.is_param, dtype=bool) & (as_array(t.canonical) == np.arange(len(t.name))),
                       np.asarray(t.nbytes_accelerate, dtype=float), 0.0)
     below = np.concatenate([[0.0], np.cumsum(buffer)])
     cols, total = columns(g), 0

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..budgets import Device
 from ..problem import Problem
-from ..runs import NUMPY_FROM, Run, _array, _side_by_side, columns
+from ..runs import NUMPY_FROM, Run, as_array, columns, side_by_side_runs
 from ..runtime import main_device, map_runs, offloaded_devices, workspace
 from ..units import Groups
 
@@ -216,7 +216,7 @@ class _FirstFit:
         if self.offloads[j]:
             if room[0] < 0:
                 return 0
-            main = room[0] + back                  # groups sent to a target give their pinned bytes back, then take them
+            main = room[0] + back   # groups sent to a target give their pinned bytes back, then take them
             need = offload if self.charges[j] else np.zeros_like(offload)
             ok = ~stay & (room[j] - (np.cumsum(need) - need) >= need)
         elif j == 0:
@@ -281,7 +281,7 @@ def unit_map(found: Groups, where: list, reserve: int) -> dict:
 class Filled:
     """A fill's answer as a candidate plan: the device of each group (``where``, from :func:`fill`), the reserve it
     was made under and a note saying which. Its unit map and the map's runs are made when first asked for:
-    :func:`allocator.strategies._select.best_of` ranks and prices candidates from their runs and builds the map of the
+    :func:`allocator.strategies.ranking.best_of` ranks and prices candidates from their runs and builds the map of the
     one it keeps."""
 
     __slots__ = ("problem", "found", "where", "reserve", "note", "_runs")
@@ -314,8 +314,8 @@ class Filled:
                 keep, lo, hi, order = found.units.spans(graph)
                 devices = np.empty(len(self.where), dtype=object)
                 devices[:] = self.where
-                self._runs = _side_by_side(lo, hi, order, devices[found.unit_groups()[keep]].tolist(),
-                                           len(columns(graph).module), len(graph.nodes))
+                self._runs = side_by_side_runs(lo, hi, order, devices[found.unit_groups()[keep]].tolist(),
+                                               len(columns(graph).module), len(graph.nodes))
         return self._runs
 
 
@@ -345,12 +345,12 @@ class Streams:
         g = problem.graph
         cols = columns(g)
         u = found.units
-        node, tensor = _array(u.node), _array(u.tensor)
+        node, tensor = as_array(u.node), as_array(u.tensor)
         self.is_module = node >= 0
         module = cols.module_array()
-        self.parent = np.where(self.is_module, cols._parents[np.maximum(node, 0)],
+        self.parent = np.where(self.is_module, cols.parent_array[np.maximum(node, 0)],
                                module[np.maximum(tensor, 0)] if len(module) else -1) if len(u) else node
-        self.stream = _array(u.stream)
+        self.stream = as_array(u.stream)
         self.group = found.unit_groups()
         # split nodes: every ancestor of a unit, folded a level at a time from the deepest
         split = np.zeros(len(g.nodes), dtype=bool)
@@ -359,8 +359,8 @@ class Streams:
         for level in cols.levels[:-1]:   # deepest first, the root's level left out
             level = level[split[level]]
             if len(level):
-                split[cols._parents[level]] = True
-                self.levels.append((level, cols._parents[level]))
+                split[cols.parent_array[level]] = True
+                self.levels.append((level, cols.parent_array[level]))
         self.nodes = len(g.nodes)
 
     def reserve(self, where: list, offloaded) -> int:

@@ -8,7 +8,8 @@ from ..errors import InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
 from ..runtime import Recent
-from ..validate import _fmt, check
+from ..budgets import format_bytes
+from ..validate import check
 from .contract import accelerate_map, contract_main, fast_bytes, floor, order_violations
 
 __all__ = ["score", "priced", "best_of", "infeasible", "keeping_contract"]
@@ -46,7 +47,7 @@ def _key(cost: Cost) -> tuple[float, int, int]:
 def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     """The best valid candidate by the cost model; raises when none is valid.
 
-    A candidate (:class:`allocator.strategies._fill.Filled`) gives its ``runs()``, its ``main`` device, its
+    A candidate (:class:`allocator.strategies.first_fit.Filled`) gives its ``runs()``, its ``main`` device, its
     ``device_map()`` and a ``note``. Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED`
     valid ones are priced with the cost model (:func:`allocator.cost.estimate_runs`, from their runs). Only the maps
     that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
@@ -96,11 +97,11 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
         kept += " that keeps the contract" if count == 1 else " that keep the contract"
     return Placement(device_map=device_map, strategy=strategy,
                      notes=(f"{strategy} kept {kept} ({note}): estimated {-key[0] * 1e3:.3f} ms per forward, "
-                            f"{_fmt(key[1])} on the fastest tier, {-key[2]} device changes",))
+                            f"{format_bytes(key[1])} on the fastest tier, {-key[2]} device changes",))
 
 
 def keeping_contract(problem: Problem, candidates: list) -> list:
-    """The candidates (:class:`allocator.strategies._fill.Filled`) that keep the contract's main device, index order
+    """The candidates (:class:`allocator.strategies.first_fit.Filled`) that keep the contract's main device, index order
     and floor (:mod:`allocator.strategies.contract`); all of them under ``objective="latency"``. When none reaches the
     floor and accelerate's map cannot be kept instead (it breaks rule 1 or 2 itself), those that keep rules 1 and 2."""
     if not problem.options.contract:

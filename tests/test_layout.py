@@ -1,0 +1,283 @@
+"""The package's import layout, read from the source with ``ast``: layers that only import downwards.
+
+Three rules (issue #20, ../shared/STYLE.md):
+
+- no import cycle between modules of ``allocator`` (module-level and function-level imports alike);
+- no import of an ``allocator`` module inside a function (the way a cycle is hidden); optional third-party
+  dependencies (torch, transformers, ortools, matplotlib, ...) may still be imported where they are used;
+- no private name (``_name``) taken from another module of the package: ``from .x import _name``, ``x._name`` where
+  ``x`` is a module of the package bound by an import, or a private module (``_x.py``) imported from outside its own
+  package. What other modules need is public. (A private attribute of an object, ``cols._parents``, is not seen:
+  that needs types.)
+
+Imports under ``if TYPE_CHECKING:`` never run, so they are left out of the import graph (not of the private-name rule).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "allocator"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import of a module of the package, as written in ``source`` at ``line``."""
+
+    source: str  # the importing module, e.g. "allocator.strategies.ilp"
+    target: str  # the imported module, e.g. "allocator.runtime"
+    names: tuple[str, ...]  # the names taken from it ("from target import names"); empty for "import target"
+    line: int
+    in_function: bool
+    type_only: bool  # under ``if TYPE_CHECKING:``
+
+
+def module_names() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name, for its ``__init__.py``)."""
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_package(name: str, modules: dict[str, Path]) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def _resolve(module: str, level: int, target: str | None, modules: dict[str, Path]) -> str:
+    """The absolute name of ``from <level dots><target> import ...`` written in ``module``."""
+    if level == 0:
+        return target or ""
+    base = module.split(".")
+    if not _is_package(module, modules):
+        base.pop()
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk(node: ast.AST, in_function: bool = False, type_only: bool = False):
+    """Every import statement below ``node``, with whether it sits in a function or under ``TYPE_CHECKING``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, in_function, type_only
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from _walk(child, True, type_only)
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.body:
+                yield from _walk(ast.Module(body=[stmt], type_ignores=[]), in_function, True)
+            for stmt in child.orelse:
+                yield from _walk(ast.Module(body=[stmt], type_ignores=[]), in_function, type_only)
+        else:
+            yield from _walk(child, in_function, type_only)
+
+
+def imports(modules: dict[str, Path] | None = None) -> list[Import]:
+    """Every import of a module of the package, in every module of the package.
+
+    ``from pkg import name`` counts as an import of ``pkg.name`` when that is a module, and of ``pkg`` otherwise (and of
+    both when ``pkg`` is a package other than an ancestor of the importer: its ``__init__`` runs first). The package
+    that contains the importer counts only when names are taken from it: Python imports it before the importer anyway.
+    """
+    modules = module_names() if modules is None else modules
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node, in_function, type_only in _walk(tree):
+            targets: list[tuple[str, tuple[str, ...]]] = []
+            if isinstance(node, ast.Import):
+                targets = [(alias.name, ()) for alias in node.names if alias.name.split(".")[0] == PACKAGE]
+            else:
+                base = _resolve(module, node.level, node.module, modules)
+                if base.split(".")[0] != PACKAGE:
+                    continue
+                names = tuple(alias.name for alias in node.names)
+                submodules = [name for name in names if f"{base}.{name}" in modules]
+                targets = [(f"{base}.{name}", ()) for name in submodules]
+                others = tuple(name for name in names if name not in submodules)
+                if others or not (module.startswith(base + ".") or base == module):
+                    targets.append((base, others))
+            for target, names in targets:
+                if target in modules and target != module:
+                    found.append(Import(module, target, names, node.lineno, in_function, type_only))
+    return found
+
+
+def _graph(edges: list[Import]) -> dict[str, list[str]]:
+    graph: dict[str, list[str]] = {}
+    for edge in edges:
+        graph.setdefault(edge.source, []).append(edge.target)
+        graph.setdefault(edge.target, [])
+    return graph
+
+
+def cycles(edges: list[Import]) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module, as a list of modules."""
+    graph = _graph(edges)
+    return [_one_cycle(graph, set(component)) for component in components(edges)]
+
+
+def components(edges: list[Import]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    graph = _graph(edges)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _one_cycle(graph: dict[str, list[str]], component: set[str]) -> list[str]:
+    """A shortest cycle through the first module of ``component``, found breadth first inside it."""
+    start = min(component)
+    parent = {start: None}
+    queue = [start]
+    for node in queue:
+        for nxt in graph[node]:
+            if nxt == start:
+                path = [node]
+                while parent[path[-1]] is not None:
+                    path.append(parent[path[-1]])
+                return [start] + path[::-1][1:] + [start]
+            if nxt in component and nxt not in parent:
+                parent[nxt] = node
+                queue.append(nxt)
+    raise AssertionError("a strongly connected component without a cycle")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_attributes(modules: dict[str, Path] | None = None) -> list[str]:
+    """``x._name`` where ``x`` is bound to another module of the package by an import in the same file."""
+    modules = module_names() if modules is None else modules
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bound: dict[str, str] = {}
+        for node, _, _ in _walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules and alias.asname:
+                        bound[alias.asname] = alias.name
+            else:
+                base = _resolve(module, node.level, node.module, modules)
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:
+                        bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and bound[node.value.id] != module and _private(node.attr)):
+                found.append(f"{module}:{node.lineno}: {node.value.id}.{node.attr} ({bound[node.value.id]})")
+    return found
+
+
+def _report(edges: list[Import]) -> str:
+    return "\n".join(f"  {e.source}:{e.line} imports {e.target}" + (f" ({', '.join(e.names)})" if e.names else "")
+                     for e in edges)
+
+
+def test_the_reader_finds_the_package():
+    modules = module_names()
+    assert {"allocator", "allocator.api", "allocator.strategies", "allocator.strategies.sequential"} <= set(modules)
+    edges = imports(modules)
+    assert any(e.source == "allocator.strategies.ilp" and e.target == "allocator.runtime" for e in edges)
+    assert any(e.source == "allocator" and e.target == "allocator.api" for e in edges)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    def edge(a, b):
+        return Import(a, b, (), 1, False, False)
+
+    found = cycles([edge("a", "b"), edge("b", "c"), edge("c", "a"), edge("c", "d"), edge("d", "e")])
+    assert found == [["a", "b", "c", "a"]]
+    assert cycles([edge("a", "b"), edge("b", "c"), edge("a", "c")]) == []
+
+
+def test_no_import_cycle():
+    edges = [e for e in imports() if not e.type_only]
+    graph = _graph(edges)
+    lines = []
+    for component in components(edges):
+        cycle = _one_cycle(graph, set(component))
+        lines.append(f"  {', '.join(component)} import each other, e.g. {' -> '.join(cycle)}:")
+        steps = set(zip(cycle, cycle[1:]))
+        lines.append(_report([e for e in edges if (e.source, e.target) in steps]))
+    assert not lines, "import cycles in the package:\n" + "\n".join(lines)
+
+
+def test_no_package_import_inside_a_function():
+    inside = [e for e in imports() if e.in_function]
+    assert not inside, ("modules of the package imported inside functions (import them at the top; if that makes a "
+                        "cycle, move the shared rule down to the module that owns it):\n" + _report(inside))
+
+
+def private_imports(edges: list[Import]) -> list[str]:
+    """Private names taken from another module (``from .x import _name``), and private modules (``_x.py``) imported
+    from outside the package that holds them."""
+    found = []
+    for e in edges:
+        names = [n for n in e.names if _private(n)]
+        if names:
+            found.append(f"{e.source}:{e.line} takes {', '.join(names)} from {e.target}")
+        package, _, leaf = e.target.rpartition(".")
+        if _private(leaf) and not e.source.startswith(package + "."):
+            found.append(f"{e.source}:{e.line} imports the private module {e.target} from outside {package}")
+    return found
+
+
+def test_the_private_name_rule_finds_each_form():
+    def edge(source, target, *names):
+        return Import(source, target, names, 1, False, False)
+
+    found = private_imports([
+        edge("allocator.api", "allocator.validate", "check", "_fmt"),        # a private name
+        edge("allocator.api", "allocator.strategies._fill", "fill"),         # a private module, from outside
+        edge("allocator.strategies.backfill", "allocator.strategies._fill", "fill"),   # from inside: allowed
+        edge("allocator.api", "allocator.validate", "__all__"),              # a dunder is no private name
+    ])
+    assert found == ["allocator.api:1 takes _fmt from allocator.validate",
+                     "allocator.api:1 imports the private module allocator.strategies._fill from outside "
+                     "allocator.strategies"]
+
+
+def test_no_private_name_from_another_module():
+    lines = [f"  {line}" for line in private_imports(imports()) + private_attributes()]
+    assert not lines, "private names used across modules (make them public and documented):\n" + "\n".join(lines)
