@@ -18,7 +18,7 @@ import numpy as np
 
 from .gc_pause import gc_paused
 from .graph import ModelGraph
-from .rules import moves
+from .rules import device_of, moves
 from .runs import as_array, as_ints, columns, key_ranges
 from .table import Record, Table, frozen, new_row, picklable, same
 
@@ -294,16 +294,8 @@ def _tie_roots(found: Units, tie_groups) -> np.ndarray:
             k = parent[k]
         return k
 
-    def unit_of(name: str) -> int | None:
-        while True:
-            if name in position:
-                return position[name]
-            if not name:
-                return None
-            name = name.rpartition(".")[0]
-
     for group in tie_groups:
-        members = [k for k in (unit_of(n) for n in group) if k is not None]
+        members = [k for k in (device_of(n, position) for n in group) if k is not None]   # longest prefix
         for k in members[1:]:
             parent[root(k)] = root(members[0])
     return np.array([root(k) for k in range(len(found))], dtype=np.int64)

@@ -24,15 +24,15 @@ from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
 from ..validate import check
-from . import backfill, ilp, reserve, sequential
+from . import backfill, ilp, reserve
 from .ranking import infeasible, score
 from ..runtime import main_device
-from .contract import contract_main, contract_violations
+from .contract import accelerate_placement, contract_main, contract_violations
 
 __all__ = ["place", "choice_note"]
 
 log = logging.getLogger(__name__)
-CANDIDATES = {"sequential": sequential.place, "reserve": reserve.place, "backfill": backfill.place}
+CANDIDATES = {"sequential": accelerate_placement, "reserve": reserve.place, "backfill": backfill.place}
 ILP_SECONDS = ilp.TIME_LIMIT
 
 

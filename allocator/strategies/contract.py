@@ -48,8 +48,8 @@ from ..validate import Violation, check, format_bytes
 from . import sequential
 from .first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
 
-__all__ = ["accelerate_map", "contract_main", "contract_violations", "fast_bytes", "fast_tier", "fill_memo", "floor",
-           "main_candidates", "order_violations", "why_empty"]
+__all__ = ["accelerate_map", "accelerate_placement", "contract_main", "contract_violations", "fast_bytes",
+           "fast_tier", "fill_memo", "floor", "main_candidates", "order_violations", "why_empty"]
 
 EXEMPT_FROM_MAIN = frozenset({"balanced_low_0"})
 """Strategies whose meaning is to keep GPU 0 light (rule 1 does not apply)."""
@@ -110,11 +110,26 @@ def _first_main(problem: Problem) -> Device:
     return "cpu"
 
 
+def accelerate_placement(problem: Problem):
+    """``sequential``'s placement of this problem, made once (the floor, the main device's witness and ``auto``'s
+    candidate are the same run); raises what ``sequential`` raises."""
+    def build():
+        try:
+            return sequential.place(problem), None
+        except AllocatorError as err:
+            return None, err
+
+    placement, error = derived(problem, "sequential", build)
+    if error is not None:
+        raise error
+    return placement
+
+
 def _accelerate(problem: Problem) -> dict | None:
     """``sequential``'s map where it is valid (accelerate's own plan: a witness that its main device admits one)."""
     def build():
         try:
-            device_map = sequential.place(problem).device_map
+            device_map = accelerate_placement(problem).device_map
         except AllocatorError:
             return None
         return None if check(problem, device_map)[0] else dict(device_map)
