@@ -17,20 +17,21 @@ from .errors import (
     InvalidDeviceMap,
     InvalidModel,
     InvalidOption,
+    InvalidPlacement,
     UnsupportedByAccelerate,
 )
 from .generation import GenerationBudget
 from .hf import patch, unpatch
 from .placement import Placement
-from .problem import Options, Problem, build_problem
+from .problem import Options, PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES
 from .strategies.contract import contract_violations
 from .validate import Violation, validate
 
 __all__ = [
     "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",
-    "InvalidOption", "UnsupportedByAccelerate", "Cost", "GenerationBudget", "Profile", "estimate", "Options",
-    "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem", "contract_violations",
+    "InvalidOption", "InvalidPlacement", "UnsupportedByAccelerate", "Cost", "GenerationBudget", "Profile",
+    "estimate", "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem", "contract_violations",
     "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

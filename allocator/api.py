@@ -12,15 +12,14 @@ from dataclasses import dataclass, field, replace
 
 from .budgets import Budgets, ByDevice, Device, canonical
 from .cost import Cost
-from .cost_profile import Profile
-from .errors import AllocatorError, BrokenContract, InfeasiblePlacement
+from .errors import AllocatorError, BrokenContract, InfeasiblePlacement, InvalidPlacement
 from .explain import reasons
 from .gc_pause import gc_paused
 from .logs import shown
 from .placement import Placement
-from .problem import Problem, build_problem
+from .problem import PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES, resolve, run
-from .generation import GenerationBudget, breakdown
+from .generation import breakdown
 from .strategies.ranking import priced
 from .runs import columns
 from .runtime import main_device, map_runs, workspace
@@ -289,26 +288,8 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     )
 
 
-def plan(
-    model,
-    max_memory: Mapping | None = None,
-    *,
-    strategy="auto",
-    no_split_module_classes=None,
-    dtype=None,
-    special_dtypes=None,
-    offload_buffers: bool = False,
-    clean_result: bool = True,
-    fallback_allocation: bool = False,
-    tied_parameters=None,
-    hf_quantizer=None,
-    size_fn=None,
-    infer_no_split: bool = True,
-    profile: Profile | None = None,
-    generation: GenerationBudget | None = None,
-    objective: str = "contract",
-    strict: bool = False,
-) -> Plan:
+def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: PlanOptions | None = None,
+         **keywords) -> Plan:
     """Decide where every part of ``model`` lives.
 
     Parameters
@@ -319,32 +300,16 @@ def plan(
         Budgets as accelerate accepts them (``{0: "10GiB", "cpu": "30GiB"}``); this machine's memory if omitted.
         Never modified.
     strategy : str or callable
-        A name in :data:`allocator.STRATEGIES`, ``"auto"``, or ``place(problem) -> Placement``.
-    no_split_module_classes : list of str, optional
-        United with ``_no_split_modules`` of the model and every sub-model.
-    infer_no_split : bool
-        When nothing is declared, keep the model's repeated blocks whole (logged).
-    profile : Profile, optional
-        Bandwidths of the machine the plan will run on (:meth:`Profile.measure`); documented defaults otherwise.
-        ``auto`` and ``ilp`` rank plans by the estimated seconds per forward under it.
-    dtype, special_dtypes, offload_buffers, clean_result, fallback_allocation
-        As in accelerate's ``infer_auto_device_map``.
-    tied_parameters : list of list of str, optional
-        Tie groups to use instead of the ones found from shared tensors.
-    hf_quantizer, size_fn
-        Sizes of quantized weights (transformers' quantizer, or ``size_fn(name, tensor) -> bytes``).
-    generation : GenerationBudget, optional
-        Room for ``generate`` (KV cache, logits, activations) on the devices where they live; every strategy but
-        ``sequential`` (accelerate's algorithm, unchanged) keeps each device's peak with them within its budget.
-    objective : {"contract", "latency"}
-        ``"contract"`` (default): only plans that keep what ``device_map="auto"`` users rely on — the first accelerator
-        that can hold anything is the main device, accelerators are used in index order, and never fewer bytes on
-        them than accelerate's own valid map (:mod:`allocator.strategies.contract`) — ranked by the cost model.
-        ``"latency"``: the cost model alone decides, the CPU or any accelerator may be the main device.
-    strict : bool
-        Where no valid plan exists: ``False`` (default) returns accelerate's own map, as ``device_map="auto"`` would,
-        flagged (``Plan.valid`` is ``False``, a ``UserWarning`` states the smallest budget that would work); ``True``
-        raises :class:`InfeasiblePlacement` with that budget.
+        A name in :data:`allocator.STRATEGIES`, ``"auto"``, or ``place(problem) -> Placement``
+        (:mod:`allocator.kit` has what a strategy is built from).
+    options : PlanOptions, optional
+        How the model is read (``no_split_module_classes``, ``dtype``, ``special_dtypes``, ``tied_parameters``,
+        ``hf_quantizer``, ``size_fn``, ``infer_no_split``), how the plan will run (``offload_buffers``,
+        ``clean_result``, ``fallback_allocation``, ``profile``, ``generation``) and what decides (``objective``,
+        ``strict``); each field is documented on :class:`PlanOptions`.
+    **keywords
+        Fields of :class:`PlanOptions`, one by one (they override those of ``options``):
+        ``plan(model, budgets, offload_buffers=True)``.
 
     Returns
     -------
@@ -356,14 +321,19 @@ def plan(
     InfeasiblePlacement
         With ``strict=True`` (or ``strategy="sequential"`` where accelerate fails) when no valid plan exists: the
         message and ``minimum`` give the smallest budget that works.
+    InvalidPlacement
+        A strategy other than ``sequential`` (the caller's, or a bug in a built-in one) returned a map that breaks a
+        runtime rule.
     BrokenContract
-        A strategy (the caller's, or a bug in a built-in one) returned a plan that breaks the contract.
+        Such a strategy returned a valid map that breaks the contract of ``device_map="auto"``.
 
     Notes
     -----
-    The model is read once into a frozen :class:`Problem`; the strategy never touches it. accelerate's warnings and
-    log lines (buffers of offloaded modules that fit no accelerator, devices left empty for want of memory) are
-    emitted for the plan returned, with accelerate's wording.
+    The whole composition: the model is read once into a frozen :class:`Problem` (the strategy never touches it),
+    the strategy returns a placement, which is checked here against the runtime rules and the contract, then priced.
+    ``sequential`` reproduces accelerate, so its maps are returned as they are, with their violations. accelerate's
+    warnings and log lines (buffers of offloaded modules that fit no accelerator, devices left empty for want of
+    memory) are emitted for the plan returned, with accelerate's wording.
 
     Examples
     --------
@@ -375,37 +345,56 @@ def plan(
     >>> p.valid
     True
     """
+    options = PlanOptions.of(options, **keywords)
+    resolve(strategy)
     with gc_paused():  # planning makes many acyclic objects; each collection would walk the model and graph too
-        problem = build_problem(
-            model, max_memory, no_split_module_classes=no_split_module_classes, dtype=dtype,
-            special_dtypes=special_dtypes, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
-            size_fn=size_fn, offload_buffers=offload_buffers, clean_result=clean_result,
-            fallback_allocation=fallback_allocation, infer_no_split=infer_no_split, profile=profile,
-            generation=generation, objective=objective,
-        )
-        resolve(strategy)
-        try:
-            placement = run(strategy, problem)
-        except InfeasiblePlacement as err:
-            error = err if err.minimum is not None else minimum_budget_error(problem, strategy)
-            placement = None if strict else _accelerate_instead(problem, strategy, error)
-            if placement is None:
-                raise error from None
-        broken = contract_violations(problem, placement.device_map, strategy=placement.strategy)
-        short = [v for v in broken if v.kind == "contract-floor"]
-        for v in short:   # rules 1 and 2 come first; the strategies fall short of the floor only where they must
+        problem = build_problem(model, max_memory, options=options)
+        placement = _checked(problem, _placed(problem, strategy))
+        result = _finish(problem, _with_empty_notes(problem, placement))
+    for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
+        log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
+    _report(result.placement)
+    return result
+
+
+def _placed(problem: Problem, strategy) -> Placement:
+    """The strategy's placement; where it finds none, accelerate's own map, flagged (unless ``strict``)."""
+    try:
+        return run(strategy, problem)
+    except InfeasiblePlacement as err:
+        error = err if err.minimum is not None else minimum_budget_error(problem, strategy)
+        placement = None if problem.options.strict else _accelerate_instead(problem, strategy, error)
+        if placement is None:
+            raise error from None
+        return placement
+
+
+def _checked(problem: Problem, placement: Placement) -> Placement:
+    """``placement`` if it keeps the runtime rules and the contract; a typed error naming what broke otherwise.
+
+    ``sequential`` (accelerate's algorithm, and accelerate's map returned where nothing is valid) is exempt: its maps
+    are accelerate's, violations included. A map short of the contract's floor is logged, not refused: rules 1 and 2
+    come first, and the strategies fall short of the floor only where they must.
+    """
+    if placement.strategy.startswith("sequential"):
+        return placement
+    violations = check(problem, placement.device_map)[0]
+    if violations:
+        raise InvalidPlacement(
+            f"strategy {placement.strategy!r} returned a map that breaks the runtime rules: "
+            f"{'; '.join(map(str, violations[:3]))}{' ...' if len(violations) > 3 else ''} "
+            "A strategy must return a valid map or raise InfeasiblePlacement; allocator.validate and "
+            "allocator.kit.check say what is wrong with a map.", violations=violations)
+    broken = contract_violations(problem, placement.device_map, strategy=placement.strategy)
+    for v in broken:
+        if v.kind == "contract-floor":
             log.warning("plan by %s: %s", placement.strategy, v.message)
-        broken = [v for v in broken if v.kind != "contract-floor"]
-        if broken and not check(problem, placement.device_map)[0]:
-            raise BrokenContract(
-                f"strategy {placement.strategy!r} returned a plan that breaks the contract of device_map='auto': "
-                f"{'; '.join(map(str, broken))} Pass objective='latency' to accept such plans.")
-        placement = _with_empty_notes(problem, placement)
-        result = _finish(problem, placement)
-        for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
-            log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
-        _report(placement)
-        return result
+    broken = [v for v in broken if v.kind != "contract-floor"]
+    if broken:
+        raise BrokenContract(
+            f"strategy {placement.strategy!r} returned a plan that breaks the contract of device_map='auto': "
+            f"{'; '.join(map(str, broken))} Pass objective='latency' to accept such plans.")
+    return placement
 
 
 def _accelerate_instead(problem: Problem, strategy, error: InfeasiblePlacement) -> Placement | None:
@@ -485,13 +474,12 @@ def infer_auto_device_map(
     >>> infer_auto_device_map(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {"cpu": 400}, strategy="sequential")
     {'': 'disk'}
     """
+    options = PlanOptions(no_split_module_classes=no_split_module_classes, dtype=dtype, special_dtypes=special_dtypes,
+                          offload_buffers=offload_buffers, clean_result=clean_result,
+                          fallback_allocation=fallback_allocation, tied_parameters=tied_parameters,
+                          hf_quantizer=hf_quantizer, objective=objective)
     with shown(verbose):  # the INFO records of this call reach stderr, or the handlers the caller configured
-        result = plan(
-            model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype,
-            special_dtypes=special_dtypes, offload_buffers=offload_buffers, clean_result=clean_result,
-            fallback_allocation=fallback_allocation, tied_parameters=tied_parameters, hf_quantizer=hf_quantizer,
-            objective=objective,
-        )
+        result = plan(model, max_memory, strategy=strategy, options=options)
         if no_placement_params:
             log.debug("no_placement_params %s are handled by allocator.hf.patch, not here",
                       sorted(no_placement_params)[:5])

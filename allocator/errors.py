@@ -17,6 +17,7 @@ __all__ = [
     "InvalidDeviceMap",
     "InvalidModel",
     "InvalidOption",
+    "InvalidPlacement",
     "InfeasiblePlacement",
     "UnsupportedByAccelerate",
     "warn_caller",
@@ -62,6 +63,21 @@ class InfeasiblePlacement(AllocatorError):
 
 class UnsupportedByAccelerate(AllocatorError):
     """accelerate's own algorithm fails on this input; ``strategy="sequential"`` reproduces that failure."""
+
+
+class InvalidPlacement(AllocatorError):
+    """A strategy returned a map that breaks accelerate's runtime rules (only ``sequential``, which reproduces
+    accelerate, may).
+
+    Attributes
+    ----------
+    violations : tuple of Violation
+        What the map breaks, as :func:`allocator.validate` reports it.
+    """
+
+    def __init__(self, message: str, *, violations=()):
+        super().__init__(message)
+        self.violations = tuple(violations)
 
 
 class BrokenContract(AllocatorError):

@@ -26,13 +26,13 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .api import plan
 from .budgets import is_accelerator
 from .errors import InvalidOption
 from .logs import shown
-from .problem import quantizer_size_fn
+from .problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
 from .runtime import tensor_devices
 from .strategies import resolve
 
@@ -54,10 +54,6 @@ user gave, not over transformers' balanced budgets. ``"sequential"`` is accelera
 """
 
 _RESERVED = frozenset({"model", "max_memory", "strategy", "hf_quantizer"})
-_PLAN_OPTIONS = frozenset({
-    "no_split_module_classes", "dtype", "special_dtypes", "offload_buffers", "clean_result", "fallback_allocation",
-    "tied_parameters", "size_fn", "infer_no_split", "generation", "objective", "strict",
-})
 _ACTIVE: list[Patch] = []
 """Live patches, oldest first. Process-global; not locked."""
 
@@ -80,15 +76,16 @@ class Patch:
     ----------
     strategy : str or callable
         Plans ``device_map="auto"`` (see :data:`MODE_TO_STRATEGY` for the other modes).
-    options : dict
-        Keyword arguments given to :func:`allocator.plan` for every map.
+    options : PlanOptions
+        What :func:`allocator.plan` is given for every map (with each call's quantizer, no-split classes and what
+        accelerate's ``infer_auto_device_map`` is called with).
     patched : tuple of str
         ``"module.attribute"`` for every attribute replaced.
     """
 
-    def __init__(self, strategy, options: Mapping):
+    def __init__(self, strategy, options: PlanOptions):
         self.strategy = strategy
-        self.options = dict(options)
+        self.options = options
         self._pending: dict[str, str] = {}
         self._swaps: list[_Swap] = []
         self._saved: list[object] = []
@@ -159,16 +156,15 @@ class Patch:
                     runtime: Mapping | None = None, verbose: bool = False) -> dict:
         """Plan ``model`` for ``mode`` over ``budgets``; honour transformers' ``_no_placement_params``."""
         strategy = MODE_TO_STRATEGY[mode] or self.strategy
-        options = {**self.options, **{k: v for k, v in (runtime or {}).items() if v is not None}}
-        options["no_split_module_classes"] = sorted(
-            set(_names(no_split)) | set(_names(self.options.get("no_split_module_classes")))
-        )
-        result = plan(model, dict(budgets), strategy=strategy, hf_quantizer=hf_quantizer, **options)
-        escaped = _to_escape(model, result, options["no_split_module_classes"])
+        no_split = sorted(set(_names(no_split)) | set(_names(self.options.no_split_module_classes)))
+        options = replace(self.options, **{k: v for k, v in (runtime or {}).items() if v is not None},
+                          no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
+        result = plan(model, dict(budgets), strategy=strategy, options=options)
+        escaped = _to_escape(model, result, no_split)
         if escaped:
-            base = options.get("size_fn") or quantizer_size_fn(model, hf_quantizer)
-            options["size_fn"] = _zero_for(escaped, base)
-            result = plan(model, dict(budgets), strategy=strategy, hf_quantizer=hf_quantizer, **options)
+            base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)
+            result = plan(model, dict(budgets), strategy=strategy, options=replace(options, size_fn=_zero_for(escaped,
+                                                                                                            base)))
             device_map = _leave_out(model, result.device_map, escaped)
             log.info("%s: left %s out of the device map (_no_placement_params: they do not fit an accelerator); "
                      "transformers loads them in RAM", type(model).__name__, escaped)
@@ -247,7 +243,7 @@ class Patch:
         return swaps
 
 
-def patch(strategy="auto", **options) -> Patch:
+def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) -> Patch:
     """Plan the string device maps of ``from_pretrained`` and ``load_checkpoint_and_dispatch`` with the planner.
 
     The patch is on from this call until :meth:`Patch.unpatch`, :func:`unpatch` or the end of a ``with`` block
@@ -259,11 +255,13 @@ def patch(strategy="auto", **options) -> Patch:
     ----------
     strategy : str or callable
         Plans ``device_map="auto"``: a name in :data:`allocator.STRATEGIES` or ``place(problem) -> Placement``.
-    **options
-        Given to :func:`allocator.plan` for every map: ``offload_buffers`` (pass ``True`` when you pass it to
-        ``from_pretrained``, which does not tell its map builder), ``no_split_module_classes`` (united with the
-        model's), ``dtype``, ``special_dtypes``, ``clean_result``, ``fallback_allocation``, ``tied_parameters``,
-        ``size_fn``, ``infer_no_split``, ``generation`` (an :class:`allocator.GenerationBudget`: room for
+    options : PlanOptions, optional
+        Given to :func:`allocator.plan` for every map (its ``hf_quantizer`` is each call's).
+    **keywords
+        Fields of :class:`allocator.PlanOptions`, one by one (they override those of ``options``):
+        ``offload_buffers`` (pass ``True`` when you pass it to ``from_pretrained``, which does not tell its map
+        builder), ``no_split_module_classes`` (united with the model's), ``dtype``, ``special_dtypes``, ``clean_result``, ``fallback_allocation``, ``tied_parameters``,
+        ``size_fn``, ``infer_no_split``, ``profile``, ``generation`` (an :class:`allocator.GenerationBudget`: room for
         ``generate``'s KV cache, logits and activations), ``objective`` (``"contract"``, the default, or
         ``"latency"``: see :func:`allocator.plan`), ``strict`` (``True``: raise where no valid plan exists, instead of
         loading accelerate's own map as transformers would). What accelerate's ``infer_auto_device_map`` is called with
@@ -341,12 +339,11 @@ def patch(strategy="auto", **options) -> Patch:
     (False, True)
     """
     resolve(strategy)
-    unknown = set(options) - _PLAN_OPTIONS
-    if unknown:
-        fixed = sorted(unknown & _RESERVED)
-        hint = f" ({fixed} come from each call)" if fixed else ""
-        raise InvalidOption(
-            f"patch() got unknown options {sorted(unknown)}{hint}; choose from {sorted(_PLAN_OPTIONS)}.")
+    fixed = sorted(set(keywords) & _RESERVED)
+    if fixed:
+        raise InvalidOption(f"patch() got options {fixed}, which come from each call; choose from "
+                            f"{sorted(set(OPTION_NAMES) - _RESERVED)}.")
+    options = PlanOptions.of(options, **keywords)
     handle = Patch(strategy, options)
     swaps = handle._swaps_for_installed()
     if not swaps:

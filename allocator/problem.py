@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .budgets import Budgets, parse_budgets
@@ -13,38 +13,100 @@ from .errors import InvalidOption
 from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
+from .memo import Derived
 
-__all__ = ["OBJECTIVES", "Options", "Problem", "build_problem"]
+__all__ = ["OBJECTIVES", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "build_problem"]
 
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("contract", "latency")
-"""Values of :attr:`Options.objective`."""
+"""Values of :attr:`PlanOptions.objective`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Options:
-    """How a plan will be run and reported."""
+class PlanOptions:
+    """Everything a plan is made with besides the model, the budgets and the strategy: one object, built and checked
+    once, read by :func:`allocator.plan`, :func:`allocator.infer_auto_device_map`, :func:`allocator.validate`,
+    :func:`build_problem` and :func:`allocator.patch` (each also takes these fields as keywords).
 
+    Examples
+    --------
+    >>> options = PlanOptions(offload_buffers=True, objective="latency")
+    >>> options.contract
+    False
+    >>> PlanOptions(objective="fastest")
+    Traceback (most recent call last):
+    ...
+    allocator.errors.InvalidOption: objective must be one of ['contract', 'latency'], got 'fastest'.
+    """
+
+    # how the model is read
+    no_split_module_classes: Iterable[str] | str | None = None
+    """Module classes never split across devices, united with ``_no_split_modules`` of the model and every
+    sub-model."""
+    dtype: object = None
+    """The dtype weights will be loaded in (``torch.float16``, ``"bfloat16"``); the model's own when ``None``."""
+    special_dtypes: Mapping | None = None
+    """Per-tensor dtypes overriding ``dtype`` (accelerate's argument)."""
+    tied_parameters: Sequence[Sequence[str]] | None = None
+    """Tie groups to use instead of the ones found from shared tensors."""
+    hf_quantizer: object = None
+    """transformers' ``HfQuantizer``: sizes of quantized weights (``param_element_size``), budgets it shrinks."""
+    size_fn: Callable | None = None
+    """``size_fn(name, tensor) -> bytes or None``: the size of a tensor as loaded (``None``: the usual rule)."""
+    discover_no_split: bool = True
+    """Collect ``_no_split_modules`` from every sub-model, not only the root's."""
+    infer_no_split: bool = True
+    """When nothing is declared, keep the model's repeated blocks whole (logged)."""
+    # how the plan will run
     offload_buffers: bool = False
     """Buffers of offloaded modules are offloaded too (else they live on the main device)."""
     fallback_allocation: bool = False
     """accelerate's BFS fallback when a device would stay empty (``sequential`` only)."""
     clean_result: bool = True
     """Merge map entries whose children all share one device."""
+    profile: Profile | None = None
+    """Bandwidths of the machine the plan will run on (:meth:`allocator.Profile.measure`); documented defaults when
+    ``None``."""
+    generation: GenerationBudget | None = None
+    """Room for ``generate`` (KV cache, logits, activations) on the devices where they live."""
+    # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
-    ``device_map="auto"`` user relies on (:mod:`allocator.contract`: the first accelerator that can hold anything is
-    the main device, accelerators used in index order, never fewer bytes on them than accelerate's own valid map),
-    ranked by the cost model among themselves. ``"latency"``: the cost model's estimate alone decides, over every
-    device that could be main (the CPU included) and in any order of accelerators."""
+    ``device_map="auto"`` user relies on (:mod:`allocator.strategies.contract`: the first accelerator that can hold
+    anything is the main device, accelerators used in index order, never fewer bytes on them than accelerate's own
+    valid map), ranked by the cost model among themselves. ``"latency"``: the cost model's estimate alone decides,
+    over every device that could be main (the CPU included) and in any order of accelerators."""
+    strict: bool = False
+    """Where no valid plan exists: ``False`` returns accelerate's own map, flagged, as ``device_map="auto"`` would;
+    ``True`` raises :class:`allocator.InfeasiblePlacement` with the smallest budget that works."""
 
     def __post_init__(self):
-        for name in ("offload_buffers", "fallback_allocation", "clean_result"):
+        for name in ("discover_no_split", "infer_no_split", "offload_buffers", "fallback_allocation", "clean_result",
+                     "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.objective not in OBJECTIVES:
             raise InvalidOption(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}.")
+        if self.profile is not None and not isinstance(self.profile, Profile):
+            raise InvalidOption(f"profile must be an allocator.Profile, got {type(self.profile).__name__}.")
+        if self.generation is not None and not isinstance(self.generation, GenerationBudget):
+            raise InvalidOption(f"generation must be an allocator.GenerationBudget, got "
+                                f"{type(self.generation).__name__}.")
+        if self.size_fn is not None and not callable(self.size_fn):
+            raise InvalidOption(f"size_fn must be callable as size_fn(name, tensor), got {self.size_fn!r}.")
+
+    @classmethod
+    def of(cls, options: PlanOptions | None = None, **changes) -> PlanOptions:
+        """``options`` (the defaults when ``None``) with ``changes``; unknown names raise :class:`InvalidOption`."""
+        if options is not None and not isinstance(options, PlanOptions):
+            raise InvalidOption(f"options must be an allocator.PlanOptions, got {type(options).__name__}.")
+        unknown = sorted(set(changes) - set(OPTION_NAMES))
+        if unknown:
+            raise InvalidOption(f"unknown options {unknown}; choose from {list(OPTION_NAMES)} (allocator.PlanOptions).")
+        if options is None:
+            return cls(**changes)
+        return dataclasses.replace(options, **changes) if changes else options
 
     @property
     def contract(self) -> bool:
@@ -52,19 +114,30 @@ class Options:
         return self.objective == "contract"
 
 
-@dataclass(frozen=True, slots=True, weakref_slot=True)
-class Problem:
-    """A model graph, ordered device budgets with their bandwidth profile, and options.
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PlanOptions))
+"""The fields of :class:`PlanOptions`, in order."""
 
-    Strategies read it and return a placement.
+Options = PlanOptions
+"""The name :class:`PlanOptions` had before it held every option (kept for callers of ``allocator.Options``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """A model graph, ordered device budgets with their bandwidth profile, and the options.
+
+    Strategies read it and return a placement. What is derived from it (accelerate's own map, the contract's
+    floor, the last maps checked and priced) is kept in :attr:`derived` and goes with it.
     """
 
     graph: ModelGraph
     budgets: Budgets
-    options: Options
+    options: PlanOptions = field(default_factory=PlanOptions)
     profile: Profile = field(default_factory=Profile)
+    """The bandwidths used (``options.profile``, or the documented defaults)."""
     generation: GenerationNeeds | None = None
     """What a generation budget adds (already folded into ``graph``; kept for reports)."""
+    derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
+    """Values that follow from this problem, made once (:class:`allocator.memo.Derived`)."""
 
 
 def quantizer_size_fn(model, hf_quantizer):
@@ -97,28 +170,15 @@ def _note_missing_accelerators(budgets: Budgets) -> None:
                  "that has them, and dispatching it here will fail", missing, present)
 
 
-def build_problem(
-    model,
-    max_memory: Mapping | None = None,
-    *,
-    no_split_module_classes: Iterable[str] | str | None = None,
-    dtype=None,
-    special_dtypes: Mapping | None = None,
-    tied_parameters: Sequence[Sequence[str]] | None = None,
-    hf_quantizer=None,
-    size_fn=None,
-    discover_no_split: bool = True,
-    infer_no_split: bool = True,
-    profile: Profile | None = None,
-    generation: GenerationBudget | None = None,
-    **options,
-) -> Problem:
+def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOptions | None = None,
+                  **keywords) -> Problem:
     """Build the :class:`Problem` once: introspect the model, parse budgets, check options.
 
-    ``generation`` (a :class:`allocator.GenerationBudget`) adds the KV cache, logits and activations of ``generate``
-    to the graph (:mod:`allocator.generation`). ``options`` are the fields of :class:`Options`. ``hf_quantizer``
-    supplies sizes (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does.
-    Nothing given is modified.
+    ``options`` (a :class:`PlanOptions`) says how the model is read and the plan run; ``keywords`` are its fields,
+    given one by one (they override those of ``options``). With a ``generation`` budget the graph also holds the KV
+    cache, logits and activations of ``generate`` (:mod:`allocator.generation`). An ``hf_quantizer`` supplies sizes
+    (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is
+    modified.
 
     Examples
     --------
@@ -127,27 +187,26 @@ def build_problem(
     >>> p.graph.total, p.budgets.order
     (80, ('cpu', 'disk'))
     """
-    if size_fn is None:
-        size_fn = quantizer_size_fn(model, hf_quantizer)
+    options = PlanOptions.of(options, **keywords)
+    size_fn = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, options.hf_quantizer)
     with gc_paused():  # the graph's records are acyclic: collections while they are built only walk them in vain
         graph = build_graph(
-            model, dtype=dtype, special_dtypes=special_dtypes, no_split_module_classes=no_split_module_classes,
-            discover_no_split=discover_no_split, infer_no_split=infer_no_split, tied_parameters=tied_parameters,
-            size_fn=size_fn,
+            model, dtype=options.dtype, special_dtypes=options.special_dtypes,
+            no_split_module_classes=options.no_split_module_classes, discover_no_split=options.discover_no_split,
+            infer_no_split=options.infer_no_split, tied_parameters=options.tied_parameters, size_fn=size_fn,
         )
         needs = None
-        if generation is not None:
-            needs = generation_needs(model, graph, generation, dtype=dtype)
+        if options.generation is not None:
+            needs = generation_needs(model, graph, options.generation, dtype=options.dtype)
             graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
                                         main_workspace=needs.scores)
     budgets = parse_budgets(max_memory)
     _note_missing_accelerators(budgets)
-    if hf_quantizer is not None and hasattr(hf_quantizer, "adjust_max_memory"):
-        adjusted = hf_quantizer.adjust_max_memory(dict(budgets.limits))
+    quantizer = options.hf_quantizer
+    if quantizer is not None and hasattr(quantizer, "adjust_max_memory"):
+        adjusted = quantizer.adjust_max_memory(dict(budgets.limits))
         # bytes already (bitsandbytes returns 0.9 x each as a float): with a unit, so no small-bare-number warning
         budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
-    if profile is not None and not isinstance(profile, Profile):
-        raise InvalidOption(f"profile must be an allocator.Profile, got {type(profile).__name__}.")
-    return Problem(graph=graph, budgets=budgets, options=Options(**options), profile=profile or Profile(),
+    return Problem(graph=graph, budgets=budgets, options=options, profile=options.profile or Profile(),
                    generation=needs)

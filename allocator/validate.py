@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 from itertools import filterfalse
 
 from .budgets import format_bytes, normalize_map
-from .problem import Problem, build_problem
+from .problem import PlanOptions, Problem, build_problem
 from .runs import columns, devices_in
-from .runtime import Memory, Recent, device_of, main_device, map_runs, offloaded_devices, peaks
+from .runtime import Memory, device_of, main_device, map_runs, offloaded_devices, peaks
 
 __all__ = ["Violation", "check", "validate", "normalize_map", "format_bytes"]
 
@@ -30,9 +30,6 @@ class Violation:
         return f"{self.kind}: {self.message}"
 
 
-_CHECKED = Recent()
-
-
 def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:
     """Violations of ``device_map`` for ``problem``, and the memory it needs at runtime.
 
@@ -40,13 +37,9 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
     -----
     O(k log k) for k map entries, plus the tensors of offloaded runs that are not whole subtrees (once per graph,
     O(nodes + tensors) for its :class:`allocator.runs.Columns`). The last few results are remembered
-    (:class:`Recent`); each call returns its own copies.
+    (:meth:`allocator.memo.Derived.recent`); each call returns its own copies.
     """
-    known, key = _CHECKED.get(problem, device_map)
-    if known is None:
-        known = _check(problem, device_map)
-        _CHECKED.put(problem, key, known)
-    violations, memory = known
+    violations, memory = problem.derived.recent("check", device_map, lambda: _check(problem, device_map))
     return list(violations), replace(memory, peak=dict(memory.peak), generation=dict(memory.generation))
 
 
@@ -144,8 +137,8 @@ def _no_split(problem: Problem, runs: list) -> list[Violation]:
     return out
 
 
-def validate(model, device_map, max_memory=None, *, no_split_module_classes=None, offload_buffers=False,
-             dtype=None, special_dtypes=None, generation=None) -> list[Violation]:
+def validate(model, device_map, max_memory=None, *, options: PlanOptions | None = None, **keywords
+             ) -> list[Violation]:
     """Every way ``device_map`` breaks accelerate's runtime rules for ``model`` under ``max_memory``.
 
     Checks coverage (every tensor has a device, every key names something), no-split modules kept whole,
@@ -159,13 +152,13 @@ def validate(model, device_map, max_memory=None, *, no_split_module_classes=None
         Module or tensor names to devices, as accepted by ``dispatch_model``.
     max_memory : dict, optional
         Budgets as accelerate accepts them; the machine's memory when omitted.
-    no_split_module_classes : list of str, optional
-        United with the model's own ``_no_split_modules`` (and its sub-models').
-    offload_buffers : bool
-        As passed to ``dispatch_model``.
-    generation : GenerationBudget, optional
-        Also count what ``generate`` needs where it runs: KV cache, logits, activations
-        (:mod:`allocator.generation`).
+    options : PlanOptions, optional
+        How the model is read and run, as for :func:`allocator.plan`: ``no_split_module_classes`` (united with the
+        model's own ``_no_split_modules`` and its sub-models'), ``offload_buffers`` (as passed to
+        ``dispatch_model``), ``dtype``, ``special_dtypes``, ``generation`` (also count what ``generate`` needs where it
+        runs: KV cache, logits, activations).
+    **keywords
+        Fields of :class:`PlanOptions`, one by one (they override those of ``options``).
 
     Returns
     -------
@@ -181,8 +174,4 @@ def validate(model, device_map, max_memory=None, *, no_split_module_classes=None
     >>> [v.kind for v in validate(model, {"0": "cpu", "1": "disk"}, {"cpu": 500})]
     ['budget']
     """
-    problem = build_problem(
-        model, max_memory, no_split_module_classes=no_split_module_classes, offload_buffers=offload_buffers,
-        dtype=dtype, special_dtypes=special_dtypes, generation=generation,
-    )
-    return check(problem, device_map)[0]
+    return check(build_problem(model, max_memory, options=options, **keywords), device_map)[0]

@@ -32,7 +32,6 @@ once per problem. :func:`floor` runs ``sequential`` once per problem.
 from __future__ import annotations
 
 import bisect
-import weakref
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -54,19 +53,9 @@ __all__ = ["accelerate_map", "accelerate_placement", "contract_main", "contract_
 EXEMPT_FROM_MAIN = frozenset({"balanced_low_0"})
 """Strategies whose meaning is to keep GPU 0 light (rule 1 does not apply)."""
 
-_DERIVED: dict = {}   # id(problem) -> {name: value}; an entry goes with its problem
-
-
 def derived(problem: Problem, name: str, build: Callable[[], object]):
     """``build()`` once per problem and name (the problem is frozen, so what follows from it does not change)."""
-    key = id(problem)
-    entry = _DERIVED.get(key)
-    if entry is None:
-        entry = _DERIVED[key] = {}
-        weakref.finalize(problem, _DERIVED.pop, key, None)
-    if name not in entry:
-        entry[name] = build()
-    return entry[name]
+    return problem.derived.once(name, build)
 
 
 def fast_tier(problem: Problem) -> frozenset:

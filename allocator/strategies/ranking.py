@@ -7,7 +7,6 @@ from ..cost import Cost, estimate, estimate_runs
 from ..errors import InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runtime import Recent
 from ..budgets import format_bytes
 from ..validate import check
 from .contract import accelerate_map, contract_main, fast_bytes, floor, order_violations
@@ -18,16 +17,9 @@ __all__ = ["score", "priced", "best_of", "infeasible", "keeping_contract"]
 PRICED = 8
 
 
-_PRICED = Recent()
-
-
 def priced(problem: Problem, device_map) -> Cost:
     """``estimate(problem, device_map)`` under the problem's profile; the last few results are remembered."""
-    cost, key = _PRICED.get(problem, device_map)
-    if cost is None:
-        cost = estimate(problem, device_map)
-        _PRICED.put(problem, key, cost)
-    return cost
+    return problem.derived.recent("priced", device_map, lambda: estimate(problem, device_map))
 
 
 def score(problem: Problem, device_map) -> tuple[float, int, int]:
