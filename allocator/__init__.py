@@ -31,7 +31,8 @@ from .validate import Violation, validate
 __all__ = [
     "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",
     "InvalidOption", "InvalidPlacement", "UnsupportedByAccelerate", "Cost", "GenerationBudget", "Profile",
-    "estimate", "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem", "contract_violations",
+    "estimate", "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
+    "contract_violations",
     "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

@@ -260,7 +260,8 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) ->
     **keywords
         Fields of :class:`allocator.PlanOptions`, one by one (they override those of ``options``):
         ``offload_buffers`` (pass ``True`` when you pass it to ``from_pretrained``, which does not tell its map
-        builder), ``no_split_module_classes`` (united with the model's), ``dtype``, ``special_dtypes``, ``clean_result``, ``fallback_allocation``, ``tied_parameters``,
+        builder), ``no_split_module_classes`` (united with the model's), ``dtype``, ``special_dtypes``,
+        ``clean_result``, ``fallback_allocation``, ``tied_parameters``,
         ``size_fn``, ``infer_no_split``, ``profile``, ``generation`` (an :class:`allocator.GenerationBudget`: room for
         ``generate``'s KV cache, logits and activations), ``objective`` (``"contract"``, the default, or
         ``"latency"``: see :func:`allocator.plan`), ``strict`` (``True``: raise where no valid plan exists, instead of

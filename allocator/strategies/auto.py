@@ -17,17 +17,13 @@ default, so that from the same warm start it returns the same plan. Deterministi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
-from ..errors import AllocatorError
 from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
-from ..validate import check
 from . import backfill, ilp, reserve
-from .ranking import infeasible, score
-from ..runtime import main_device
-from .contract import accelerate_placement, contract_main, contract_violations
+from .contract import accelerate_placement
+from .ranking import Tried, best_valid, infeasible
 
 __all__ = ["place", "choice_note"]
 
@@ -44,65 +40,22 @@ def _ilp_available(problem: Problem) -> bool:
     return len(groups(problem.graph, problem.options.offload_buffers)) <= ilp.MAX_UNITS
 
 
-def place(problem: Problem, **_) -> Placement:
+def place(problem: Problem) -> Placement:
     """The best valid plan of ``sequential``, ``reserve``, ``backfill`` and a time-boxed ``ilp``."""
-    best, tried = None, []
-
-    def consider(name, run):
-        nonlocal best
-        try:
-            placement = run()
-        except AllocatorError as err:
-            tried.append(Tried(name, f"finds no plan ({type(err).__name__})"))
-            return
-        violations = check(problem, placement.device_map)[0]
-        if violations:
-            tried.append(Tried(name, f"is invalid: it breaks a runtime rule ({violations[0].kind})"))
-            return
-        broken = contract_violations(problem, placement.device_map, strategy="auto")
-        kinds = {v.kind for v in broken}
-        if kinds - {"contract-floor"}:
-            seconds = score(problem, placement.device_map)[0]
-            tried.append(Tried(name, f"breaks the contract: {_broken_rule(problem, placement.device_map, kinds)}",
-                               -seconds))
-            return
-        # plans that reach accelerate's bytes first; below them only where no candidate does (contract.floor)
-        key = (not kinds, *score(problem, placement.device_map))
-        tried.append(Tried(name, "keeps fewer bytes on the fastest tier than accelerate's map" if kinds else "",
-                           -key[1], eligible=True))
-        if best is None or key > best[0]:
-            best = (key, placement, name)
-
-    for name, strategy in CANDIDATES.items():
-        consider(name, lambda strategy=strategy: strategy(problem))
+    found = best_valid(problem, [(name, lambda strategy=strategy: strategy(problem))
+                                 for name, strategy in CANDIDATES.items()])
     if _ilp_available(problem):
-        hint = best[1].device_map if best else None
-        consider("ilp", lambda: ilp.place(problem, time_limit=ILP_SECONDS, hint=hint))
-    if best is None:
+        hint = found.placement.device_map if found.placement else None
+        found = best_valid(problem, [("ilp", lambda: ilp.place(problem, time_limit=ILP_SECONDS, hint=hint))],
+                           than=found)
+    if found.placement is None:
         raise infeasible(problem)
-    placement = best[1]
+    placement = found.placement
     used = set(placement.device_map.values())
     if problem.budgets.accelerators and not used - {"cpu", "disk"}:
         log.info("no accelerator plan is valid or faster; running everything from RAM (cpu as main device)")
     return Placement(device_map=placement.device_map, strategy=f"auto:{placement.strategy}",
-                     notes=(choice_note(best[2], tried),) + placement.notes, optimal=placement.optimal)
-
-
-@dataclass(frozen=True, slots=True)
-class Tried:
-    """What became of one candidate: its estimate where it has one, and why it lost when it could not win."""
-
-    name: str
-    why: str = ""          # empty for a candidate that keeps every rule
-    seconds: float | None = None
-    eligible: bool = False  # valid and keeps rules 1 and 2 of the contract
-
-
-def _broken_rule(problem: Problem, device_map, kinds) -> str:
-    if "contract-main" in kinds:
-        return (f"it runs on {main_device(device_map.values())!r}, not on the first accelerator that admits a plan "
-                f"({contract_main(problem)!r})")
-    return "it goes back to a lower accelerator index along the model"
+                     notes=(choice_note(found.name, found.tried),) + placement.notes, optimal=placement.optimal)
 
 
 def _ms(seconds: float) -> str:
@@ -119,7 +72,7 @@ def _against(seconds: float, other: float) -> str:
     return f"{number} % {'faster' if change > 0 else 'slower'} than"
 
 
-def choice_note(winner: str, tried: list[Tried]) -> str:
+def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
     """One sentence: the candidate kept, its estimate, the margin over accelerate's map (``sequential``) and over the
     runner-up, and what became of the others."""
     chosen = next(t for t in tried if t.name == winner)

@@ -23,7 +23,7 @@ from .contract import fill_memo, main_candidates
 __all__ = ["place"]
 
 
-def place(problem: Problem, **_) -> Placement:
+def place(problem: Problem) -> Placement:
     """Place by first fit with a static streaming reserve (the largest streamed size of an offloadable group)."""
     found = groups(problem.graph, problem.options.offload_buffers)
     offloadable = found.array("stream")[~found.array("resident_only")]

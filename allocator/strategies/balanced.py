@@ -80,13 +80,13 @@ __all__ = ["place", "place_low_0"]
 log = logging.getLogger(__name__)
 
 
-def place(problem: Problem, **_) -> Placement:
+def place(problem: Problem) -> Placement:
     """Contiguous split over the accelerators minimising the largest ``peak / budget``; offload only when the
     accelerators together cannot hold the model."""
     return _place(problem, low_0=False)
 
 
-def place_low_0(problem: Problem, **_) -> Placement:
+def place_low_0(problem: Problem) -> Placement:
     """As :func:`place`, with the first accelerator holding as little as possible and the others balanced."""
     return _place(problem, low_0=True)
 

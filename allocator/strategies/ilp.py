@@ -36,7 +36,7 @@ plan stays legal but may lose a little, and it is not called optimal); ``explain
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..budgets import is_accelerator
 from ..cost import Profile, change_seconds, estimate, tensor_seconds
@@ -47,10 +47,10 @@ from ..runs import columns
 from ..runtime import device_of, main_device, map_runs, offloaded_devices, workspace
 from ..units import Group, groups as unit_groups
 from ..validate import check
-from . import backfill, reserve, sequential
-from .ranking import infeasible
-from .contract import (accelerate_map, contract_violations, fast_bytes, fast_tier, floor, main_candidates,
-                       order_violations)
+from . import backfill, reserve
+from .ranking import best_valid, infeasible
+from .contract import (accelerate_map, accelerate_placement, contract_violations, fast_bytes, fast_tier, floor,
+                       main_candidates, order_violations)
 
 __all__ = ["place"]
 
@@ -349,7 +349,7 @@ def _unit_order(found: list[Group], g) -> list[str]:
 
 
 def place(problem: Problem, *, profile: Profile | None = None, time_limit: float = TIME_LIMIT,
-          max_units: int = MAX_UNITS, hint=None, **_) -> Placement:
+          max_units: int = MAX_UNITS, hint=None) -> Placement:
     """Solve for the plan with the lowest estimated cost per forward.
 
     Parameters
@@ -468,15 +468,10 @@ def _floor_to_keep(problem: Problem, incumbent) -> int:
 
 
 def _heuristic(problem: Problem, profile: Profile) -> dict | None:
-    """The best valid map of the fast strategies (the warm start and first cutoff), or ``None``."""
-    best = None
-    for strategy in (sequential, reserve, backfill):
-        try:
-            device_map = strategy.place(problem).device_map
-        except AllocatorError:
-            continue
-        if not check(problem, device_map)[0] and not _breaks_order_or_main(problem, device_map):
-            seconds = estimate(problem, device_map, profile).seconds
-            if best is None or seconds < best[0]:
-                best = (seconds, device_map)
-    return best[1] if best else None
+    """The warm start and first cutoff: the best valid map of the fast strategies
+    (:func:`allocator.strategies.ranking.best_valid`, ranked under ``profile``), or ``None``."""
+    ranked = problem if profile == problem.profile else replace(problem, profile=profile)
+    fast = [("sequential", lambda: accelerate_placement(ranked)), ("reserve", lambda: reserve.place(ranked)),
+            ("backfill", lambda: backfill.place(ranked))]
+    found = best_valid(ranked, fast)
+    return found.placement.device_map if found.placement else None

@@ -3,15 +3,19 @@ tier, then the fewest changes of executing device."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
 from ..cost import Cost, estimate, estimate_runs
-from ..errors import InfeasiblePlacement
+from ..errors import AllocatorError, InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
+from ..runtime import main_device
 from ..budgets import format_bytes
 from ..validate import check
-from .contract import accelerate_map, contract_main, fast_bytes, floor, order_violations
+from .contract import accelerate_map, contract_main, contract_violations, fast_bytes, floor, order_violations
 
-__all__ = ["score", "priced", "best_of", "infeasible", "keeping_contract"]
+__all__ = ["Best", "Tried", "score", "priced", "best_of", "best_valid", "infeasible", "keeping_contract"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8
@@ -90,6 +94,72 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     return Placement(device_map=device_map, strategy=strategy,
                      notes=(f"{strategy} kept {kept} ({note}): estimated {-key[0] * 1e3:.3f} ms per forward, "
                             f"{format_bytes(key[1])} on the fastest tier, {-key[2]} device changes",))
+
+
+@dataclass(frozen=True, slots=True)
+class Tried:
+    """What became of one candidate of :func:`best_valid`: its estimate where it has one, and why it lost when it
+    could not win."""
+
+    name: str
+    why: str = ""           # empty for a candidate that keeps every rule
+    seconds: float | None = None
+    eligible: bool = False  # valid and keeps rules 1 and 2 of the contract
+    kinds: frozenset = frozenset()  # the contract rules it breaks ("contract-main", "contract-order", ...)
+
+
+@dataclass(frozen=True, slots=True)
+class Best:
+    """The outcome of :func:`best_valid`: the winning placement and its name (``None`` when no candidate is valid),
+    its ranking key, and what became of every candidate, in the order tried."""
+
+    placement: Placement | None = None
+    name: str | None = None
+    key: tuple | None = None
+    tried: tuple[Tried, ...] = ()
+
+
+def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Placement]]], *,
+               than: Best | None = None) -> Best:
+    """The best of ``candidates`` (``(name, make)`` pairs; ``make()`` returns a :class:`Placement` or raises an
+    :class:`allocator.AllocatorError`) that keeps the runtime rules and rules 1 and 2 of the contract.
+
+    Ranked first by reaching the contract's floor (accelerate's bytes on the fastest tier), then by :func:`score`
+    (the lowest estimated seconds, the most bytes on the fastest tier, the fewest device changes); on a tie the
+    earlier candidate wins. ``than`` continues an earlier call: its winner is kept unless a candidate beats it.
+    Under ``objective="latency"`` every valid map is eligible and only :func:`score` ranks.
+    """
+    best = than or Best()
+    tried = list(best.tried)
+    for name, make in candidates:
+        try:
+            placement = make()
+        except AllocatorError as err:
+            tried.append(Tried(name, f"finds no plan ({type(err).__name__})"))
+            continue
+        violations = check(problem, placement.device_map)[0]
+        if violations:
+            tried.append(Tried(name, f"is invalid: it breaks a runtime rule ({violations[0].kind})"))
+            continue
+        kinds = frozenset(v.kind for v in contract_violations(problem, placement.device_map))
+        if kinds - {"contract-floor"}:
+            seconds = -score(problem, placement.device_map)[0]
+            tried.append(Tried(name, f"breaks the contract: {_broken_rule(problem, placement.device_map, kinds)}",
+                               seconds, kinds=kinds))
+            continue
+        key = (not kinds, *score(problem, placement.device_map))
+        tried.append(Tried(name, "keeps fewer bytes on the fastest tier than accelerate's map" if kinds else "",
+                           -key[1], eligible=True, kinds=kinds))
+        if best.key is None or key > best.key:
+            best = Best(placement, name, key)
+    return Best(best.placement, best.name, best.key, tuple(tried))
+
+
+def _broken_rule(problem: Problem, device_map, kinds) -> str:
+    if "contract-main" in kinds:
+        return (f"it runs on {main_device(device_map.values())!r}, not on the first accelerator that admits a plan "
+                f"({contract_main(problem)!r})")
+    return "it goes back to a lower accelerator index along the model"
 
 
 def keeping_contract(problem: Problem, candidates: list) -> list:

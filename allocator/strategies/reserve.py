@@ -25,7 +25,7 @@ from .contract import fill_memo, main_candidates
 __all__ = ["place"]
 
 
-def place(problem: Problem, **_) -> Placement:
+def place(problem: Problem) -> Placement:
     """Place by first fit, trying every streaming reserve that some unit's offload would need."""
     found = groups(problem.graph, problem.options.offload_buffers)
     sizes = reserve_sizes(problem, found)

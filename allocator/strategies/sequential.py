@@ -370,7 +370,7 @@ def _fallback(tree: _Tree, entries, limit, tied_groups):
 _STRETCH, _STRETCH_FROM = 64, 1024
 
 
-def place(problem: Problem, **_) -> Placement:
+def place(problem: Problem) -> Placement:
     """Place like accelerate's ``infer_auto_device_map``.
 
     Parameters
