@@ -19,14 +19,13 @@ from .logs import shown
 from .placement import Placement
 from .problem import PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES, resolve, run
-from .generation import breakdown
 from .strategies.ranking import priced
 from .runs import columns
 from .runtime import main_device, map_runs, workspace
 from .strategies.first_fit import full_reserve
 from .strategies.contract import contract_main, contract_violations, fast_bytes, floor, why_empty
 from .strategies.sequential import insufficient_memory
-from .validate import Violation, check, format_bytes, normalize_map
+from .validate import Violation, check, format_bytes, peak_parts
 
 __all__ = ["Plan", "plan", "infer_auto_device_map"]
 
@@ -166,7 +165,7 @@ class Plan:
 
 def _finish(problem: Problem, placement: Placement) -> Plan:
     violations, memory = check(problem, placement.device_map)
-    parts = breakdown(problem.generation, problem.graph, normalize_map(placement.device_map), memory)
+    parts = peak_parts(problem, placement.device_map, memory)
     return Plan(
         device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,

@@ -58,7 +58,6 @@ from dataclasses import KW_ONLY, dataclass, field
 from .budgets import format_bytes
 from .errors import InvalidOption, warn_caller
 from .graph import as_dtype, dtype_bytes
-from .runtime import executes_on, extra_by_device, map_runs, offloaded_devices
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
 
@@ -519,27 +518,3 @@ def _activations(model, config, attention: _Attention, tokens: int, length: int,
     else:
         total += tokens * length  # the boolean 4-D attention mask
     return total
-
-
-def breakdown(needs: GenerationNeeds | None, graph, device_map: Mapping, memory) -> dict:
-    """Per device of ``memory.peak`` (from :func:`allocator.validate.check`): ``weights``, ``cache``, ``logits`` and
-    ``activations`` bytes, summing to the peak (``weights`` includes buffers and the streaming reserve)."""
-    devices = map_runs(graph, device_map)
-    used = set(device_map.values())
-    hooks = len(used) > 1 or "disk" in used
-    offloaded = offloaded_devices(memory.main) if hooks else frozenset()
-    out = {}
-    cache = logits = {}
-    if needs is not None:
-        cache = extra_by_device(graph, devices, needs.cache, memory.main, offloaded, hooks)
-        logits = extra_by_device(graph, devices, needs.logits, memory.main, offloaded, hooks)
-    executing = {executes_on(d, memory.main, offloaded, hooks) for d in used} | {memory.main}
-    for device, peak in memory.peak.items():
-        parts = {"cache": cache.get(device, 0), "logits": logits.get(device, 0), "activations": 0}
-        if needs is not None and device in executing and device != "disk":
-            parts["activations"] = graph.workspace
-            if device == memory.main:
-                parts["logits"] += graph.main_workspace
-        parts = {"weights": peak - sum(parts.values()), **parts}
-        out[device] = parts
-    return out

@@ -13,9 +13,9 @@ from itertools import filterfalse
 from .budgets import format_bytes, normalize_map
 from .problem import PlanOptions, Problem, build_problem
 from .runs import columns, devices_in
-from .runtime import Memory, device_of, main_device, map_runs, offloaded_devices, peaks
+from .runtime import Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks
 
-__all__ = ["Violation", "check", "validate", "normalize_map", "format_bytes"]
+__all__ = ["Violation", "check", "peak_parts", "validate", "normalize_map", "format_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +134,33 @@ def _no_split(problem: Problem, runs: list) -> list[Violation]:
             out.append(Violation(
                 "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, devices))}."
             ))
+    return out
+
+
+def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:
+    """Per device of ``memory.peak`` (from :func:`check`): ``weights``, ``cache``, ``logits`` and ``activations``
+    bytes, summing to the peak (``weights`` includes buffers and the streaming reserve; the others come from the
+    problem's generation budget and are zero without one)."""
+    graph, needs = problem.graph, problem.generation
+    device_map = normalize_map(device_map)
+    devices = map_runs(graph, device_map)
+    used = set(device_map.values())
+    hooks = len(used) > 1 or "disk" in used
+    offloaded = offloaded_devices(memory.main) if hooks else frozenset()
+    out = {}
+    cache = logits = {}
+    if needs is not None:
+        cache = extra_by_device(graph, devices, needs.cache, memory.main, offloaded, hooks)
+        logits = extra_by_device(graph, devices, needs.logits, memory.main, offloaded, hooks)
+    executing = {executes_on(d, memory.main, offloaded, hooks) for d in used} | {memory.main}
+    for device, peak in memory.peak.items():
+        parts = {"cache": cache.get(device, 0), "logits": logits.get(device, 0), "activations": 0}
+        if needs is not None and device in executing and device != "disk":
+            parts["activations"] = graph.workspace
+            if device == memory.main:
+                parts["logits"] += graph.main_workspace
+        parts = {"weights": peak - sum(parts.values()), **parts}
+        out[device] = parts
     return out
 
 

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 import allocator  # noqa: E402
 from allocator import GenerationBudget, InvalidOption  # noqa: E402
 from allocator.units import groups  # noqa: E402
-from allocator.validate import check  # noqa: E402
+from allocator.validate import check, peak_parts  # noqa: E402
 
 # where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
 strict_plan = functools.partial(allocator.plan, strict=True)
@@ -250,9 +250,7 @@ def test_cache_of_an_offloaded_layer_lives_on_the_main_device(meta_llama):
                   "model.layers.3": "disk", "model.norm": 1, "model.rotary_emb": 1, "lm_head": 1}
     violations, memory = check(problem, device_map)
     assert not violations
-    from allocator.generation import breakdown
-
-    parts = breakdown(problem.generation, problem.graph, device_map, memory)
+    parts = peak_parts(problem, device_map, memory)
     layer = "model.layers.{}.self_attn"
     assert parts[0]["cache"] == sum(per_layer[layer.format(i)] for i in (0, 1, 3))  # offloaded layers run on 0
     assert parts[1]["cache"] == per_layer[layer.format(2)]
