@@ -19,10 +19,9 @@ device, the direction of each run (the one that changes device less often) — s
 of first searching to complete it.
 
 Deterministic: one worker, a fixed seed, deterministic time limits (``max_deterministic_time``), ``TIME_LIMIT``
-(1.0 s) per plan by default. CP-SAT's deterministic clock undercounts its LP work: on the 2- and 4-GPU cells of the
-benchmark zoo a deterministic second costs up to ~5 s of wall time on one core, so the budget is what keeps every
-cell under 5 s; Chvátal-Gomory cuts are off (at the same budget they took a third of the wall time on those cells and
-proved nothing more).
+per plan by default. CP-SAT's deterministic clock undercounts its LP work, so a deterministic second can take several
+seconds of wall time with several accelerators: the budget is kept small for that reason, and Chvátal-Gomory cuts are
+off (they cost wall time and proved nothing more on the benchmark zoo; benchmarks/RESULTS.md has the figures).
 ``Placement.optimal`` is ``True`` only when every main device was solved to optimality or proven unable to beat the
 returned plan. When CP-SAT finds nothing at or below the warm start, the warm start is returned, so ``ilp`` is never
 estimated slower than the best of those heuristics.
