@@ -16,7 +16,7 @@ from .errors import AllocatorError, BrokenContract, InfeasiblePlacement, Invalid
 from .explain import reasons
 from .gc_pause import gc_paused
 from .logs import shown
-from .placement import Placement
+from .placement import Placement, clean_device_map
 from .problem import PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES, resolve, run
 from .strategies.ranking import priced
@@ -348,7 +348,7 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
     resolve(strategy)
     with gc_paused():  # planning makes many acyclic objects; each collection would walk the model and graph too
         problem = build_problem(model, max_memory, options=options)
-        placement = _checked(problem, _placed(problem, strategy))
+        placement = _checked(problem, _cleaned(problem, strategy, _placed(problem, strategy)))
         result = _finish(problem, _with_empty_notes(problem, placement))
     for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
         log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
@@ -366,6 +366,15 @@ def _placed(problem: Problem, strategy) -> Placement:
         if placement is None:
             raise error from None
         return placement
+
+
+def _cleaned(problem: Problem, strategy, placement: Placement) -> Placement:
+    """A caller's strategy's map cleaned as the options say (``clean_result``: entries whose children share a device
+    merged). The built-in strategies return their maps cleaned already (the invariant tests check it), so they are
+    not walked again."""
+    if not problem.options.clean_result or STRATEGIES.get(resolve(strategy)[0]) is resolve(strategy)[1]:
+        return placement
+    return replace(placement, device_map=clean_device_map(placement.device_map))
 
 
 def _checked(problem: Problem, placement: Placement) -> Placement:

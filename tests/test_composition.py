@@ -167,3 +167,14 @@ def test_a_problem_owns_what_is_derived_from_it():
     other = dataclasses.replace(problem, budgets=allocator.build_problem(stack(), {"cpu": 10**6}).budgets)
     assert other.derived is not problem.derived and other.derived.once("x", lambda: 9) == 9
     assert problem == dataclasses.replace(problem)   # derived values take no part in equality
+
+
+def test_a_callers_map_is_cleaned_as_the_options_say():
+    model = stack(4)
+
+    def per_layer(problem):
+        return Placement({str(i): "cpu" for i in range(4)}, "per-layer")
+
+    assert allocator.plan(model, {"cpu": 10**6}, strategy=per_layer).device_map == {"": "cpu"}
+    assert allocator.plan(model, {"cpu": 10**6}, strategy=per_layer, clean_result=False).device_map == \
+        {str(i): "cpu" for i in range(4)}

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import allocator
 from allocator import zoo
 from allocator.cost import estimate
+from allocator.placement import clean_device_map
 from allocator.validate import check
 from trees import budgets, module_trees
 
@@ -154,6 +155,7 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
                     strict_plan(model, {"cpu": err.minimum - max(1, err.minimum // 100)}, **kwargs)
         return
     assert ours.valid, ours.violations
+    assert clean_device_map(ours.device_map) == ours.device_map   # returned clean: plan() does not walk it again
     # the contract (main device, index order, accelerate's floor) holds for every strategy
     assert not allocator.contract_violations(ours.problem, ours.device_map, strategy=strategy)
     try:

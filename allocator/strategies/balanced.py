@@ -74,6 +74,7 @@ from ..units import Group, groups
 from ..budgets import format_bytes
 from ..validate import check
 from . import reserve
+from .contract import contract_main
 
 __all__ = ["place", "place_low_0"]
 
@@ -191,6 +192,10 @@ def _place(problem: Problem, *, low_0: bool) -> Placement:
     name = "balanced_low_0" if low_0 else "balanced"
     found = groups(problem.graph, problem.options.offload_buffers).records()
     accelerators = list(problem.budgets.accelerators)
+    if accelerators and problem.options.contract and not low_0 and found:
+        # the contract: the first accelerator that admits a plan is the main device, so it holds a group
+        main = contract_main(problem)
+        accelerators = accelerators[accelerators.index(main):] if main in accelerators else []
     if accelerators:
         placement = _all_resident(problem, found, accelerators, low_0, name)
         if placement is not None:
@@ -202,7 +207,8 @@ def _all_resident(problem: Problem, found: list[Group], devices: list[Device], l
     budgets = [problem.budgets.limit(d) or 0 for d in devices]
     loads = [load(g) for g in found]
     splitter = _low_first if low_0 else _balance
-    cuts = splitter(loads, budgets, _workspace(problem, len(devices)), 0)
+    first_min = 1 if problem.options.contract and not low_0 and found else 0
+    cuts = splitter(loads, budgets, _workspace(problem, len(devices)), first_min)
     if cuts is None:
         return None
     placed = {}
