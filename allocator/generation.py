@@ -57,7 +57,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from .budgets import format_bytes
 from .errors import InvalidOption, warn_caller
-from .graph import as_dtype, dtype_bytes
+from .graph.sizes import as_dtype, dtype_bytes
 from .runtime import executes_on, extra_by_device, map_runs, offloaded_devices
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
