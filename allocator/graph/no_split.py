@@ -1,8 +1,9 @@
 """No-split classes: which modules plans keep whole on one device.
 
 The caller's ``no_split_module_classes``, united with the ``_no_split_modules`` every sub-model declares; when nothing
-is declared, the model's repeated blocks (:func:`allocator.introspect.infer_blocks`). What a module declares is
-:mod:`allocator.introspect`'s rule; this module applies it to the modules :mod:`allocator.graph.read`'s walk met.
+is declared, the model's repeated blocks (:func:`allocator.introspect.infer_blocks`). What a module declares and
+which blocks repeat is :mod:`allocator.introspect`'s to say; this module unites the answers, read from the modules
+:mod:`allocator.graph.read`'s walk met where the walk was exact, from the model otherwise.
 """
 
 from __future__ import annotations

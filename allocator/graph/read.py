@@ -1,9 +1,10 @@
 """The reader: one walk of an ``nn.Module`` into the columns of a :class:`~allocator.graph.model.ModelGraph`.
 
-This is the only module of the package that walks the model (its children, parameters and buffers);
-:func:`build_graph` hands what the walk found to the package's rules: sizes (:mod:`~allocator.graph.sizes`), ties
-(:mod:`~allocator.graph.ties`) and no-split classes (:mod:`~allocator.graph.no_split`). Strategies read the frozen
-graph and never the model.
+This is the only module of the package that reads the model's children, parameters and buffers; :func:`build_graph`
+hands what the walk found to the package's rules: sizes (:mod:`~allocator.graph.sizes`), ties
+(:mod:`~allocator.graph.ties`) and no-split classes (:mod:`~allocator.graph.no_split`, which asks
+:mod:`allocator.introspect` about the model's declarations and repeated blocks). Strategies read the frozen graph and
+never the model.
 """
 
 from __future__ import annotations
