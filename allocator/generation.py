@@ -57,7 +57,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from .budgets import format_bytes
 from .errors import InvalidOption, warn_caller
-from .graph import as_dtype, dtype_bytes
+from .graph.sizes import as_dtype, dtype_bytes
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
 

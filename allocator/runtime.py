@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .budgets import Device
-from .graph import ModelGraph
+from .graph.model import ModelGraph
 from .rules import device_of, executes_on, main_device, moves, moves_with_weights, offloaded_devices
 from .runs import Run, columns, expand, first_device, pieces, runs
 

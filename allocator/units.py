@@ -17,10 +17,10 @@ from typing import ClassVar
 import numpy as np
 
 from .gc_pause import gc_paused
-from .graph import ModelGraph
+from .graph.model import ModelGraph
 from .rules import device_of, moves
 from .runs import as_array, as_ints, columns, key_ranges
-from .table import Record, Table, frozen, new_row, picklable, same
+from .graph.table import Record, Table, frozen, new_row, picklable, same
 
 __all__ = ["Unit", "Group", "Units", "Groups", "units", "groups"]
 
@@ -28,7 +28,7 @@ __all__ = ["Unit", "Group", "Units", "Groups", "units", "groups"]
 class Unit(Record):
     """A piece a plan places whole: a module that is not split, or a direct tensor of one that is.
 
-    An immutable record (:class:`allocator.table.Record`, a tuple with named fields)."""
+    An immutable record (:class:`allocator.graph.table.Record`, a tuple with named fields)."""
 
     __slots__ = ()
     _defaults = {"numel": 0}

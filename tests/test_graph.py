@@ -251,7 +251,7 @@ def test_a_large_graph_keeps_no_object_per_module():
 def test_tensor_index_of_a_module_with_many_tensors_is_not_quadratic():
     import time
 
-    from allocator.graph import _SCAN
+    from allocator.graph.model import _SCAN
 
     n = 20_000
     model = nn.Module()

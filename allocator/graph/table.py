@@ -1,9 +1,9 @@
-"""Immutable records and column tables: how the graph (:mod:`allocator.graph`) and the units (:mod:`allocator.units`)
-are stored.
+"""Immutable records and column tables: how the graph (:mod:`allocator.graph.model`) and the units
+(:mod:`allocator.units`) are stored.
 
 A :class:`Table` holds columns of equal length, one tuple or read-only int64 buffer per field (:func:`frozen`), and
-gives row ``i`` as a :class:`Record` (a tuple with named fields) only when asked for: a 200k-module model then holds a
-few dozen Python objects besides its strings instead of one record per module and per tensor. A subclass names its
+gives row ``i`` as a :class:`Record` (a tuple with named fields) only when asked for: a large model then holds a few
+dozen Python objects besides its strings instead of one record per module and per tensor. A subclass names its
 columns in ``__slots__`` (as ``_columns``) and builds its record in ``_row``.
 """
 
@@ -29,7 +29,7 @@ class Record(tuple):
     """An immutable record: a tuple whose fields, declared as annotations in order, also read as attributes
     (``namedtuple``'s accessors). Build one with the fields in order, or by name; defaults come from ``_defaults``.
 
-    Why a tuple: a large model has hundreds of thousands of nodes and tensors, and a tuple builds 5x faster than a
+    Why a tuple: a large model has hundreds of thousands of nodes and tensors, and a tuple builds much faster than a
     frozen slotted dataclass (which sets each field through ``object.__setattr__``). Records compare and hash as
     tuples; ``_replace`` stands for ``dataclasses.replace``.
     """
