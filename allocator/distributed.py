@@ -36,12 +36,11 @@ from numbers import Integral
 
 import torch.nn as nn
 
-from .budgets import parse_size
+from .budgets import format_bytes, parse_size
 from .errors import InfeasiblePlacement, InvalidModel, InvalidOption
 from .graph import build_graph
-from .introspect import find_layers, infer_blocks, no_split_classes
+from .introspect import find_layers, infer_blocks, no_split_classes, require_module
 from .partition import least_feasible, split
-from .budgets import format_bytes
 
 __all__ = [
     "PipelineSplit",
@@ -53,11 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _require_module(model, caller: str) -> None:
-    if not isinstance(model, nn.Module):
-        raise InvalidModel(f"{caller}() expects a torch.nn.Module, got {type(model).__name__}; pass the model itself.")
 
 
 # ------------------------------------------------------------------------------------------------------ FSDP
@@ -98,7 +92,7 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     >>> block_classes(model) == (Block,)
     True
     """
-    _require_module(model, "block_classes")
+    require_module(model, "block_classes")
     names = no_split_classes(model) or infer_blocks(model)
     found = dict.fromkeys(type(m) for m in model.modules() if type(m).__name__ in names)
     if not found:
@@ -440,7 +434,7 @@ def pipeline_split_spec(model: nn.Module, n_stages: int, *, stage_budgets=None, 
     """
     from torch.distributed.pipelining import SplitPoint
 
-    _require_module(model, "pipeline_split_spec")
+    require_module(model, "pipeline_split_spec")
     blocks = [name for _, names in find_layers(model) for name in names]
     if not blocks:
         raise InvalidModel(
