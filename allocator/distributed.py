@@ -40,7 +40,7 @@ from .budgets import format_bytes, parse_size
 from .errors import InfeasiblePlacement, InvalidModel, InvalidOption
 from .graph import build_graph
 from .introspect import find_layers, infer_blocks, no_split_classes, require_module
-from .partition import least_feasible, split
+from .partition import least_feasible, parts, split
 
 __all__ = [
     "PipelineSplit",
@@ -290,8 +290,7 @@ def _limit(bound: int, capacity: int | None) -> int:
 
 
 def _bottleneck(sizes: Sequence[int], cuts: Sequence[int]) -> int:
-    bounds = [0, *cuts, len(sizes)]
-    return max(sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return max(sum(sizes[r.start:r.stop]) for r in parts(cuts, len(sizes)))
 
 
 def _check_sizes(sizes) -> list[int]:
@@ -461,11 +460,11 @@ def pipeline_split_spec(model: nn.Module, n_stages: int, *, stage_budgets=None, 
                 f"{format_bytes(minimum)} ({minimum} B). Give each stage at least {minimum} B, or use more stages.",
                 minimum=minimum,
             ) from None
-    bounds = [0, *cuts, len(blocks)]
+    stages = parts(cuts, len(blocks))
     return PipelineSplit(
         split_spec={blocks[c]: SplitPoint.BEGINNING for c in cuts},
-        stages=tuple(tuple(blocks[a:b]) for a, b in zip(bounds, bounds[1:])),
-        stage_bytes=tuple(sum(charged[a:b]) for a, b in zip(bounds, bounds[1:])),
+        stages=tuple(tuple(blocks[r.start:r.stop]) for r in stages),
+        stage_bytes=tuple(sum(charged[r.start:r.stop]) for r in stages),
         block_bytes=tuple(charged),
         stage_budgets=budgets,
         model_class=type(model).__name__,
