@@ -516,7 +516,7 @@ def _build(spec: _Spec) -> "torch.nn.Module":
 
 def _entry(spec: _Spec) -> ZooEntry:
     """The public entry of one row."""
-    if spec.family not in FAMILIES:  # pragma: no cover - guards the table above
+    if spec.family not in FAMILIES:  # pragma: no cover - guards the table
         raise ValueError(f"unknown family {spec.family!r}")
 
     def _build_entry() -> "torch.nn.Module":
@@ -532,12 +532,14 @@ def _entry(spec: _Spec) -> ZooEntry:
 # public API
 # --------------------------------------------------------------------------- #
 
+_ENTRIES = [_entry(spec) for spec in _SPECS]
+
 #: All entries, keyed by name, in catalogue order (grouped by family).
 ZOO: dict[str, ZooEntry] = {
-    spec.name: _entry(spec)
+    entry.name: entry
     for family in FAMILIES
-    for spec in _SPECS
-    if spec.family == family
+    for entry in _ENTRIES
+    if entry.family == family
 }
 
 
