@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import InvalidBudget, InvalidDeviceMap, warn_caller
+from .errors import InvalidBudget, InvalidDeviceMap, InvalidOption, warn_caller
 
 __all__ = ["Device", "Budgets", "ByDevice", "canonical", "parse_size", "format_bytes", "normalize_device",
            "normalize_map", "parse_budgets", "is_accelerator", "small_bare_number"]
@@ -111,15 +111,39 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def format_bytes(n: float) -> str:
+_BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_bytes(n: float, *, decimals: int = 2, largest: str = "GiB") -> str:
     """A byte count as people read it: ``format_bytes(3 * 2**20)`` is ``'3.00 MiB'``.
 
+    Parameters
+    ----------
+    n : float
+        A number of bytes (negative keeps its sign).
+    decimals : int, default 2
+        Digits after the point in KiB and above; a count under 1 KiB is a whole number of bytes.
+    largest : {"GiB", "TiB", "MiB", "KiB"}, default "GiB"
+        The largest unit used: ``"TiB"`` writes 3 TiB as ``3.00 TiB`` instead of ``3072.00 GiB``.
+
+    Raises
+    ------
+    InvalidOption
+        If ``largest`` is not one of the units above.
+
+    Examples
+    --------
     >>> format_bytes(1536), format_bytes(12)
     ('1.50 KiB', '12 B')
+    >>> format_bytes(3 * 2**40), format_bytes(3 * 2**40, decimals=1, largest="TiB")
+    ('3072.00 GiB', '3.0 TiB')
     """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    units = [unit for unit, _ in _BINARY_UNITS]
+    if largest not in units:
+        raise InvalidOption(f"format_bytes(largest={largest!r}): use one of {', '.join(units)}.")
+    for unit, scale in _BINARY_UNITS[units.index(largest):]:
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
+            return f"{n / scale:.{decimals}f} {unit}"
     return f"{int(n)} B"
 
 

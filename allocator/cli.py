@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 from . import __version__, zoo
 from .api import plan
-from .budgets import parse_budgets, small_bare_number
+from .budgets import format_bytes, parse_budgets, small_bare_number
 from .checkpoint import kept_in_float32, load_dtype
 from .cost_profile import Profile
 from .errors import AllocatorError, InvalidBudget, InvalidModel, InvalidOption
@@ -339,17 +339,12 @@ def _check_writable(path: str | None, flag: str) -> None:
 
 
 def _size(n: int | None) -> str:
-    """Bytes in binary units with one decimal.
+    """Bytes in binary units with one decimal (:func:`~allocator.budgets.format_bytes`); ``None`` is no limit.
 
     >>> _size(0), _size(1536), _size(3 * 2**30), _size(None)
     ('0 B', '1.5 KiB', '3.0 GiB', 'unlimited')
     """
-    if n is None:
-        return "unlimited"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return "unlimited" if n is None else format_bytes(n, decimals=1, largest="TiB")
 
 
 def _dtype_name(dtype) -> str:

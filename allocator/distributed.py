@@ -36,12 +36,11 @@ from numbers import Integral
 
 import torch.nn as nn
 
-from .budgets import parse_size
+from .budgets import format_bytes, parse_size
 from .errors import InfeasiblePlacement, InvalidModel, InvalidOption
 from .graph import build_graph
-from .introspect import find_layers, infer_blocks, no_split_classes
-from .partition import least_feasible, split
-from .budgets import format_bytes
+from .introspect import find_layers, infer_blocks, no_split_classes, require_module
+from .partition import least_feasible, parts, split
 
 __all__ = [
     "PipelineSplit",
@@ -53,11 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _require_module(model, caller: str) -> None:
-    if not isinstance(model, nn.Module):
-        raise InvalidModel(f"{caller}() expects a torch.nn.Module, got {type(model).__name__}; pass the model itself.")
 
 
 # ------------------------------------------------------------------------------------------------------ FSDP
@@ -98,7 +92,7 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     >>> block_classes(model) == (Block,)
     True
     """
-    _require_module(model, "block_classes")
+    require_module(model, "block_classes")
     names = no_split_classes(model) or infer_blocks(model)
     found = dict.fromkeys(type(m) for m in model.modules() if type(m).__name__ in names)
     if not found:
@@ -296,8 +290,7 @@ def _limit(bound: int, capacity: int | None) -> int:
 
 
 def _bottleneck(sizes: Sequence[int], cuts: Sequence[int]) -> int:
-    bounds = [0, *cuts, len(sizes)]
-    return max(sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return max(sum(sizes[r.start:r.stop]) for r in parts(cuts, len(sizes)))
 
 
 def _check_sizes(sizes) -> list[int]:
@@ -440,7 +433,7 @@ def pipeline_split_spec(model: nn.Module, n_stages: int, *, stage_budgets=None, 
     """
     from torch.distributed.pipelining import SplitPoint
 
-    _require_module(model, "pipeline_split_spec")
+    require_module(model, "pipeline_split_spec")
     blocks = [name for _, names in find_layers(model) for name in names]
     if not blocks:
         raise InvalidModel(
@@ -467,11 +460,11 @@ def pipeline_split_spec(model: nn.Module, n_stages: int, *, stage_budgets=None, 
                 f"{format_bytes(minimum)} ({minimum} B). Give each stage at least {minimum} B, or use more stages.",
                 minimum=minimum,
             ) from None
-    bounds = [0, *cuts, len(blocks)]
+    stages = parts(cuts, len(blocks))
     return PipelineSplit(
         split_spec={blocks[c]: SplitPoint.BEGINNING for c in cuts},
-        stages=tuple(tuple(blocks[a:b]) for a, b in zip(bounds, bounds[1:])),
-        stage_bytes=tuple(sum(charged[a:b]) for a, b in zip(bounds, bounds[1:])),
+        stages=tuple(tuple(blocks[r.start:r.stop]) for r in stages),
+        stage_bytes=tuple(sum(charged[r.start:r.stop]) for r in stages),
         block_bytes=tuple(charged),
         stage_budgets=budgets,
         model_class=type(model).__name__,

@@ -33,7 +33,7 @@ from .budgets import is_accelerator
 from .errors import InvalidOption
 from .logs import shown
 from .problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
-from .runtime import tensor_devices
+from .runtime import device_of, tensor_devices
 from .strategies import resolve
 
 __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
@@ -454,11 +454,10 @@ def _leave_out(model, device_map: Mapping, tensors: Iterable[str]) -> dict:
     everything under it but the tensor (parameters, sub-modules, buffers: accelerate's order), on the key's device."""
     items = list(device_map.items())
     for tensor in tensors:
-        keys = [k for k, _ in items if k == "" or tensor == k or tensor.startswith(k + ".")]
-        if keys:
-            key = max(keys, key=len)
-            position = next(i for i, (k, _) in enumerate(items) if k == key)
-            items[position:position + 1] = [] if key == tensor else _all_but(model, key, items[position][1], tensor)
+        position = device_of(tensor, {k: i for i, (k, _) in enumerate(items)})  # of the longest key covering it
+        if position is not None:
+            key, device = items[position]
+            items[position:position + 1] = [] if key == tensor else _all_but(model, key, device, tensor)
     return dict(items)
 
 

@@ -12,6 +12,9 @@ Four pure functions over an ``nn.Module``; none of them mutates the model.
 :func:`unwrap`
     The model under DDP, ``torch.compile``, FSDP, PEFT, activation checkpointing and accelerate hooks.
 
+``infer_blocks``, ``find_layers`` and ``unwrap`` check their argument with :func:`require_module`, as
+:mod:`allocator.distributed` does.
+
 Glossary
 --------
 container
@@ -60,7 +63,7 @@ from .errors import InvalidModel
 if TYPE_CHECKING:
     import torch.nn as nn
 
-__all__ = ["declared_no_split", "find_layers", "infer_blocks", "no_split_classes", "unwrap"]
+__all__ = ["declared_no_split", "find_layers", "infer_blocks", "no_split_classes", "require_module", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +81,28 @@ def _containers() -> tuple[type, ...]:
     return nn.ModuleList, nn.Sequential, nn.ModuleDict
 
 
-def _require_module(model, caller: str) -> None:
-    """Raise :class:`InvalidModel` unless ``model`` is an ``nn.Module``."""
+def require_module(model, caller: str) -> None:
+    """Raise :class:`~allocator.errors.InvalidModel` unless ``model`` is an ``nn.Module``.
+
+    Parameters
+    ----------
+    model : object
+        What the caller was given.
+    caller : str
+        The public function's name, for the message.
+
+    Raises
+    ------
+    InvalidModel
+        If ``model`` is not a ``torch.nn.Module``; the message names ``caller`` and what it got.
+
+    Examples
+    --------
+    >>> require_module("gpt2", "find_layers")
+    Traceback (most recent call last):
+    ...
+    allocator.errors.InvalidModel: find_layers() expects a torch.nn.Module, got str; pass the model itself.
+    """
     if not isinstance(model, _nn().Module):
         raise InvalidModel(f"{caller}() expects a torch.nn.Module, got {type(model).__name__}; pass the model itself.")
 
@@ -274,7 +297,7 @@ def infer_blocks(model: nn.Module) -> set[str]:
     >>> infer_blocks(nn.Sequential(nn.Embedding(10, 8), Block(), Block(), Block(), nn.Linear(8, 10)))
     {'Block'}
     """
-    _require_module(model, "infer_blocks")
+    require_module(model, "infer_blocks")
     return {stack.block_class.__name__ for stack in _stacks(model)}
 
 
@@ -323,7 +346,7 @@ def find_layers(model: nn.Module) -> list[tuple[str, list[str]]]:
     >>> find_layers(Net())
     [('layers', ['layers.0', 'layers.1', 'layers.2'])]
     """
-    _require_module(model, "find_layers")
+    require_module(model, "find_layers")
     return [(stack.container, stack.blocks()) for stack in _stacks(model)]
 
 
@@ -510,5 +533,5 @@ def unwrap(model: nn.Module) -> nn.Module:
     >>> plain[1] is net[1].module, plain[0] is net[0], type(net[1]).__name__
     (True, True, 'DataParallel')
     """
-    _require_module(model, "unwrap")
+    require_module(model, "unwrap")
     return _unwrap_tree(_peel(model), {}, set())

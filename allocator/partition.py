@@ -20,7 +20,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
-__all__ = ["prefix_sums", "reachable", "split", "least_feasible"]
+__all__ = ["prefix_sums", "reachable", "split", "least_feasible", "parts"]
 
 
 def prefix_sums(sizes: Sequence[int]) -> list[int]:
@@ -134,3 +134,13 @@ def least_feasible(feasible: Callable[[int], bool], lo: int, hi: int) -> int | N
         else:
             lo = middle + 1
     return lo
+
+
+def parts(cuts: Sequence[int], count: int) -> list[range]:
+    """The index range of each part that ``cuts`` make of ``count`` items (the glossary's rule).
+
+    >>> parts([1, 3], 5), parts([2, 2], 4)
+    ([range(0, 1), range(1, 3), range(3, 5)], [range(0, 2), range(2, 2), range(2, 4)])
+    """
+    bounds = [0, *cuts, count]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]

@@ -152,7 +152,7 @@ def test_never_fewer_accelerator_bytes_than_a_valid_accelerate_map(name):
 def test_segformer_model_keeps_a_third_on_one_gpu_at_60_percent():
     """The seed case: transformers' SegformerModel (it declares SegformerStage no-split), one GPU at 60 %: every
     strategy ran it all on the CPU before the contract."""
-    config = zoo._segformer_b0(transformers)
+    config = zoo.build("segformer-b0").config  # the checkpoint's config, for the bare encoder-decoder model
     with torch.device("meta"):
         model = transformers.SegformerModel(config)
     total = size_of(model)

@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from ..budgets import Device
-from ..partition import least_feasible, prefix_sums, reachable, split
+from ..partition import least_feasible, parts, prefix_sums, reachable, split
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
 from ..runtime import device_of, main_device, workspace
@@ -181,11 +181,6 @@ def _low_first(loads: Sequence[int], budgets: Sequence[int], offsets: Sequence[i
     return [k] + [k + c for c in _balance(loads[k:], budgets[1:], offsets[1:], 0)]
 
 
-def _runs(cuts: Sequence[int], count: int) -> list[range]:
-    bounds = [0, *cuts, count]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 # -- plans --------------------------------------------------------------------------------------------------------
 
 def _place(problem: Problem, *, low_0: bool) -> Placement:
@@ -212,7 +207,7 @@ def _all_resident(problem: Problem, found: list[Group], devices: list[Device], l
     if cuts is None:
         return None
     placed = {}
-    for device, run in zip(devices, _runs(cuts, len(found))):
+    for device, run in zip(devices, parts(cuts, len(found))):
         for k in run:
             placed.update(dict.fromkeys(found[k].names, device))
     notes = [f"all {len(found)} tie groups resident on the accelerators: contiguous split in model order"
@@ -224,7 +219,7 @@ def _all_resident(problem: Problem, found: list[Group], devices: list[Device], l
 
 def _empty_notes(devices: list[Device], cuts: Sequence[int], count: int, low_0: bool) -> list[str]:
     out = []
-    for j, (device, run) in enumerate(zip(devices, _runs(cuts, count))):
+    for j, (device, run) in enumerate(zip(devices, parts(cuts, count))):
         if len(run):
             continue
         if j == 0 and low_0:
@@ -263,7 +258,7 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     placed = {}
     for k, device in enumerate(where):
         placed.update(dict.fromkeys(found[k].names, device))
-    for device, run in zip(devices, _runs(cuts, len(resident))):
+    for device, run in zip(devices, parts(cuts, len(resident))):
         for i in run:
             placed.update(dict.fromkeys(found[resident[i]].names, device))
     note = (f"{lead}; its {len(resident)} resident groups re-split contiguously over {devices}, main device {main!r} "
