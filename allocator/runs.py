@@ -88,7 +88,7 @@ class Columns:
         self._graph = weakref.ref(graph)
         self._moving: dict = {}
         self._reads: dict = {}
-        self.cache: dict = {}   # what other modules derive from the graph alone (units' groups)
+        self.cache: dict = {}   # the arrays below, made when first asked for
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``first`` (without its last entry), ``last`` and ``parent`` as int64 numpy arrays, one entry per node."""
@@ -227,17 +227,9 @@ class Moving:
         return max(children, key=self.chain.__getitem__) if children else -1
 
 
-_COLUMNS: dict[int, tuple] = {}
-
-
 def columns(graph: ModelGraph) -> Columns:
-    """The :class:`Columns` of a graph, built once and kept while the graph lives."""
-    found = _COLUMNS.get(id(graph))
-    if found is not None and found[0]() is graph:
-        return found[1]
-    made = Columns(graph)
-    _COLUMNS[id(graph)] = (weakref.ref(graph, lambda _, key=id(graph): _COLUMNS.pop(key, None)), made)
-    return made
+    """The :class:`Columns` of a graph, built once and kept with it (``graph.derived``)."""
+    return graph.derived.once("columns", lambda: Columns(graph))
 
 
 #: From this many entries (map keys here, groups in :mod:`allocator.strategies.first_fit`) work goes through numpy;

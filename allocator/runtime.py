@@ -20,7 +20,6 @@ mean as memory: the runs of a map, its peaks, its streamed chain.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ from .graph.model import ModelGraph
 from .rules import device_of, executes_on, main_device, moves, moves_with_weights, offloaded_devices
 from .runs import Run, columns, expand, first_device, pieces, runs
 
-__all__ = ["Memory", "Recent", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs", "moves",
+__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs", "moves",
            "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain", "workspace"]
 
 
@@ -65,46 +64,10 @@ def extra_by_device(graph: ModelGraph, found: list, node_bytes: Mapping[int, int
     return out
 
 
-class Recent:
-    """The last few results of a linear-time evaluation of device maps for a problem or graph (tensor devices,
-    :func:`allocator.validate.check`, the cost model).
-
-    A plan is checked by its strategy, again by ``auto`` and again by ``plan``; the later times are a lookup.
-    Problems and graphs are held weakly; a map is matched by its items in order, so a map changed in place is
-    evaluated again.
-    """
-
-    def __init__(self, size: int = 4):
-        self.size = size
-        self._entries: list = []
-
-    def get(self, problem, device_map: Mapping):
-        """``(value or None, key)``; pass the key to :meth:`put`. Anything but a mapping is never remembered (its
-        evaluation raises the typed error)."""
-        if not isinstance(device_map, Mapping):
-            return None, None
-        key = (tuple(device_map), tuple(device_map.values()))   # no pair per entry: two flat tuples
-        for ref, known, value in reversed(self._entries):
-            if ref() is problem and known == key:
-                return value, key
-        return None, key
-
-    def put(self, problem, key, value) -> None:
-        if key is None:
-            return
-        self._entries = (self._entries + [(weakref.ref(problem), key, value)])[-self.size:]
-
-
-_RUNS = Recent()
-
-
 def map_runs(graph: ModelGraph, device_map: Mapping[str, Device]) -> list[Run]:
-    """:func:`allocator.runs.runs` of a map; the last few results are remembered (:class:`Recent`)."""
-    known, key = _RUNS.get(graph, device_map)
-    if known is None:
-        known = runs(graph, device_map)
-        _RUNS.put(graph, key, known)
-    return known
+    """:func:`allocator.runs.runs` of a map; the last few results are remembered with the graph
+    (:meth:`allocator.memo.Derived.recent`)."""
+    return graph.derived.recent("runs", device_map, lambda: runs(graph, device_map))
 
 
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:

@@ -244,10 +244,7 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> Groups:
 
     Built once per graph and setting (every strategy asks, ``auto`` several times); immutable, so shared.
     """
-    cache = columns(g).cache
-    if ("groups", offload_buffers) not in cache:
-        cache["groups", offload_buffers] = _groups(g, offload_buffers)
-    return cache["groups", offload_buffers]
+    return g.derived.once(f"groups offload_buffers={offload_buffers}", lambda: _groups(g, offload_buffers))
 
 
 @gc_paused()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..memo import Derived
 from .table import Record, Table, new_row
 
 __all__ = ["TensorNode", "ModuleNode", "Nodes", "Tensors", "TensorIndex", "ModelGraph"]
@@ -207,6 +208,9 @@ class ModelGraph:
     """Bytes every device that executes part of the model needs for activations (0 without a generation budget)."""
     main_workspace: int = 0
     """Bytes the main device needs on top of ``workspace`` (generate's float32 next-token scores live there)."""
+    derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
+    """What follows from the graph alone, made once (its columns, the units' groups, the runs of the last maps):
+    :class:`allocator.memo.Derived`."""
 
     @property
     def total(self) -> int:
