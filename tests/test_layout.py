@@ -281,3 +281,47 @@ def test_the_private_name_rule_finds_each_form():
 def test_no_private_name_from_another_module():
     lines = [f"  {line}" for line in private_imports(imports()) + private_attributes()]
     assert not lines, "private names used across modules (make them public and documented):\n" + "\n".join(lines)
+
+
+#: The layers of the package, bottom first; README's "Layout" draws the same table. A module imports only from its
+#: own layer or the ones below (and, within a layer, without a cycle: the test above).
+LAYERS: dict[str, tuple[str, ...]] = {
+    "foundation": ("errors", "gc_pause", "memo", "logs", "budgets", "rules", "placement", "partition",
+                   "cost_profile"),
+    "graph": ("graph.table", "graph.model", "graph.sizes", "graph.ties", "introspect", "graph.no_split", "graph.read",
+              "graph"),
+    "problem": ("generation", "problem"),
+    "evaluation": ("runs", "runtime", "units", "cost", "validate"),
+    "strategies": ("strategies.first_fit", "strategies.sequential", "strategies.contract", "strategies.ranking",
+                   "strategies.backfill", "strategies.reserve", "strategies.balanced", "strategies.ilp",
+                   "strategies.auto", "strategies"),
+    "composition": ("explain", "api", "hf", ""),
+    "adapters": ("zoo", "checkpoint", "quantization", "distributed", "cli", "__main__"),
+}
+
+
+def layer_of(modules: dict[str, Path]) -> dict[str, int]:
+    """The layer index of every module named in :data:`LAYERS` (``""`` is the package itself)."""
+    found = {}
+    for index, names in enumerate(LAYERS.values()):
+        for name in names:
+            found[f"{PACKAGE}.{name}" if name else PACKAGE] = index
+    return found
+
+
+def test_every_module_sits_in_one_layer():
+    modules = module_names()
+    named = [name for names in LAYERS.values() for name in names]
+    assert len(named) == len(set(named)), "a module is named in two layers"
+    missing = sorted(set(modules) - set(layer_of(modules)))
+    assert not missing, f"modules in no layer of tests/test_layout.py's LAYERS (and README's Layout): {missing}"
+    assert not sorted(set(layer_of(modules)) - set(modules)), "LAYERS names a module that does not exist"
+
+
+def test_imports_go_down_the_layers():
+    modules = module_names()
+    layer, names = layer_of(modules), list(LAYERS)
+    upward = [e for e in imports(modules) if not e.type_only and layer.get(e.target, 0) > layer.get(e.source, 0)]
+    assert not upward, "imports from a higher layer (move the shared rule down, or the importer up):\n" + "\n".join(
+        f"  {e.source} ({names[layer[e.source]]}) imports {e.target} ({names[layer[e.target]]}) at line {e.line}"
+        for e in upward)
