@@ -19,7 +19,8 @@ import numpy as np
 from .gc_pause import gc_paused
 from .graph import ModelGraph
 from .rules import device_of, moves
-from .runs import as_array, as_ints, columns, key_ranges
+from .kernels import key_ranges
+from .runs import as_array, as_ints, columns
 from .table import Record, Table, frozen, new_row, picklable, same
 
 __all__ = ["Unit", "Group", "Units", "Groups", "units", "groups"]
@@ -101,7 +102,8 @@ class Units(_Arrays):
         if "spans" not in self._arrays:
             node = self.array("node")
             order = np.where(node >= 0, node, len(graph.nodes) + self.array("tensor"))
-            lo, hi = key_ranges(columns(graph), order, len(graph.nodes))
+            first, last, _ = columns(graph).arrays()
+            lo, hi = key_ranges(first, last, order, len(graph.nodes))
             keep = np.flatnonzero(lo < hi)
             self._arrays["spans"] = keep, lo[keep], hi[keep], order[keep]
         return self._arrays["spans"]
