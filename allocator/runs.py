@@ -19,7 +19,6 @@ from itertools import accumulate, repeat
 import numpy as np
 
 from .cost_profile import read_rates
-from .gc_pause import gc_paused
 from .graph import ModelGraph
 from .kernels import Run, key_runs
 from .rules import moves
@@ -42,7 +41,6 @@ class Columns:
     ``sum_weighted``, ``sum_numel``; ``sum_extra`` over nodes.
     """
 
-    @gc_paused()
     def __init__(self, graph: ModelGraph):
         nodes, tensors = graph.nodes, graph.tensors   # columns (allocator.graph.Nodes, Tensors)
         n = len(nodes)
@@ -175,7 +173,6 @@ def _prefix(values):
 class Moving:
     """Columns of the tensors that leave the main device with their offloaded module (``moves_with_weights``)."""
 
-    @gc_paused()
     def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
         persistent = np.array(graph.tensors.persistent, dtype=bool)
         moving = moves(cols.is_param, persistent, offload_buffers)   # the rule, applied to whole columns

@@ -16,7 +16,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from .gc_pause import gc_paused
 from .graph import ModelGraph
 from .rules import device_of, moves
 from .kernels import key_ranges
@@ -252,7 +251,6 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> Groups:
     return cache["groups", offload_buffers]
 
 
-@gc_paused()
 def _groups(g: ModelGraph, offload_buffers: bool) -> Groups:
     found = units(g, offload_buffers)
     n = len(found)

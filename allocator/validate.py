@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from itertools import filterfalse
 
 from .budgets import format_bytes, normalize_map
+from .gc_pause import gc_paused
 from .problem import Problem, build_problem
 from .runs import columns, devices_in
 from .runtime import Memory, Recent, device_of, main_device, map_runs, offloaded_devices, peaks
@@ -144,6 +145,7 @@ def _no_split(problem: Problem, runs: list) -> list[Violation]:
     return out
 
 
+@gc_paused()
 def validate(model, device_map, max_memory=None, *, no_split_module_classes=None, offload_buffers=False,
              dtype=None, special_dtypes=None, generation=None) -> list[Violation]:
     """Every way ``device_map`` breaks accelerate's runtime rules for ``model`` under ``max_memory``.
