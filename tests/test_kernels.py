@@ -60,6 +60,24 @@ def test_fit_stretch_equals_seating_one_group_after_another(case):
     assert room.free == other.free
 
 
+@SETTINGS
+@given(case=stretches(), low=st.integers(0, 4), high=st.one_of(st.none(), st.integers(0, 4)))
+def test_seat_is_the_first_device_that_fits_then_take(case, low, high):
+    room, stay, pinned, size, offload, _ = case
+    for s, p, n, o in zip(stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist()):
+        other = Room(room.devices, room.free, room.targets, room.charges)
+        if not s:
+            other.free[0] += p
+        allowed = [j for j in range(len(room.free)) if room.targets[j] or low <= j and (high is None or j <= high)]
+        expected = next((j for j in allowed if other.fits(j, n, o, p, s)), -1)
+        if expected >= 0:
+            other.take(expected, n, o, p)
+        elif not s:
+            other.free[0] -= p
+        assert room.seat(n, o, p, s, low, high) == expected
+        assert room.free == other.free
+
+
 def test_stretchable_refuses_what_int64_sums_cannot_hold():
     big = np.array([2**59, 2**59], dtype=np.int64)
     assert kernels.stretchable(big // 2) and not kernels.stretchable(big)

@@ -38,19 +38,23 @@ class Room:
       which accelerate's hooks cannot load) is never offloaded.
 
     :meth:`of` makes the room of a fill: the main device keeps the reserve free for streamed weights, every device
-    that executes keeps its generation workspace, and the main device holds back the pinned bytes of every group that
-    may be offloaded until that group is seated (any of them may end up pinned there).
+    that executes keeps its generation workspace, and the main device holds back (:meth:`hold`) the pinned bytes of
+    every group that may be offloaded until that group is seated (any of them may end up pinned there).
 
     Examples
     --------
+    Two groups of 8 bytes (6 of weights, 2 of buffers) that may be offloaded, on an accelerator with 10 bytes and a
+    cpu with 100:
+
     >>> room = Room(devices=[0, "cpu"], free=[10, 100], targets=[False, True], charges=[False, True])
+    >>> room.hold(2 + 2)    # their buffers may both end up on the main device
     >>> room.seat(size=8, offload=6, pinned=2, stays=False)   # fits on device 0
     0
     >>> room.seat(size=8, offload=6, pinned=2, stays=False)   # 2 bytes left on 0: offloaded, its buffers on 0
     1
     >>> room.free
     [0, 94]
-    >>> room.seat(size=8, offload=6, pinned=2, stays=True)    # must stay, and no device that executes has room
+    >>> room.seat(size=8, offload=6, pinned=0, stays=True)    # must stay, and no device that executes has room
     -1
     """
 
@@ -82,10 +86,14 @@ class Room:
             return None
         charges = [d == "cpu" or b.limit("disk") is not None for d in devices]
         room = cls(devices, free, [d in offloaded for d in devices], charges, reserve)
-        # Buffers of groups still to seat may all end up pinned on the main device: held back until each is seated.
         stays = cls.must_stay(found.array("stream"), found.array("resident_only"), reserve)
-        room.free[0] -= int(found.array("pinned")[~stays].sum()) if len(stays) else 0
+        room.hold(int(found.array("pinned")[~stays].sum()) if len(stays) else 0)
         return room
+
+    def hold(self, pinned: int) -> None:
+        """Hold back ``pinned`` bytes on the main device: the pinned bytes of every group still to seat that may be
+        offloaded (any of them may end up there). :meth:`seat` gives a group's back when it seats it."""
+        self.free[0] -= pinned
 
     @staticmethod
     def must_stay(stream, resident_only, reserve):
@@ -96,7 +104,9 @@ class Room:
     def fits(self, j: int, size: int, offload: int, pinned: int, stays: bool) -> bool:
         """Whether device ``j`` takes the group, its held-back pinned bytes already given back to the main device."""
         need, main = self.charge(j, size, offload, pinned)
-        return not (stays and self.targets[j]) and self.free[j] >= need and (j == 0 or self.free[0] >= main)
+        if self.targets[j]:
+            return not stays and self.free[j] >= need and self.free[0] >= main
+        return self.free[j] >= need
 
     def charge(self, j: int, size: int, offload: int, pinned: int) -> tuple[int, int]:
         """What the group takes from device ``j`` and, besides, from the main device: a device that executes takes its
@@ -119,7 +129,8 @@ class Room:
         free, charges = self.free, self.charges
         if not stays:
             free[0] += pinned
-        # :meth:`fits` and :meth:`take` of each device in turn, written out: this runs once per group
+        # :meth:`fits` and :meth:`take` of each device in turn, written out (this runs once per group); a test checks
+        # that the two agree
         for j, target in enumerate(self.targets):
             if target:
                 if stays:
