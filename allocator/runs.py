@@ -15,30 +15,16 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Mapping
 from itertools import accumulate, repeat
-from operator import itemgetter, ne
-from typing import NamedTuple
 
 import numpy as np
 
 from .cost_profile import read_rates
-from .gc_pause import gc_paused
 from .graph import ModelGraph
+from .kernels import Run, key_runs
 from .rules import moves
 
-__all__ = ["Run", "Columns", "Moving", "columns", "runs", "key_ranges", "side_by_side_runs", "pieces", "expand",
-           "devices_in", "first_device", "as_array", "as_ints", "NUMPY_FROM", "FEMTO"]
-
-
-class Run(NamedTuple):
-    """Tensors ``start`` to ``end - 1`` (graph order) live on ``device`` (``None``: the map does not cover them).
-
-    ``node`` is the module whose whole subtree the run is, when it comes from one map key with no key below it;
-    else -1."""
-
-    start: int
-    end: int
-    device: object
-    node: int = -1
+__all__ = ["Run", "Columns", "Moving", "columns", "runs", "key_orders", "pieces", "expand", "devices_in",
+           "first_device", "as_array", "as_ints", "FEMTO"]
 
 
 class Columns:
@@ -55,7 +41,6 @@ class Columns:
     ``sum_weighted``, ``sum_numel``; ``sum_extra`` over nodes.
     """
 
-    @gc_paused()
     def __init__(self, graph: ModelGraph):
         nodes, tensors = graph.nodes, graph.tensors   # columns (allocator.graph.Nodes, Tensors)
         n = len(nodes)
@@ -188,7 +173,6 @@ def _prefix(values):
 class Moving:
     """Columns of the tensors that leave the main device with their offloaded module (``moves_with_weights``)."""
 
-    @gc_paused()
     def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
         persistent = np.array(graph.tensors.persistent, dtype=bool)
         moving = moves(cols.is_param, persistent, offload_buffers)   # the rule, applied to whole columns
@@ -232,12 +216,6 @@ def columns(graph: ModelGraph) -> Columns:
     return graph.derived.once("columns", lambda: Columns(graph))
 
 
-#: From this many entries (map keys here, groups in :mod:`allocator.strategies.first_fit`) work goes through numpy;
-#: below, plain loops: numpy's fixed cost per call is larger than the whole loop over a few hundred entries.
-NUMPY_FROM = 512
-
-
-@gc_paused()
 def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     """The runs of a device map, covering every tensor in order; neighbours on one device are merged; keys that
     name nothing are ignored.
@@ -245,130 +223,27 @@ def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:
     Notes
     -----
     O(k log k) for k keys: a key is a module's subtree or one tensor, and a key below another carves its range out
-    of the enclosing one (the deepest key wins, as in :func:`allocator.runtime.device_of`). From
-    :data:`NUMPY_FROM` keys on, the keys are looked up once each and the rest runs in numpy.
+    of the enclosing one (the deepest key wins, as in :func:`allocator.runtime.device_of`); the carving is
+    :func:`allocator.kernels.key_runs`.
     """
     cols = columns(graph)
     tensor_order = len(graph.nodes)  # a tensor key is deeper than any module key with the same range
-    if len(device_map) < NUMPY_FROM:
-        return _carve(_spans(graph, cols, device_map, tensor_order), len(cols.module), tensor_order)
-    keys = list(device_map)
-    devices = list(device_map.values())
-    order = np.fromiter(map(graph.node_index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
-    is_node = order >= 0
-    if not is_node.all():
-        tensor_index = graph.tensor_index
-        for k in np.flatnonzero(~is_node).tolist():
-            t = tensor_index.get(keys[k])
-            if t is not None:
-                order[k] = tensor_order + t
-    lo, hi = key_ranges(cols, order, tensor_order)
-    keep = np.flatnonzero((order >= 0) & (lo < hi))   # a module with no tensors covers nothing
-    # by start, the longer first, then the shallower (an ancestor's index is lower): enclosing keys come first
-    ranked = keep
-    if len(keep) > 1 and not (lo[keep[1:]] > lo[keep[:-1]]).all():   # keys in model order need no sort
-        ranked = keep[np.lexsort((order[keep], -hi[keep], lo[keep]))]
-    lo, hi, order = lo[ranked], hi[ranked], order[ranked]
-    if len(ranked) != len(devices) or ranked is not keep:
-        devices = list(itemgetter(*ranked.tolist())(devices)) if len(ranked) > 1 else [devices[k] for k in ranked]
-    if len(ranked) < 2 or (lo[1:] >= hi[:-1]).all():  # no key below another: the usual map
-        return side_by_side_runs(lo, hi, order, devices, len(cols.module), tensor_order)
-    return _carve(list(zip(lo.tolist(), (-hi).tolist(), order.tolist(), devices)), len(cols.module), tensor_order)
+    return key_runs(key_orders(graph, device_map), list(device_map.values()), cols.first, cols.last, len(cols.module),
+                    tensor_order)
 
 
-def key_ranges(cols: Columns, order: np.ndarray, tensor_order: int) -> tuple[np.ndarray, np.ndarray]:
-    """The tensors ``[lo, hi)`` that keys cover, given by their order (a node index, or ``tensor_order`` plus a tensor
-    index; -1 for a key that names nothing, whose range is meaningless)."""
-    first, last, _ = cols.arrays()
-    is_tensor = order >= tensor_order
-    at = np.where(is_tensor | (order < 0), 0, order)
-    return np.where(is_tensor, order - tensor_order, first[at]), np.where(is_tensor, order - tensor_order + 1, last[at])
-
-
-def _spans(graph: ModelGraph, cols: Columns, device_map: Mapping, tensor_order: int) -> list[tuple]:
-    """``(start, -end, order, device)`` of every key that covers tensors, enclosing keys first (by start, the longer
-    first, then the shallower: an ancestor's index is lower; ``order`` is unique, so devices are never compared)."""
-    first, last = cols.first, cols.last
-    node_index, tensor_index = graph.node_index, graph.tensor_index
-    spans = []
-    for key, device in device_map.items():
-        i = node_index.get(key)
-        if i is not None:
-            if first[i] < last[i]:
-                spans.append((first[i], -last[i], i, device))
-        else:
-            t = tensor_index.get(key)
-            if t is not None:
-                spans.append((t, -t - 1, tensor_order + t, device))
-    spans.sort()
-    return spans
-
-
-def _carve(spans: list[tuple], tensors: int, tensor_order: int) -> list[Run]:
-    """:func:`runs` of sorted spans (:func:`_spans`): a key below another carves its range out of the enclosing one."""
-    out: list[list] = []
-    stack: list = []   # the keys enclosing the position: [end, device, order, carved]
-    pos = 0
-
-    def emit(end: int, device, node: int) -> None:
-        nonlocal pos
-        if pos < end:
-            if out and out[-1][2] == device and type(out[-1][2]) is type(device):
-                out[-1][1], out[-1][3] = end, -1   # merged: no longer one key's subtree
-            else:
-                out.append([pos, end, device, node])
-            pos = end
-
-    def close() -> None:
-        end, device, order, carved = stack.pop()
-        emit(end, device, -1 if carved or order >= tensor_order else order)
-
-    for start, negative_end, order, device in spans:
-        while stack and stack[-1][0] <= start:
-            close()
-        if stack:
-            stack[-1][3] = True    # a key below it: the enclosing key's runs are not its whole subtree
-            emit(start, stack[-1][1], -1)
-        else:
-            emit(start, None, -1)
-        stack.append([-negative_end, device, order, False])
-    while stack:
-        close()
-    emit(tensors, None, -1)
-    return [Run(*run) for run in out]
-
-
-def side_by_side_runs(lo: np.ndarray, hi: np.ndarray, order: np.ndarray, devices: list, tensors: int,
-                      tensor_order: int) -> list[Run]:
-    """:func:`runs` of sorted key ranges none of which encloses another: a run starts at a gap or where the device
-    changes (its type too: ``True == 1``, but ``True`` is no device); a run of one key is that key's subtree."""
-    if not len(lo):
-        return [Run(0, tensors, None, -1)] if tensors else []
-    if set(map(type, devices)) <= {int, str}:   # the usual map: no device equals one of another type
-        changed = np.fromiter(map(ne, devices[1:], devices), dtype=bool, count=len(devices) - 1)
-    else:
-        kinds = list(zip(map(type, devices), devices))
-        changed = np.fromiter(map(ne, kinds[1:], kinds), dtype=bool, count=len(kinds) - 1)
-    gap = np.empty(len(lo), dtype=bool)
-    gap[0] = lo[0] > 0
-    gap[1:] = lo[1:] > hi[:-1]
-    new = gap.copy()
-    new[0] = True
-    new[1:] |= changed
-    heads = np.flatnonzero(new)
-    tails = np.append(heads[1:], len(lo)) - 1
-    node = np.where((heads == tails) & (order[heads] < tensor_order), order[heads], -1)
-    out: list[Run] = []
-    pos = 0
-    for h, t, n, g in zip(heads.tolist(), tails.tolist(), node.tolist(), gap[heads].tolist()):
-        start = int(lo[h])
-        if g:
-            out.append(Run(pos, start, None, -1))
-        pos = int(hi[t])
-        out.append(Run(start, pos, devices[h], n))
-    if pos < tensors:
-        out.append(Run(pos, tensors, None, -1))
-    return out
+def key_orders(graph: ModelGraph, keys) -> list[int]:
+    """Each key's order as :func:`allocator.kernels.key_ranges` reads it: its node index, or the node count plus its
+    tensor index; -1 for a key that names nothing."""
+    order = list(map(graph.node_index.get, keys, repeat(-1)))
+    if -1 in order:
+        tensor_index, tensor_order = graph.tensor_index, len(graph.nodes)
+        for k, key in enumerate(keys):
+            if order[k] == -1:
+                t = tensor_index.get(key)
+                if t is not None:
+                    order[k] = tensor_order + t
+    return order
 
 
 def pieces(cols: Columns, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:

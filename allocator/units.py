@@ -16,11 +16,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from .gc_pause import gc_paused
 from .graph.model import ModelGraph
-from .rules import device_of, moves
-from .runs import as_array, as_ints, columns, key_ranges
 from .graph.table import Record, Table, frozen, new_row, picklable, same
+from .kernels import key_ranges
+from .rules import device_of, moves
+from .runs import as_array, as_ints, columns
 
 __all__ = ["Unit", "Group", "Units", "Groups", "units", "groups"]
 
@@ -101,7 +101,8 @@ class Units(_Arrays):
         if "spans" not in self._arrays:
             node = self.array("node")
             order = np.where(node >= 0, node, len(graph.nodes) + self.array("tensor"))
-            lo, hi = key_ranges(columns(graph), order, len(graph.nodes))
+            first, last, _ = columns(graph).arrays()
+            lo, hi = key_ranges(first, last, order, len(graph.nodes))
             keep = np.flatnonzero(lo < hi)
             self._arrays["spans"] = keep, lo[keep], hi[keep], order[keep]
         return self._arrays["spans"]
@@ -247,7 +248,6 @@ def groups(g: ModelGraph, offload_buffers: bool = False) -> Groups:
     return g.derived.once(f"groups offload_buffers={offload_buffers}", lambda: _groups(g, offload_buffers))
 
 
-@gc_paused()
 def _groups(g: ModelGraph, offload_buffers: bool) -> Groups:
     found = units(g, offload_buffers)
     n = len(found)

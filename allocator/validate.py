@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from itertools import filterfalse
 
 from .budgets import format_bytes, normalize_map
+from .gc_pause import gc_paused
 from .problem import PlanOptions, Problem, build_problem
 from .runs import columns, devices_in
 from .runtime import Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks
@@ -164,6 +165,7 @@ def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:
     return out
 
 
+@gc_paused()
 def validate(model, device_map, max_memory=None, *, options: PlanOptions | None = None, **keywords
              ) -> list[Violation]:
     """Every way ``device_map`` breaks accelerate's runtime rules for ``model`` under ``max_memory``.

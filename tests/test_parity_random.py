@@ -1,6 +1,7 @@
 """Differential property tests: strategy="sequential" gives accelerate's map on random module trees (and flat
 stacks, where it takes entries a stretch at a time)."""
 
+import contextlib
 import random
 from unittest import mock
 
@@ -11,9 +12,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import allocator
+from allocator import kernels
 from allocator.errors import UnsupportedByAccelerate
 from allocator.runtime import main_device
-from allocator.strategies import sequential
 from allocator.validate import check
 from parity import both
 from trees import budgets, module_trees
@@ -30,16 +31,15 @@ def test_sequential_equals_accelerate_on_random_trees(data):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_sequential_by_stretches_equals_accelerate(data):
-    # entries that fit one after another are taken a stretch at a time from 1,024 queued entries on; here from the
-    # first, with stretches as short as one entry
+    # entries that fit one after another are taken a stretch at a time from kernels.NUMPY_FROM queued entries on;
+    # here from the first, with stretches as short as one entry
     model = data.draw(st.one_of(module_trees(), st.builds(flat_stack, st.integers(1, 60), st.randoms())))
-    with mock.patch.object(sequential, "_STRETCH_FROM", 0), \
-            mock.patch.object(sequential, "_STRETCH", data.draw(st.sampled_from([1, 2, 4, 64]))):
+    with stretches(data.draw(st.sampled_from([1, 2, 4, 64]))):
         same_as_accelerate(data, model)
 
 
 def test_sequential_equals_accelerate_on_a_long_flat_stack():
-    # past _STRETCH_FROM with the defaults: stretches end where a device fills and where the largest layer is taken
+    # past kernels.NUMPY_FROM with the defaults: stretches end where a device fills and where the largest layer is taken
     model = flat_stack(1500, random.Random(0))
     total = allocator.build_problem(model, {"cpu": 0}).graph.total
     for max_memory in ({0: total // 3, 1: total // 4, "cpu": total // 5}, {"cpu": total // 2}):
@@ -53,11 +53,19 @@ def test_sequential_by_stretches_equals_accelerate_at_every_margin(stretch):
     # layer taken and recomputed inside stretches
     model = nn.Sequential(*[Block(w, 0) for w in (8, 4, 1, 1, 4, 1, 2, 8, 1, 1, 2, 1)])
     total = allocator.build_problem(model, {"cpu": 0}).graph.total
-    with mock.patch.object(sequential, "_STRETCH_FROM", 0), mock.patch.object(sequential, "_STRETCH", stretch):
+    with stretches(stretch):
         for room in range(total // 4, 2 * total, 8):
             for max_memory in ({0: room, "cpu": total}, {0: room // 2, 1: room, "cpu": total}):
                 theirs, ours, _ = both(model, max_memory, no_split_module_classes=["Block"])
                 assert ours == theirs, max_memory
+
+
+@contextlib.contextmanager
+def stretches(first: int):
+    """Numpy paths from the first entry on, stretches of ``first`` entries at first."""
+    with mock.patch.object(kernels, "NUMPY_FROM", 0), mock.patch.object(kernels.Stretches, "FIRST", first), \
+            mock.patch.object(kernels.Stretches, "SHORT", max(first // 4, 1)):
+        yield
 
 
 class Block(nn.Module):

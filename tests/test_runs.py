@@ -18,7 +18,7 @@ import allocator
 from allocator.cost import change_seconds, estimate, tensor_seconds
 from allocator.budgets import is_accelerator
 from allocator.problem import build_problem
-import allocator.runs as runs_module
+from allocator import kernels
 from allocator.runs import Run, columns, runs
 from allocator.runtime import device_of, main_device, moves_with_weights, offloaded_devices, tensor_devices
 from allocator.validate import check
@@ -125,7 +125,7 @@ def test_runs_equal_the_rules_tensor_by_tensor(data):
 @given(data=st.data())
 def test_runs_cut_with_numpy_equal_the_rules(data):
     """The numpy path of ``runs`` (large maps) on the same small maps."""
-    with mock.patch.object(runs_module, "NUMPY_FROM", 0):
+    with mock.patch.object(kernels, "NUMPY_FROM", 0):
         _runs_equal_the_rules(data)
 
 

@@ -5,7 +5,8 @@
 - :func:`allocator.units.groups` against connected components of the tie groups;
 - :class:`allocator.strategies.first_fit.Streams` against :func:`allocator.runtime.streamed_chain` of the unit map;
 - the runs and price of a fill's answer (:class:`allocator.strategies.first_fit.Filled`) against those of its map;
-- the numpy stretches of the first fit against the same fit one group at a time.
+- the first fit's stretches (:func:`allocator.kernels.fit_stretch`) against the same fit one group at a time
+  (:meth:`allocator.strategies.room.Room.seat`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from allocator.placement import clean_device_map
 from allocator.problem import build_problem
 from allocator.runs import runs
 from allocator.runtime import map_runs, moves_with_weights, offloaded_devices, streamed_chain
-from allocator.strategies import first_fit
-from allocator.strategies.first_fit import Filled, Streams, _FirstFit, fill, unit_map
+from allocator import kernels
+from allocator.strategies.first_fit import Filled, Streams, _seat_all, fill, unit_map
+from allocator.strategies.room import Room
 from allocator.strategies.contract import main_candidates
 from allocator.units import Group, Groups, Unit, Units, groups, units
 from trees import module_trees
@@ -163,8 +165,8 @@ def test_runs_and_price_of_a_fill_equal_those_of_its_map(data):
     reserve = data.draw(st.sampled_from(sorted({0, *found.stream})))
     placed = unit_map(found, where, reserve)
     expected = runs(problem.graph, placed)
-    for numpy_from in (first_fit.NUMPY_FROM, 0):   # the small path (runs of the map) and the one from unit ranges
-        with mock.patch.object(first_fit, "NUMPY_FROM", numpy_from):
+    for numpy_from in (kernels.NUMPY_FROM, 0):   # plain loops and numpy kernels
+        with mock.patch.object(kernels, "NUMPY_FROM", numpy_from):
             made = Filled(problem, found, where, reserve, "")
             assert made.runs() == expected
             assert made.device_map() == placed and list(made.device_map()) == list(placed)
@@ -203,11 +205,24 @@ def test_first_fit_stretches_equal_single_steps(seed):
         int(found.array("pinned")[~stays].sum()) * rng.choice([0, 1])
     offloads = [False] * (devices - 2) + [True, True] if rng.random() < 0.8 else [False] * (devices - 1) + [True]
     charges = [rng.random() < 0.7 for _ in range(devices)]
-    fast = _FirstFit(found, order, stays, list(room), offloads, charges)
-    slow = _FirstFit(found, order, stays, list(room), offloads, charges)
-    slow.vector = False
-    assert fast.run() == slow.run()
-    assert fast.room == slow.room
+    fast = Room(range(devices), room, offloads, charges, reserve)
+    slow = Room(range(devices), room, offloads, charges, reserve)
+    assert _seat_all(fast, *_seats(found, order, stays)) == _seat_one_by_one(slow, *_seats(found, order, stays))
+    assert fast.free == slow.free
+
+
+def _seats(found: Groups, order: np.ndarray, stays: np.ndarray) -> list[np.ndarray]:
+    return [stays[order], *(found.array(c)[order] for c in ("pinned", "size", "offload"))]
+
+
+def _seat_one_by_one(room: Room, stay, pinned, size, offload) -> list[int] | None:
+    """The first fit as :meth:`Room.seat` of one group after another."""
+    chosen = []
+    for s, p, n, o in zip(stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist()):
+        chosen.append(room.seat(n, o, p, s))
+        if chosen[-1] < 0:
+            return None
+    return chosen
 
 
 @SETTINGS
@@ -235,6 +250,6 @@ def test_a_stretch_on_disk_stops_where_cpu_has_exactly_the_room():
     found = Units([f"u{k}" for k in every], every, size, size, [0] * n, size, [0] * n, [-1] * n)
     found = Groups(found, every, size, size, [0] * n, size, [0] * n, [False] * n, every)
     order, stays = np.arange(n), np.zeros(n, dtype=bool)
-    seats = _FirstFit(found, order, stays, [0, 5, math.inf], [False, True, True], [True, True, True])
-    assert seats.run() == [2] * 100 + [1] + [2] * 99
-    assert seats.room[:2] == [0, 0]
+    room = Room([0, "cpu", "disk"], [0, 5, math.inf], [False, True, True], [True, True, True], math.inf)
+    assert _seat_all(room, *_seats(found, order, stays)) == [2] * 100 + [1] + [2] * 99
+    assert room.free[:2] == [0, 0]

@@ -4,25 +4,25 @@ Given the main device ``M`` and a reserve ``R`` kept free on it for streamed wei
 order goes to the first device with room: accelerators from ``M`` on (earlier ones stay empty, else they would
 become main), then cpu, then disk. A group may be offloaded only if the weights its hooks materialise at once fit
 in ``R``; its buffers are charged to ``M``. Groups whose streamed chain exceeds ``R`` must stay resident, so they
-are seated first, as are lone tensors (accelerate cannot offload a tensor on its own). The result is always
-re-checked by :func:`allocator.validate.check`.
+are seated first, as are lone tensors (accelerate cannot offload a tensor on its own). The rules are those of
+:class:`allocator.strategies.room.Room`, stated there once. The result is always re-checked by
+:func:`allocator.validate.check`.
 
 The fill reads the group columns (:class:`allocator.units.Groups`) and answers with a device per group; long
-stretches of groups that go to one device are seated at once with numpy (:class:`_FirstFit`), so a flat stack of
-200k layers fills in tens of milliseconds.
+stretches of groups that go to one device are seated at once (:func:`allocator.kernels.fit_stretch`).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from ..budgets import Device
 from ..problem import Problem
-from ..runs import NUMPY_FROM, Run, as_array, columns, side_by_side_runs
-from ..runtime import main_device, map_runs, offloaded_devices, workspace
+from ..kernels import Stretches, fit_stretch, group_map, side_by_side, stream_reserve, stretchable
+from ..runs import Run, as_array, columns
+from ..runtime import main_device, offloaded_devices
 from ..units import Groups
+from .room import Room
 
 __all__ = ["Filled", "Streams", "every_main", "fill", "fill_to_fixed_point", "full_reserve", "reserve_sizes",
            "unit_map"]
@@ -47,235 +47,115 @@ def every_main(problem: Problem) -> list[Device]:
 
 def fill(problem: Problem, found: Groups, main: Device, reserve: int) -> list | None:
     """The device of each group (in group order), or ``None`` when some group fits nowhere under this main device and
-    reserve. :func:`unit_map` turns the answer into a map of unit names.
+    reserve: every group seated by :meth:`allocator.strategies.room.Room.seat` on :meth:`Room.of
+    <allocator.strategies.room.Room.of>` the problem. :func:`unit_map` turns the answer into a map of unit names.
 
     Notes
     -----
     O(groups x devices), one pass over the group columns; no object per group.
     """
-    b = problem.budgets
-    if main == "cpu":
-        devices = ["cpu", "disk"]
-    else:
-        devices = [d for d in b.accelerators if b.order.index(d) >= b.order.index(main)] + ["cpu", "disk"]
-    devices = [d for d in devices if d in b.order]   # main first
-    targets = offloaded_devices(main)
-    room = [b.limit(d) if b.limit(d) is not None else math.inf for d in devices]
-    room[0] -= reserve
-    # Generation: every device that runs something holds activations; the main device also the next-token scores.
-    # A device left with negative room gets nothing, so it runs nothing and needs no workspace.
-    for j, d in enumerate(devices):
-        if d not in targets:
-            room[j] -= workspace(problem.graph, main=d == main)
-    if room[0] < 0:
+    room = Room.of(problem, main, reserve, found)
+    if room is None:
         return None
-    # what an offloaded group takes from its target: its weights on cpu, and on disk only when disk has a budget
-    charges = [d == "cpu" or b.limit("disk") is not None for d in devices]
     order, stays = _seating(found, reserve)
-    # Buffers of groups still to place may all end up pinned on the main device: hold room for them until then.
-    room[0] -= int(found.array("pinned")[~stays].sum()) if len(stays) else 0
-    offloads = [d in targets for d in devices]
+    seats = stays[order], *(found.array(c)[order] for c in ("pinned", "size", "offload"))
     # the contract: accelerators in index order along the model (only matters with two or more that execute)
-    monotone = problem.options.contract and offloads.count(False) > 1
-    chosen = _FirstFit(found, order, stays, room, offloads, charges, monotone=monotone).run()
+    if problem.options.contract and room.targets.count(False) > 1:
+        chosen = _seat_in_index_order(room, order, *seats)
+    else:
+        chosen = _seat_all(room, *seats)
     if chosen is None:
         return None
     where = np.empty(len(chosen), dtype=np.int64)
     where[order] = chosen
-    return list(map(devices.__getitem__, where.tolist()))
+    return list(map(room.devices.__getitem__, where.tolist()))
 
 
-class _FirstFit:
-    """First fit of groups, in seating order, over devices ``0..D-1`` (0 is the main device); the rules of
-    :func:`fill`, one group at a time in :meth:`step`.
+def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, offload: np.ndarray
+              ) -> list[int] | None:
+    """The device index of each group (the columns in seating order) by :meth:`Room.seat
+    <allocator.strategies.room.Room.seat>`, or ``None`` when one fits nowhere.
 
-    Long stretches of groups that all go to one device are seated at once with numpy (:meth:`stretch`): assuming
-    the next groups go where the last one went, the rule each must pass (every earlier device refuses it, that
-    device takes it) is a comparison against prefix sums; the stretch ends at the first group that fails it, which
-    :meth:`step` then seats. Where stretches stay short, a burst of single steps runs before the next try, so the
-    worst case stays that of the plain loop. Below :data:`allocator.runs.NUMPY_FROM` groups, single steps only.
+    Long stretches of groups that all go to one device are seated at once (:func:`allocator.kernels.fit_stretch`,
+    tried as :class:`allocator.kernels.Stretches` says): assuming the next groups go where the last one went, the
+    stretch ends at the first group that does not, which a single step then seats.
     """
-
-    BURST = 64     # single steps after a short stretch
-    SHORT = 16     # a stretch shorter than this is not worth the numpy calls
-
-    def __init__(self, found: Groups, order: np.ndarray, stays: np.ndarray, room: list, offloads: list[bool],
-                 charges: list[bool], *, monotone: bool = False):
-        self.room, self.offloads, self.charges = room, offloads, charges
-        arrays = [found.array(c) for c in ("pinned", "size", "offload")]
-        self.order = order
-        self.stay = stays[order]
-        self.pinned, self.size, self.offload = (a[order] for a in arrays)
-        self.monotone = monotone
-        # numpy stretches need int64 sums: the model's total well inside int64
-        total = sum(int(a.sum()) for a in arrays) if len(order) else 0
-        self.vector = (all(a.dtype == np.int64 for a in arrays) and total < 2**60 and len(order) >= NUMPY_FROM
-                       and not monotone)
-        self._lists: list | None = None   # the columns as Python lists, for single steps (made on the first)
-
-    def run(self) -> list[int] | None:
-        """The device index of each group in seating order, or ``None`` when one fits nowhere."""
-        if self.monotone:
-            return self.run_in_index_order()
-        n = len(self.stay)
-        chosen: list[int] = []
-        pos, last, window = 0, -1, 64
-        while pos < n:
-            if last >= 0 and self.vector:
-                stop = min(n, pos + window)
-                count = self.stretch(pos, stop, last)
-                chosen += [last] * count
-                pos += count
-                if pos == stop:
-                    window *= 2
-                    continue
-                window = 64
-                if count < self.SHORT:   # not paying: single steps for a while
-                    for _ in range(min(self.BURST, n - pos - 1)):
-                        last = self.step(pos)
-                        if last < 0:
-                            return None
-                        chosen.append(last)
-                        pos += 1
-            last = self.step(pos)
+    n = len(stay)
+    stays, pinneds, sizes, offloads = stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist()
+    pace = Stretches(n, enabled=stretchable(pinned, size, offload))
+    chosen: list[int] = []
+    pos, last = 0, -1
+    while pos < n:
+        steps = pace.steps(n - pos) if last >= 0 else 1
+        if not steps:
+            stop = min(n, pos + pace.window)
+            count = fit_stretch(room, stay[pos:stop], pinned[pos:stop], size[pos:stop], offload[pos:stop], last)
+            pace.stretched(count, stop - pos)
+            chosen += [last] * count
+            pos += count
+            continue
+        for k in range(pos, pos + steps):
+            last = room.seat(sizes[k], offloads[k], pinneds[k], stays[k])
             if last < 0:
                 return None
             chosen.append(last)
-            pos += 1
-        return chosen
-
-    def step(self, k: int, low: int = 0, high: int | None = None) -> int:
-        """Seat group ``k`` (seating order) on the first device with room; its index, or -1. Devices that execute
-        (not offload targets) are taken only from index ``low`` to ``high``."""
-        if self._lists is None:
-            self._lists = [self.stay.tolist(), self.pinned.tolist(), self.size.tolist(), self.offload.tolist()]
-        stays, pinned, sizes, offloads = self._lists
-        stay, p, size, offload = stays[k], pinned[k], sizes[k], offloads[k]
-        room = self.room
-        if not stay:
-            room[0] += p
-        for j, target in enumerate(self.offloads):
-            if target:
-                if stay:
-                    continue
-                need = offload if self.charges[j] else 0
-                if room[j] >= need and room[0] >= p:
-                    room[j] -= need
-                    room[0] -= p
-                    return j
-            elif low <= j and (high is None or j <= high) and room[j] >= size:
-                room[j] -= size
-                return j
-        if not stay:
-            room[0] -= p
-        return -1
-
-    def run_in_index_order(self) -> list[int] | None:
-        """:meth:`run` with the executing devices (the main device and the accelerators after it) used in index order
-        along the model: a group never goes to an executing device before one that an earlier group (in model order)
-        went to. Groups that must stay are seated first, in model order, each on the first executing device from the
-        last one used; then the others, in model order, each between the executing devices of the groups that must
-        stay before and after it. Single steps (no numpy stretches)."""
-        n, stay = len(self.stay), self.stay.tolist()
-        model = self.order.tolist()                 # seat -> group (model order)
-        chosen: list[int] = []
-        top = 0
-        first_free = stay.count(True)               # seats of the groups that must stay come first
-        for k in range(first_free):
-            top = self.step(k, low=top)
-            if top < 0:
-                return None
-            chosen.append(top)
-        # executing device of the nearest group that must stay, before (max so far) and after (min from there)
-        below = [0] * (len(model) + 1)
-        above: list = [None] * (len(model) + 1)
-        for k in range(first_free):
-            below[model[k] + 1] = chosen[k]
-            above[model[k]] = chosen[k]
-        for g in range(1, len(model) + 1):
-            below[g] = max(below[g], below[g - 1])
-        for g in range(len(model) - 1, -1, -1):
-            if above[g] is None:
-                above[g] = above[g + 1]
-        top = 0
-        for k in range(first_free, n):
-            g = model[k]
-            j = self.step(k, low=max(top, below[g]), high=above[g + 1])
-            if j < 0:
-                return None
-            if not self.offloads[j]:
-                top = j
-            chosen.append(j)
-        return chosen
-
-    def stretch(self, a: int, b: int, j: int) -> int:
-        """Seat as many of groups ``a..b-1`` as go, one after another, to device ``j``; how many went."""
-        room = [_clamped(r) for r in self.room]
-        stay, pinned, size, offload = self.stay[a:b], self.pinned[a:b], self.size[a:b], self.offload[a:b]
-        back = np.where(stay, 0, pinned)          # what each gives back to the main device before it is seated
-        if self.offloads[j]:
-            if room[0] < 0:
-                return 0
-            main = room[0] + back   # groups sent to a target give their pinned bytes back, then take them
-            need = offload if self.charges[j] else np.zeros_like(offload)
-            ok = ~stay & (room[j] - (np.cumsum(need) - need) >= need)
-        elif j == 0:
-            net = back - size
-            main = room[0] + np.cumsum(net) - net + back
-            ok = main >= size
-        else:
-            main = room[0] + np.cumsum(back)
-            ok = room[j] - (np.cumsum(size) - size) >= size
-        for i in range(j):   # every earlier device refuses
-            if i == 0:
-                ok &= main < size
-            elif self.offloads[i]:
-                ok &= stay | (room[i] < (offload if self.charges[i] else 0)) | (main < pinned)
-            else:
-                ok &= room[i] < size
-        count = len(ok) if ok.all() else int(np.argmin(ok))
-        if count:
-            if self.offloads[j]:
-                self.room[j] -= int(need[:count].sum())
-            elif j == 0:
-                self.room[0] += int(net[:count].sum())
-            else:
-                self.room[0] += int(back[:count].sum())
-                self.room[j] -= int(size[:count].sum())
-        return count
+        pos += steps
+        pace.stepped(steps)
+    return chosen
 
 
-def _clamped(room):
-    """A room as numpy compares it with int64 prefix sums below 2**60: exact, or clamped far beyond them."""
-    return min(max(room, -2**62), 2**62) if room != math.inf else room
+def _seat_in_index_order(room: Room, order: np.ndarray, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray,
+                         offload: np.ndarray) -> list[int] | None:
+    """:func:`_seat_all` with the executing devices (the main device and the accelerators after it) used in index
+    order along the model: a group never goes to an executing device before one that an earlier group (in model
+    order) went to. Groups that must stay are seated first, in model order, each on the first executing device from
+    the last one used; then the others, in model order, each between the executing devices of the groups that must
+    stay before and after it. Single steps (no stretches)."""
+    n = len(stay)
+    stays, pinneds, sizes, offloads = stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist()
+    model = order.tolist()                      # seat -> group (model order)
+    chosen: list[int] = []
+    top = 0
+    first_free = stays.count(True)              # seats of the groups that must stay come first
+    for k in range(first_free):
+        top = room.seat(sizes[k], offloads[k], pinneds[k], True, low=top)
+        if top < 0:
+            return None
+        chosen.append(top)
+    # executing device of the nearest group that must stay, before (max so far) and after (min from there)
+    below = [0] * (len(model) + 1)
+    above: list = [None] * (len(model) + 1)
+    for k in range(first_free):
+        below[model[k] + 1] = chosen[k]
+        above[model[k]] = chosen[k]
+    for g in range(1, len(model) + 1):
+        below[g] = max(below[g], below[g - 1])
+    for g in range(len(model) - 1, -1, -1):
+        if above[g] is None:
+            above[g] = above[g + 1]
+    top = 0
+    for k in range(first_free, n):
+        g = model[k]
+        j = room.seat(sizes[k], offloads[k], pinneds[k], False, low=max(top, below[g]), high=above[g + 1])
+        if j < 0:
+            return None
+        if not room.targets[j]:
+            top = j
+        chosen.append(j)
+    return chosen
 
 
 def _seating(found: Groups, reserve: int) -> tuple[np.ndarray, np.ndarray]:
-    """The order :func:`fill` seats groups in — those that must stay resident first (their streamed chain passes
-    the reserve, or they hold a lone tensor), then the rest, each in model order — and which must stay."""
-    stays = (found.array("stream") > reserve) | found.array("resident_only")
+    """The order :func:`fill` seats groups in — those that must stay resident first
+    (:meth:`allocator.strategies.room.Room.must_stay`), then the rest, each in model order — and which must stay."""
+    stays = Room.must_stay(found.array("stream"), found.array("resident_only"), reserve)
     return np.concatenate([np.flatnonzero(stays), np.flatnonzero(~stays)]), stays
 
 
 def unit_map(found: Groups, where: list, reserve: int) -> dict:
     """Unit name -> device from :func:`fill`'s answer, keys in the order the groups were seated."""
     order, _ = _seating(found, reserve)
-    if len(order) < NUMPY_FROM:
-        names, members, out = found.units.name, found.members, {}
-        if len(members) == len(found):   # every group is one unit (no ties)
-            return {names[members[k]]: where[k] for k in order.tolist()}
-        for k in order.tolist():
-            for j in found.member_range(k):
-                out[names[members[j]]] = where[k]
-        return out
-    start = found.array("start")
-    count = found.counts()[order]
-    # the members of the seated groups one after another: each group's run of ``members``, in seating order
-    at = np.repeat(start[order] - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
-    names = found.units.array("name")[found.array("members")[at]]
-    devices = np.empty(len(where), dtype=object)
-    devices[:] = where
-    return dict(zip(names.tolist(), np.repeat(devices[order], count).tolist()))
+    return group_map(order, where, found.units.array("name"), found.array("members"), found.array("start"))
 
 
 class Filled:
@@ -303,19 +183,16 @@ class Filled:
         """The runs of the unit map (equal to :func:`allocator.runtime.map_runs` of :meth:`device_map`), made once.
 
         Units partition the tensors and none holds another, so the runs are the units that hold tensors, in model
-        order, merged where neighbours share a device; from :data:`allocator.runs.NUMPY_FROM` units on they are
-        made from the units' tensor ranges with numpy, without the map.
+        order, merged where neighbours share a device (:func:`allocator.kernels.side_by_side` of the units' tensor
+        ranges), made without the map.
         """
         if self._runs is None:
             graph, found = self.problem.graph, self.found
-            if len(found.units) < NUMPY_FROM:
-                self._runs = map_runs(graph, self.device_map())
-            else:
-                keep, lo, hi, order = found.units.spans(graph)
-                devices = np.empty(len(self.where), dtype=object)
-                devices[:] = self.where
-                self._runs = side_by_side_runs(lo, hi, order, devices[found.unit_groups()[keep]].tolist(),
-                                               len(columns(graph).module), len(graph.nodes))
+            keep, lo, hi, order = found.units.spans(graph)
+            devices = np.empty(len(self.where), dtype=object)
+            devices[:] = self.where
+            self._runs = side_by_side(lo, hi, order, devices[found.unit_groups()[keep]].tolist(),
+                                      len(columns(graph).module), len(graph.nodes))
         return self._runs
 
 
@@ -369,18 +246,7 @@ class Streams:
             return 0
         flags = {d: d in offloaded for d in set(where)}
         off = np.fromiter(map(flags.__getitem__, where), dtype=bool, count=len(where))[self.group]
-        zero = np.zeros(self.nodes, dtype=self.stream.dtype)
-        below, own = zero, zero.copy()
-        modules = off & self.is_module
-        top = self.stream[modules & (self.parent < 0)]
-        top = max(top.tolist(), default=0)   # a module unit that is the whole model
-        modules &= self.parent >= 0
-        np.maximum.at(below, self.parent[modules], self.stream[modules])
-        tensors = off & ~self.is_module
-        np.add.at(own, self.parent[tensors], self.stream[tensors])
-        for level, parents in self.levels:
-            np.maximum.at(below, parents, own[level] + below[level])
-        return max(top, int(own[0] + below[0]) if self.nodes else 0)
+        return stream_reserve(off, self.is_module, self.parent, self.stream, self.levels, self.nodes)
 
 
 def fill_to_fixed_point(problem: Problem, found: Groups, main: Device, reserve: int, rounds: int = 8,

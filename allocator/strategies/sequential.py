@@ -12,7 +12,7 @@ Notes
 -----
 Complexity: O(n · r) for n entries and r recomputations of the largest layer (as accelerate), with the
 per-node largest layer memoised. Without tie groups, entries that fit one after another are taken a stretch at a
-time with numpy (:meth:`_Tree.in_a_row`: the same decisions, without a Python step per entry).
+time (:func:`allocator.kernels.in_a_row`: the same decisions, without a Python step per entry).
 
 Deterministic for a given model in a given process; accelerate's tie-group order comes from a set of names, so with
 several tie groups it can depend on ``PYTHONHASHSEED`` — this strategy follows it (the builder records the groups in
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 from operator import itemgetter
 
 import numpy as np
 
 from ..errors import UnsupportedByAccelerate
+from ..kernels import Stretches, in_a_row, vectorised
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
 from ..runs import as_array, columns
@@ -118,10 +118,8 @@ class _Tree:
     def fold(self, entries: list) -> tuple[float, list[int]]:
         """``_fold`` of :meth:`layer` over ``entries``; with many, the entries that are a layer of their own
         (tensors, leaves, no-split modules) are read from numpy columns instead of one call each."""
-        if len(entries) < 1024:   # numpy pays from about a thousand entries on
-            return _fold(self.layer(e) for e in entries)
-        found = self._columns(entries)
-        if found is None:   # sizes a float64 may not hold exactly
+        found = self._columns(entries) if entries and vectorised(len(entries)) else None
+        if found is None:   # few entries, or sizes a float64 may not hold exactly
             return _fold(self.layer(e) for e in entries)
         idx, sizes, places, _ = found
         whole = (idx < 0) | self._arrays()[1][np.maximum(idx, 0)]
@@ -149,23 +147,14 @@ class _Tree:
         """How many of ``batch`` (the next queued entries) accelerate's loop would place one after another on the
         current device with ``room`` bytes left under its limit (``None``: no limit) and no tie groups, and their
         total size: it stops before the first that does not fit and before the one whose removal empties ``names``
-        (the largest layer is then recomputed). ``(0, 0)`` where sizes are not integers held exactly.
+        (the largest layer is then recomputed); :func:`allocator.kernels.in_a_row`. ``(0, 0)`` where sizes are not
+        integers held exactly.
         """
         found = self._columns(batch)
         if found is None:
             return 0, 0
         _, sizes, low, high = found
-        if not (sizes == np.floor(sizes)).all():
-            return 0, 0
-        places = names.array()
-        # live places under the first k entries: all of them (a place dies only under a taken entry), or more
-        # where an entry was put back after its places were dropped; counting those too only stops earlier
-        under = np.cumsum(np.searchsorted(places, high) - np.searchsorted(places, low))
-        ok = under < len(names)
-        if room is not None:
-            total = np.cumsum(sizes.astype(np.int64))
-            ok &= total <= room
-        count = len(ok) if ok.all() else int(np.argmin(ok))
+        count = in_a_row(sizes, low, high, names.array(), len(names), room)
         if not count:
             return 0, 0
         sizes = sizes[:count].astype(np.int64)
@@ -365,11 +354,6 @@ def _fallback(tree: _Tree, entries, limit, tied_groups):
     return entries.pop(names.index(name)), entries
 
 
-#: Entries taken at once in a first stretch (it doubles while whole stretches fit), and the queue length from which
-#: stretches are tried at all.
-_STRETCH, _STRETCH_FROM = 64, 1024
-
-
 def place(problem: Problem) -> Placement:
     """Place like accelerate's ``infer_auto_device_map``.
 
@@ -412,14 +396,14 @@ def place(problem: Problem) -> Placement:
 
     # Without tie groups, entries that fit one after another are taken a stretch at a time (the same steps, at C
     # speed); a stretch that stays short hands over to single steps for a while, as in backfill's first fit.
-    window, pause = _STRETCH, 0 if not tied_groups and len(entries) >= _STRETCH_FROM else math.inf
+    pace = Stretches(len(entries), enabled=not tied_groups)
     while entries:
-        if pause <= 0 and len(entries) > 1 and current < len(devices):
+        if not pace.steps(1) and len(entries) > 1 and current < len(devices):
             device = devices[current]
             room = None if device == "disk" else \
                 limits[device] - (max_layer if device in main_devices else 0) - used[device]
             if room is None or isinstance(room, int):
-                batch = entries.peek(window)
+                batch = entries.peek(pace.window)
                 count, total = tree.in_a_row(batch, max_names, room)
                 if count:
                     entries.drop(count)
@@ -427,11 +411,9 @@ def place(problem: Problem) -> Placement:
                     names = [e[0] for e in batch[:count]]
                     device_map.update(dict.fromkeys(names, device))
                     notes += [f"{name} -> {device}" for name in names]
-                window = window * 2 if count == len(batch) else _STRETCH
-                if count < max(_STRETCH // 4, 1):   # not paying (or nothing fit): single steps for a while
-                    pause = _STRETCH
+                pace.stretched(count, len(batch))
                 continue
-        pause -= 1
+        pace.stepped()
         entry = entries.pop()
         name = entry[0]
         max_names.discard(*tree.span(entry))
