@@ -348,7 +348,10 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
     resolve(strategy)
     with gc_paused():  # planning makes many acyclic objects; each collection would walk the model and graph too
         problem = build_problem(model, max_memory, options=options)
-        placement = _checked(problem, _cleaned(problem, strategy, _placed(problem, strategy)))
+        placement, accelerates = _placed(problem, strategy)
+        placement = _cleaned(problem, strategy, placement)
+        if not accelerates:
+            _check_rules_and_contract(problem, placement, _builtin_name(strategy))
         result = _finish(problem, _with_empty_notes(problem, placement))
     for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
         log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
@@ -356,36 +359,38 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
     return result
 
 
-def _placed(problem: Problem, strategy) -> Placement:
-    """The strategy's placement; where it finds none, accelerate's own map, flagged (unless ``strict``)."""
+def _placed(problem: Problem, strategy) -> tuple[Placement, bool]:
+    """The strategy's placement and whether it is accelerate's (``sequential``, whose maps are accelerate's,
+    violations included); where the strategy finds none, accelerate's own map, flagged (unless ``strict``)."""
     try:
-        return run(strategy, problem)
+        return run(strategy, problem), resolve(strategy)[1] is STRATEGIES["sequential"]
     except InfeasiblePlacement as err:
         error = err if err.minimum is not None else minimum_budget_error(problem, strategy)
         placement = None if problem.options.strict else _accelerate_instead(problem, strategy, error)
         if placement is None:
             raise error from None
-        return placement
+        return placement, True
 
 
 def _cleaned(problem: Problem, strategy, placement: Placement) -> Placement:
     """A caller's strategy's map cleaned as the options say (``clean_result``: entries whose children share a device
     merged). The built-in strategies return their maps cleaned already (the invariant tests check it), so they are
     not walked again."""
-    if not problem.options.clean_result or STRATEGIES.get(resolve(strategy)[0]) is resolve(strategy)[1]:
+    if not problem.options.clean_result or _builtin_name(strategy):
         return placement
     return replace(placement, device_map=clean_device_map(placement.device_map))
 
 
-def _checked(problem: Problem, placement: Placement) -> Placement:
-    """``placement`` if it keeps the runtime rules and the contract; a typed error naming what broke otherwise.
+def _builtin_name(strategy) -> str:
+    """The name of a built-in strategy (the contract exempts ``balanced_low_0`` from rule 1); ``""`` for a caller's."""
+    name, fn = resolve(strategy)
+    return name if STRATEGIES.get(name) is fn else ""
 
-    ``sequential`` (accelerate's algorithm, and accelerate's map returned where nothing is valid) is exempt: its maps
-    are accelerate's, violations included. A map short of the contract's floor is logged, not refused: rules 1 and 2
-    come first, and the strategies fall short of the floor only where they must.
-    """
-    if placement.strategy.startswith("sequential"):
-        return placement
+
+def _check_rules_and_contract(problem: Problem, placement: Placement, name: str) -> None:
+    """Raise a typed error naming what ``placement`` breaks: a runtime rule (:class:`InvalidPlacement`) or the contract
+    (:class:`BrokenContract`). A map short of the contract's floor is logged, not refused: rules 1 and 2 come first,
+    and the strategies fall short of the floor only where they must."""
     violations = check(problem, placement.device_map)[0]
     if violations:
         raise InvalidPlacement(
@@ -393,7 +398,7 @@ def _checked(problem: Problem, placement: Placement) -> Placement:
             f"{'; '.join(map(str, violations[:3]))}{' ...' if len(violations) > 3 else ''} "
             "A strategy must return a valid map or raise InfeasiblePlacement; allocator.validate and "
             "allocator.kit.check say what is wrong with a map.", violations=violations)
-    broken = contract_violations(problem, placement.device_map, strategy=placement.strategy)
+    broken = contract_violations(problem, placement.device_map, strategy=name)
     for v in broken:
         if v.kind == "contract-floor":
             log.warning("plan by %s: %s", placement.strategy, v.message)
@@ -402,7 +407,6 @@ def _checked(problem: Problem, placement: Placement) -> Placement:
         raise BrokenContract(
             f"strategy {placement.strategy!r} returned a plan that breaks the contract of device_map='auto': "
             f"{'; '.join(map(str, broken))} Pass objective='latency' to accept such plans.")
-    return placement
 
 
 def _accelerate_instead(problem: Problem, strategy, error: InfeasiblePlacement) -> Placement | None:

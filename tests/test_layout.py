@@ -292,9 +292,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
               "graph"),
     "problem": ("generation", "problem"),
     "evaluation": ("kernels", "runs", "runtime", "units", "cost", "validate"),
-    "strategies": ("strategies.room", "strategies.first_fit", "strategies.sequential", "strategies.contract", "strategies.ranking",
-                   "strategies.backfill", "strategies.reserve", "strategies.balanced", "strategies.ilp",
-                   "strategies.auto", "strategies"),
+    "strategies": ("strategies.room", "strategies.first_fit", "strategies.sequential", "strategies.contract",
+                   "strategies.ranking", "strategies.backfill", "strategies.reserve", "strategies.balanced",
+                   "strategies.ilp", "strategies.auto", "strategies", "kit"),
     "composition": ("explain", "api", "hf", ""),
     "adapters": ("zoo", "checkpoint", "quantization", "distributed", "cli", "__main__"),
 }
