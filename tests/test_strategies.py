@@ -16,6 +16,8 @@ from allocator.placement import clean_device_map
 from allocator.validate import check
 from trees import budgets, module_trees
 
+from kit_strategy import decreasing   # examples/kit_strategy.py: a strategy built from allocator.kit alone
+
 GRID = {
     "gpu15": {0: .15, "cpu": 2}, "gpu30": {0: .30, "cpu": 2}, "gpu50": {0: .50, "cpu": 2},
     "gpu70": {0: .70, "cpu": 2}, "gpu90": {0: .90, "cpu": 2},
@@ -132,7 +134,8 @@ def test_infeasible_states_a_minimum_that_works():
         strict_plan(model, {"cpu": minimum - max(1, minimum // 100)})
 
 
-@pytest.mark.parametrize("strategy", [s for s in allocator.STRATEGIES if s != "sequential"])
+@pytest.mark.parametrize("strategy", [s for s in allocator.STRATEGIES if s != "sequential"] + [decreasing],
+                         ids=lambda s: s if isinstance(s, str) else f"kit-example-{s.__name__}")
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
@@ -157,7 +160,8 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
     assert ours.valid, ours.violations
     assert clean_device_map(ours.device_map) == ours.device_map   # returned clean: plan() does not walk it again
     # the contract (main device, index order, accelerate's floor) holds for every strategy
-    assert not allocator.contract_violations(ours.problem, ours.device_map, strategy=strategy)
+    name = strategy if isinstance(strategy, str) else ""
+    assert not allocator.contract_violations(ours.problem, ours.device_map, strategy=name)
     try:
         seq = allocator.plan(model, budget, strategy="sequential", offload_buffers=offload_buffers)
     except allocator.UnsupportedByAccelerate:
