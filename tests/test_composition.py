@@ -178,3 +178,12 @@ def test_a_callers_map_is_cleaned_as_the_options_say():
     assert allocator.plan(model, {"cpu": 10**6}, strategy=per_layer).device_map == {"": "cpu"}
     assert allocator.plan(model, {"cpu": 10**6}, strategy=per_layer, clean_result=False).device_map == \
         {str(i): "cpu" for i in range(4)}
+
+
+def test_the_readme_shows_the_kit_example_as_it_is_tested():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    example = (root / "examples" / "kit_strategy.py").read_text().rstrip()
+    assert f"```python\n{example}\n```" in (root / "README.md").read_text()
+    assert len(example.splitlines()) < 60

@@ -1,4 +1,4 @@
-"""Strategies: one module each, one pure function ``place(problem, **options) -> Placement``."""
+"""Strategies: one module each, one pure function ``place(problem) -> Placement``; ``STRATEGIES`` names them."""
 
 from __future__ import annotations
 
