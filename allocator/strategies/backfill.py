@@ -16,7 +16,7 @@ from ..placement import Placement
 from ..problem import Problem
 from ..units import groups
 from ..validate import format_bytes
-from .first_fit import Filled, Streams, fill_to_fixed_point
+from .first_fit import Filled, Streams, fill_to_fixed_point, largest_stream
 from .ranking import best_of
 from .contract import fill_memo, main_candidates
 
@@ -26,8 +26,7 @@ __all__ = ["place"]
 def place(problem: Problem) -> Placement:
     """Place by first fit with a static streaming reserve (the largest streamed size of an offloadable group)."""
     found = groups(problem.graph, problem.options.offload_buffers)
-    offloadable = found.array("stream")[~found.array("resident_only")]
-    start = int(offloadable.max()) if len(offloadable) else 0
+    start = largest_stream(found)
     candidates, streams, memo = [], Streams(problem, found), fill_memo(problem)
     for main in main_candidates(problem):
         where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)

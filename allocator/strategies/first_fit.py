@@ -24,8 +24,8 @@ from ..runtime import main_device, offloaded_devices
 from ..units import Groups
 from .room import Room
 
-__all__ = ["Filled", "Streams", "every_main", "fill", "fill_to_fixed_point", "full_reserve", "reserve_sizes",
-           "unit_map"]
+__all__ = ["Filled", "Streams", "every_main", "fill", "fill_to_fixed_point", "full_reserve", "largest_stream",
+           "reserve_sizes", "unit_map"]
 
 #: At most this many candidate reserves (:func:`reserve_sizes`): the smallest and the largest ones are kept.
 MAX_RESERVES = 64
@@ -194,6 +194,13 @@ class Filled:
             self._runs = side_by_side(lo, hi, order, devices[found.unit_groups()[keep]].tolist(),
                                       len(columns(graph).module), len(graph.nodes))
         return self._runs
+
+
+def largest_stream(found: Groups) -> int:
+    """The largest streamed size of a group that may be offloaded (one without a lone tensor): the reserve that lets
+    any of them be offloaded alone."""
+    offloadable = found.array("stream")[~found.array("resident_only")]
+    return int(offloadable.max()) if len(offloadable) else 0
 
 
 def reserve_sizes(problem: Problem, found: Groups) -> list[int]:
