@@ -12,6 +12,9 @@ versions are touched:
 - ``accelerate.big_modeling.get_balanced_memory`` and ``.infer_auto_device_map`` (``load_checkpoint_and_dispatch``
   calls them from that namespace).
 
+Each replacement plans for the loading path that calls it (:attr:`allocator.PlanOptions.loader`):
+``"accelerate"`` in ``accelerate.big_modeling``, ``"transformers"`` elsewhere.
+
 transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)`` is replaced whole: it sees the
 mode and the user's ``max_memory``. In the other namespaces a mode reaches the planner in two calls: the
 replacement ``get_balanced_memory`` returns the user's budgets untouched and records the mode; the next
@@ -53,7 +56,11 @@ an exact contiguous min-max split over the accelerators, the first one kept ligh
 user gave, not over transformers' balanced budgets. ``"sequential"`` is accelerate's algorithm, output for output.
 """
 
-_RESERVED = frozenset({"model", "max_memory", "strategy", "hf_quantizer"})
+_RESERVED = frozenset({"model", "max_memory", "strategy", "hf_quantizer", "loader"})
+_LOADER_OF = {"accelerate.big_modeling": "accelerate"}
+"""The loading path whose map each patched namespace builds (:attr:`allocator.PlanOptions.loader`): accelerate's
+``load_checkpoint_and_dispatch`` calls ``infer_auto_device_map`` from ``accelerate.big_modeling``; transformers' own
+namespaces (``_get_device_map``, transformers 4's ``modeling_utils``) load with ``from_pretrained``."""
 _ACTIVE: list[Patch] = []
 """Live patches, oldest first. Process-global; not locked."""
 
@@ -187,7 +194,8 @@ class Patch:
                 return original(model, device_map, max_memory, hf_quantizer, *args, **kwargs)
             budgets = _user_budgets(get_max_memory, max_memory, device_map)
             result = self._device_map(model, budgets, device_map, hf_quantizer=hf_quantizer,
-                                      no_split=getattr(model, "_no_split_modules", None))
+                                      no_split=getattr(model, "_no_split_modules", None),
+                                      runtime={"loader": "transformers"})
             if hf_quantizer is not None:
                 hf_quantizer.validate_environment(device_map=result)
             return result
@@ -216,7 +224,8 @@ class Patch:
             mode = self._pending.pop(namespace, "sequential")
             budgets = get_max_memory(dict(max_memory) if max_memory is not None else None)
             runtime = {"dtype": dtype, "special_dtypes": special_dtypes, "clean_result": clean_result,
-                       "offload_buffers": offload_buffers, "fallback_allocation": fallback_allocation}
+                       "offload_buffers": offload_buffers, "fallback_allocation": fallback_allocation,
+                       "loader": _LOADER_OF.get(namespace, "transformers")}
             if tied_parameters is not None:
                 runtime["tied_parameters"] = tied_parameters
             with shown(verbose):  # accelerate prints its decisions with verbose=True: make ours visible

@@ -14,6 +14,7 @@ from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
 from .memo import Derived
+from .rules import LOADERS
 
 __all__ = ["OBJECTIVES", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "build_problem"]
 
@@ -70,6 +71,11 @@ class PlanOptions:
     ``None``."""
     generation: GenerationBudget | None = None
     """Room for ``generate`` (KV cache, logits, activations) on the devices where they live."""
+    loader: str = "transformers"
+    """The loading path the map is for, one of :data:`allocator.rules.LOADERS`: ``"transformers"`` (the default:
+    ``from_pretrained(device_map=...)``, what :func:`allocator.patch` plans for it) or ``"accelerate"``
+    (``load_checkpoint_and_dispatch`` / ``dispatch_model``). They load weights differently, so some maps work on one
+    path only (:mod:`allocator.rules`)."""
     # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
@@ -86,6 +92,8 @@ class PlanOptions:
                      "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.loader not in LOADERS:
+            raise InvalidOption(f"loader must be one of {list(LOADERS)}, got {self.loader!r}.")
         if self.objective not in OBJECTIVES:
             raise InvalidOption(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}.")
         if self.profile is not None and not isinstance(self.profile, Profile):

@@ -13,7 +13,13 @@ from collections.abc import Mapping
 
 from .budgets import Device
 
-__all__ = ["main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on"]
+__all__ = ["LOADERS", "main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on",
+           "must_cover", "nested_keys", "loads_disk_only", "reads_disk_buffers", "tie_loads"]
+
+LOADERS = ("transformers", "accelerate")
+"""The loading paths a map can be for (:attr:`allocator.PlanOptions.loader`): transformers 5's ``from_pretrained``,
+which loads the weights itself and then calls ``dispatch_model``, and accelerate's ``load_checkpoint_and_dispatch``,
+which loads them through ``load_checkpoint_in_model``. The loader rules below say where they differ."""
 
 
 def main_device(devices) -> Device:
@@ -72,3 +78,78 @@ def executes_on(device: Device, main: Device, offloaded, hooks: bool) -> Device:
     if device == "cpu" and main == "mps" and hooks:
         return "mps"
     return device
+
+
+# -- the loader rules: what each loading path does with a map before the hooks run ---------------------------------
+
+def must_cover(is_param, persistent):
+    """Whether a tensor needs a device in the map: parameters and persistent buffers, the names of ``state_dict``
+    (accelerate 1.15 ``utils/modeling.py``, ``check_device_map``, called by ``dispatch_model`` on both paths).
+    Non-persistent buffers (llama's ``rotary_emb.inv_freq``) may be left out: they stay as the model built them."""
+    return is_param | persistent
+
+
+def nested_keys(keys) -> list[tuple[str, str]]:
+    """``(outer, inner)`` for every key under another key (``{"": "cpu", "lm_head": "disk"}``): both paths fail
+    on them. accelerate 1.15 ``hooks.py``, ``attach_align_device_hook_on_blocks``: the outer key's hook
+    (``AlignDevicesHook.init_hook``) moves every tensor below it, the inner key's offloaded ones included, and
+    ``set_module_tensor_to_device`` raises for a tensor on meta without a value.
+
+    >>> nested_keys(["", "lm_head", "model.layers", "model.layers.1", "model.layers10"])
+    [('', 'lm_head'), ('', 'model.layers'), ('model.layers', 'model.layers.1'), ('', 'model.layers.1'), \
+('', 'model.layers10')]
+    """
+    present = set(keys)
+    found = []
+    for key in keys:
+        if not key:
+            continue
+        outer = key
+        while outer:
+            outer = outer.rpartition(".")[0]
+            if outer in present:
+                found.append((outer, key))
+    return found
+
+
+def loads_disk_only(loader: str) -> bool:
+    """Whether a map whose only device is ``"disk"`` loads. transformers: yes (5.24 ``modeling_utils.py``,
+    ``_load_pretrained_model``: disk tensors are indexed into the checkpoint, ``accelerate_disk_offload``);
+    accelerate: no (1.15 ``utils/modeling.py``, ``load_state_dict`` opens the checkpoint with the map's one
+    device, ``safe_open(..., device="disk")``: ``SafetensorError: device disk is invalid``)."""
+    return loader == "transformers"
+
+
+def reads_disk_buffers(loader: str, offload_buffers: bool) -> bool:
+    """Whether persistent buffers mapped to disk get their checkpoint values. transformers: yes (5.24
+    ``integrations/accelerate.py``, ``get_device(valid_torch_device=True)`` loads ``"disk"`` buffers to ``"cpu"``);
+    accelerate: only with ``offload_buffers=True`` (1.15 ``utils/modeling.py``, ``load_checkpoint_in_model`` skips
+    a disk tensor ``if not offload_buffers and param_name in buffer_names``: it keeps its ``__init__`` values)."""
+    return loader == "transformers" or offload_buffers
+
+
+def tie_loads(loader: str, devices, other_disk_weights: bool) -> bool:
+    """Whether a tie group whose names (the name the checkpoint stores first) are mapped to ``devices`` loads
+    right; ``other_disk_weights``: the map sends other checkpoint tensors to disk.
+
+    transformers (5.24 ``integrations/accelerate.py``, ``accelerate_disk_offload``): the disk index gets a tied name
+    only when its source is on disk too, so the group must share one device, disk included (a split gives a
+    ``KeyError`` or a tensor left on meta at the first forward). accelerate (1.15 ``utils/modeling.py``,
+    ``load_checkpoint_in_model``, and ``big_modeling.py``, ``dispatch_model``): the checkpoint stores the tie once,
+    so a group on disk misses its other names (``KeyError``); ``dispatch_model`` writes the disk modules itself,
+    a copy of a tie included, only when the loader wrote no disk index: the stored name in RAM and the rest on disk
+    loads when nothing else goes to disk.
+
+    >>> tie_loads("transformers", ["disk", "disk"], False), tie_loads("accelerate", ["disk", "disk"], False)
+    (True, False)
+    >>> tie_loads("accelerate", ["cpu", "disk"], False), tie_loads("accelerate", ["cpu", "disk"], True)
+    (True, False)
+    """
+    used = set(devices)
+    if loader == "transformers":
+        return len(used) == 1
+    if used == {"disk"}:
+        return False
+    if len(used) == 1:
+        return True
+    return used == {"cpu", "disk"} and devices[0] == "cpu" and not other_disk_weights

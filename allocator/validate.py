@@ -6,23 +6,30 @@ them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from itertools import filterfalse
 
+import numpy as np
+
 from .budgets import format_bytes, normalize_map
 from .gc_pause import gc_paused
 from .problem import PlanOptions, Problem, build_problem
+from .rules import loads_disk_only, moves, must_cover, nested_keys, reads_disk_buffers, tie_loads
 from .runs import columns, devices_in
 from .runtime import Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks
 
 __all__ = ["Violation", "check", "peak_parts", "validate", "normalize_map", "format_bytes"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    """One broken rule. ``kind`` is one of ``coverage``, ``unknown-key``, ``unknown-device``, ``no-split``,
-    ``tied``, ``unhooked``, ``budget``."""
+    """One broken rule. ``kind`` is one of ``coverage``, ``nested``, ``unknown-device``, ``no-split``, ``tied``,
+    ``unhooked``, ``budget``, and on ``loader="accelerate"`` also ``disk-only`` and ``unread-buffer``
+    (:mod:`allocator.rules` says which loading path each comes from)."""
 
     kind: str
     message: str
@@ -49,24 +56,16 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     device_map = normalize_map(device_map)
     found: list[Violation] = []
     lone = set(filterfalse(g.node_index.__contains__, device_map))   # keys that name no module (no Python step)
-    if lone:
-        for key in device_map:
-            if key and key in lone and key not in g.tensor_index:
-                found.append(Violation("unknown-key", f"{key!r} names no module or tensor of {g.model_class}."))
+    unknown = [key for key in device_map if key and key in lone and key not in g.tensor_index] if lone else []
+    if unknown:   # both loaders ignore them (check_device_map warns): a warning, not a violation
+        log.warning("device map keys %s name no module or tensor of %s; they are ignored", unknown[:3], g.model_class)
     runs = map_runs(g, device_map)
-    uncovered = [run for run in runs if run.device is None]
-    if uncovered:
-        count = sum(run.end - run.start for run in uncovered)
-        names = [g.tensors.name[t] for run in uncovered for t in range(run.start, min(run.end, run.start + 3))][:3]
-        found.append(Violation(
-            "coverage", f"{count} tensors have no device, e.g. {names}; map them or a parent module."
-        ))
+    found += _coverage(problem, runs)
+    found += _nested(device_map, set(unknown))
+    found += _loader_rules(problem, device_map, runs)
     found += _no_split(problem, runs)
     found += _unhooked(problem, device_map, lone)
-    for group in g.all_tie_groups():
-        where = {n: device_of(n, device_map) for n in group}
-        if len(set(where.values()) - {None}) > 1:
-            found.append(Violation("tied", f"tied tensors are split across devices: {where}."))
+    found += _ties(problem, device_map, runs)
     memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers)
     placed = set(device_map.values())
     for device, used in memory.peak.items():
@@ -93,13 +92,119 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     return found, memory
 
 
+def _flags(problem: Problem):
+    """``(is_param, persistent)`` of every tensor as numpy bool arrays, kept with the problem's columns."""
+    cols = columns(problem.graph)
+    found = cols.cache.get("flags")
+    if found is None:
+        t = problem.graph.tensors
+        found = cols.cache["flags"] = (np.array(t.is_param, dtype=bool), np.array(t.persistent, dtype=bool))
+    return found
+
+
+def _count(mask: np.ndarray, runs, keep) -> tuple[int, list[int]]:
+    """How many tensors of ``mask`` lie in the runs for which ``keep(run)`` holds, and the first three."""
+    total, first = 0, []
+    for run in runs:
+        if keep(run):
+            hits = np.flatnonzero(mask[run.start:run.end])
+            total += len(hits)
+            first += (hits[:3 - len(first)] + run.start).tolist() if len(first) < 3 else []
+    return total, first
+
+
+def _coverage(problem: Problem, runs) -> list[Violation]:
+    """Tensors the map gives no device: only parameters and persistent buffers must have one
+    (:func:`allocator.rules.must_cover`)."""
+    if all(run.device is not None for run in runs):
+        return []
+    is_param, persistent = _flags(problem)
+    count, first = _count(must_cover(is_param, persistent), runs, lambda run: run.device is None)
+    if not count:
+        return []
+    names = [problem.graph.tensors.name[t] for t in first]
+    return [Violation("coverage", f"{count} tensors have no device, e.g. {names}; map them or a parent module.")]
+
+
+def _nested(device_map: dict, unknown: set) -> list[Violation]:
+    """Keys under another key of another device (:func:`allocator.rules.nested_keys`)."""
+    pairs = [(a, b) for a, b in nested_keys([k for k in device_map if k not in unknown])
+             if device_map[a] != device_map[b]]
+    if not pairs:
+        return []
+    shown = ", ".join(f"{b!r} ({device_map[b]!r}) under {a or '<root>'!r} ({device_map[a]!r})" for a, b in pairs[:3])
+    return [Violation("nested", f"{len(pairs)} keys lie under another key of another device, e.g. {shown}: both "
+                      "loaders fail on them; map the outer module's other children instead of the outer module.")]
+
+
+def _loader_rules(problem: Problem, device_map: dict, runs) -> list[Violation]:
+    """What the loading path (``options.loader``) cannot load: a map on disk alone, persistent buffers on disk that
+    are never read (:func:`allocator.rules.loads_disk_only`, :func:`allocator.rules.reads_disk_buffers`)."""
+    options = problem.options
+    found = []
+    if set(device_map.values()) == {"disk"} and not loads_disk_only(options.loader):
+        found.append(Violation("disk-only", f"every key is mapped to 'disk': {options.loader}'s loader cannot open "
+                               "the checkpoint for that device; keep at least one module on 'cpu' (or load with "
+                               "from_pretrained, loader='transformers')."))
+    if not reads_disk_buffers(options.loader, options.offload_buffers) and "disk" in device_map.values():
+        is_param, persistent = _flags(problem)
+        count, first = _count(persistent & ~is_param, runs, lambda run: run.device == "disk")
+        if count:
+            names = [problem.graph.tensors.name[t] for t in first]
+            found.append(Violation("unread-buffer", f"{count} persistent buffers are mapped to disk, e.g. {names}: "
+                                   f"{options.loader}'s loader never reads them without offload_buffers=True (they "
+                                   "keep their __init__ values); pass offload_buffers=True or map their modules to "
+                                   "another device."))
+    return found
+
+
+def _ties(problem: Problem, device_map: dict, runs) -> list[Violation]:
+    """Tie groups the loading path cannot load where the map puts them (:func:`allocator.rules.tie_loads`)."""
+    g, loader = problem.graph, problem.options.loader
+    groups = g.all_tie_groups()
+    if not groups:
+        return []
+    found = []
+    for group in groups:
+        where = {n: device_of(n, device_map) for n in group}
+        devices = [d for d in where.values() if d is not None]
+        if len(set(devices)) <= 1 and "disk" not in devices:
+            continue
+        others = loader == "accelerate" and set(devices) == {"cpu", "disk"} and _disk_weights_outside(problem, runs,
+                                                                                                     group)
+        if tie_loads(loader, devices, others):
+            continue
+        if len(set(devices)) > 1:
+            found.append(Violation("tied", f"tied tensors are split across devices: {where}; {loader}'s loader "
+                                   "loads them wrong there; map them to one device."))
+        else:
+            found.append(Violation("tied", f"tied tensors are all on disk: {where}; the checkpoint stores the tie "
+                                   f"once and {loader}'s loader finds only that name on disk; map them to 'cpu' or "
+                                   "load with from_pretrained (loader='transformers')."))
+    return found
+
+
+def _disk_weights_outside(problem: Problem, runs, group) -> bool:
+    """Whether the map sends a checkpoint tensor outside ``group`` to disk (what accelerate's loader writes)."""
+    is_param, persistent = _flags(problem)
+    written = moves(is_param, persistent, problem.options.offload_buffers).copy()
+    for name in group:
+        written[problem.graph.tensor_index[name]] = False
+    return _count(written, runs, lambda run: run.device == "disk")[0] > 0
+
+
 def _unhooked(problem: Problem, device_map: dict, lone) -> list[Violation]:
-    """Offloaded tensors named by their own key: ``dispatch_model`` hooks modules named in the map, never single
-    tensors, so such a tensor is never loaded (it stays on meta: wrong outputs, or a device error)."""
+    """Offloaded tensors named by their own key that move with their module (parameters; persistent buffers with
+    ``offload_buffers``): ``dispatch_model`` hooks modules named in the map, never single tensors, so such a tensor
+    is never loaded (it stays on meta: wrong outputs, or a device error). Buffers that do not move are loaded where
+    their module runs."""
     g = problem.graph
     main = main_device(device_map.values())
     offloaded = offloaded_devices(main) if len(set(device_map.values())) > 1 or "disk" in device_map.values() else ()
-    bad = [k for k, d in device_map.items() if k in lone and d in offloaded and k in g.tensor_index] if lone else []
+    ob = problem.options.offload_buffers
+    t = g.tensors
+    bad = [k for k, d in device_map.items() if k in lone and d in offloaded and k in g.tensor_index
+           and moves(t.is_param[g.tensor_index[k]], t.persistent[g.tensor_index[k]], ob)] if lone else []
     if not bad:
         return []
     return [Violation("unhooked", f"{len(bad)} offloaded tensors are mapped on their own, e.g. {bad[:3]}: accelerate "

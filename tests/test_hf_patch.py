@@ -212,6 +212,29 @@ def test_accelerate_sequential_and_balanced_low_0_modes(cases):
             meta, budgets, strategy="reserve").device_map
 
 
+def test_each_hook_plans_for_its_loading_path(cases, monkeypatch):
+    """accelerate's namespace plans with loader="accelerate", transformers' _get_device_map with "transformers"."""
+    meta = cases["gpt2"].meta
+    budgets = dict(cases["gpt2"].max_memory)
+    loaders = []
+    real = hf.plan
+
+    def recording(*args, options, **kwargs):
+        loaders.append(options.loader)
+        return real(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(hf, "plan", recording)
+    with hf.patch():
+        got = big_modeling.get_balanced_memory(meta, max_memory=dict(budgets))
+        big_modeling.infer_auto_device_map(meta, got)
+        five = tia is not None and hasattr(modeling_utils, "_get_device_map")
+        if five:
+            modeling_utils._get_device_map(meta, "auto", dict(budgets), None)
+    assert loaders == ["accelerate", "transformers"] if five else ["accelerate"]
+    with pytest.raises(allocator.InvalidOption, match="loader"):
+        hf.patch(loader="accelerate")
+
+
 # -- the patch itself ----------------------------------------------------------------------------------------------
 
 def test_nesting_restores_the_outer_patch(cases):
