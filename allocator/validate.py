@@ -165,7 +165,10 @@ def _ties(problem: Problem, device_map: dict, runs) -> list[Violation]:
     if not groups:
         return []
     found = []
+    storage, index = g.tensors.storage, g.tensor_index
     for group in groups:
+        # the name whose memory the others share (what the checkpoint stores) first
+        group = sorted(group, key=lambda n: storage[index[n]] != index[n])
         where = {n: device_of(n, device_map) for n in group}
         devices = [d for d in where.values() if d is not None]
         if len(set(devices)) <= 1 and "disk" not in devices:

@@ -1,6 +1,7 @@
 """Small random transformers models saved to disk, shared by the end-to-end tests (no download: built from configs).
 
-``SavedModel`` saves one model with random weights, keeps a meta-device twin, a RAM budget of a share of its size,
+``SavedModel`` saves one model with random weights (and, on request, persistent buffers that differ from their
+``__init__`` values), keeps a meta-device twin, a RAM budget of a share of its size,
 seeded inputs and the reference output of the model fully in RAM; ``quiet_hf`` silences transformers' progress
 bars and accelerate's warnings while the tests load models, and restores them after.
 """
@@ -58,11 +59,18 @@ class SavedModel:
     """One saved model with its meta twin, a RAM budget of ``budget_share`` of its size, inputs and reference logits
     (computed fully in RAM, without a device map)."""
 
-    def __init__(self, name, cls, config, make_inputs, root, *, budget_share: float = 0.5):
+    def __init__(self, name, cls, config, make_inputs, root, *, budget_share: float = 0.5,
+                 perturb_buffers: bool = False):
         self.name, self.cls, self.config = name, cls, config
         self.path = str(root / name)
         torch.manual_seed(SEED)
-        cls(config).to(DTYPE).eval().save_pretrained(self.path)
+        model = cls(config).to(DTYPE).eval()
+        if perturb_buffers:   # saved buffer values differ from __init__'s, so a loader that never reads them shows
+            with torch.no_grad():
+                for _, buffer in model.named_buffers():
+                    if buffer.is_floating_point():
+                        buffer.add_(torch.rand_like(buffer))
+        model.save_pretrained(self.path)
         with torch.device("meta"):
             self.meta = cls(config)
         self.total = allocator.build_problem(self.meta, {"cpu": 0}).graph.total

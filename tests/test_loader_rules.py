@@ -1,0 +1,135 @@
+"""The loader rules (:mod:`allocator.rules`), one row each, against real loads on both paths.
+
+Each row is a small random transformers model saved to disk (persistent buffers saved with values that differ from
+their ``__init__`` ones, so a loader that never reads them shows), a device map (CPU main device, some of it on disk)
+and, per loading path, whether the measured load works and computes what the fully-in-RAM model computes. For every
+row and path the test loads the model (``from_pretrained`` for ``loader="transformers"``,
+``init_empty_weights`` + ``load_checkpoint_and_dispatch`` for ``loader="accelerate"``), runs a forward and compares
+the outputs: ``validate(..., loader=...)`` must say valid exactly when that works.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors import SafetensorError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import allocator  # noqa: E402
+from models import DTYPE, SEED, SavedModel, tiny_specs  # noqa: E402
+
+LLAMA_REST = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu"}
+GPT2_BODY = {"transformer.wpe": "cpu", "transformer.h": "cpu", "transformer.ln_f": "cpu"}
+RESNET_REST = {"resnet.embedder": "cpu", "resnet.encoder.stages.0": "cpu", "resnet.pooler": "cpu", "classifier": "cpu"}
+
+# (row, model, device map, offload_buffers, {loader: loads and computes right}, violation kinds where it does not)
+ROWS = [
+    ("nested-keys", "llama", {"": "cpu", "lm_head": "disk"}, False,
+     {"transformers": False, "accelerate": False}, {"nested"}),
+    ("nested-keys-inner", "llama", {"model": "cpu", "model.layers.1": "disk", "lm_head": "cpu"}, False,
+     {"transformers": False, "accelerate": False}, {"nested"}),
+    ("disk-only", "llama", {"model": "disk", "lm_head": "disk"}, False,
+     {"transformers": True, "accelerate": False}, {"disk-only"}),
+    ("tie-on-disk", "gpt2", {"transformer.wte": "disk", **GPT2_BODY, "lm_head": "disk"}, False,
+     {"transformers": True, "accelerate": False}, {"tied"}),
+    ("tie-split-cpu-disk", "gpt2", {"transformer": "cpu", "lm_head": "disk"}, False,
+     {"transformers": False, "accelerate": True}, {"tied"}),
+    ("tie-split-cpu-disk-and-more-disk", "gpt2", {"transformer.wte": "cpu", "transformer.wpe": "cpu",
+                                                 "transformer.h": "disk", "transformer.ln_f": "cpu",
+                                                 "lm_head": "disk"}, False,
+     {"transformers": False, "accelerate": False}, {"tied"}),
+    ("tie-split-disk-cpu", "gpt2", {"transformer.wte": "disk", **GPT2_BODY, "lm_head": "cpu"}, False,
+     {"transformers": False, "accelerate": False}, {"tied"}),
+    ("persistent-buffer-alone-on-disk", "bart", {"model": "cpu", "lm_head": "cpu", "final_logits_bias": "disk"},
+     False, {"transformers": True, "accelerate": False}, {"unread-buffer"}),
+    ("persistent-buffer-alone-on-disk-offload-buffers", "bart",
+     {"model": "cpu", "lm_head": "cpu", "final_logits_bias": "disk"}, True,
+     {"transformers": False, "accelerate": False}, {"unhooked"}),
+    ("non-persistent-buffer-alone-on-disk", "llama",
+     {**LLAMA_REST, "model.rotary_emb.inv_freq": "disk", "lm_head": "disk"}, False,
+     {"transformers": True, "accelerate": True}, set()),
+    ("non-persistent-buffer-left-out", "llama", {**LLAMA_REST, "lm_head": "disk"}, False,
+     {"transformers": True, "accelerate": True}, set()),
+    ("buffers-of-a-disk-module", "resnet", {**RESNET_REST, "resnet.encoder.stages.1": "disk"}, False,
+     {"transformers": True, "accelerate": False}, {"unread-buffer"}),
+    ("buffers-of-a-disk-module-offload-buffers", "resnet", {**RESNET_REST, "resnet.encoder.stages.1": "disk"}, True,
+     {"transformers": True, "accelerate": True}, set()),
+    ("unknown-key", "llama", {"model": "cpu", "lm_head": "disk", "nothing.here": "cpu"}, False,
+     {"transformers": True, "accelerate": True}, set()),
+]
+LOADERS = ("transformers", "accelerate")
+
+
+def specs() -> dict:
+    from transformers import BartConfig, BartForConditionalGeneration, ResNetConfig, ResNetForImageClassification
+
+    found = tiny_specs()
+    tokens, pixels = found["llama"][2], found["vit"][2]
+    found["bart"] = (BartForConditionalGeneration, BartConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=1000, max_position_embeddings=64), tokens)
+    found["resnet"] = (ResNetForImageClassification, ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3), pixels)
+    return found
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, quiet):
+    root = tmp_path_factory.mktemp("loader_models")
+    found = specs()
+    return {name: SavedModel(name, *found[name], root, perturb_buffers=True)
+            for name in sorted({row[1] for row in ROWS})}
+
+
+def load(case, loader: str, device_map: dict, offload_buffers: bool, folder):
+    """The model loaded on ``loader``'s path with ``device_map`` (the whole map, as the caller gives it)."""
+    if loader == "transformers":
+        return case.cls.from_pretrained(case.path, dtype=DTYPE, device_map=dict(device_map),
+                                        offload_folder=str(folder), offload_buffers=offload_buffers)
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    with init_empty_weights():
+        model = case.cls(case.config)
+    model.tie_weights()   # as accelerate asks before loading ("The model weights are not tied")
+    return load_checkpoint_and_dispatch(model, case.path, device_map=dict(device_map), offload_folder=str(folder),
+                                        offload_buffers=offload_buffers, dtype=DTYPE)
+
+
+def works(case, loader, device_map, offload_buffers, folder) -> bool:
+    """Whether the load and a forward succeed and give the in-RAM model's outputs."""
+    torch.manual_seed(SEED)
+    try:
+        model = load(case, loader, device_map, offload_buffers, folder)
+        logits = case.logits(model)
+    except (KeyError, ValueError, RuntimeError, SafetensorError) as err:
+        logging.getLogger(__name__).info("%s: %s: %s", loader, type(err).__name__, err)
+        return False
+    return bool(torch.allclose(logits, case.reference, rtol=1e-5, atol=1e-5))
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("row", ROWS, ids=[row[0] for row in ROWS])
+def test_valid_exactly_when_the_load_works(saved, row, loader, tmp_path, caplog):
+    label, name, device_map, offload_buffers, measured, kinds = row
+    case = saved[name]
+    with caplog.at_level(logging.WARNING, logger="allocator"):
+        violations = allocator.validate(case.meta, device_map, {"cpu": 4 * case.total}, loader=loader,
+                                        offload_buffers=offload_buffers)
+    ok = works(case, loader, device_map, offload_buffers, tmp_path / "offload")
+    assert ok == measured[loader], f"{label} on {loader}: the load {'works' if ok else 'fails'} now"
+    assert (not violations) == ok, f"{label} on {loader}: {violations}"
+    assert {v.kind for v in violations} == (set() if ok else kinds), violations
+    if label == "unknown-key":   # ignored by both loaders: a warning, not a violation
+        assert "nothing.here" in caplog.text
+
+
+def test_every_violation_says_the_fix(saved):
+    for label, name, device_map, offload_buffers, measured, _ in ROWS:
+        for loader in LOADERS:
+            for v in allocator.validate(saved[name].meta, device_map, {"cpu": 4 * saved[name].total}, loader=loader,
+                                        offload_buffers=offload_buffers):
+                assert any(word in v.message for word in ("map ", "pass ", "keep ")), (label, loader, v)
