@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from .budgets import Device
 
 __all__ = ["LOADERS", "main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on",
-           "must_cover", "nested_keys", "loads_disk_only", "reads_disk_buffers", "tie_loads"]
+           "must_cover", "nested_keys", "loads_disk_only", "reads_disk_buffers", "tie_loads", "loads_from_disk"]
 
 LOADERS = ("transformers", "accelerate")
 """The loading paths a map can be for (:attr:`allocator.PlanOptions.loader`): transformers 5's ``from_pretrained``,
@@ -153,3 +153,20 @@ def tie_loads(loader: str, devices, other_disk_weights: bool) -> bool:
     if len(used) == 1:
         return True
     return used == {"cpu", "disk"} and devices[0] == "cpu" and not other_disk_weights
+
+
+def loads_from_disk(loader: str, is_param: bool, persistent: bool, tied: bool, offload_buffers: bool) -> bool:
+    """Whether a tensor loads right when its whole tie group and module go to disk: the rules above for one tensor
+    (:func:`reads_disk_buffers` for a persistent buffer, :func:`tie_loads` for a tied tensor), what a strategy may
+    send to disk.
+
+    >>> loads_from_disk("accelerate", False, True, False, False)   # a persistent buffer, offload_buffers=False
+    False
+    >>> loads_from_disk("transformers", True, True, True, False)
+    True
+    """
+    if loader == "transformers":
+        return True
+    if tied:
+        return False
+    return is_param or not persistent or reads_disk_buffers(loader, offload_buffers)

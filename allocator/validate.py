@@ -168,7 +168,7 @@ def _ties(problem: Problem, device_map: dict, runs) -> list[Violation]:
     storage, index = g.tensors.storage, g.tensor_index
     for group in groups:
         # the name whose memory the others share (what the checkpoint stores) first
-        group = sorted(group, key=lambda n: storage[index[n]] != index[n])
+        group = sorted(group, key=lambda n: n not in index or storage[index[n]] != index[n])
         where = {n: device_of(n, device_map) for n in group}
         devices = [d for d in where.values() if d is not None]
         if len(set(devices)) <= 1 and "disk" not in devices:
@@ -191,8 +191,10 @@ def _disk_weights_outside(problem: Problem, runs, group) -> bool:
     """Whether the map sends a checkpoint tensor outside ``group`` to disk (what accelerate's loader writes)."""
     is_param, persistent = _flags(problem)
     written = moves(is_param, persistent, problem.options.offload_buffers).copy()
+    index = problem.graph.tensor_index
     for name in group:
-        written[problem.graph.tensor_index[name]] = False
+        if name in index:
+            written[index[name]] = False
     return _count(written, runs, lambda run: run.device == "disk")[0] > 0
 
 

@@ -13,6 +13,7 @@ import allocator
 from allocator import zoo
 from allocator.cost import estimate
 from allocator.placement import clean_device_map
+from allocator.rules import nested_keys
 from allocator.validate import check
 from trees import budgets, module_trees
 
@@ -159,6 +160,7 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
         return
     assert ours.valid, ours.violations
     assert clean_device_map(ours.device_map) == ours.device_map   # returned clean: plan() does not walk it again
+    assert not nested_keys(list(ours.device_map)), ours.device_map
     # the contract (main device, index order, accelerate's floor) holds for every strategy
     name = strategy if isinstance(strategy, str) else ""
     assert not allocator.contract_violations(ours.problem, ours.device_map, strategy=name)
@@ -171,6 +173,28 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
     keeps = seq.valid and not allocator.contract_violations(seq.problem, seq.device_map)
     if strategy in ("auto", "ilp") and keeps and (strategy == "auto" or ours.optimal):
         assert seconds(ours) <= seconds(seq) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("strategy", [s for s in allocator.STRATEGIES if s != "sequential"])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_trees_on_accelerates_loader_pass_its_rules(strategy, data):
+    """Planned for ``load_checkpoint_and_dispatch`` (``loader="accelerate"``), every strategy's map passes that
+    path's rules (no map on disk alone, no tie on disk, no persistent buffer on disk without offload_buffers) and
+    has no nested keys; or the strategy says no plan exists."""
+    heavy = strategy in ("auto", "ilp")
+    model = data.draw(module_trees(max_depth=2 if heavy else 3, max_children=3 if heavy else 4))
+    total = max(total_of(model), 1)
+    budget = data.draw(budgets(total))
+    offload_buffers = data.draw(st.booleans())
+    try:
+        ours = strict_plan(model, budget, strategy=strategy, offload_buffers=offload_buffers, loader="accelerate")
+    except allocator.InfeasiblePlacement:
+        return
+    assert ours.valid, ours.violations
+    assert ours.problem.options.loader == "accelerate"
+    assert not nested_keys(list(ours.device_map)), ours.device_map
+    assert set(ours.device_map.values()) != {"disk"}
 
 
 def test_minimum_ram_where_auto_is_not_monotone_in_the_budget():

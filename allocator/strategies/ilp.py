@@ -42,6 +42,7 @@ from ..cost import Profile, change_seconds, estimate, tensor_seconds
 from ..errors import AllocatorError
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
+from ..rules import loads_disk_only, loads_from_disk
 from ..runs import columns
 from ..runtime import device_of, main_device, map_runs, offloaded_devices, workspace
 from ..units import Group, groups as unit_groups
@@ -144,6 +145,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
     model = cp_model.CpModel()
     x = {(k, d): model.NewBoolVar(f"x{k}_{d}") for k in range(len(found)) for d in devices}
     off = {}
+    no_disk = _kept_off_disk(problem, tensors) if "disk" in devices else []
     for k, grp in enumerate(found):
         model.AddExactlyOne(x[k, d] for d in devices)
         off[k] = sum(x[k, d] for d in devices if d in targets)
@@ -151,6 +153,10 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
             for d in devices:
                 if d in targets:
                     model.Add(x[k, d] == 0)
+    for k in no_disk:   # what the loader would not load right from disk (allocator.rules.loads_from_disk)
+        model.Add(x[k, "disk"] == 0)
+    if "disk" in devices and found and not loads_disk_only(problem.options.loader):
+        model.Add(sum(x[k, "disk"] for k in range(len(found))) <= len(found) - 1)
 
     # The exact streaming reserve. Only whole-module units are ever offloaded (tensor units are resident-only) and
     # a root-to-leaf chain crosses at most one unit's subtree, so the reserve is the largest ``stream`` offloaded:
@@ -323,6 +329,18 @@ def _home_weightless(found, placed: dict, main, home=None) -> dict:
         if grp.offload == 0 and not grp.resident_only and out.get(grp.units[0].name) in offloaded:
             out.update(dict.fromkeys(grp.names, main if home is None else home))
     return out
+
+
+def _kept_off_disk(problem: Problem, tensors: list[list[int]]) -> list[int]:
+    """The groups (by index) holding a tensor that the loading path would not load right from disk."""
+    g, options = problem.graph, problem.options
+    if options.loader == "transformers":
+        return []
+    t, index = g.tensors, g.tensor_index
+    tied = {index[n] for group in g.all_tie_groups() for n in group if n in index}
+    return [k for k, held in enumerate(tensors)
+            if not all(loads_from_disk(options.loader, t.is_param[i], t.persistent[i], i in tied,
+                                       options.offload_buffers) for i in held)]
 
 
 def _unit_tensors(g, unit) -> list[int]:
