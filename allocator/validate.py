@@ -278,11 +278,15 @@ def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:
 @gc_paused()
 def validate(model, device_map, max_memory=None, *, options: PlanOptions | None = None, **keywords
              ) -> list[Violation]:
-    """Every way ``device_map`` breaks accelerate's runtime rules for ``model`` under ``max_memory``.
+    """Every way ``device_map`` breaks accelerate's runtime rules for ``model`` under ``max_memory``, on the loading
+    path ``loader`` names (:mod:`allocator.rules`).
 
-    Checks coverage (every tensor has a device, every key names something), no-split modules kept whole,
-    tied tensors together, and each device's peak memory during a forward within its budget — the main
-    device's peak including the buffers of offloaded modules and the largest chain of streamed weights.
+    Checks coverage (every parameter and persistent buffer has a device; keys that name nothing are logged as a
+    warning, as both loaders ignore them), no key nested under a key of another device, no-split modules kept whole,
+    tie groups where the loader loads them, what the loader cannot load from disk (``loader="accelerate"``: a map on
+    disk alone, persistent buffers on disk without ``offload_buffers``), and each device's peak memory during a forward
+    within its budget — the main device's peak including the buffers of offloaded modules and the largest chain of
+    streamed weights.
 
     Parameters
     ----------
@@ -294,7 +298,8 @@ def validate(model, device_map, max_memory=None, *, options: PlanOptions | None 
     options : PlanOptions, optional
         How the model is read and run, as for :func:`allocator.plan`: ``no_split_module_classes`` (united with the
         model's own ``_no_split_modules`` and its sub-models'), ``offload_buffers`` (as passed to
-        ``dispatch_model``), ``dtype``, ``special_dtypes``, ``generation`` (also count what ``generate`` needs where it
+        ``dispatch_model``), ``loader`` (``"transformers"`` or ``"accelerate"``), ``dtype``, ``special_dtypes``,
+        ``generation`` (also count what ``generate`` needs where it
         runs: KV cache, logits, activations).
     **keywords
         Fields of :class:`PlanOptions`, one by one (they override those of ``options``).
