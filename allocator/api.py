@@ -303,7 +303,7 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
         (:mod:`allocator.kit` has what a strategy is built from).
     options : PlanOptions, optional
         How the model is read (``no_split_module_classes``, ``dtype``, ``special_dtypes``, ``tied_parameters``,
-        ``hf_quantizer``, ``size_fn``, ``infer_no_split``), how the plan will run (``offload_buffers``,
+        ``hf_quantizer``, ``size_fn``, ``infer_no_split``), how the plan will run (``loader``, ``offload_buffers``,
         ``clean_result``, ``fallback_allocation``, ``profile``, ``generation``) and what decides (``objective``,
         ``strict``); each field is documented on :class:`PlanOptions`.
     **keywords
