@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidOption
 
-__all__ = ["Profile", "read_rates"]
+__all__ = ["Profile", "read_rates", "flop_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,11 @@ def read_rates(profile: Profile, run_on) -> tuple[float, float]:
     if run_on == "cpu":
         return 1 / profile.cpu_memory, 2 * profile.tokens / profile.cpu_flops
     return 1 / profile.accelerator_memory, 2 * profile.tokens / profile.accelerator_flops
+
+
+def flop_seconds(profile: Profile, run_on) -> float:
+    """Seconds per FLOP on ``run_on``: the compute term where FLOPs are counted (:mod:`allocator.flops`)."""
+    return 1 / (profile.cpu_flops if run_on == "cpu" else profile.accelerator_flops)
 
 
 def _best(fn, size: int, repeats: int) -> float:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidOption
 
-__all__ = ["FlopCount", "count_flops", "default_inputs", "TOKENS", "IMAGE_SIZE"]
+__all__ = ["FlopCount", "count_flops", "default_inputs", "node_flops", "meta_copy", "TOKENS", "IMAGE_SIZE"]
 
 log = logging.getLogger(__name__)
 
@@ -284,3 +284,13 @@ def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed
             return out
 
     return Charge()
+
+
+def node_flops(count: FlopCount, graph) -> tuple[int, ...]:
+    """:attr:`FlopCount.flops` per node of ``graph`` (an :class:`allocator.graph.ModelGraph` of the same model), in
+    node order; a path the graph does not have is charged to the root, so they sum to the total."""
+    out = [0] * len(graph.nodes)
+    index = graph.node_index
+    for name, flops in count.flops.items():
+        out[index.get(name, 0)] += flops
+    return tuple(out)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .budgets import Budgets, parse_budgets
 from .cost_profile import Profile
 from .errors import InvalidOption
+from .flops import FlopCount, count_flops, default_inputs, node_flops
 from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
@@ -70,6 +71,12 @@ class PlanOptions:
     ``None``."""
     generation: GenerationBudget | None = None
     """Room for ``generate`` (KV cache, logits, activations) on the devices where they live."""
+    inputs: Mapping | str | None = None
+    """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
+    tensors, or ``"default"`` for :func:`allocator.flops.default_inputs` of the model's config. The problem builder
+    then counts FLOPs per module on the meta device (:func:`allocator.flops.count_flops`) and the cost model's
+    compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails on
+    meta, an op has no FLOP formula) it keeps that rule, and logs why. ``None``: nothing is counted."""
     # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
@@ -93,6 +100,10 @@ class PlanOptions:
         if self.generation is not None and not isinstance(self.generation, GenerationBudget):
             raise InvalidOption(f"generation must be an allocator.GenerationBudget, got "
                                 f"{type(self.generation).__name__}.")
+        if self.inputs is not None and self.inputs != "default" and not (
+                isinstance(self.inputs, Mapping) and self.inputs and all(isinstance(k, str) for k in self.inputs)):
+            raise InvalidOption(f"inputs must map forward argument names to shapes or tensors, or be 'default', got "
+                                f"{self.inputs!r}; e.g. inputs={{'input_ids': (1, 512)}}.")
         if self.size_fn is not None and not callable(self.size_fn):
             raise InvalidOption(f"size_fn must be callable as size_fn(name, tensor), got {self.size_fn!r}.")
 
@@ -136,6 +147,11 @@ class Problem:
     """The bandwidths used (``options.profile``, or the documented defaults)."""
     generation: GenerationNeeds | None = None
     """What a generation budget adds (already folded into ``graph``; kept for reports)."""
+    flops: FlopCount | None = None
+    """The FLOPs counted at ``options.inputs`` (``None`` without inputs; kept for reports, complete or not)."""
+    node_flops: tuple[int, ...] | None = None
+    """Exclusive FLOPs per graph node, from :attr:`flops` where that count is complete; ``None`` otherwise, and the
+    cost model's compute term is ``2 · params · tokens``."""
     derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
     """Values that follow from this problem, made once (:class:`allocator.memo.Derived`)."""
 
@@ -200,6 +216,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
             needs = generation_needs(model, graph, options.generation, dtype=options.dtype)
             graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
                                         main_workspace=needs.scores)
+    counted, per_node = _count(model, graph, options.inputs)
     budgets = parse_budgets(max_memory)
     _note_missing_accelerators(budgets)
     quantizer = options.hf_quantizer
@@ -209,4 +226,17 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
         budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
     return Problem(graph=graph, budgets=budgets, options=options, profile=options.profile or Profile(),
-                   generation=needs)
+                   generation=needs, flops=counted, node_flops=per_node)
+
+
+def _count(model, graph: ModelGraph, inputs) -> tuple[FlopCount | None, tuple[int, ...] | None]:
+    """The FLOP count at ``inputs`` and its exclusive FLOPs per node (``None`` where it is incomplete)."""
+    if inputs is None:
+        return None, None
+    counted = count_flops(model, default_inputs(model) if inputs == "default" else inputs)
+    if not counted.complete:
+        log.warning("FLOPs at inputs %s are not all counted (%s); the compute term keeps 2 x params x tokens",
+                    dict(counted.inputs), counted.reason())
+        return counted, None
+    log.info("FLOPs counted on the meta device at inputs %s: %.3g", dict(counted.inputs), counted.total)
+    return counted, node_flops(counted, graph)
