@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -107,6 +108,35 @@ class Profile:
             known = [f.name for f in dataclasses.fields(cls)]
             raise InvalidOption(f"unknown Profile fields {sorted(unknown)}; known: {known}.")
         return cls(**data)
+
+    @classmethod
+    def load(cls, path) -> "Profile":
+        """The profile stored in ``path`` (a JSON object of fields, as ``allocator profile --out`` writes it).
+
+        Raises
+        ------
+        InvalidOption
+            The file cannot be read, is not JSON, not an object, or has unknown or invalid fields.
+        """
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise InvalidOption(f"cannot read profile {path}: {reason}; write one with 'allocator profile --out FILE'."
+                                ) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InvalidOption(f"profile {path} is not JSON ({err}); write one with 'allocator profile --out FILE'."
+                                ) from None
+        if not isinstance(data, dict):
+            raise InvalidOption(f"profile {path} holds a JSON {type(data).__name__}, expected an object of Profile "
+                                "fields.")
+        try:
+            return cls.from_dict(data)
+        except InvalidOption as err:
+            raise InvalidOption(f"profile {path}: {err}") from None
 
     @classmethod
     def measure(cls, *, size: int = 64 * 2**20, repeats: int = 3) -> "Profile":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -66,9 +67,10 @@ class PlanOptions:
     """accelerate's BFS fallback when a device would stay empty (``sequential`` only)."""
     clean_result: bool = True
     """Merge map entries whose children all share one device."""
-    profile: Profile | None = None
-    """Bandwidths of the machine the plan will run on (:meth:`allocator.Profile.measure`); documented defaults when
-    ``None``."""
+    profile: Profile | str | os.PathLike | None = None
+    """Bandwidths of the machine the plan will run on (:meth:`allocator.Profile.measure`), or the path of a JSON
+    file that holds them (``allocator profile --out FILE``), loaded once here (:meth:`allocator.Profile.load`);
+    documented defaults when ``None``."""
     generation: GenerationBudget | None = None
     """Room for ``generate`` (KV cache, logits, activations) on the devices where they live."""
     inputs: Mapping | str | None = None
@@ -95,8 +97,11 @@ class PlanOptions:
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.objective not in OBJECTIVES:
             raise InvalidOption(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}.")
+        if isinstance(self.profile, (str, os.PathLike)):
+            object.__setattr__(self, "profile", Profile.load(self.profile))   # once: a replace() keeps the Profile
         if self.profile is not None and not isinstance(self.profile, Profile):
-            raise InvalidOption(f"profile must be an allocator.Profile, got {type(self.profile).__name__}.")
+            raise InvalidOption(f"profile must be an allocator.Profile or the path of one, got "
+                                f"{type(self.profile).__name__}.")
         if self.generation is not None and not isinstance(self.generation, GenerationBudget):
             raise InvalidOption(f"generation must be an allocator.GenerationBudget, got "
                                 f"{type(self.generation).__name__}.")
