@@ -105,8 +105,9 @@ class PlanOptions:
         if self.generation is not None and not isinstance(self.generation, GenerationBudget):
             raise InvalidOption(f"generation must be an allocator.GenerationBudget, got "
                                 f"{type(self.generation).__name__}.")
-        if self.inputs is not None and self.inputs != "default" and not (
-                isinstance(self.inputs, Mapping) and self.inputs and all(isinstance(k, str) for k in self.inputs)):
+        if self.inputs is not None and not (self.inputs == "default" if isinstance(self.inputs, str) else
+                                            isinstance(self.inputs, Mapping) and bool(self.inputs)
+                                            and all(isinstance(k, str) for k in self.inputs)):
             raise InvalidOption(f"inputs must map forward argument names to shapes or tensors, or be 'default', got "
                                 f"{self.inputs!r}; e.g. inputs={{'input_ids': (1, 512)}}.")
         if self.size_fn is not None and not callable(self.size_fn):
@@ -238,7 +239,7 @@ def _count(model, graph: ModelGraph, inputs) -> tuple[FlopCount | None, tuple[in
     """The FLOP count at ``inputs`` and its exclusive FLOPs per node (``None`` where it is incomplete)."""
     if inputs is None:
         return None, None
-    counted = count_flops(model, default_inputs(model) if inputs == "default" else inputs)
+    counted = count_flops(model, default_inputs(model) if isinstance(inputs, str) else inputs)
     if not counted.complete:
         log.warning("FLOPs at inputs %s are not all counted (%s); the compute term keeps 2 x params x tokens",
                     dict(counted.inputs), counted.reason())

@@ -150,6 +150,8 @@ def test_default_inputs_from_the_config():
     assert default_inputs(seg) == {"pixel_values": (1, 3, 512, 512)}   # no image_size: 512
     count = count_flops(tiny_vit())
     assert count.defaults and count.inputs == {"pixel_values": (1, 3, 32, 32)} and count.complete
+    problem = build_problem(tiny_vit(), {"cpu": 10**9}, inputs="default")   # the plan says which it used
+    assert problem.flops.inputs == {"pixel_values": (1, 3, 32, 32)} and sum(problem.node_flops) == count.total
     with pytest.raises(InvalidOption, match="pass inputs"):
         default_inputs(nn.Linear(2, 2))
 
@@ -195,6 +197,10 @@ def test_inputs_option_is_checked():
         PlanOptions(inputs=(1, 512))
     with pytest.raises(InvalidOption, match="inputs must map"):
         PlanOptions(inputs={})
+    with pytest.raises(InvalidOption, match="or be 'default'"):
+        PlanOptions(inputs="defaults")
+    with pytest.raises(InvalidOption, match="inputs must map"):
+        PlanOptions(inputs=torch.zeros(1, 2))
     assert PlanOptions(inputs="default").inputs == "default"
 
 
