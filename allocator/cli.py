@@ -138,31 +138,8 @@ def parse_max_memory(text: str) -> dict:
 
 
 def load_profile(path: str):
-    """The :class:`~allocator.Profile` stored in ``path`` by ``allocator profile --out`` (or ``Profile.to_dict``).
-
-    Raises
-    ------
-    InvalidOption
-        The file cannot be read, is not JSON, not an object, or has unknown or invalid fields.
-    """
-    try:
-        with open(path) as fh:
-            text = fh.read()
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise InvalidOption(f"cannot read profile {path}: {reason}; write one with 'allocator profile --out FILE'.") \
-            from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InvalidOption(f"profile {path} is not JSON ({err}); write one with 'allocator profile --out FILE'.") \
-            from None
-    if not isinstance(data, dict):
-        raise InvalidOption(f"profile {path} holds a JSON {type(data).__name__}, expected an object of Profile fields.")
-    try:
-        return Profile.from_dict(data)
-    except InvalidOption as err:
-        raise InvalidOption(f"profile {path}: {err}") from None
+    """The :class:`~allocator.Profile` stored in ``path`` by ``allocator profile --out`` (:meth:`Profile.load`)."""
+    return Profile.load(path)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,13 +16,14 @@ import logging
 from dataclasses import dataclass
 
 from .budgets import Device, is_accelerator, normalize_map
-from .cost_profile import Profile, read_rates
+from .cost_profile import Profile, flop_seconds, read_rates
 from .problem import Problem
 from .runs import FEMTO, Run, columns
 from .runtime import main_device, map_runs, moves_with_weights, offloaded_devices
+from .units import tensor_flops
 
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
-           "execute_seconds", "tensor_seconds", "change_seconds"]
+           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops"]
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,12 @@ class Cost:
     resident_fast: int      # bytes resident on the fastest tier
 
 
-def read_seconds(profile: Profile, run_on, nbytes: int, numel: int) -> float:
-    """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them:
-    the larger of the two (:func:`read_rates`)."""
+def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None) -> float:
+    """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
+    (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger."""
     per_byte, per_element = read_rates(profile, run_on)
-    return max(nbytes * per_byte, numel * per_element)
+    compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
+    return max(nbytes * per_byte, compute)
 
 
 def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> float:
@@ -62,13 +64,13 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> 
 
 
 def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
-                    tensors: int = 0) -> float:
+                    tensors: int = 0, flops: float | None = None) -> float:
     """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
     :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
     :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
     """
     run_on = main if device in ("cpu", "disk") else device
-    return read_seconds(profile, run_on, nbytes, numel) + copy_seconds(profile, main, device, offload, tensors)
+    return read_seconds(profile, run_on, nbytes, numel, flops) + copy_seconds(profile, main, device, offload, tensors)
 
 
 def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
@@ -79,8 +81,28 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
     """
     moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
     numel = tensor.numel if tensor.is_param and tensor.counted else 0
+    counted = counted_flops(problem)
+    flops = None if counted is None else float(counted[problem.graph.tensor_index[tensor.name]])
     return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
-                           int(moves))
+                           int(moves), flops)
+
+
+def counted_flops(problem: Problem):
+    """The counted FLOPs per tensor (:func:`allocator.units.tensor_flops` of ``problem.node_flops``), or ``None``
+    where nothing was counted: the compute term is then ``2 * tokens`` FLOP per parameter element."""
+    if problem.node_flops is None:
+        return None
+    return problem.derived.once("tensor flops", lambda: tensor_flops(problem.graph, problem.node_flops))
+
+
+def _reads(problem: Problem, profile: Profile) -> tuple:
+    """The graph's per-tensor read-or-compute prefix sums under ``profile`` (:meth:`allocator.runs.Columns.reads`),
+    with the counted FLOPs where there are some; made once per problem and profile."""
+    cols = columns(problem.graph)
+    flops = counted_flops(problem)
+    if flops is None:
+        return cols.reads(profile)
+    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(profile, flops))
 
 
 def change_seconds(profile: Profile) -> float:
@@ -115,7 +137,7 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
     g = problem.graph
     cols = columns(g)
     mov = cols.moving(problem.options.offload_buffers)
-    cpu_reads, accelerator_reads = cols.reads(profile)
+    cpu_reads, accelerator_reads = _reads(problem, profile)
     offloaded = offloaded_devices(main)
     fast_tier = set(problem.budgets.accelerators) or {"cpu"}
     reads = 0          # femtoseconds, exact: the same whichever runs a map is cut into

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidOption
 
-__all__ = ["Profile", "read_rates"]
+__all__ = ["Profile", "read_rates", "flop_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,35 @@ class Profile:
         return cls(**data)
 
     @classmethod
+    def load(cls, path) -> "Profile":
+        """The profile stored in ``path`` (a JSON object of fields, as ``allocator profile --out`` writes it).
+
+        Raises
+        ------
+        InvalidOption
+            The file cannot be read, is not JSON, not an object, or has unknown or invalid fields.
+        """
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise InvalidOption(f"cannot read profile {path}: {reason}; write one with 'allocator profile --out FILE'."
+                                ) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InvalidOption(f"profile {path} is not JSON ({err}); write one with 'allocator profile --out FILE'."
+                                ) from None
+        if not isinstance(data, dict):
+            raise InvalidOption(f"profile {path} holds a JSON {type(data).__name__}, expected an object of Profile "
+                                "fields.")
+        try:
+            return cls.from_dict(data)
+        except InvalidOption as err:
+            raise InvalidOption(f"profile {path}: {err}") from None
+
+    @classmethod
     def measure(cls, *, size: int = 64 * 2**20, repeats: int = 3) -> "Profile":
         """Measure this machine: RAM copy and disk read always, host-to-device and accelerator memory where CUDA exists.
 
@@ -158,6 +188,11 @@ def read_rates(profile: Profile, run_on) -> tuple[float, float]:
     if run_on == "cpu":
         return 1 / profile.cpu_memory, 2 * profile.tokens / profile.cpu_flops
     return 1 / profile.accelerator_memory, 2 * profile.tokens / profile.accelerator_flops
+
+
+def flop_seconds(profile: Profile, run_on) -> float:
+    """Seconds per FLOP on ``run_on``: the compute term where FLOPs are counted (:mod:`allocator.flops`)."""
+    return 1 / (profile.cpu_flops if run_on == "cpu" else profile.accelerator_flops)
 
 
 def _best(fn, size: int, repeats: int) -> float:

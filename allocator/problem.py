@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .budgets import Budgets, parse_budgets
 from .cost_profile import Profile
 from .errors import InvalidOption
+from .flops import FlopCount, count_flops, default_inputs, node_flops
 from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
@@ -66,9 +68,10 @@ class PlanOptions:
     """accelerate's BFS fallback when a device would stay empty (``sequential`` only)."""
     clean_result: bool = True
     """Merge map entries whose children all share one device."""
-    profile: Profile | None = None
-    """Bandwidths of the machine the plan will run on (:meth:`allocator.Profile.measure`); documented defaults when
-    ``None``."""
+    profile: Profile | str | os.PathLike | None = None
+    """Bandwidths of the machine the plan will run on (:meth:`allocator.Profile.measure`), or the path of a JSON
+    file that holds them (``allocator profile --out FILE``), loaded once here (:meth:`allocator.Profile.load`);
+    documented defaults when ``None``."""
     generation: GenerationBudget | None = None
     """Room for ``generate`` (KV cache, logits, activations) on the devices where they live."""
     loader: str = "transformers"
@@ -76,6 +79,12 @@ class PlanOptions:
     ``from_pretrained(device_map=...)``, what :func:`allocator.patch` plans for it) or ``"accelerate"``
     (``load_checkpoint_and_dispatch`` / ``dispatch_model``). They load weights differently, so some maps work on one
     path only (:mod:`allocator.rules`)."""
+    inputs: Mapping | str | None = None
+    """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
+    tensors, or ``"default"`` for :func:`allocator.flops.default_inputs` of the model's config. The problem builder
+    then counts FLOPs per module on the meta device (:func:`allocator.flops.count_flops`) and the cost model's
+    compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails on
+    meta, an op has no FLOP formula) it keeps that rule, and logs why. ``None``: nothing is counted."""
     # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
@@ -96,11 +105,19 @@ class PlanOptions:
             raise InvalidOption(f"loader must be one of {list(LOADERS)}, got {self.loader!r}.")
         if self.objective not in OBJECTIVES:
             raise InvalidOption(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}.")
+        if isinstance(self.profile, (str, os.PathLike)):
+            object.__setattr__(self, "profile", Profile.load(self.profile))   # once: a replace() keeps the Profile
         if self.profile is not None and not isinstance(self.profile, Profile):
-            raise InvalidOption(f"profile must be an allocator.Profile, got {type(self.profile).__name__}.")
+            raise InvalidOption(f"profile must be an allocator.Profile or the path of one, got "
+                                f"{type(self.profile).__name__}.")
         if self.generation is not None and not isinstance(self.generation, GenerationBudget):
             raise InvalidOption(f"generation must be an allocator.GenerationBudget, got "
                                 f"{type(self.generation).__name__}.")
+        if self.inputs is not None and not (self.inputs == "default" if isinstance(self.inputs, str) else
+                                            isinstance(self.inputs, Mapping) and bool(self.inputs)
+                                            and all(isinstance(k, str) for k in self.inputs)):
+            raise InvalidOption(f"inputs must map forward argument names to shapes or tensors, or be 'default', got "
+                                f"{self.inputs!r}; e.g. inputs={{'input_ids': (1, 512)}}.")
         if self.size_fn is not None and not callable(self.size_fn):
             raise InvalidOption(f"size_fn must be callable as size_fn(name, tensor), got {self.size_fn!r}.")
 
@@ -144,6 +161,11 @@ class Problem:
     """The bandwidths used (``options.profile``, or the documented defaults)."""
     generation: GenerationNeeds | None = None
     """What a generation budget adds (already folded into ``graph``; kept for reports)."""
+    flops: FlopCount | None = None
+    """The FLOPs counted at ``options.inputs`` (``None`` without inputs; kept for reports, complete or not)."""
+    node_flops: tuple[int, ...] | None = None
+    """Exclusive FLOPs per graph node, from :attr:`flops` where that count is complete; ``None`` otherwise, and the
+    cost model's compute term is ``2 · params · tokens``."""
     derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
     """Values that follow from this problem, made once (:class:`allocator.memo.Derived`)."""
 
@@ -208,6 +230,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
             needs = generation_needs(model, graph, options.generation, dtype=options.dtype)
             graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
                                         main_workspace=needs.scores)
+    counted, per_node = _count(model, graph, options.inputs)
     budgets = parse_budgets(max_memory)
     _note_missing_accelerators(budgets)
     quantizer = options.hf_quantizer
@@ -217,4 +240,17 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
         budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
     return Problem(graph=graph, budgets=budgets, options=options, profile=options.profile or Profile(),
-                   generation=needs)
+                   generation=needs, flops=counted, node_flops=per_node)
+
+
+def _count(model, graph: ModelGraph, inputs) -> tuple[FlopCount | None, tuple[int, ...] | None]:
+    """The FLOP count at ``inputs`` and its exclusive FLOPs per node (``None`` where it is incomplete)."""
+    if inputs is None:
+        return None, None
+    counted = count_flops(model, default_inputs(model) if isinstance(inputs, str) else inputs)
+    if not counted.complete:
+        log.warning("FLOPs at inputs %s are not all counted (%s); the compute term keeps 2 x params x tokens",
+                    dict(counted.inputs), counted.reason())
+        return counted, None
+    log.info("FLOPs counted on the meta device at inputs %s: %.3g", dict(counted.inputs), counted.total)
+    return counted, node_flops(counted, graph)

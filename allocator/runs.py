@@ -18,7 +18,7 @@ from itertools import accumulate, repeat
 
 import numpy as np
 
-from .cost_profile import read_rates
+from .cost_profile import flop_seconds, read_rates
 from .graph import ModelGraph
 from .kernels import Run, key_runs
 from .rules import moves
@@ -96,22 +96,32 @@ class Columns:
             found = self._moving[offload_buffers] = Moving(self, self._graph(), offload_buffers)
         return found
 
-    def reads(self, profile) -> tuple[list[int], list[int]]:
+    def reads(self, profile, flops=None) -> tuple[list[int], list[int]]:
         """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``, from
         :func:`allocator.cost_profile.read_rates`), on the CPU and on an accelerator. Integers, so that a sum does
-        not depend on how a map cuts it into runs."""
+        not depend on how a map cuts it into runs; Python ints where a time passes an int64 (9,223 s).
+
+        ``flops`` (FLOPs per tensor, float64, :func:`allocator.units.tensor_flops`) replaces the parameter rule's
+        compute term; those sums are not kept here (the problem keeps them)."""
+        if flops is not None:
+            return self._femtos(profile, np.asarray(flops, dtype=np.float64))
         found = self._reads.get(profile)
         if found is None:
-            nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
-                .astype(np.float64)
-            found = []
-            for on in ("cpu", 0):
-                per_byte, per_element = read_rates(profile, on)
-                # read_seconds of each tensor, vectorised (the same float64 products, so the same values)
-                femtos = np.rint(np.maximum(nbytes * per_byte, numel * per_element) * FEMTO)
-                found.append(_prefix(femtos.astype(np.int64)))
-            found = self._reads[profile] = tuple(found)
+            found = self._reads[profile] = self._femtos(profile, None)
         return found
+
+    def _femtos(self, profile, flops) -> tuple:
+        nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
+            .astype(np.float64)
+        found = []
+        for on in ("cpu", 0):
+            per_byte, per_element = read_rates(profile, on)
+            compute = numel * per_element if flops is None else flops * flop_seconds(profile, on)
+            # read_seconds of each tensor, vectorised (the same float64 products, so the same values)
+            femtos = np.rint(np.maximum(nbytes * per_byte, compute) * FEMTO)
+            wide = len(femtos) and femtos.max() >= 2.0**62   # astype would wrap: exact Python ints instead
+            found.append(_prefix([int(f) for f in femtos] if wide else femtos.astype(np.int64)))
+        return tuple(found)
 
 
 FEMTO = 1e15

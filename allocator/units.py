@@ -22,7 +22,7 @@ from .kernels import key_ranges
 from .rules import device_of, moves
 from .runs import as_array, as_ints, columns
 
-__all__ = ["Unit", "Group", "Units", "Groups", "units", "groups"]
+__all__ = ["Unit", "Group", "Units", "Groups", "units", "groups", "unit_flops", "tensor_flops"]
 
 
 class Unit(Record):
@@ -296,3 +296,56 @@ def _tie_roots(found: Units, tie_groups) -> np.ndarray:
         for k in members[1:]:
             parent[root(k)] = root(members[0])
     return np.array([root(k) for k in range(len(found))], dtype=np.int64)
+
+
+def unit_flops(g: ModelGraph, node_flops) -> np.ndarray:
+    """FLOPs per unit of :func:`units` (in its order), from exclusive FLOPs per node (``node_flops``, one entry per
+    graph node, as :func:`allocator.flops.node_flops` gives them): each node's are charged to the unit that executes
+    them. A node inside a module unit (a parameterless one too: attention scores, activations) charges that unit;
+    a split node's own ops charge the unit of its first direct tensor, or else its first child's unit. They sum to
+    the total.
+
+    Notes
+    -----
+    O(nodes) numpy work, plus a slice per module unit.
+    """
+    found = units(g)
+    owner = np.full(len(g.nodes), -1, dtype=np.int64)
+    node, tensor = found.array("node"), found.array("tensor")
+    end = as_array(g.nodes.end)
+    for k in np.flatnonzero(node >= 0).tolist():   # module units never nest: each owns its subtree
+        owner[node[k]:end[node[k]]] = k
+    of_tensor = np.full(len(g.tensors), -1, dtype=np.int64)
+    of_tensor[tensor[tensor >= 0]] = np.flatnonzero(tensor >= 0)
+    first = as_array(g.nodes.first)
+    own = as_array(g.nodes.n_params) + as_array(g.nodes.n_buffers)
+    for i in np.flatnonzero(owner < 0)[::-1].tolist():   # split nodes, children before parents
+        owner[i] = of_tensor[first[i]] if own[i] else owner[i + 1]
+    out = np.zeros(len(found), dtype=np.int64)
+    np.add.at(out, owner, np.asarray(node_flops, dtype=np.int64))
+    return out
+
+
+def tensor_flops(g: ModelGraph, node_flops) -> np.ndarray:
+    """:func:`unit_flops` spread over the tensors (float64, one entry per tensor), where the cost model's per-tensor
+    prefix sums read them: a unit's over its parameters in proportion to their elements (its first tensor when it
+    has no parameter elements); a unit without tensors runs where its input comes from, so its FLOPs go to the
+    tensor before it in model order (the first tensor when none is)."""
+    found, per_unit = units(g), unit_flops(g, node_flops)
+    cols = columns(g)
+    out = np.zeros(len(g.tensors), dtype=np.float64)
+    if not len(out):
+        return out
+    numel = as_array(cols.numel).astype(np.float64)
+    keep, lo, hi, _ = found.spans(g)
+    for k, a, b in zip(keep.tolist(), lo.tolist(), hi.tolist()):
+        share = numel[a:b].sum()
+        if share > 0:
+            out[a:b] += per_unit[k] * (numel[a:b] / share)
+        else:
+            out[a] += per_unit[k]
+    empty = np.setdiff1d(np.flatnonzero(per_unit), keep)
+    first, _, _ = cols.arrays()
+    for k in empty.tolist():
+        out[max(int(first[found.array("node")[k]]) - 1, 0)] += per_unit[k]
+    return out

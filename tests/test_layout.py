@@ -290,7 +290,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                    "cost_profile"),
     "graph": ("graph.table", "graph.model", "graph.sizes", "graph.ties", "introspect", "graph.no_split", "graph.read",
               "graph"),
-    "problem": ("generation", "problem"),
+    "problem": ("generation", "flops", "problem"),
     "evaluation": ("kernels", "runs", "runtime", "units", "cost", "validate"),
     "strategies": ("strategies.room", "strategies.first_fit", "strategies.sequential", "strategies.contract",
                    "strategies.ranking", "strategies.backfill", "strategies.reserve", "strategies.balanced",
