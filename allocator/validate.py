@@ -143,7 +143,7 @@ def _loader_rules(problem: Problem, device_map: dict, runs) -> list[Violation]:
     options = problem.options
     found = []
     if set(device_map.values()) == {"disk"} and not loads_disk_only(options.loader):
-        found.append(Violation("disk-only", f"every key is mapped to 'disk': {options.loader}'s loader cannot open "
+        found.append(Violation("disk-only", f"every key is mapped to 'disk': {_loader(options.loader)} cannot open "
                                "the checkpoint for that device; keep at least one module on 'cpu' (or load with "
                                "from_pretrained, loader='transformers')."))
     if not reads_disk_buffers(options.loader, options.offload_buffers) and "disk" in device_map.values():
@@ -152,7 +152,7 @@ def _loader_rules(problem: Problem, device_map: dict, runs) -> list[Violation]:
         if count:
             names = [problem.graph.tensors.name[t] for t in first]
             found.append(Violation("unread-buffer", f"{count} persistent buffers are mapped to disk, e.g. {names}: "
-                                   f"{options.loader}'s loader never reads them without offload_buffers=True (they "
+                                   f"{_loader(options.loader)} never reads them without offload_buffers=True (they "
                                    "keep their __init__ values); pass offload_buffers=True or map their modules to "
                                    "another device."))
     return found
@@ -178,11 +178,11 @@ def _ties(problem: Problem, device_map: dict, runs) -> list[Violation]:
         if tie_loads(loader, devices, others):
             continue
         if len(set(devices)) > 1:
-            found.append(Violation("tied", f"tied tensors are split across devices: {where}; {loader}'s loader "
+            found.append(Violation("tied", f"tied tensors are split across devices: {where}; {_loader(loader)} "
                                    "loads them wrong there; map them to one device."))
         else:
             found.append(Violation("tied", f"tied tensors are all on disk: {where}; the checkpoint stores the tie "
-                                   f"once and {loader}'s loader finds only that name on disk; map them to 'cpu' or "
+                                   f"once and {_loader(loader)} finds only that name on disk; map them to 'cpu' or "
                                    "load with from_pretrained (loader='transformers')."))
     return found
 
@@ -276,6 +276,11 @@ def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:
 
 
 @gc_paused()
+def _loader(loader: str) -> str:
+    """``"transformers' loader"`` or ``"accelerate's loader"``."""
+    return "transformers' loader" if loader == "transformers" else f"{loader}'s loader"
+
+
 def validate(model, device_map, max_memory=None, *, options: PlanOptions | None = None, **keywords
              ) -> list[Violation]:
     """Every way ``device_map`` breaks accelerate's runtime rules for ``model`` under ``max_memory``, on the loading
