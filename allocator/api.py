@@ -468,8 +468,13 @@ def infer_auto_device_map(
     no_placement_params=None,
     strategy="auto",
     objective: str = "contract",
+    loader: str = "accelerate",
 ) -> dict:
     """Drop-in for accelerate's ``infer_auto_device_map``: the same arguments, the same dict shape.
+
+    Its maps are for accelerate's loading path (``loader="accelerate"``: ``dispatch_model``,
+    ``load_checkpoint_and_dispatch``), where accelerate's own function sends them; pass ``loader="transformers"`` for a
+    map given to ``from_pretrained``.
 
     ``strategy="sequential"`` returns exactly accelerate's map. ``verbose`` logs the decisions at INFO on
     the ``allocator`` logger, made visible for the call (:func:`allocator.logs.shown`: to stderr when logging is
@@ -489,7 +494,7 @@ def infer_auto_device_map(
     options = PlanOptions(no_split_module_classes=no_split_module_classes, dtype=dtype, special_dtypes=special_dtypes,
                           offload_buffers=offload_buffers, clean_result=clean_result,
                           fallback_allocation=fallback_allocation, tied_parameters=tied_parameters,
-                          hf_quantizer=hf_quantizer, objective=objective)
+                          hf_quantizer=hf_quantizer, objective=objective, loader=loader)
     with shown(verbose):  # the INFO records of this call reach stderr, or the handlers the caller configured
         result = plan(model, max_memory, strategy=strategy, options=options)
         if no_placement_params:

@@ -187,3 +187,20 @@ def test_the_readme_shows_the_kit_example_as_it_is_tested():
     example = (root / "examples" / "kit_strategy.py").read_text().rstrip()
     assert f"```python\n{example}\n```" in (root / "README.md").read_text()
     assert len(example.splitlines()) < 60
+
+
+def test_the_accelerate_drop_in_plans_for_accelerates_loader(monkeypatch):
+    import allocator.api as api
+
+    seen = []
+    real = api.plan
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.append(result.problem.options.loader)
+        return result
+
+    monkeypatch.setattr(api, "plan", spy)
+    api.infer_auto_device_map(stack(), {"cpu": 10**6})
+    api.infer_auto_device_map(stack(), {"cpu": 10**6}, loader="transformers")
+    assert seen == ["accelerate", "transformers"]
