@@ -13,7 +13,8 @@ from collections.abc import Mapping
 
 from .budgets import Device
 
-__all__ = ["LOADERS", "main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on",
+__all__ = ["LOADERS", "ambiguous_main_device",
+           "main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on",
            "must_cover", "nested_keys", "loads_disk_only", "reads_disk_buffers", "tie_loads", "loads_from_disk"]
 
 LOADERS = ("transformers", "accelerate")
@@ -33,6 +34,30 @@ def main_device(devices) -> Device:
     """
     non_offloaded = set(devices) - {"cpu", "disk"}
     return list(non_offloaded)[0] if non_offloaded else "cpu"
+
+
+def ambiguous_main_device(values) -> tuple | None:
+    """The accelerator spellings of a caller's map values (as written, before any normalisation) when the main device
+    ``dispatch_model`` picks from them depends on the process's string hashing; else ``None``.
+
+    accelerate 1.15's ``dispatch_model`` (accelerate/big_modeling.py) takes ``list(devices - {"cpu", "disk"})[0]``
+    for the main device where hooks attach (two devices or more, or disk): a set of small integers iterates in order,
+    a set of strings (``"cuda:1"``, ``"cuda:0"``) or devices in an order that changes with ``PYTHONHASHSEED``. It
+    matters where something is offloaded (``cpu`` or ``disk`` values): offloaded modules execute, and stream their
+    weights, on the main device. transformers 5's ``from_pretrained`` dispatches the map it is given the same way.
+
+    >>> ambiguous_main_device(["cuda:1", "cuda:0", "cpu"]), ambiguous_main_device([1, 0, "cpu"])
+    (('cuda:0', 'cuda:1'), None)
+    """
+    try:
+        values = set(values)
+    except TypeError:   # an unhashable value is no device: normalising the map names it
+        return None
+    accelerators = values - {"cpu", "disk"}
+    offloads = bool(values & {"cpu", "disk"})
+    if not offloads or len(accelerators) < 2 or all(type(v) is int for v in accelerators):
+        return None
+    return tuple(sorted(accelerators, key=str))
 
 
 def offloaded_devices(main: Device) -> frozenset:

@@ -16,7 +16,7 @@ import numpy as np
 from .budgets import format_bytes, normalize_map
 from .gc_pause import gc_paused
 from .problem import PlanOptions, Problem, build_problem
-from .rules import loads_disk_only, moves, must_cover, nested_keys, reads_disk_buffers, tie_loads
+from .rules import ambiguous_main_device, loads_disk_only, moves, must_cover, nested_keys, reads_disk_buffers, tie_loads
 from .runs import columns, devices_in
 from .runtime import Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks
 
@@ -53,8 +53,15 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
 
 def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:
     g = problem.graph
-    device_map = normalize_map(device_map)
     found: list[Violation] = []
+    spelled = ambiguous_main_device(device_map.values()) if isinstance(device_map, Mapping) else None
+    device_map = normalize_map(device_map)
+    if spelled is not None:
+        found.append(Violation("main-device", f"the accelerators are spelled {list(spelled)}: dispatch_model makes "
+                               "the first of a set of them the main device (where offloaded modules run and stream "
+                               "their weights), and for strings that order changes with PYTHONHASHSEED; write integer "
+                               f"indices ({sorted({normalize_map({'': v})[''] for v in spelled}, key=str)}), as "
+                               "allocator's plans do."))
     lone = set(filterfalse(g.node_index.__contains__, device_map))   # keys that name no module (no Python step)
     unknown = [key for key in device_map if key and key in lone and key not in g.tensor_index] if lone else []
     if unknown:   # both loaders ignore them (check_device_map warns): a warning, not a violation

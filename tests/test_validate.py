@@ -90,3 +90,31 @@ def test_single_device_map_has_no_hooks():
     p = allocator.build_problem(Net(), {"cpu": 10_000})
     _, memory = check(p, {"": "cpu"})
     assert memory.streamed == 0 and memory.peak == {"cpu": 500}
+
+
+def test_string_accelerator_spellings_make_the_main_device_depend_on_the_hash_seed():
+    """accelerate's expression for the main device, run in fresh processes under several PYTHONHASHSEEDs, picks
+    different accelerators for string spellings and always the lowest for integers; validate flags the first."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.nn as nn
+
+    import allocator
+
+    expression = ("import sys; devices = {%s, 'cpu'}; print(list(devices - {'cpu', 'disk'})[0])")
+    picks = {}
+    for spelled in ("'cuda:1', 'cuda:0'", "1, 0"):
+        picks[spelled] = {subprocess.run([sys.executable, "-c", expression % spelled], capture_output=True, text=True,
+                                         env={**os.environ, "PYTHONHASHSEED": str(seed)}, check=True).stdout.strip()
+                          for seed in range(12)}
+    assert picks["'cuda:1', 'cuda:0'"] == {"cuda:0", "cuda:1"}   # the seed decides
+    assert picks["1, 0"] == {"0"}
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    budget = {0: 10**6, 1: 10**6, "cpu": 10**6}
+    kinds = [v.kind for v in allocator.validate(model, {"0": "cuda:1", "1": "cuda:0", "2": "cpu"}, budget)]
+    assert kinds == ["main-device"]
+    assert allocator.validate(model, {"0": 1, "1": 0, "2": "cpu"}, budget) == []
+    assert allocator.validate(model, {"0": "cuda:1", "1": "cuda:0", "2": "cuda:0"}, budget) == []   # nothing offloaded
+    assert allocator.validate(model, {"0": "cuda:0", "1": "cuda:0", "2": "cpu"}, budget) == []      # one accelerator
