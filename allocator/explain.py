@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .budgets import is_accelerator
+from .rules import hooks_attach
 from .runtime import map_runs, offloaded_devices
 from .strategies.ranking import priced
 from .strategies.contract import contract_violations, why_empty
@@ -51,7 +52,7 @@ class _Layout:
         self.offload = found.array("offload")
         self.main = plan.main_device
         used = set(plan.device_map.values())
-        self.offloaded = offloaded_devices(self.main) if len(used) > 1 or "disk" in used else frozenset()
+        self.offloaded = offloaded_devices(self.main) if hooks_attach(used) else frozenset()
         order = plan.problem.budgets.order
         self.rank = {d: i for i, d in enumerate(order)}
         self._unit_map = False   # not made yet

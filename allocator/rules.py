@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from .budgets import Device
 
-__all__ = ["LOADERS", "ambiguous_main_device",
+__all__ = ["LOADERS", "ambiguous_main_device", "hooks_attach",
            "main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on",
            "must_cover", "nested_keys", "loads_disk_only", "reads_disk_buffers", "tie_loads", "loads_from_disk"]
 
@@ -58,6 +58,18 @@ def ambiguous_main_device(values) -> tuple | None:
     if not offloads or len(accelerators) < 2 or all(type(v) is int for v in accelerators):
         return None
     return tuple(sorted(accelerators, key=str))
+
+
+def hooks_attach(devices) -> bool:
+    """Whether ``dispatch_model`` attaches hooks (and so offloads anything) for a map with these device values:
+    two devices or more, or disk (accelerate 1.15, accelerate/big_modeling.py ``dispatch_model``; bitsandbytes'
+    ``force_hooks`` aside).
+
+    >>> hooks_attach([0, 0]), hooks_attach(["disk"]), hooks_attach([0, "cpu"])
+    (False, True, True)
+    """
+    used = set(devices)
+    return len(used) > 1 or "disk" in used
 
 
 def offloaded_devices(main: Device) -> frozenset:

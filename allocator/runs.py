@@ -37,7 +37,7 @@ class Columns:
     Per node: ``first`` (its first own tensor; one more entry, the tensor count), ``last`` (one past the last tensor
     of its subtree), ``parent``, ``end`` (as :class:`allocator.graph.Nodes`), ``parent_array`` (``parent`` as an int64
     numpy array) and ``levels`` (node indices by depth, deepest first). Per tensor: ``module``, ``nbytes``,
-    ``counted``, ``numel`` and ``is_param`` (a numpy bool array), with the prefix sums ``sum_counted``,
+    ``counted``, ``numel``, ``is_param`` and ``persistent`` (numpy bool arrays), with the prefix sums ``sum_counted``,
     ``sum_weighted``, ``sum_numel``; ``sum_extra`` over nodes.
     """
 
@@ -66,6 +66,7 @@ class Columns:
         self.numel = as_ints(numel)
         self.sum_numel = _prefix(numel)
         self.is_param = is_param
+        self.persistent = np.array(tensors.persistent, dtype=bool)
         extra = [0] * n
         for node, nbytes in (graph.extra or {}).items():
             extra[node] += nbytes
@@ -184,8 +185,7 @@ class Moving:
     """Columns of the tensors that leave the main device with their offloaded module (``moves_with_weights``)."""
 
     def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
-        persistent = np.array(graph.tensors.persistent, dtype=bool)
-        moving = moves(cols.is_param, persistent, offload_buffers)   # the rule, applied to whole columns
+        moving = moves(cols.is_param, cols.persistent, offload_buffers)   # the rule, applied to whole columns
         nbytes = np.where(moving, as_array(cols.nbytes), 0)   # what each hook copies
         self.nbytes = as_ints(nbytes)
         self.sum_nbytes = _prefix(nbytes)

@@ -27,7 +27,7 @@ import numpy as np
 
 from .budgets import Device
 from .graph.model import ModelGraph
-from .rules import device_of, executes_on, main_device, moves, moves_with_weights, offloaded_devices
+from .rules import device_of, executes_on, hooks_attach, main_device, moves, moves_with_weights, offloaded_devices
 from .runs import Run, columns, expand, first_device, pieces, runs
 
 __all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs", "moves",
@@ -160,7 +160,7 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
     """
     used = set(map_devices)
     main = main_device(used)
-    hooks = len(used) > 1 or "disk" in used
+    hooks = hooks_attach(used)
     offloaded = offloaded_devices(main) if hooks else frozenset()
     resident: dict = {d: 0 for d in used}
     resident.setdefault(main, 0)

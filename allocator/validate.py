@@ -16,7 +16,8 @@ import numpy as np
 from .budgets import format_bytes, normalize_map
 from .gc_pause import gc_paused
 from .problem import PlanOptions, Problem, build_problem
-from .rules import ambiguous_main_device, loads_disk_only, moves, must_cover, nested_keys, reads_disk_buffers, tie_loads
+from .rules import (ambiguous_main_device, hooks_attach, loads_disk_only, moves, must_cover, nested_keys,
+                    reads_disk_buffers, tie_loads)
 from .runs import columns, devices_in
 from .runtime import Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks
 
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    """One broken rule. ``kind`` is one of ``coverage``, ``nested``, ``unknown-device``, ``no-split``, ``tied``,
-    ``unhooked``, ``budget``, and on ``loader="accelerate"`` also ``disk-only`` and ``unread-buffer``
+    """One broken rule. ``kind`` is one of ``coverage``, ``nested``, ``main-device``, ``unknown-device``,
+    ``no-split``, ``tied``, ``unhooked``, ``budget``, and on ``loader="accelerate"`` also ``disk-only`` and
+    ``unread-buffer``
     (:mod:`allocator.rules` says which loading path each comes from)."""
 
     kind: str
@@ -100,13 +102,9 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
 
 
 def _flags(problem: Problem):
-    """``(is_param, persistent)`` of every tensor as numpy bool arrays, kept with the problem's columns."""
+    """``(is_param, persistent)`` of every tensor as numpy bool arrays (the graph's :class:`allocator.runs.Columns`)."""
     cols = columns(problem.graph)
-    found = cols.cache.get("flags")
-    if found is None:
-        t = problem.graph.tensors
-        found = cols.cache["flags"] = (np.array(t.is_param, dtype=bool), np.array(t.persistent, dtype=bool))
-    return found
+    return cols.is_param, cols.persistent
 
 
 def _count(mask: np.ndarray, runs, keep) -> tuple[int, list[int]]:
@@ -212,7 +210,7 @@ def _unhooked(problem: Problem, device_map: dict, lone) -> list[Violation]:
     their module runs."""
     g = problem.graph
     main = main_device(device_map.values())
-    offloaded = offloaded_devices(main) if len(set(device_map.values())) > 1 or "disk" in device_map.values() else ()
+    offloaded = offloaded_devices(main) if hooks_attach(device_map.values()) else ()
     ob = problem.options.offload_buffers
     t = g.tensors
     bad = [k for k, d in device_map.items() if k in lone and d in offloaded and k in g.tensor_index
@@ -263,7 +261,7 @@ def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:
     device_map = normalize_map(device_map)
     devices = map_runs(graph, device_map)
     used = set(device_map.values())
-    hooks = len(used) > 1 or "disk" in used
+    hooks = hooks_attach(used)
     offloaded = offloaded_devices(memory.main) if hooks else frozenset()
     out = {}
     cache = logits = {}
