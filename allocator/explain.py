@@ -22,7 +22,7 @@ from .rules import hooks_attach
 from .runtime import map_runs, offloaded_devices
 from .strategies.ranking import priced
 from .strategies.contract import contract_violations, why_empty
-from .units import groups
+from .units import problem_groups
 from .validate import check, format_bytes
 
 __all__ = ["reasons", "MOVES_UP_TO"]
@@ -38,7 +38,7 @@ class _Layout:
     def __init__(self, plan):
         g = plan.problem.graph
         self.plan = plan
-        self.found = found = groups(g, plan.problem.options.offload_buffers)
+        self.found = found = problem_groups(plan.problem)
         keep, lo, _, _ = found.units.spans(g)
         found_runs = map_runs(g, plan.device_map)
         self.where: list = [None] * len(found)

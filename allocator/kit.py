@@ -53,7 +53,7 @@ from .problem import Problem
 from .strategies.contract import accelerate_placement, main_candidates
 from .strategies.ranking import best_valid as rank
 from .strategies.room import Room
-from .units import Group, Groups, groups
+from .units import Group, Groups, problem_groups
 from .validate import Violation, check as check_map
 
 __all__ = ["Cost", "Group", "Groups", "InfeasiblePlacement", "Placement", "Problem", "Room", "Violation",
@@ -64,7 +64,7 @@ def tie_groups(problem: Problem) -> Groups:
     """The tie groups of the problem's model in model order (a group sits at its first unit): a table whose rows
     are :class:`Group` records (``units``, ``size``, ``offload``, ``pinned``, ``stream``, ``numel``,
     ``resident_only``), under the problem's ``offload_buffers``. Made once per graph."""
-    return groups(problem.graph, problem.options.offload_buffers)
+    return problem_groups(problem)
 
 
 def device_map(problem: Problem, found: Groups, devices: Sequence[Device]) -> dict:

@@ -169,6 +169,13 @@ class Problem:
     derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
     """Values that follow from this problem, made once (:class:`allocator.memo.Derived`)."""
 
+    @property
+    def read_copies(self) -> bool:
+        """Whether streamed chains count the copies hooks read cast tensors into (:func:`allocator.rules.read_copy`):
+        where the CPU is the only device that can be main (no accelerator budget) and ``dtype`` casts some tensor.
+        With an accelerator main the copy is made in host RAM or on the accelerator by path; it is not counted."""
+        return bool(self.graph.stored) and not self.budgets.accelerators
+
 
 def quantizer_size_fn(model, hf_quantizer):
     """A ``size_fn`` from a transformers ``HfQuantizer`` (its ``param_element_size``), or ``None``."""

@@ -15,7 +15,8 @@ from .budgets import Device
 
 __all__ = ["LOADERS", "ambiguous_main_device", "hooks_attach",
            "main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on",
-           "must_cover", "nested_keys", "loads_disk_only", "reads_disk_buffers", "tie_loads", "loads_from_disk"]
+           "must_cover", "nested_keys", "loads_disk_only", "reads_disk_buffers", "tie_loads", "loads_from_disk",
+           "read_copy", "device_objects", "loads_device_objects"]
 
 LOADERS = ("transformers", "accelerate")
 """The loading paths a map can be for (:attr:`allocator.PlanOptions.loader`): transformers 5's ``from_pretrained``,
@@ -101,6 +102,26 @@ def moves(is_param, persistent, offload_buffers: bool):
     """:func:`moves_with_weights` from a tensor's flags, or from whole columns of them (numpy bool arrays of
     :class:`allocator.graph.Tensors` columns, elementwise)."""
     return is_param | (offload_buffers & persistent)
+
+
+def read_copy(stored: int, nbytes: int) -> int:
+    """Bytes an offloading hook holds for a moment beyond a streamed tensor's ``nbytes`` (its size at the plan's
+    ``dtype``) when it reads the tensor from disk as ``stored`` bytes: the copy as stored, while it is cast; 0 where
+    nothing is cast. The same on both paths, measured here (RSS with malloc's mmap threshold at 64 KiB, so freed
+    memory is given back): float16 from a float32 checkpoint adds the float32 copy of the tensor being read.
+
+    - transformers 5 (disk tensors are indexed into the checkpoint): accelerate 1.15 ``utils/offload.py``,
+      ``OffloadedWeightsLoader.__getitem__``: ``safe_open(...).get_tensor(...)`` reads the stored tensor, then
+      ``tensor.to(dtype)`` casts it.
+    - accelerate (``load_checkpoint_in_model`` writes disk tensors to ``.dat`` files at the checkpoint's dtype):
+      ``utils/offload.py``, ``load_offloaded_weight`` copies the memory-mapped file into a tensor, then
+      ``utils/modeling.py``, ``set_module_tensor_to_device`` casts it (``value.to(old_value.dtype)``). The mapped
+      file's pages are page cache (reclaimable), which the budget does not count, as for every disk weight.
+
+    >>> read_copy(4096, 2048), read_copy(2048, 2048)
+    (4096, 0)
+    """
+    return stored if stored > nbytes else 0
 
 
 def executes_on(device: Device, main: Device, offloaded, hooks: bool) -> Device:
@@ -207,3 +228,43 @@ def loads_from_disk(loader: str, is_param: bool, persistent: bool, tied: bool, o
     if tied:
         return False
     return is_param or not persistent or reads_disk_buffers(loader, offload_buffers)
+
+
+def device_objects(values) -> list:
+    """The ``torch.device`` objects among a caller's map values, as written (before any normalisation), each once.
+
+    >>> import torch
+    >>> device_objects(["cpu", torch.device("cpu"), "disk", torch.device("cpu")])
+    [device(type='cpu')]
+    """
+    found = []
+    for value in values:
+        if type(value).__name__ == "device" and hasattr(value, "type") and value not in found:
+            found.append(value)
+    return found
+
+
+def loads_device_objects(loader: str, values) -> bool:
+    """Whether a map whose values include ``torch.device`` objects loads, measured here with ``torch.device("cpu")``.
+
+    accelerate: no (1.15 ``utils/modeling.py``, ``load_state_dict`` opens the checkpoint with ``safe_open(...,
+    device=value)``, which takes strings and integers: ``SafetensorError: device device(type='cpu') is invalid``).
+    transformers 5: yes, unless something is on disk and a ``torch.device`` is the main device that
+    ``dispatch_model`` picks (``list(set(values) - {"cpu", "disk"})[0]``: ``"cpu"`` is the string only, so
+    ``torch.device("cpu")`` beside ``"cpu"`` becomes the main device and hooks attach on the ``"cpu"`` modules, which
+    works): the disk weights are then read with ``safe_open(..., device=main)`` (accelerate ``utils/offload.py``,
+    ``OffloadedWeightsLoader``), the same error.
+
+    >>> import torch
+    >>> loads_device_objects("transformers", ["cpu", torch.device("cpu")])
+    True
+    >>> loads_device_objects("transformers", [torch.device("cpu"), "disk"]), loads_device_objects("accelerate", [0])
+    (False, True)
+    """
+    found = device_objects(values)
+    if not found:
+        return True
+    if loader == "accelerate":
+        return False
+    used = set(values)
+    return "disk" not in used or not isinstance(main_device(used), type(found[0]))

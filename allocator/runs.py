@@ -21,7 +21,7 @@ import numpy as np
 from .cost_profile import flop_seconds, read_rates
 from .graph import ModelGraph
 from .kernels import Run, key_runs
-from .rules import moves
+from .rules import moves, read_copy
 
 __all__ = ["Run", "Columns", "Moving", "columns", "runs", "key_orders", "pieces", "expand", "devices_in",
            "first_device", "as_array", "as_ints", "FEMTO"]
@@ -90,11 +90,13 @@ class Columns:
             found = self.cache["module"] = as_array(self.module)
         return found
 
-    def moving(self, offload_buffers: bool) -> Moving:
-        """What moves with an offloaded module under ``offload_buffers``."""
-        found = self._moving.get(offload_buffers)
+    def moving(self, offload_buffers: bool, read_copies: bool = False) -> Moving:
+        """What moves with an offloaded module under ``offload_buffers``; with ``read_copies``, what its hook holds
+        counts the copy it reads a cast tensor into (:func:`allocator.rules.read_copy`)."""
+        key = offload_buffers, read_copies and bool(self._graph().stored)
+        found = self._moving.get(key)
         if found is None:
-            found = self._moving[offload_buffers] = Moving(self, self._graph(), offload_buffers)
+            found = self._moving[key] = Moving(self, self._graph(), *key)
         return found
 
     def reads(self, profile, flops=None) -> tuple[list[int], list[int]]:
@@ -182,19 +184,32 @@ def _prefix(values):
 
 
 class Moving:
-    """Columns of the tensors that leave the main device with their offloaded module (``moves_with_weights``)."""
+    """Columns of the tensors that leave the main device with their offloaded module (``moves_with_weights``).
 
-    def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool):
+    ``nbytes`` is what each hook copies (the cost model's streamed bytes); ``held`` what it holds at its peak:
+    ``nbytes``, plus with ``read_copies`` the copy of a cast tensor as stored (:func:`allocator.rules.read_copy`).
+    ``own`` and ``chain`` (the streaming reserve) are sums of ``held``."""
+
+    def __init__(self, cols: Columns, graph: ModelGraph, offload_buffers: bool, read_copies: bool = False):
         moving = moves(cols.is_param, cols.persistent, offload_buffers)   # the rule, applied to whole columns
         nbytes = np.where(moving, as_array(cols.nbytes), 0)   # what each hook copies
         self.nbytes = as_ints(nbytes)
         self.sum_nbytes = _prefix(nbytes)
         self.sum_count = _prefix(moving)
         self.sum_counted = _prefix(np.where(moving, as_array(cols.counted), 0))
-        # What each node's hook streams (its own tensors: first[i] to first[i + 1] - 1), and the streamed chain of
+        held = nbytes
+        if read_copies and graph.stored:
+            held = nbytes.copy() if nbytes.dtype != object else nbytes.astype(object)
+            for tensor, stored in graph.stored.items():
+                if moving[tensor]:
+                    held[tensor] += read_copy(stored, int(nbytes[tensor]))
+        self.held = as_ints(held)
+        self._held = held
+        # What each node's hook holds (its own tensors: first[i] to first[i + 1] - 1), and the streamed chain of
         # each subtree were all of it offloaded: its own plus the largest chain among its children, level by level.
-        sums = np.array(self.sum_nbytes, dtype=object) if isinstance(self.sum_nbytes, list) else \
-            np.frombuffer(self.sum_nbytes, dtype=np.int64)
+        sum_held = self.sum_nbytes if held is nbytes else _prefix(held)
+        sums = np.array(sum_held, dtype=object) if isinstance(sum_held, list) else \
+            np.frombuffer(sum_held, dtype=np.int64)
         first = np.frombuffer(cols.first, dtype=np.int64)
         own = sums[first[1:]] - sums[first[:-1]]
         chain, below = own.copy(), np.zeros_like(own)
@@ -214,6 +229,10 @@ class Moving:
     def nbytes_array(self) -> np.ndarray:
         """``nbytes`` as a numpy array (int64, or Python ints where a value passes int64)."""
         return self._nbytes
+
+    def held_array(self) -> np.ndarray:
+        """``held`` as a numpy array (int64, or Python ints where a value passes int64)."""
+        return self._held
 
     def next_in_chain(self, node: int) -> int:
         """The child that continues a subtree's largest chain (the first on a tie, as ``max`` over children), or -1."""

@@ -11,7 +11,8 @@ Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignD
 - Buffers of offloaded modules move to the main device at dispatch unless ``offload_buffers=True``;
   non-persistent buffers always do.
 - Offloaded ``cpu`` weights stay in RAM; ``disk`` weights are memory-mapped (no RAM budget is used while
-  an accelerator is main; with ``cpu`` as main they are streamed into RAM like any offloaded weight).
+  an accelerator is main; with ``cpu`` as main they are streamed into RAM like any offloaded weight, and a tensor
+  cast to a smaller ``dtype`` than it is stored in is read whole first: :func:`allocator.rules.read_copy`).
 - A map with one device other than disk gets no hooks: everything lives on that device.
 
 The rules themselves, one function each, are in :mod:`allocator.rules` (re-exported here); this module says what they
@@ -76,22 +77,23 @@ def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
     return expand(map_runs(graph, device_map))
 
 
-def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_buffers: bool = False
-                   ) -> tuple[int, list[int]]:
+def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_buffers: bool = False,
+                   read_copies: bool = False) -> tuple[int, list[int]]:
     """The largest sum of streamed bytes along a root-to-leaf chain when the tensors of ``found`` (runs) on
     ``offloaded`` devices are streamed, and that chain's nodes that stream something.
 
     A node's hook streams its own moving tensors; hooks of nested modules are active together. An offloaded run is
     cut into whole subtrees (:func:`allocator.runs.pieces`), whose chains are known (:class:`allocator.runs.Moving`),
     and loose tensors, whose modules stream them on top of the chains below. On a tie the chain that comes first
-    in model order wins.
+    in model order wins. With ``read_copies`` a hook also holds the copy it reads a cast tensor into
+    (:func:`allocator.rules.read_copy`; the main device is the CPU).
 
     Notes
     -----
     O(p x depth) for p pieces of the offloaded runs.
     """
     cols = columns(graph)
-    mov = cols.moving(offload_buffers)
+    mov = cols.moving(offload_buffers, read_copies)
     parent = cols.parent
     subtrees: list[int] = []
     loose: dict[int, int] = {}   # module -> bytes its hook streams (those of its tensors that are offloaded)
@@ -103,9 +105,9 @@ def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_bu
             continue
         nodes, tensors = pieces(cols, run.start, run.end)
         subtrees += nodes[mov.chain_array()[nodes] != 0].tolist()
-        for tensor in tensors[mov.nbytes_array()[tensors] != 0].tolist():
+        for tensor in tensors[mov.held_array()[tensors] != 0].tolist():
             module = cols.module[tensor]
-            loose[module] = loose.get(module, 0) + mov.nbytes[tensor]
+            loose[module] = loose.get(module, 0) + mov.held[tensor]
 
     def above(node: int) -> int:   # what loose hooks of the node's ancestors stream
         total, node = 0, parent[node]
@@ -180,7 +182,8 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
             home = "mps" if device == "cpu" and main == "mps" and hooks else device
             resident[home] = resident.get(home, 0) + counted[b] - counted[a]
     # every name of a shared tensor is copied by its own hook, so the chain counts nbytes, not counted bytes
-    reserve, chain = streamed_chain(graph, found, offloaded, offload_buffers=offload_buffers)
+    reserve, chain = streamed_chain(graph, found, offloaded, offload_buffers=offload_buffers,
+                                    read_copies=main == "cpu")
     resident[main] = resident.get(main, 0) + reserve
     generation = _generation_bytes(graph, found, main, offloaded, hooks)
     for device, nbytes in generation.items():

@@ -17,6 +17,7 @@ from typing import ClassVar
 import numpy as np
 
 from .graph.model import ModelGraph
+from .problem import Problem
 from .graph.table import Record, Table, frozen, new_row, picklable, same
 from .kernels import key_ranges
 from .rules import device_of, moves
@@ -169,21 +170,22 @@ class Groups(_Arrays):
                             *(picklable(getattr(self, c)) for c in self._columns))
 
 
-def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
+def units(g: ModelGraph, offload_buffers: bool = False, read_copies: bool = False) -> Units:
     """The finest legal units, in definition order (a preorder walk that stops at every node that is not split,
     and takes the direct tensors of every node that is).
 
     A module unit's sizes are sums over its subtree, read from the graph's prefix sums
     (:class:`allocator.runs.Columns`): ``extra`` generation bytes (:attr:`ModelGraph.extra`) live where the unit
     executes, so they count in its size and, like its buffers, stay on the main device when it is offloaded
-    (``pinned``).
+    (``pinned``). ``read_copies``: the streamed chains count the copies hooks read cast tensors into
+    (:func:`allocator.rules.read_copy`; :attr:`allocator.problem.Problem.read_copies`).
 
     Notes
     -----
     O(nodes + tensors) numpy work, once the graph's columns exist (built once per graph); no object per unit.
     """
     cols = columns(g)
-    mov = cols.moving(offload_buffers)
+    mov = cols.moving(offload_buffers, read_copies)
     nodes = g.nodes
     n = len(nodes)
     if not n:
@@ -232,7 +234,7 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
         column(module_offload, np.where(tensor_moves, counted, zero)),
         column(subtree - module_offload + extra, np.where(tensor_moves, zero, counted)),
         column(as_array(mov.chain)[module_units],
-               np.where(cols.is_param[tensor_units] | tensor_moves, as_array(cols.nbytes)[tensor_units], zero)),
+               np.where(tensor_moves, mov.held_array()[tensor_units], zero)),
         column(as_array(cols.sum_numel)[b] - as_array(cols.sum_numel)[a], as_array(cols.numel)[tensor_units]),
         column(np.full(m, -1), tensor_units),
     )
@@ -240,16 +242,24 @@ def units(g: ModelGraph, offload_buffers: bool = False) -> Units:
     return found
 
 
-def groups(g: ModelGraph, offload_buffers: bool = False) -> Groups:
+def groups(g: ModelGraph, offload_buffers: bool = False, read_copies: bool = False) -> Groups:
     """Units united by tie groups (shared tensors and declared ties), ordered by their first unit.
 
     Built once per graph and setting (every strategy asks, ``auto`` several times); immutable, so shared.
     """
-    return g.derived.once(f"groups offload_buffers={offload_buffers}", lambda: _groups(g, offload_buffers))
+    read_copies = read_copies and bool(g.stored)
+    return g.derived.once(f"groups offload_buffers={offload_buffers} read_copies={read_copies}",
+                          lambda: _groups(g, offload_buffers, read_copies))
 
 
-def _groups(g: ModelGraph, offload_buffers: bool) -> Groups:
-    found = units(g, offload_buffers)
+def problem_groups(problem: Problem) -> Groups:
+    """:func:`groups` of a problem's graph under its options (``offload_buffers``) and
+    :attr:`~allocator.problem.Problem.read_copies`: the units every strategy places."""
+    return groups(problem.graph, problem.options.offload_buffers, problem.read_copies)
+
+
+def _groups(g: ModelGraph, offload_buffers: bool, read_copies: bool) -> Groups:
+    found = units(g, offload_buffers, read_copies)
     n = len(found)
     node = found.array("node")
     if not g.all_tie_groups():  # every unit is a group of its own

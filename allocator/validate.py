@@ -16,8 +16,8 @@ import numpy as np
 from .budgets import format_bytes, normalize_map
 from .gc_pause import gc_paused
 from .problem import PlanOptions, Problem, build_problem
-from .rules import (ambiguous_main_device, hooks_attach, loads_disk_only, moves, must_cover, nested_keys,
-                    reads_disk_buffers, tie_loads)
+from .rules import (ambiguous_main_device, device_objects, hooks_attach, loads_device_objects, loads_disk_only, moves,
+                    must_cover, nested_keys, reads_disk_buffers, tie_loads)
 from .runs import columns, devices_in
 from .runtime import Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks
 
@@ -29,9 +29,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Violation:
     """One broken rule. ``kind`` is one of ``coverage``, ``nested``, ``main-device``, ``unknown-device``,
-    ``no-split``, ``tied``, ``unhooked``, ``budget``, and on ``loader="accelerate"`` also ``disk-only`` and
-    ``unread-buffer``
-    (:mod:`allocator.rules` says which loading path each comes from)."""
+    ``no-split``, ``tied``, ``unhooked``, ``budget``, ``device-object``, and on ``loader="accelerate"`` also
+    ``disk-only`` and ``unread-buffer`` (:mod:`allocator.rules` says which loading path each comes from)."""
 
     kind: str
     message: str
@@ -57,6 +56,12 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     g = problem.graph
     found: list[Violation] = []
     spelled = ambiguous_main_device(device_map.values()) if isinstance(device_map, Mapping) else None
+    objects = device_objects(device_map.values()) if isinstance(device_map, Mapping) else []
+    if objects and not loads_device_objects(problem.options.loader, device_map.values()):
+        found.append(Violation("device-object", f"the map's values include {objects}: "
+                               f"{_loader(problem.options.loader)} hands them to safetensors' safe_open, which "
+                               "takes device strings and indices only; map to 'cpu', 'disk' and integer "
+                               "accelerator indices, as allocator's plans do."))
     device_map = normalize_map(device_map)
     if spelled is not None:
         found.append(Violation("main-device", f"the accelerators are spelled {list(spelled)}: dispatch_model makes "

@@ -16,7 +16,7 @@ from ..errors import InvalidModel, InvalidOption
 from ..gc_pause import gc_paused
 from .model import ModelGraph, Nodes, TensorIndex, Tensors
 from .no_split import discovered, given_classes, keep_whole, warn_unmatched
-from .sizes import PerElement, SizeFn, SizeOf, as_dtype, size_rule, subtree_sizes
+from .sizes import PerElement, SizeFn, SizeOf, as_dtype, dtype_bytes, size_rule, subtree_sizes
 from .table import Paths, frozen
 from .ties import declared_storage, declared_tied_groups, find_tied, given_ties, shared_tied_groups
 
@@ -67,9 +67,12 @@ class _Reader:
     (``named_children`` recursion walks it under each), plus the depth of each repeated path (the cycle check).
     """
 
-    def __init__(self, model, size_of: SizeOf, per_element: PerElement | None, careful: bool = False):
+    def __init__(self, model, size_of: SizeOf, per_element: PerElement | None, careful: bool = False,
+                 casts: bool = False):
         self.size_of = size_of          # (name, tensor, numel) -> (bytes, accelerate's bytes)
         self.per_element = per_element  # the same by dtype alone, when no tensor has a size of its own
+        self.casts = casts              # a target dtype decides sizes: note what tensors are stored as (``stored``)
+        self.stored: dict[int, int] = {}  # tensor -> bytes at its own dtype, where the target dtype makes it smaller
         self.careful = careful
         # per node, preorder: the columns of Nodes
         self.names: list[str] = []
@@ -181,7 +184,7 @@ class _Reader:
         add_module, add_local, add_param, add_persistent, add_numel, add_nbytes, add_accel, add_canonical = (
             module_of.append, self.t_local.append, self.t_is_param.append, self.t_persistent.append,
             self.t_numel.append, self.t_nbytes.append, self.t_nbytes_accelerate.append, self.t_canonical.append)
-        size_of, per_element = self.size_of, self.per_element
+        size_of, per_element, casts, stored = self.size_of, self.per_element, self.casts, self.stored
         known = per_element.known if per_element is not None else None  # bytes per element by dtype, when enough
         kinds = ((True, self.seen_params), (False, self.seen_buffers))
 
@@ -204,6 +207,13 @@ class _Reader:
                         nbytes, nbytes_accel = numel * per[0], numel * per[1]
                     else:
                         nbytes, nbytes_accel = size_of(prefix + local, tensor, numel)
+                    if casts and tensor.is_floating_point():
+                        own = numel * dtype_bytes(tensor.dtype)[0]
+                        if own > nbytes:
+                            if local in non_persistent:   # not in the checkpoint: no loader casts it
+                                nbytes = own
+                            else:
+                                stored[count] = own
                     if canonical == count:  # counted: its storage is its own (until declared ties are shared)
                         real += nbytes
                         accel += nbytes_accel
@@ -258,11 +268,11 @@ class _Reader:
                 list(module.named_children()))
 
 
-def _read_model(model, size_of: SizeOf, by_dtype: PerElement | None) -> _Reader:
+def _read_model(model, size_of: SizeOf, by_dtype: PerElement | None, casts: bool) -> _Reader:
     """Read the model, again carefully where the fast read was not exact."""
-    read = _Reader(model, size_of, by_dtype)
+    read = _Reader(model, size_of, by_dtype, casts=casts)
     if not read.exact:
-        read = _Reader(model, size_of, by_dtype, careful=True)
+        read = _Reader(model, size_of, by_dtype, careful=True, casts=casts)
     return read
 
 
@@ -318,7 +328,7 @@ def build_graph(
     size_of, by_dtype = size_rule(target, special, size_fn)
 
     with gc_paused():
-        read = _read_model(model, size_of, by_dtype)
+        read = _read_model(model, size_of, by_dtype, casts=target is not None and size_fn is None)
         found = None
         if discover_no_split:
             found = discovered(model, read.unique_modules(), read.classes, per_module=read.own_no_split,
@@ -354,7 +364,7 @@ def build_graph(
             nodes=nodes, tensors=tensors, size=size, size_accelerate=size_acc,
             no_split=frozenset(no_split), no_split_declared=declared_classes, tied_groups=tuple(tied),
             declared_ties=tuple(declared_ties), node_index=node_index, tensor_index=tensor_index,
-            model_class=type(model).__name__,
+            model_class=type(model).__name__, stored=read.stored,
         )
         del read  # free the walk's lists now: the collection that resuming the collector starts skips them
         return graph

@@ -20,7 +20,7 @@ import logging
 
 from ..placement import Placement
 from ..problem import Problem
-from ..units import groups
+from ..units import problem_groups
 from . import backfill, ilp, reserve
 from .contract import accelerate_placement
 from .ranking import Tried, best_valid, infeasible
@@ -37,7 +37,7 @@ def _ilp_available(problem: Problem) -> bool:
         import ortools.sat.python.cp_model  # noqa: F401
     except ImportError:
         return False
-    return len(groups(problem.graph, problem.options.offload_buffers)) <= ilp.MAX_UNITS
+    return len(problem_groups(problem)) <= ilp.MAX_UNITS
 
 
 def place(problem: Problem) -> Placement:

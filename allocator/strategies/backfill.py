@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..placement import Placement
 from ..problem import Problem
-from ..units import groups
+from ..units import problem_groups
 from ..validate import format_bytes
 from .first_fit import Filled, Streams, fill_to_fixed_point, largest_stream
 from .ranking import best_of
@@ -25,7 +25,7 @@ __all__ = ["place"]
 
 def place(problem: Problem) -> Placement:
     """Place by first fit with a static streaming reserve (the largest streamed size of an offloadable group)."""
-    found = groups(problem.graph, problem.options.offload_buffers)
+    found = problem_groups(problem)
     start = largest_stream(found)
     candidates, streams, memo = [], Streams(problem, found), fill_memo(problem)
     for main in main_candidates(problem):

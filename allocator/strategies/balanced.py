@@ -70,7 +70,7 @@ from ..partition import least_feasible, parts, prefix_sums, reachable, split
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
 from ..runtime import device_of, main_device, workspace
-from ..units import Group, groups
+from ..units import Group, problem_groups
 from ..budgets import format_bytes
 from ..validate import check
 from . import reserve
@@ -185,7 +185,7 @@ def _low_first(loads: Sequence[int], budgets: Sequence[int], offsets: Sequence[i
 
 def _place(problem: Problem, *, low_0: bool) -> Placement:
     name = "balanced_low_0" if low_0 else "balanced"
-    found = groups(problem.graph, problem.options.offload_buffers).records()
+    found = problem_groups(problem).records()
     accelerators = list(problem.budgets.accelerators)
     if accelerators and problem.options.contract and not low_0 and found:
         # the contract: the first accelerator that admits a plan is the main device, so it holds a group

@@ -42,7 +42,7 @@ from ..placement import clean_device_map
 from ..problem import Problem
 from ..runs import Run, columns
 from ..runtime import main_device, map_runs
-from ..units import groups
+from ..units import problem_groups
 from ..validate import Violation, check, format_bytes
 from . import sequential
 from .first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
@@ -127,7 +127,7 @@ def _accelerate(problem: Problem) -> dict | None:
 
 
 def _admits(problem: Problem, main: Device) -> bool:
-    found = groups(problem.graph, problem.options.offload_buffers)
+    found = problem_groups(problem)
     streams, memo = Streams(problem, found), fill_memo(problem)
     tried = set()
     for start in [full_reserve(problem), *reserve_sizes(problem, found)]:
@@ -158,7 +158,7 @@ def why_empty(problem: Problem, device: Device) -> str:
     if limit == 0:
         return f"accelerator {device!r} has a budget of 0"
     need = full_reserve(problem)
-    smallest = min((s for s in groups(problem.graph, problem.options.offload_buffers).size if s), default=0)
+    smallest = min((s for s in problem_groups(problem).size if s), default=0)
     g = problem.graph
     generate = g.workspace + g.main_workspace
     return (f"accelerator {device!r} ({format_bytes(limit)}) admits no valid plan as the main device: it would hold "
@@ -174,7 +174,7 @@ def _pulled(problem: Problem) -> list[int]:
     """Sorted tensor indices that sit with a tie: the tensors of every unit of a tie group but its first (a tied
     ``lm_head``, BERT's decoder and the bias it shares go where the embeddings are)."""
     def build():
-        found = groups(problem.graph, problem.options.offload_buffers)
+        found = problem_groups(problem)
         counts = found.counts()
         if not len(counts) or counts.max() < 2:
             return []

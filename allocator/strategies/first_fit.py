@@ -214,7 +214,9 @@ def reserve_sizes(problem: Problem, found: Groups) -> list[int]:
 
 def full_reserve(problem: Problem) -> int:
     """The reserve that streams anything: the largest chain if every weight were offloaded."""
-    return columns(problem.graph).moving(problem.options.offload_buffers).chain[0] if problem.graph.nodes else 0
+    if not problem.graph.nodes:
+        return 0
+    return columns(problem.graph).moving(problem.options.offload_buffers, problem.read_copies).chain[0]
 
 
 class Streams:

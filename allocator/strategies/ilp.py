@@ -45,7 +45,7 @@ from ..problem import Problem
 from ..rules import loads_disk_only, loads_from_disk
 from ..runs import columns
 from ..runtime import device_of, main_device, map_runs, offloaded_devices, workspace
-from ..units import Group, groups as unit_groups
+from ..units import Group, problem_groups
 from ..validate import check
 from . import backfill, reserve
 from .ranking import best_valid, infeasible
@@ -396,7 +396,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     """
     profile = profile or problem.profile
     g = problem.graph
-    found = list(unit_groups(g, problem.options.offload_buffers).records())
+    found = list(problem_groups(problem).records())
     found, merged = _coarsen(found, max_units)
     tensors = [[t for u in grp.units for t in _unit_tensors(g, u)] for grp in found]
     unit_group = {u.name: k for k, grp in enumerate(found) for u in grp.units}

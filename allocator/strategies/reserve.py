@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..placement import Placement
 from ..problem import Problem
-from ..units import groups
+from ..units import problem_groups
 from ..validate import format_bytes
 from .first_fit import Filled, Streams, fill_to_fixed_point, reserve_sizes
 from .ranking import best_of
@@ -27,7 +27,7 @@ __all__ = ["place"]
 
 def place(problem: Problem) -> Placement:
     """Place by first fit, trying every streaming reserve that some unit's offload would need."""
-    found = groups(problem.graph, problem.options.offload_buffers)
+    found = problem_groups(problem)
     sizes = reserve_sizes(problem, found)
     candidates, streams, memo, made = [], Streams(problem, found), fill_memo(problem), {}
     for main in main_candidates(problem):
