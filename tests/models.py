@@ -3,7 +3,8 @@
 ``SavedModel`` saves one model with random weights (and, on request, persistent buffers that differ from their
 ``__init__`` values), keeps a meta-device twin, a RAM budget of a share of its size,
 seeded inputs and the reference output of the model fully in RAM; ``quiet_hf`` silences transformers' progress
-bars and accelerate's warnings while the tests load models, and restores them after.
+bars and accelerate's warnings while the tests load models, and restores them after; ``StreamMeter`` measures the
+offloaded weights accelerate's hooks hold at once during a forward.
 """
 
 from __future__ import annotations
@@ -125,3 +126,73 @@ def quiet_hf():
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+class StreamMeter:
+    """Wraps ``AlignDevicesHook.pre_forward`` / ``post_forward`` to measure offloaded weights held in memory.
+
+    After an offloading hook's ``pre_forward`` the module's direct tensors (those the hook streams) are
+    materialised on the execution device; ``post_forward`` sends them back to meta. The meter adds their bytes
+    when they appear and removes them when they go, counting one storage once (tied weights reuse the copy
+    already materialised), and records the maximum held at once and which modules held it.
+    """
+
+    def __init__(self, monkeypatch):
+        self.live: dict[int, list] = {}      # id(module) -> [(data_ptr, nbytes)]
+        self.refs: dict[int, list] = {}      # data_ptr -> [nbytes, refcount]
+        self.current = self.max = 0
+        self.at_max: tuple[str, ...] = ()
+        self.names: dict[int, str] = {}
+        from accelerate.hooks import AlignDevicesHook as cls
+        pre, post = cls.pre_forward, cls.post_forward
+        meter = self
+
+        def pre_forward(hook, module, *args, **kwargs):
+            out = pre(hook, module, *args, **kwargs)
+            if hook.offload:
+                meter._load(module, hook)
+            return out
+
+        def post_forward(hook, module, output):
+            if hook.offload:
+                meter._drop(module)
+            return post(hook, module, output)
+
+        monkeypatch.setattr(cls, "pre_forward", pre_forward)
+        monkeypatch.setattr(cls, "post_forward", post_forward)
+
+    def name_modules(self, model):
+        self.names = {id(m): n for n, m in model.named_modules()}
+
+    def reset(self):
+        assert not self.live, f"hooks left weights materialised: {self.live}"
+        self.current = self.max = 0
+        self.at_max = ()
+
+    def _load(self, module, hook):
+        from accelerate.utils import named_module_tensors
+
+        held = [
+            (t.data_ptr(), t.nbytes)
+            for _, t in named_module_tensors(
+                module, include_buffers=hook.offload_buffers, recurse=hook.place_submodules, remove_non_persistent=True
+            )
+            if t.device.type != "meta"
+        ]
+        self.live[id(module)] = held
+        for ptr, nbytes in held:
+            entry = self.refs.setdefault(ptr, [nbytes, 0])
+            if entry[1] == 0:
+                self.current += nbytes
+            entry[1] += 1
+        if self.current > self.max:
+            self.max = self.current
+            self.at_max = tuple(self.names.get(k, "?") for k, v in self.live.items() if v)
+
+    def _drop(self, module):
+        for ptr, nbytes in self.live.pop(id(module), []):
+            entry = self.refs[ptr]
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.current -= nbytes
+                del self.refs[ptr]

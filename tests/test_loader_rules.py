@@ -5,7 +5,9 @@ their ``__init__`` ones, so a loader that never reads them shows), a device map 
 and, per loading path, whether the measured load works and computes what the fully-in-RAM model computes. For every
 row and path the test loads the model (``from_pretrained`` for ``loader="transformers"``,
 ``init_empty_weights`` + ``load_checkpoint_and_dispatch`` for ``loader="accelerate"``), runs a forward and compares
-the outputs: ``validate(..., loader=...)`` must say valid exactly when that works.
+the outputs: ``validate(..., loader=...)`` must say valid exactly when that works, and where it works the offloaded
+weights the hooks hold at once (measured by wrapping them, :class:`models.StreamMeter`) fit the predicted streaming
+reserve.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import allocator  # noqa: E402
-from models import DTYPE, SEED, SavedModel, tiny_specs  # noqa: E402
+from allocator.validate import check  # noqa: E402
+from models import DTYPE, SEED, SavedModel, StreamMeter, tiny_specs  # noqa: E402
 
 LLAMA_REST = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu"}
 GPT2_BODY = {"transformer.wpe": "cpu", "transformer.h": "cpu", "transformer.ln_f": "cpu"}
+CPU = torch.device("cpu")
 RESNET_REST = {"resnet.embedder": "cpu", "resnet.encoder.stages.0": "cpu", "resnet.pooler": "cpu", "classifier": "cpu"}
 
 # (row, model, device map, offload_buffers, {loader: loads and computes right}, violation kinds where it does not)
@@ -60,6 +64,13 @@ ROWS = [
      {"transformers": True, "accelerate": True}, set()),
     ("unknown-key", "llama", {"model": "cpu", "lm_head": "disk", "nothing.here": "cpu"}, False,
      {"transformers": True, "accelerate": True}, set()),
+    # torch.device values: "cpu" beside torch.device("cpu") makes the latter main (hooks on the "cpu" modules)
+    ("cpu-string-and-device", "llama", {"model": "cpu", "lm_head": CPU}, False,
+     {"transformers": True, "accelerate": False}, {"device-object"}),
+    ("cpu-device-and-disk", "llama", {"model": CPU, "lm_head": "disk"}, False,
+     {"transformers": False, "accelerate": False}, {"device-object"}),
+    ("cpu-device-only", "llama", {"model": CPU, "lm_head": CPU}, False,
+     {"transformers": True, "accelerate": False}, {"device-object"}),
 ]
 LOADERS = ("transformers", "accelerate")
 
@@ -99,11 +110,14 @@ def load(case, loader: str, device_map: dict, offload_buffers: bool, folder):
                                         offload_buffers=offload_buffers, dtype=DTYPE)
 
 
-def works(case, loader, device_map, offload_buffers, folder) -> bool:
-    """Whether the load and a forward succeed and give the in-RAM model's outputs."""
+def works(case, loader, device_map, offload_buffers, folder, meter) -> bool:
+    """Whether the load and a forward succeed and give the in-RAM model's outputs (``meter`` measures the forward's
+    streamed peak)."""
     torch.manual_seed(SEED)
     try:
         model = load(case, loader, device_map, offload_buffers, folder)
+        meter.name_modules(model)
+        meter.reset()
         logits = case.logits(model)
     except (KeyError, ValueError, RuntimeError, SafetensorError) as err:
         logging.getLogger(__name__).info("%s: %s: %s", loader, type(err).__name__, err)
@@ -113,16 +127,24 @@ def works(case, loader, device_map, offload_buffers, folder) -> bool:
 
 @pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("row", ROWS, ids=[row[0] for row in ROWS])
-def test_valid_exactly_when_the_load_works(saved, row, loader, tmp_path, caplog):
+def test_valid_exactly_when_the_load_works(saved, row, loader, tmp_path, caplog, monkeypatch):
     label, name, device_map, offload_buffers, measured, kinds = row
     case = saved[name]
     with caplog.at_level(logging.WARNING, logger="allocator"):
-        violations = allocator.validate(case.meta, device_map, {"cpu": 4 * case.total}, loader=loader,
-                                        offload_buffers=offload_buffers)
-    ok = works(case, loader, device_map, offload_buffers, tmp_path / "offload")
+        problem = allocator.build_problem(case.meta, {"cpu": 4 * case.total}, loader=loader,
+                                          offload_buffers=offload_buffers)
+        violations, memory = check(problem, device_map)
+    meter = StreamMeter(monkeypatch)
+    ok = works(case, loader, device_map, offload_buffers, tmp_path / "offload", meter)
     assert ok == measured[loader], f"{label} on {loader}: the load {'works' if ok else 'fails'} now"
     assert (not violations) == ok, f"{label} on {loader}: {violations}"
     assert {v.kind for v in violations} == (set() if ok else kinds), violations
+    # the offloaded weights the hooks held at once (measured) fit the predicted streaming reserve; with "cpu" beside
+    # torch.device("cpu") the hooks of the "cpu" modules hand their RAM tensors to the same device, which Tensor.to
+    # returns as they are: the meter sees them materialised, but no byte is added to what RAM already holds
+    if ok and label != "cpu-string-and-device":
+        assert meter.max <= memory.streamed, (label, loader, meter.max, memory.streamed, meter.at_max)
+        assert meter.max > 0 or memory.streamed == 0 or "disk" not in device_map.values(), (label, loader)
     if label == "unknown-key":   # ignored by both loaders: a warning, not a violation
         assert "nothing.here" in caplog.text
 
