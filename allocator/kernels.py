@@ -206,9 +206,11 @@ def stretchable(*columns: np.ndarray) -> bool:
     return sum(int(c.sum()) for c in columns) < 2**60
 
 
-def fit_stretch(room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, offload: np.ndarray, j: int) -> int:
+def fit_stretch(room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, offload: np.ndarray, j: int,
+                disk_ok: np.ndarray | None = None) -> int:
     """Seat as many of the groups given by the columns (seating order; :func:`stretchable`) as go, one after another,
     to device ``j`` of ``room`` (:class:`allocator.strategies.room.Room`), charging ``room.free``; how many went.
+    ``disk_ok``: which groups may go to disk (all where ``None``).
 
     Assuming every group goes to ``j``, the rule each must pass (every earlier device refuses it, ``j`` takes it) is a
     comparison against prefix sums; the stretch ends at the first group that fails it.
@@ -222,6 +224,8 @@ def fit_stretch(room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, of
         main = free[0] + back   # groups sent to a target give their pinned bytes back, then take them
         need = offload if charges[j] else np.zeros_like(offload)
         ok = ~stay & (free[j] - (np.cumsum(need) - need) >= need)
+        if j == room.disk and disk_ok is not None:
+            ok &= disk_ok   # disk is last: no later device changes the rule
     elif j == 0:
         net = back - size
         main = free[0] + np.cumsum(net) - net + back
@@ -248,12 +252,13 @@ def fit_stretch(room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, of
     return count
 
 
-def fit_stretch_reference(room, stay, pinned, size, offload, j: int) -> int:
+def fit_stretch_reference(room, stay, pinned, size, offload, j: int, disk_ok=None) -> int:
     """:func:`fit_stretch` as :meth:`allocator.strategies.room.Room.seat` of one group after another."""
     count = 0
-    for s, p, n, o in zip(_ints(stay), _ints(pinned), _ints(size), _ints(offload)):
+    disk = _ints(disk_ok) if disk_ok is not None else [True] * len(stay)
+    for s, p, n, o, d in zip(_ints(stay), _ints(pinned), _ints(size), _ints(offload), disk):
         before = list(room.free)
-        if room.seat(n, o, p, bool(s)) != j:
+        if room.seat(n, o, p, bool(s), disk_ok=bool(d)) != j:
             room.free[:] = before
             break
         count += 1

@@ -20,10 +20,11 @@ from .graph.model import ModelGraph
 from .problem import Problem
 from .graph.table import Record, Table, frozen, new_row, picklable, same
 from .kernels import key_ranges
-from .rules import device_of, moves
+from .rules import device_of, loads_from_disk, moves
 from .runs import as_array, as_ints, columns
 
-__all__ = ["Unit", "Group", "Units", "Groups", "units", "groups", "unit_flops", "tensor_flops"]
+__all__ = ["Unit", "Group", "Units", "Groups", "units", "groups", "problem_groups", "disk_loadable", "unit_flops",
+           "tensor_flops"]
 
 
 class Unit(Record):
@@ -256,6 +257,35 @@ def problem_groups(problem: Problem) -> Groups:
     """:func:`groups` of a problem's graph under its options (``offload_buffers``) and
     :attr:`~allocator.problem.Problem.read_copies`: the units every strategy places."""
     return groups(problem.graph, problem.options.offload_buffers, problem.read_copies)
+
+
+def disk_loadable(problem: Problem) -> np.ndarray:
+    """Whether the loading path (``options.loader``) loads every tensor of each group of :func:`problem_groups`
+    right from disk (:func:`allocator.rules.loads_from_disk`): on accelerate's path not a tied tensor, nor a
+    persistent buffer without ``offload_buffers=True``. A numpy bool array in group order, made once per problem."""
+    return problem.derived.once("disk_loadable", lambda: _disk_loadable(problem))
+
+
+def _disk_loadable(problem: Problem) -> np.ndarray:
+    found, options, g = problem_groups(problem), problem.options, problem.graph
+    if options.loader == "transformers" or not len(found):
+        return np.ones(len(found), dtype=bool)
+    cols = columns(g)
+    tied = np.zeros(len(cols.is_param), dtype=bool)
+    index = g.tensor_index
+    tied[[index[n] for group in g.all_tie_groups() for n in group if n in index]] = True
+    loads = np.fromiter((loads_from_disk(options.loader, p, q, t, options.offload_buffers)
+                         for p, q, t in zip(cols.is_param.tolist(), cols.persistent.tolist(), tied.tolist())),
+                        dtype=bool, count=len(tied))
+    bad = np.concatenate([[0], np.cumsum(~loads)])
+    unit = found.units
+    node, tensor = unit.array("node"), unit.array("tensor")
+    first, last, _ = cols.arrays()
+    a = np.where(node >= 0, first[np.maximum(node, 0)], tensor)
+    b = np.where(node >= 0, last[np.maximum(node, 0)], tensor + 1)
+    per_group = np.zeros(len(found), dtype=np.int64)
+    np.add.at(per_group, found.unit_groups(), bad[b] - bad[a])
+    return per_group == 0
 
 
 def _groups(g: ModelGraph, offload_buffers: bool, read_copies: bool) -> Groups:

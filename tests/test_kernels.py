@@ -35,7 +35,10 @@ def stretches(draw):
     if devices > 1:
         for j in range(draw(st.integers(1, 2)) if devices > 2 else 1):
             targets[devices - 1 - j] = True
-    room = Room(range(devices), [draw(ROOMS) for _ in range(devices)], targets,
+    names = list(range(devices))
+    if targets[-1] and draw(st.booleans()):
+        names[-1] = "disk"   # the last target is disk: groups with disk_ok False are refused there
+    room = Room(names, [draw(ROOMS) for _ in range(devices)], targets,
                 [draw(st.booleans()) for _ in range(devices)])
     n = draw(st.integers(0, 80))
     scale = draw(st.sampled_from([8, 2**20, 2**52]))
@@ -46,35 +49,38 @@ def stretches(draw):
     offload = size - pinned if draw(st.booleans()) else np.array([draw(values) for _ in range(n)], dtype=np.int64)
     offload = np.maximum(offload, 0)
     stay = np.array([draw(st.booleans()) for _ in range(n)], dtype=bool)
-    return room, stay, pinned, size, offload, draw(st.integers(0, devices - 1))
+    disk_ok = np.array([draw(st.booleans()) for _ in range(n)], dtype=bool) if draw(st.booleans()) else None
+    return room, stay, pinned, size, offload, draw(st.integers(0, devices - 1)), disk_ok
 
 
 @SETTINGS
 @given(case=stretches())
 def test_fit_stretch_equals_seating_one_group_after_another(case):
-    room, stay, pinned, size, offload, j = case
+    room, stay, pinned, size, offload, j, disk_ok = case
     assert kernels.stretchable(pinned, size, offload)
     other = Room(room.devices, room.free, room.targets, room.charges)
-    assert kernels.fit_stretch(room, stay, pinned, size, offload, j) == \
-        kernels.fit_stretch_reference(other, stay, pinned, size, offload, j)
+    assert kernels.fit_stretch(room, stay, pinned, size, offload, j, disk_ok) == \
+        kernels.fit_stretch_reference(other, stay, pinned, size, offload, j, disk_ok)
     assert room.free == other.free
 
 
 @SETTINGS
 @given(case=stretches(), low=st.integers(0, 4), high=st.one_of(st.none(), st.integers(0, 4)))
 def test_seat_is_the_first_device_that_fits_then_take(case, low, high):
-    room, stay, pinned, size, offload, _ = case
-    for s, p, n, o in zip(stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist()):
+    room, stay, pinned, size, offload, _, disk_ok = case
+    disks = [True] * len(stay) if disk_ok is None else disk_ok.tolist()
+    for s, p, n, o, d in zip(stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist(), disks):
         other = Room(room.devices, room.free, room.targets, room.charges)
         if not s:
             other.free[0] += p
         allowed = [j for j in range(len(room.free)) if room.targets[j] or low <= j and (high is None or j <= high)]
-        expected = next((j for j in allowed if other.fits(j, n, o, p, s)), -1)
+        expected = next((j for j in allowed if other.fits(j, n, o, p, s, d)), -1)
         if expected >= 0:
             other.take(expected, n, o, p)
         elif not s:
             other.free[0] -= p
-        assert room.seat(n, o, p, s, low, high) == expected
+        assert room.seat(n, o, p, s, low, high, disk_ok=d) == expected
+        assert d or expected != room.disk or room.disk < 0
         assert room.free == other.free
 
 

@@ -155,3 +155,42 @@ def test_every_violation_says_the_fix(saved):
             for v in allocator.validate(saved[name].meta, device_map, {"cpu": 4 * saved[name].total}, loader=loader,
                                         offload_buffers=offload_buffers):
                 assert any(word in v.message for word in ("map ", "pass ", "keep ")), (label, loader, v)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.linear, self.norm = torch.nn.Linear(n, n), torch.nn.BatchNorm1d(n)   # persistent running stats
+
+    def forward(self, x):
+        return self.norm(self.linear(x))
+
+
+class _Net(torch.nn.Module):
+    """Linears and no-split blocks with BatchNorm statistics, in turn."""
+
+    _no_split_modules = ["_Block"]
+
+    def __init__(self, n=256):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(n, n) if i % 2 == 0 else _Block(n) for i in range(8)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["backfill", "reserve", "auto"])
+def test_first_fit_steers_buffers_off_disk_on_accelerates_path(strategy):
+    """On accelerate's path (offload_buffers=False) the blocks' BatchNorm statistics would never be read from disk: the
+    first fit keeps those blocks in RAM and sends the Linears to disk, where filtering its model-order fills found
+    no plan at this budget."""
+    with torch.device("meta"):
+        model = _Net()
+    total = allocator.build_problem(model, {"cpu": 10**9}).graph.total
+    plan = allocator.plan(model, {"cpu": int(0.7 * total)}, strategy=strategy, loader="accelerate", strict=True)
+    assert not allocator.validate(model, plan.device_map, {"cpu": int(0.7 * total)}, loader="accelerate")
+    blocks = [f"layers.{i}" for i in range(1, 8, 2)]
+    assert all(plan.device_map[name] == "cpu" for name in blocks), plan.device_map
+    assert "disk" in plan.device_map.values()

@@ -4,7 +4,9 @@ Given the main device ``M`` and a reserve ``R`` kept free on it for streamed wei
 order goes to the first device with room: accelerators from ``M`` on (earlier ones stay empty, else they would
 become main), then cpu, then disk. A group may be offloaded only if the weights its hooks materialise at once fit
 in ``R``; its buffers are charged to ``M``. Groups whose streamed chain exceeds ``R`` must stay resident, so they
-are seated first, as are lone tensors (accelerate cannot offload a tensor on its own). The rules are those of
+are seated first, as are lone tensors (accelerate cannot offload a tensor on its own) and, where disk is the only
+offload target, groups the loading path would not load right from disk (:func:`allocator.units.disk_loadable`;
+with cpu as a target too they are only kept off disk). The rules are those of
 :class:`allocator.strategies.room.Room`, stated there once. The result is always re-checked by
 :func:`allocator.validate.check`.
 
@@ -21,7 +23,7 @@ from ..problem import Problem
 from ..kernels import Stretches, fit_stretch, group_map, side_by_side, stream_reserve, stretchable
 from ..runs import Run, as_array, columns
 from ..runtime import main_device, offloaded_devices
-from ..units import Groups
+from ..units import Groups, disk_loadable, problem_groups
 from .room import Room
 
 __all__ = ["Filled", "Streams", "every_main", "fill", "fill_to_fixed_point", "full_reserve", "largest_stream",
@@ -57,13 +59,20 @@ def fill(problem: Problem, found: Groups, main: Device, reserve: int) -> list | 
     room = Room.of(problem, main, reserve, found)
     if room is None:
         return None
-    order, stays = _seating(found, reserve)
+    disk_ok = disk_loadable(problem) if len(found) == len(problem_groups(problem)) else None
+    if disk_ok is not None and disk_ok.all():
+        disk_ok = None
+    also_stay = None
+    if disk_ok is not None and room.targets.count(True) == 1 and room.disk >= 0:
+        also_stay, disk_ok = ~disk_ok, None   # disk is the only offload target: they stay, and are seated first
+    order, stays = _seating(found, reserve, also_stay)
     seats = stays[order], *(found.array(c)[order] for c in ("pinned", "size", "offload"))
+    disk = None if disk_ok is None else disk_ok[order]
     # the contract: accelerators in index order along the model (only matters with two or more that execute)
     if problem.options.contract and room.targets.count(False) > 1:
-        chosen = _seat_in_index_order(room, order, *seats)
+        chosen = _seat_in_index_order(room, order, *seats, disk)
     else:
-        chosen = _seat_all(room, *seats)
+        chosen = _seat_all(room, *seats, disk)
     if chosen is None:
         return None
     where = np.empty(len(chosen), dtype=np.int64)
@@ -71,10 +80,11 @@ def fill(problem: Problem, found: Groups, main: Device, reserve: int) -> list | 
     return list(map(room.devices.__getitem__, where.tolist()))
 
 
-def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, offload: np.ndarray
-              ) -> list[int] | None:
+def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, offload: np.ndarray,
+              disk_ok: np.ndarray | None = None) -> list[int] | None:
     """The device index of each group (the columns in seating order) by :meth:`Room.seat
-    <allocator.strategies.room.Room.seat>`, or ``None`` when one fits nowhere.
+    <allocator.strategies.room.Room.seat>`, or ``None`` when one fits nowhere (``disk_ok``: which may go to disk;
+    all where ``None``).
 
     Long stretches of groups that all go to one device are seated at once (:func:`allocator.kernels.fit_stretch`,
     tried as :class:`allocator.kernels.Stretches` says): assuming the next groups go where the last one went, the
@@ -82,6 +92,7 @@ def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray
     """
     n = len(stay)
     stays, pinneds, sizes, offloads = stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist()
+    disks = [True] * n if disk_ok is None else disk_ok.tolist()
     pace = Stretches(n, enabled=stretchable(pinned, size, offload))
     chosen: list[int] = []
     pos, last = 0, -1
@@ -89,13 +100,14 @@ def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray
         steps = pace.steps(n - pos) if last >= 0 else 1
         if not steps:
             stop = min(n, pos + pace.window)
-            count = fit_stretch(room, stay[pos:stop], pinned[pos:stop], size[pos:stop], offload[pos:stop], last)
+            count = fit_stretch(room, stay[pos:stop], pinned[pos:stop], size[pos:stop], offload[pos:stop], last,
+                                None if disk_ok is None else disk_ok[pos:stop])
             pace.stretched(count, stop - pos)
             chosen += [last] * count
             pos += count
             continue
         for k in range(pos, pos + steps):
-            last = room.seat(sizes[k], offloads[k], pinneds[k], stays[k])
+            last = room.seat(sizes[k], offloads[k], pinneds[k], stays[k], disk_ok=disks[k])
             if last < 0:
                 return None
             chosen.append(last)
@@ -105,7 +117,7 @@ def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray
 
 
 def _seat_in_index_order(room: Room, order: np.ndarray, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray,
-                         offload: np.ndarray) -> list[int] | None:
+                         offload: np.ndarray, disk_ok: np.ndarray | None = None) -> list[int] | None:
     """:func:`_seat_all` with the executing devices (the main device and the accelerators after it) used in index
     order along the model: a group never goes to an executing device before one that an earlier group (in model
     order) went to. Groups that must stay are seated first, in model order, each on the first executing device from
@@ -114,6 +126,7 @@ def _seat_in_index_order(room: Room, order: np.ndarray, stay: np.ndarray, pinned
     n = len(stay)
     stays, pinneds, sizes, offloads = stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist()
     model = order.tolist()                      # seat -> group (model order)
+    disks = [True] * n if disk_ok is None else disk_ok.tolist()
     chosen: list[int] = []
     top = 0
     first_free = stays.count(True)              # seats of the groups that must stay come first
@@ -136,7 +149,8 @@ def _seat_in_index_order(room: Room, order: np.ndarray, stay: np.ndarray, pinned
     top = 0
     for k in range(first_free, n):
         g = model[k]
-        j = room.seat(sizes[k], offloads[k], pinneds[k], False, low=max(top, below[g]), high=above[g + 1])
+        j = room.seat(sizes[k], offloads[k], pinneds[k], False, low=max(top, below[g]), high=above[g + 1],
+                      disk_ok=disks[k])
         if j < 0:
             return None
         if not room.targets[j]:
@@ -145,15 +159,19 @@ def _seat_in_index_order(room: Room, order: np.ndarray, stay: np.ndarray, pinned
     return chosen
 
 
-def _seating(found: Groups, reserve: int) -> tuple[np.ndarray, np.ndarray]:
+def _seating(found: Groups, reserve: int, also_stay: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The order :func:`fill` seats groups in — those that must stay resident first
-    (:meth:`allocator.strategies.room.Room.must_stay`), then the rest, each in model order — and which must stay."""
+    (:meth:`allocator.strategies.room.Room.must_stay`, or ``also_stay``: groups the loading path would not load from
+    disk, where disk is the only offload target), then the rest, each in model order — and which must stay."""
     stays = Room.must_stay(found.array("stream"), found.array("resident_only"), reserve)
+    if also_stay is not None:
+        stays = stays | also_stay
     return np.concatenate([np.flatnonzero(stays), np.flatnonzero(~stays)]), stays
 
 
 def unit_map(found: Groups, where: list, reserve: int) -> dict:
-    """Unit name -> device from :func:`fill`'s answer, keys in the order the groups were seated."""
+    """Unit name -> device from :func:`fill`'s answer, keys in the order the groups were seated (those that must stay
+    under ``reserve`` first: key order means nothing to accelerate)."""
     order, _ = _seating(found, reserve)
     return group_map(order, where, found.units.array("name"), found.array("members"), found.array("start"))
 

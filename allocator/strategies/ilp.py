@@ -42,10 +42,10 @@ from ..cost import Profile, change_seconds, estimate, tensor_seconds
 from ..errors import AllocatorError
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..rules import loads_disk_only, loads_from_disk
+from ..rules import loads_disk_only
 from ..runs import columns
 from ..runtime import device_of, main_device, map_runs, offloaded_devices, workspace
-from ..units import Group, problem_groups
+from ..units import Group, disk_loadable, problem_groups
 from ..validate import check
 from . import backfill, reserve
 from .ranking import best_valid, infeasible
@@ -145,7 +145,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
     model = cp_model.CpModel()
     x = {(k, d): model.NewBoolVar(f"x{k}_{d}") for k in range(len(found)) for d in devices}
     off = {}
-    no_disk = _kept_off_disk(problem, tensors) if "disk" in devices else []
+    no_disk = [k for k, ok in enumerate(disk_loadable(problem).tolist()) if not ok] if "disk" in devices else []
     for k, grp in enumerate(found):
         model.AddExactlyOne(x[k, d] for d in devices)
         off[k] = sum(x[k, d] for d in devices if d in targets)
@@ -329,18 +329,6 @@ def _home_weightless(found, placed: dict, main, home=None) -> dict:
         if grp.offload == 0 and not grp.resident_only and out.get(grp.units[0].name) in offloaded:
             out.update(dict.fromkeys(grp.names, main if home is None else home))
     return out
-
-
-def _kept_off_disk(problem: Problem, tensors: list[list[int]]) -> list[int]:
-    """The groups (by index) holding a tensor that the loading path would not load right from disk."""
-    g, options = problem.graph, problem.options
-    if options.loader == "transformers":
-        return []
-    t, index = g.tensors, g.tensor_index
-    tied = {index[n] for group in g.all_tie_groups() for n in group if n in index}
-    return [k for k, held in enumerate(tensors)
-            if not all(loads_from_disk(options.loader, t.is_param[i], t.persistent[i], i in tied,
-                                       options.offload_buffers) for i in held)]
 
 
 def _unit_tensors(g, unit) -> list[int]:

@@ -35,7 +35,9 @@ class Room:
     - a target takes its ``offload`` bytes (where it charges them), and its ``pinned`` bytes (buffers that stay,
       generation bytes) go to the main device, which must have room for them too;
     - a group that *must stay* (:meth:`must_stay`: its streamed chain passes the reserve, or it holds a lone tensor,
-      which accelerate's hooks cannot load) is never offloaded.
+      which accelerate's hooks cannot load) is never offloaded;
+    - a group the loading path would not load right from disk (``disk_ok=False``:
+      :func:`allocator.units.disk_loadable`) is never sent to disk.
 
     :meth:`of` makes the room of a fill: the main device keeps the reserve free for streamed weights, every device
     that executes keeps its generation workspace, and the main device holds back (:meth:`hold`) the pinned bytes of
@@ -58,11 +60,12 @@ class Room:
     -1
     """
 
-    __slots__ = ("devices", "free", "targets", "charges", "reserve")
+    __slots__ = ("devices", "free", "targets", "charges", "reserve", "disk")
 
     def __init__(self, devices: list, free: list, targets: list[bool], charges: list[bool], reserve: float = 0):
         self.devices, self.free, self.targets, self.charges = list(devices), list(free), list(targets), list(charges)
         self.reserve = reserve
+        self.disk = self.devices.index("disk") if "disk" in self.devices else -1   # -1: no disk
 
     @classmethod
     def of(cls, problem: Problem, main: Device, reserve: int, found: Groups) -> Room | None:
@@ -101,11 +104,11 @@ class Room:
         (element-wise on arrays)."""
         return (stream > reserve) | resident_only
 
-    def fits(self, j: int, size: int, offload: int, pinned: int, stays: bool) -> bool:
+    def fits(self, j: int, size: int, offload: int, pinned: int, stays: bool, disk_ok: bool = True) -> bool:
         """Whether device ``j`` takes the group, its held-back pinned bytes already given back to the main device."""
         need, main = self.charge(j, size, offload, pinned)
         if self.targets[j]:
-            return not stays and self.free[j] >= need and self.free[0] >= main
+            return not stays and (disk_ok or j != self.disk) and self.free[j] >= need and self.free[0] >= main
         return self.free[j] >= need
 
     def charge(self, j: int, size: int, offload: int, pinned: int) -> tuple[int, int]:
@@ -121,7 +124,8 @@ class Room:
         self.free[j] -= need
         self.free[0] -= main
 
-    def seat(self, size: int, offload: int, pinned: int, stays: bool, low: int = 0, high: int | None = None) -> int:
+    def seat(self, size: int, offload: int, pinned: int, stays: bool, low: int = 0, high: int | None = None,
+             disk_ok: bool = True) -> int:
         """Seat a group on the first device that takes it (:meth:`fits`, :meth:`take`); its index in ``devices``, or
         -1 when none does (nothing is charged). Devices that execute are taken only from index ``low`` to ``high``.
 
@@ -133,7 +137,7 @@ class Room:
         # that the two agree
         for j, target in enumerate(self.targets):
             if target:
-                if stays:
+                if stays or (j == self.disk and not disk_ok):
                     continue
                 need = offload if charges[j] else 0
                 if free[j] >= need and free[0] >= pinned:
@@ -147,7 +151,8 @@ class Room:
             free[0] -= pinned
         return -1
 
-    def seat_group(self, group, low: int = 0, high: int | None = None) -> int:
-        """:meth:`seat` of a :class:`allocator.units.Group` record."""
+    def seat_group(self, group, low: int = 0, high: int | None = None, disk_ok: bool = True) -> int:
+        """:meth:`seat` of a :class:`allocator.units.Group` record (``disk_ok``: its entry of
+        :func:`allocator.units.disk_loadable`)."""
         stays = self.must_stay(group.stream, group.resident_only, self.reserve)
-        return self.seat(group.size, group.offload, group.pinned, stays, low, high)
+        return self.seat(group.size, group.offload, group.pinned, stays, low, high, disk_ok)
