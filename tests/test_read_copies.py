@@ -4,7 +4,8 @@ A float32 llama (16 MiB per decoder layer, its largest tensor 4 MiB) is saved, a
 disk (CPU main). Each load runs in its own process with malloc's mmap threshold at 64 KiB, so that memory freed by
 a hook goes back to the system and the peak RSS of a forward shows what the hooks hold at once. The streamed peak
 (``VmHWM`` after ``clear_refs`` minus the RSS before the forward) must fit what ``allocator.validate.check`` predicts
-for the map (:attr:`allocator.runtime.Memory.streamed`):
+for the map (:attr:`allocator.runtime.Memory.streamed`), and the outputs equal those of the model loaded in RAM at
+the same dtype:
 
 - at ``dtype=float32`` both paths hold the largest tensor as stored (4 MiB);
 - at ``dtype=float16`` the hook reads the float32 tensor and casts it: the float16 copy and the float32 one live
@@ -58,16 +59,18 @@ def status(key):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
 
-x = torch.randint(0, 100, (1, 4))
+x = torch.randint(0, 100, (1, 4), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
-    model(x)
+    logits = model(x).logits
     model(x)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")   # reset the high-water mark
     before = status("VmRSS")
     model(x)
     peak = status("VmHWM")
-print(json.dumps({"streamed": peak - before, "inv_freq": str(model.model.rotary_emb.inv_freq.dtype)}))
+    in_ram = tf.LlamaForCausalLM.from_pretrained(path, dtype=dtype)(x).logits   # the same dtype, no map
+print(json.dumps({"streamed": peak - before, "inv_freq": str(model.model.rotary_emb.inv_freq.dtype),
+                  "same": bool(torch.equal(logits, in_ram))}))
 """
 
 
@@ -103,7 +106,9 @@ def test_streamed_peak_fits_what_validate_predicts(saved, loader, dtype):
     largest = 512 * 2048 * 4          # the largest tensor as stored (float32 mlp weights)
     kept = largest // 2 if dtype == "float16" else largest
     assert memory.streamed == kept + (largest if dtype == "float16" else 0)   # a cast holds both copies
-    measured = measure(loader, path, dtype)["streamed"]
+    found = measure(loader, path, dtype)
+    assert found["same"], "the offloaded model computes what the model in RAM computes at that dtype"
+    measured = found["streamed"]
     mapped = largest if loader == "accelerate" else 0   # the .dat file's pages while it is copied (page cache)
     assert measured <= memory.streamed + mapped + MiB // 2, (measured / MiB, memory.streamed / MiB)
     if dtype == "float16":   # the copy is real: counting float16 bytes alone would be short
