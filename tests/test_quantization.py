@@ -130,7 +130,10 @@ def test_fp8_matches_the_modules_transformers_builds(config, arch):
     quantizer.preprocess_model(theirs, device_map=None)
     fp8_tensors = {n for n, t in theirs.named_parameters() if t.dtype == torch.float8_e4m3fn or "scale" in n}
     assert fp8_tensors
-    expected = sum(t.numel() * (t.element_size() if n in fp8_tensors else 2)
+    kept = {f"{m}.{b}" if m else b for m, module in theirs.named_modules() for b in module._non_persistent_buffers_set}
+    # float8 weights and scales at their size, non-persistent buffers (float32 inv_freq: no loader casts them) at
+    # theirs, the rest in bfloat16
+    expected = sum(t.numel() * (t.element_size() if n in fp8_tensors or n in kept else 2)
                    for n, t in [*theirs.named_parameters(), *theirs.named_buffers()])
     assert planned_total(build(), config) == expected
 

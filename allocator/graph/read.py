@@ -202,18 +202,18 @@ class _Reader:
                         continue
                     canonical = seen.setdefault(id(tensor), count)
                     numel = tensor.numel()
+                    keeps = local in non_persistent   # in no checkpoint: no loader casts it (``SizeOf``)
                     if known is not None:
                         per = known.get(tensor.dtype) or per_element(tensor.dtype)
                         nbytes, nbytes_accel = numel * per[0], numel * per[1]
+                        if keeps and per_element.casts:
+                            nbytes = numel * dtype_bytes(tensor.dtype)[0]
                     else:
-                        nbytes, nbytes_accel = size_of(prefix + local, tensor, numel)
-                    if casts and tensor.is_floating_point():
+                        nbytes, nbytes_accel = size_of(prefix + local, tensor, numel, keeps)
+                    if casts and not keeps and tensor.is_floating_point():
                         own = numel * dtype_bytes(tensor.dtype)[0]
                         if own > nbytes:
-                            if local in non_persistent:   # not in the checkpoint: no loader casts it
-                                nbytes = own
-                            else:
-                                stored[count] = own
+                            stored[count] = own
                     if canonical == count:  # counted: its storage is its own (until declared ties are shared)
                         real += nbytes
                         accel += nbytes_accel
@@ -328,7 +328,9 @@ def build_graph(
     size_of, by_dtype = size_rule(target, special, size_fn)
 
     with gc_paused():
-        read = _read_model(model, size_of, by_dtype, casts=target is not None and size_fn is None)
+        # a floating target is a cast the loaders make (an integer one sizes quantized weights: no cast is read)
+        casts = target is not None and target.is_floating_point and size_fn is None
+        read = _read_model(model, size_of, by_dtype, casts=casts)
         found = None
         if discover_no_split:
             found = discovered(model, read.unique_modules(), read.classes, per_module=read.own_no_split,

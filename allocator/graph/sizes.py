@@ -17,8 +17,10 @@ __all__ = ["SizeFn", "SizeOf", "as_dtype", "dtype_bytes", "is_packed", "PerEleme
 SizeFn = Callable[[str, object], "int | None"]
 """A caller's ``size_fn(name, tensor) -> bytes or None`` (quantized weights; ``None``: the dtype rule decides)."""
 
-SizeOf = Callable[[str, object, int], "tuple[int, float]"]
-"""``size_of(name, tensor, numel) -> (bytes, accelerate's bytes)``: one tensor's size under a build's options."""
+SizeOf = Callable[[str, object, int, bool], "tuple[int, float]"]
+"""``size_of(name, tensor, numel, keeps) -> (bytes, accelerate's bytes)``: one tensor's size under a build's options;
+``keeps``: a non-persistent buffer, in no checkpoint, which no loader casts: a floating ``dtype`` leaves its real
+bytes as they are (llama's float32 ``inv_freq``), while accelerate's bytes follow ``dtype`` as accelerate counts."""
 
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _SUB_BYTE = {f"torch.{sign}int{bits}": bits for sign in ("", "u") for bits in range(1, 8)}
@@ -98,6 +100,7 @@ class PerElement:
     def __init__(self, target):
         self.target = target
         self.known: dict = {}
+        self.casts = target is not None and target.is_floating_point   # the loaders cast to it (not quantizers)
 
     def __call__(self, dtype) -> tuple[int, float]:
         found = self.known.get(dtype)
@@ -115,24 +118,27 @@ class PerElement:
 def size_rule(target, special: Mapping[str, object], size_fn: SizeFn | None) -> tuple[SizeOf, PerElement | None]:
     """The size rule of one build, as ``(size_of, by_dtype)``.
 
-    ``size_of(name, tensor, numel)`` gives any tensor's (bytes, accelerate's bytes): ``size_fn``'s answer when it
-    gives one, else the tensor's ``special_dtypes`` entry, else ``target`` (``dtype``, or None) for floating tensors.
+    ``size_of(name, tensor, numel, keeps=False)`` gives any tensor's (bytes, accelerate's bytes): ``size_fn``'s answer
+    when it gives one, else the tensor's ``special_dtypes`` entry, else ``target`` (``dtype``, or None) for floating
+    tensors (but those that ``keeps``: :data:`SizeOf`).
     ``by_dtype`` is the :class:`PerElement` table when the dtype alone decides every size (no ``size_fn``, no
     ``special_dtypes``, no packed ``target``), so that a walk can multiply instead of calling ``size_of``; else None.
     """
     per_element = PerElement(target)
 
-    def size_of(name, tensor, numel):
+    def size_of(name, tensor, numel, keeps=False):
         if size_fn is None and name not in special:
             real, accel = per_element(tensor.dtype)
+            if keeps and per_element.casts:
+                real = dtype_bytes(tensor.dtype)[0]
             return _whole(numel * real), numel * accel
-        return _tensor_bytes(name, tensor, target, special, size_fn, numel)
+        return _tensor_bytes(name, tensor, target, special, size_fn, numel, keeps)
 
     packed = target is not None and is_packed(target)
     return size_of, (per_element if size_fn is None and not special and not packed else None)
 
 
-def _tensor_bytes(name, tensor, target, special, size_fn, numel) -> tuple[int, float]:
+def _tensor_bytes(name, tensor, target, special, size_fn, numel, keeps=False) -> tuple[int, float]:
     if size_fn is not None:
         custom = size_fn(name, tensor)
         if custom is not None:
@@ -146,6 +152,8 @@ def _tensor_bytes(name, tensor, target, special, size_fn, numel) -> tuple[int, f
     if target is None or _keeps_dtype(tensor.dtype):
         return _whole(numel * own_real), numel * own_acc
     t_real, t_acc = dtype_bytes(target)
+    if keeps and target.is_floating_point:
+        t_real = own_real
     return _whole(numel * min(t_real, own_real)), numel * min(t_acc, own_acc)
 
 
