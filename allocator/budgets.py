@@ -161,7 +161,7 @@ def normalize_device(device) -> Device:
         if device < 0:
             raise InvalidBudget(f"device index {device} is negative; accelerator indices start at 0.")
         return device
-    if type(device).__name__ == "device" and hasattr(device, "type"):  # torch.device, without importing torch
+    if is_torch_device(device):
         device = str(device)
     if isinstance(device, str):
         text = device.strip().lower()
@@ -175,6 +175,11 @@ def normalize_device(device) -> Device:
     raise InvalidBudget(
         f"unknown device {device!r}: use an accelerator index (0, 1, ... or 'cuda:1', 'xpu:0'), 'mps', 'cpu' or 'disk'."
     )
+
+
+def is_torch_device(value) -> bool:
+    """Whether ``value`` is a ``torch.device`` (told without importing torch)."""
+    return type(value).__name__ == "device" and hasattr(value, "type")
 
 
 def canonical(device):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .budgets import Device
+from .budgets import Device, is_torch_device
 
 __all__ = ["LOADERS", "ambiguous_main_device", "hooks_attach",
            "main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on",
@@ -239,7 +239,7 @@ def device_objects(values) -> list:
     """
     found = []
     for value in values:
-        if type(value).__name__ == "device" and hasattr(value, "type") and value not in found:
+        if is_torch_device(value) and value not in found:
             found.append(value)
     return found
 
