@@ -9,6 +9,8 @@ They import nothing of the package but the ``Device`` type, so every layer that 
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 from collections.abc import Mapping
 
 from .budgets import Device, is_torch_device
@@ -16,7 +18,43 @@ from .budgets import Device, is_torch_device
 __all__ = ["LOADERS", "ambiguous_main_device", "hooks_attach",
            "main_device", "offloaded_devices", "device_of", "moves_with_weights", "moves", "executes_on",
            "must_cover", "nested_keys", "loads_disk_only", "reads_disk_buffers", "tie_loads", "loads_from_disk",
-           "read_copy", "device_objects", "loads_device_objects"]
+           "read_copy", "device_objects", "loads_device_objects", "ACCELERATE", "release", "accelerate_at_least"]
+
+
+def release(package: str) -> tuple[int, ...]:
+    """The installed release of ``package`` as integers, ``()`` where it is not installed.
+
+    >>> release("a package that is not installed")
+    ()
+    >>> len(release("accelerate")) >= 2
+    True
+    """
+    try:
+        text = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    found = []
+    for piece in text.split(".")[:3]:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        found.append(int(digits.group()))
+    return tuple(found)
+
+
+ACCELERATE = release("accelerate")
+"""The installed accelerate's release. Some loader rules below changed with accelerate 1.16 (a one-device ``"disk"``
+map and persistent buffers mapped to disk now load); each rule that changed takes the release as a keyword, this by
+default."""
+
+
+def accelerate_at_least(version: tuple[int, ...], accelerate: tuple[int, ...] | None = None) -> bool:
+    """Whether the accelerate release ``accelerate`` (the installed one by default) is ``version`` or later.
+
+    >>> accelerate_at_least((1, 16), (1, 15, 0)), accelerate_at_least((1, 16), (1, 16, 0))
+    (False, True)
+    """
+    return (ACCELERATE if accelerate is None else accelerate) >= version
 
 LOADERS = ("transformers", "accelerate")
 """The loading paths a map can be for (:attr:`allocator.PlanOptions.loader`): transformers 5's ``from_pretrained``,
@@ -170,20 +208,32 @@ def nested_keys(keys) -> list[tuple[str, str]]:
     return found
 
 
-def loads_disk_only(loader: str) -> bool:
+def loads_disk_only(loader: str, *, accelerate: tuple[int, ...] | None = None) -> bool:
     """Whether a map whose only device is ``"disk"`` loads. transformers: yes (5.24 ``modeling_utils.py``,
     ``_load_pretrained_model``: disk tensors are indexed into the checkpoint, ``accelerate_disk_offload``);
-    accelerate: no (1.15 ``utils/modeling.py``, ``load_state_dict`` opens the checkpoint with the map's one
-    device, ``safe_open(..., device="disk")``: ``SafetensorError: device disk is invalid``)."""
-    return loader == "transformers"
+    accelerate 1.15: no (``utils/modeling.py``, ``load_state_dict`` opens the checkpoint with the map's one device,
+    ``safe_open(..., device="disk")``: ``SafetensorError: device disk is invalid``); accelerate 1.16: yes (the same
+    function reads a one-device ``"disk"`` map on the CPU first).
+
+    >>> loads_disk_only("accelerate", accelerate=(1, 15)), loads_disk_only("accelerate", accelerate=(1, 16))
+    (False, True)
+    """
+    return loader == "transformers" or accelerate_at_least((1, 16), accelerate)
 
 
-def reads_disk_buffers(loader: str, offload_buffers: bool) -> bool:
+def reads_disk_buffers(loader: str, offload_buffers: bool, *, accelerate: tuple[int, ...] | None = None) -> bool:
     """Whether persistent buffers mapped to disk get their checkpoint values. transformers: yes (5.24
     ``integrations/accelerate.py``, ``get_device(valid_torch_device=True)`` loads ``"disk"`` buffers to ``"cpu"``);
-    accelerate: only with ``offload_buffers=True`` (1.15 ``utils/modeling.py``, ``load_checkpoint_in_model`` skips
-    a disk tensor ``if not offload_buffers and param_name in buffer_names``: it keeps its ``__init__`` values)."""
-    return loader == "transformers" or offload_buffers
+    accelerate 1.15: only with ``offload_buffers=True`` (``utils/modeling.py``, ``load_checkpoint_in_model`` skips a
+    disk tensor ``if not offload_buffers and param_name in buffer_names``: it keeps its ``__init__`` values);
+    accelerate 1.16: yes (the same function loads such a buffer to ``"cpu"``: "Buffers stay in memory unless
+    ``offload_buffers=True``, so they still need their value").
+
+    >>> reads_disk_buffers("accelerate", False, accelerate=(1, 15)), reads_disk_buffers("accelerate", False,
+    ...                                                                                  accelerate=(1, 16))
+    (False, True)
+    """
+    return loader == "transformers" or offload_buffers or accelerate_at_least((1, 16), accelerate)
 
 
 def tie_loads(loader: str, devices, other_disk_weights: bool) -> bool:
@@ -213,21 +263,22 @@ def tie_loads(loader: str, devices, other_disk_weights: bool) -> bool:
     return used == {"cpu", "disk"} and devices[0] == "cpu" and not other_disk_weights
 
 
-def loads_from_disk(loader: str, is_param: bool, persistent: bool, tied: bool, offload_buffers: bool) -> bool:
+def loads_from_disk(loader: str, is_param: bool, persistent: bool, tied: bool, offload_buffers: bool, *,
+                    accelerate: tuple[int, ...] | None = None) -> bool:
     """Whether a tensor loads right when its whole tie group and module go to disk: the rules above for one tensor
     (:func:`reads_disk_buffers` for a persistent buffer, :func:`tie_loads` for a tied tensor), what a strategy may
     send to disk.
 
-    >>> loads_from_disk("accelerate", False, True, False, False)   # a persistent buffer, offload_buffers=False
+    >>> loads_from_disk("accelerate", False, True, False, False, accelerate=(1, 15))   # a persistent buffer
     False
-    >>> loads_from_disk("transformers", True, True, True, False)
-    True
+    >>> loads_from_disk("accelerate", True, True, True, False), loads_from_disk("transformers", True, True, True, False)
+    (False, True)
     """
     if loader == "transformers":
         return True
     if tied:
         return False
-    return is_param or not persistent or reads_disk_buffers(loader, offload_buffers)
+    return is_param or not persistent or reads_disk_buffers(loader, offload_buffers, accelerate=accelerate)
 
 
 def device_objects(values) -> list:

@@ -31,6 +31,7 @@ from ..errors import UnsupportedByAccelerate
 from ..kernels import Stretches, in_a_row, vectorised
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
+from ..rules import accelerate_at_least
 from ..runs import as_array, columns
 from ..validate import format_bytes
 
@@ -303,9 +304,11 @@ def _with_ties(tree: _Tree, partners, module_size, entries):
     """``get_module_size_with_ties``: the size with the modules holding tied partners, and those entries."""
     if not partners:
         return module_size, []
+    # accelerate 1.16 also matches a partner that is an entry itself (a parameter placed on its own); 1.15 raises.
+    exact = accelerate_at_least((1, 16))
     found = []
     for p in partners:
-        match = next((e for e in entries if p.startswith(e[0] + ".")), None)
+        match = next((e for e in entries if (exact and p == e[0]) or p.startswith(e[0] + ".")), None)
         if match is None:
             raise UnsupportedByAccelerate(
                 f"accelerate's infer_auto_device_map fails here (IndexError): the tied parameter {p!r} is not under "
@@ -444,6 +447,11 @@ def place(problem: Problem) -> Placement:
         if partners and used[device] + module_size <= limit:
             split = False
             for tied in tied_entries:
+                if tied[1] < 0:   # a parameter entry (accelerate >= 1.16 matches those): it has no named_children
+                    raise UnsupportedByAccelerate(
+                        f"accelerate's infer_auto_device_map fails here (AttributeError): the tied parameter "
+                        f"{tied[0]!r} is an entry of its own and cannot be split to make room for {name!r}. Use "
+                        "another strategy, or pass tied_parameters explicitly.")
                 if not tree.children(tied) or tree.no_split(tied):
                     continue
                 entries.replace(tied, tree.split(tied))
