@@ -159,6 +159,10 @@ def _source(weights_map: Mapping, name: str, files: _Files) -> _Source:
     if not isinstance(loader, OffloadedWeightsLoader) or full in loader.state_dict:
         value = weights_map[name]
         return _Source(key=("ram", id(value)), ram=value)
+    if full not in loader.index:
+        raise InvalidRuntime(
+            f"accelerate's offload index has no {full!r} (a tied weight load_checkpoint_and_dispatch did not store; "
+            f"accelerate's own hooks fail on it at the first forward): load the model with from_pretrained.")
     info = loader.index[full]
     if info.get("safetensors_file") is not None:
         f = files.get(info["safetensors_file"])

@@ -1,0 +1,290 @@
+"""The allocator offload runtime (``allocator/offload.py``) against accelerate's hooks and the model in RAM.
+
+Small random models are saved to disk and loaded with 30 % of their size as the RAM budget (CPU main device, the rest
+streamed from disk). With our hooks in place of accelerate's, each test checks one promise of the runtime:
+
+- outputs equal (bit for bit) the fully-in-RAM model's, for llama, T5, ViT and Segformer loaded by transformers'
+  ``from_pretrained``, and for llama and T5 by accelerate's ``load_checkpoint_and_dispatch`` (:func:`dispatch`;
+  ViT and Segformer checkpoints are not loaded there: their plans are for ``from_pretrained``), at prefetch 0, 1, 2;
+- greedy ``generate`` gives the same 20 new tokens as in RAM (llama, T5: repeated forwards, KV cache);
+- offloaded buffers, tied weights, :func:`detach` (accelerate's hooks back, same outputs), typed errors;
+- an error on the prefetch thread reaches the forward that needed the weights;
+- on the stream device (with the CPU stand-in for a GPU) the compute stream waits only after the copy was recorded,
+  and with prefetch the next unit's copy is issued before the running unit ends;
+- the offloaded weights held at once, measured from outside the runtime (each staged tensor followed until it is
+  freed), stay within what the plan reserves for the runtime and its prefetch.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+accelerate_hooks = pytest.importorskip("accelerate.hooks")
+
+import allocator  # noqa: E402
+from allocator import offload  # noqa: E402
+from allocator.errors import InvalidOption, InvalidRuntime  # noqa: E402
+from models import DTYPE, SavedModel, tiny_specs  # noqa: E402
+
+SHARE = 0.3
+MODELS = ("llama", "t5", "vit", "segformer")
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory, quiet):
+    root = tmp_path_factory.mktemp("offload_models")
+    specs = tiny_specs()
+    out = {name: SavedModel(name, *specs[name], root, budget_share=SHARE) for name in (*MODELS, "gpt2")}
+    out["segformer_buffers"] = SavedModel("segformer_buffers", *specs["segformer"], root, budget_share=SHARE,
+                                          perturb_buffers=True)
+    return out
+
+
+def _plan(case, **options):
+    return allocator.plan(case.meta, dict(case.max_memory), **options)
+
+
+def _loaded(case, tmp_path, **options):
+    p = _plan(case, **options)
+    assert "disk" in p.device_map.values(), p.device_map
+    return p, case.load(p.device_map, tmp_path / "offload")
+
+
+class Held:
+    """A device wrapper that follows every tensor the runtime stages until it is freed: bytes held at once."""
+
+    def __init__(self, inner):
+        self.inner, self.current, self.max = inner, 0, 0
+
+    def stage(self, slots, *, ahead):
+        handle = self.inner.stage(slots, ahead=ahead)
+        for t in (handle[0] if isinstance(handle, tuple) else handle).values():
+            self.current += t.nbytes
+            self.max = max(self.max, self.current)
+            weakref.finalize(t, self._free, t.nbytes)
+        return handle
+
+    def _free(self, nbytes):
+        self.current -= nbytes
+
+    def ready(self, handle):
+        return self.inner.ready(handle)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_outputs_equal_in_ram_model_from_pretrained(cases, name, tmp_path):
+    case = cases[name]
+    p, model = _loaded(case, tmp_path)
+    for k in (0, 1, 2):
+        runtime = offload.attach(model, p, prefetch=k)
+        assert runtime.units
+        assert all(isinstance(u.module._hf_hook, offload.OffloadHook) for u in runtime.units)
+        for _ in range(2):   # the second forward runs with what the scheduler learnt in the first
+            assert torch.equal(case.logits(model), case.reference), (name, k)
+        offload.detach(model)
+
+
+def test_outputs_equal_in_ram_model_load_checkpoint_and_dispatch(cases, tmp_path):
+    from accelerate import init_empty_weights
+
+    case = cases["llama"]
+    p = _plan(case, loader="accelerate")
+    assert "disk" in p.device_map.values()
+    with init_empty_weights():
+        model = case.cls(case.config)
+    model = offload.dispatch(model, p, case.path, offload_folder=str(tmp_path / "offload"), dtype=DTYPE,
+                             prefetch=1)
+    runtime = model._allocator_runtime
+    assert runtime.units and any(s.source.file is not None for u in runtime.units for s in u.slots)
+    mapped = dict(runtime.files.open)
+    for _ in range(2):
+        torch.testing.assert_close(case.logits(model), case.reference, rtol=0, atol=0)
+    assert runtime.files.open == mapped    # each .dat file mapped once, at attach, reused by every forward
+    assert {id(s.source.file) for u in runtime.units for s in u.slots} == {id(f) for f in mapped.values()}
+
+
+def test_t5_tied_embeddings_refused_where_accelerate_fails_too(cases, tmp_path):
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    case = cases["t5"]
+    p = _plan(case, loader="accelerate")
+    with init_empty_weights():
+        model = case.cls(case.config)
+    model = load_checkpoint_and_dispatch(model, case.path, device_map=p.device_map, dtype=DTYPE,
+                                         offload_folder=str(tmp_path / "offload"))
+    with pytest.raises(KeyError, match="encoder.embed_tokens.weight"):   # accelerate's hooks
+        case.logits(model)
+    with pytest.raises(InvalidRuntime, match="from_pretrained"):
+        offload.attach(model, p)
+
+
+@pytest.mark.parametrize("name", ("llama", "t5"))
+def test_generate_gives_the_in_ram_tokens(cases, name, tmp_path):
+    case = cases[name]
+    ram = case.cls.from_pretrained(case.path, dtype=DTYPE).eval()
+    prompt = {k: v for k, v in case.inputs.items() if k == "input_ids"}
+    settings = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None,
+                    decoder_start_token_id=0)
+    with torch.no_grad():
+        expected = ram.generate(**prompt, **settings)
+    p, model = _loaded(case, tmp_path)
+    offload.attach(model, p, prefetch=1)
+    with torch.no_grad():
+        got = model.generate(**prompt, **settings)
+    assert got.shape[-1] >= 20
+    assert torch.equal(got, expected)
+
+
+def test_offloaded_buffers_are_streamed_and_read_from_the_checkpoint(cases, tmp_path):
+    case = cases["segformer_buffers"]   # saved BatchNorm statistics differ from __init__'s
+    device_map = dict(_plan(case, offload_buffers=True).device_map, **{"decode_head.batch_norm": "disk"})
+    model = case.cls.from_pretrained(case.path, dtype=DTYPE, device_map=device_map, offload_buffers=True,
+                                     offload_folder=str(tmp_path / "offload"))
+    assert torch.equal(case.logits(model), case.reference)      # accelerate's hooks
+    runtime = offload.attach(model, device_map, prefetch=1)
+    buffers = [s for u in runtime.units for s in u.slots if not s.is_param]
+    assert buffers, "offload_buffers=True: the runtime streams buffers too"
+    for _ in range(2):
+        assert torch.equal(case.logits(model), case.reference)
+    assert all(s.owner._buffers[s.attr].device.type == "meta" for s in buffers)   # back to meta after each forward
+
+
+def test_tied_weights_fetched_once_and_shared(cases, tmp_path):
+    case = cases["gpt2"]   # lm_head.weight is transformer.wte.weight
+    p, model = _loaded(case, tmp_path)
+    runtime = offload.attach(model, p, prefetch=0)
+    assert torch.equal(case.logits(model), case.reference)
+    # A tensor two modules hold at once is materialised once: entering a unit a second time while it is in use (a
+    # tied user) fetches nothing new, and the tensor stays until its last user is done.
+    a = runtime.units[0]
+    runtime.load(a)
+    held = runtime.held
+    first = a.slots[0].owner._parameters[a.slots[0].attr]
+    runtime.load(a)
+    assert runtime.held == held == a.nbytes
+    assert a.slots[0].owner._parameters[a.slots[0].attr].data_ptr() == first.data_ptr()
+    runtime.drop(a)
+    assert runtime.held == held and runtime.live
+    runtime.drop(a)
+    assert runtime.held == 0 and not runtime.live
+    assert a.slots[0].owner._parameters[a.slots[0].attr].device.type == "meta"
+    assert torch.equal(case.logits(model), case.reference)
+
+
+def test_detach_puts_accelerates_hooks_back(cases, tmp_path):
+    case = cases["llama"]
+    p, model = _loaded(case, tmp_path)
+    before = {n: m._hf_hook for n, m in model.named_modules() if hasattr(m, "_hf_hook")}
+    offload.attach(model, p)
+    with pytest.raises(InvalidRuntime, match="detach"):
+        offload.attach(model, p)
+    assert torch.equal(case.logits(model), case.reference)
+    offload.detach(model)
+    after = {n: m._hf_hook for n, m in model.named_modules() if hasattr(m, "_hf_hook")}
+    assert after == before and offload.has_offload_hooks(model)
+    assert not any(isinstance(h, offload.OffloadHook) for h in after.values())
+    assert torch.equal(case.logits(model), case.reference)
+    with pytest.raises(InvalidRuntime, match="attach"):
+        offload.detach(model)
+
+
+def test_attach_refuses_what_it_cannot_run(cases, tmp_path):
+    case = cases["llama"]
+    in_ram = case.cls.from_pretrained(case.path, dtype=DTYPE)
+    with pytest.raises(InvalidRuntime, match="no offloaded modules"):
+        offload.attach(in_ram)
+    p, model = _loaded(case, tmp_path)
+    other = dict(p.device_map, lm_head="cpu")
+    with pytest.raises(InvalidRuntime, match="not the plan's"):
+        offload.attach(model, other)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidOption, match="prefetch"):
+            offload.attach(model, p, prefetch=bad)
+    assert not hasattr(model, "_allocator_runtime")
+
+
+class Failing(offload.HostDevice):
+    """Fails staging the unit named ``bad`` on the prefetch thread."""
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def stage(self, slots, *, ahead):
+        if ahead and any(s.source.key == self.bad for s in slots):
+            raise RuntimeError("disk read failed")
+        return super().stage(slots, ahead=ahead)
+
+
+def test_prefetch_thread_error_reaches_the_forward(cases, tmp_path):
+    case = cases["llama"]
+    p, model = _loaded(case, tmp_path)
+    probe = offload.attach(model, p, prefetch=0)
+    second = probe.units[1].slots[0].source.key
+    offload.detach(model)
+    # Deterministic: the forward that needs unit 1 waits on its future, which holds the thread's exception.
+    runtime = offload.attach(model, p, prefetch=1, device=Failing(second))
+    with pytest.raises(RuntimeError, match="disk read failed"):
+        case.logits(model)
+    offload.detach(model)
+    assert runtime.executor._shutdown
+
+
+@pytest.mark.parametrize("k", (0, 1))
+def test_stream_device_waits_only_for_recorded_copies(cases, tmp_path, k):
+    case = cases["llama"]
+    p, model = _loaded(case, tmp_path)
+    device = offload.StandInDevice()
+    runtime = offload.attach(model, p, prefetch=k, device=device)
+    started = []
+    handles = [u.module.register_forward_pre_hook(lambda m, a, n=u.name: started.append(n)) for u in runtime.units]
+    name = {u.slots[0].source.key: u.name for u in runtime.units}
+    assert torch.equal(case.logits(model), case.reference)
+    for future in runtime.pending.values():   # the prefetch thread may still be issuing the next forward's copy
+        future.result()
+    first = len(device.log)
+    del started[:]
+    assert torch.equal(case.logits(model), case.reference)   # the second forward: the order is learnt
+    for future in runtime.pending.values():
+        future.result()
+    for h in handles:
+        h.remove()
+    log = [(kind, stream, name[key]) for kind, stream, key in device.log]
+    assert all(s == "side" for kind, s, _ in log if kind == "record")
+    assert all(s == "compute" for kind, s, _ in log if kind == "wait")
+    now = log[first:]
+    waits = [i for i, e in enumerate(now) if e[0] == "wait"]
+    assert [now[i][2] for i in waits] == started and len(started) == len(runtime.units)   # each unit waited once
+    if k == 0:   # inline: each copy recorded just before its wait
+        assert [e[0] for e in now] == ["record", "wait"] * len(started)
+        return
+    # ahead: every unit's copy is recorded after the wait of the unit before it, before its own wait: the compute
+    # stream never waits for a copy issued late; the first unit of this forward was issued by the last forward.
+    records = [i for i, e in enumerate(now) if e[0] == "record"]
+    assert len(records) == len(started)       # no wrong guess, no inline fetch
+    assert log[first - 1] == ("record", "side", started[0])
+    for (a, b), r in zip(zip(waits, waits[1:]), records):
+        assert a < r < b and now[r][2] == now[b][2]
+    assert now[records[-1]][2] == started[0]   # the next forward's first unit is already on its way
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_weights_held_at_once_fit_the_plans_reserve(cases, name, tmp_path):
+    case = cases[name]
+    for k in (0, 1, 2):
+        p, model = _loaded(case, tmp_path / str(k), runtime="allocator", prefetch=k)
+        meter = Held(offload.HostDevice())
+        runtime = offload.attach(model, p, device=meter)
+        assert runtime.prefetch == k    # from the plan's options
+        for _ in range(2):
+            assert torch.equal(case.logits(model), case.reference)
+        offload.detach(model)
+        gc.collect()
+        reserve = p.parts["cpu"]["streamed"] + p.parts["cpu"].get("prefetch", 0)
+        assert 0 < meter.max <= reserve, (name, k, meter.max, reserve)
+        assert runtime.peak_held <= reserve
+        assert meter.current == 0 and runtime.held == 0
