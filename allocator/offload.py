@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .errors import InvalidOption, InvalidRuntime
+from .runtime import prefetch_of
 
 __all__ = [
     "Attached",
@@ -595,9 +596,10 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Att
         ``load_checkpoint_and_dispatch`` (its offloaded modules have accelerate's ``AlignDevicesHook``).
     plan : allocator.Plan or dict, optional
         The plan (or device map) it was loaded with; when given, ``model.hf_device_map`` must be that map, and the
-        plan's ``prefetch`` option is the default prefetch.
+        plan's runtime decides the default prefetch.
     prefetch : int, optional
-        Offloaded units made ready ahead of the one running (0: none). Default: the plan's, else 1.
+        Offloaded units made ready ahead of the one running (0: none). Default: what the plan reserved
+        (``prefetch`` with ``runtime="allocator"``, 0 for a plan made for accelerate's hooks), else 1.
     device : optional
         ``None`` (from the hooks' execution device: :class:`HostDevice` for ``cpu``, CUDA streams for a GPU),
         ``"stand-in"`` (:class:`StandInDevice`) or a device object with ``stage`` / ``ready``.
@@ -622,9 +624,9 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Att
         if loaded is not None and dict(loaded) != expected:
             raise InvalidRuntime(f"the model was loaded with device_map {loaded}, not the plan's {expected}; "
                                  f"load it with plan.device_map.")
-    if prefetch is None:
+    if prefetch is None:   # what the plan reserved for: none under accelerate's hooks
         options = getattr(getattr(plan, "problem", None), "options", None)
-        prefetch = getattr(options, "prefetch", 1)
+        prefetch = 1 if options is None else prefetch_of(options)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise InvalidOption(f"prefetch must be a non-negative integer, got {prefetch!r}.")
     if not has_offload_hooks(model):

@@ -284,7 +284,65 @@ def test_weights_held_at_once_fit_the_plans_reserve(cases, name, tmp_path):
             assert torch.equal(case.logits(model), case.reference)
         offload.detach(model)
         gc.collect()
-        reserve = p.parts["cpu"]["streamed"] + p.parts["cpu"].get("prefetch", 0)
+        reserve = p.streamed + p.prefetch
         assert 0 < meter.max <= reserve, (name, k, meter.max, reserve)
         assert runtime.peak_held <= reserve
         assert meter.current == 0 and runtime.held == 0
+
+
+# -- the plan reserves what the runtime holds ---------------------------------------------------------------------
+
+def test_plan_options_runtime_and_prefetch_are_checked(cases):
+    meta = cases["llama"].meta
+    with pytest.raises(InvalidOption, match="runtime must be one of"):
+        allocator.plan(meta, {"cpu": 10**6}, runtime="fast")
+    for bad in (-1, 0.5, False):
+        with pytest.raises(InvalidOption, match="prefetch must be a non-negative integer"):
+            allocator.plan(meta, {"cpu": 10**6}, runtime="allocator", prefetch=bad)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefetch_reserve_in_every_strategys_plan(cases, name):
+    from allocator.validate import check
+
+    case = cases[name]
+    budgets = {"cpu": int(0.7 * case.total)}
+    base = _plan(case)
+    assert base.prefetch == 0
+    assert _plan(case, runtime="allocator", prefetch=0).device_map == base.device_map   # prefetch 0: accelerate's
+    ahead = {}
+    for k in (1, 2):
+        for strategy in ("auto", "sequential", "backfill", "reserve", "ilp", "balanced"):
+            p = allocator.plan(case.meta, dict(budgets), strategy=strategy, runtime="allocator", prefetch=k)
+            violations, memory = check(p.problem, p.device_map)
+            assert memory.prefetch == p.prefetch and p.peak["cpu"] >= p.resident("cpu") + p.streamed + p.prefetch
+            if strategy != "sequential":   # sequential is accelerate's map, not made for a runtime
+                assert p.valid and not violations, (name, strategy, k, p.explain())
+            if p.streamed:
+                assert 0 < p.prefetch <= k * p.streamed   # each module made ready ahead streams at most a chain
+        ahead[k] = p.prefetch
+        if p.prefetch:
+            assert "prefetch" in p.explain()
+    plain = allocator.plan(case.meta, dict(budgets), strategy="auto")
+    if plain.streamed:
+        assert ahead[2] >= ahead[1] > 0
+        # the same map costs more on the main device under the prefetching runtime
+        same = check(allocator.build_problem(case.meta, dict(budgets), runtime="allocator", prefetch=1),
+                     plain.device_map)[1]
+        assert same.peak["cpu"] == plain.peak["cpu"] + same.prefetch > plain.peak["cpu"]
+
+
+def test_prefetch_reserve_is_the_largest_modules_whatever_the_order():
+    from allocator.runtime import map_runs, offloaded_devices, prefetch_reserve
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 64), torch.nn.Linear(64, 4),
+                                torch.nn.Linear(4, 32))
+    g = allocator.build_problem(model, {"cpu": 10**6}).graph
+    runs = map_runs(g, {"": "disk"})
+    sizes = sorted((sum(p.nbytes for p in m.parameters()) for m in model), reverse=True)
+    off = offloaded_devices("cpu")
+    assert prefetch_reserve(g, runs, off, 0) == 0
+    assert prefetch_reserve(g, runs, off, 1) == sizes[0]
+    assert prefetch_reserve(g, runs, off, 2) == sizes[0] + sizes[1]   # not adjacent in module order
+    assert prefetch_reserve(g, runs, off, 9) == sum(sizes)
+    assert prefetch_reserve(g, map_runs(g, {"0": "cpu", "1": "cpu", "2": "disk", "3": "disk"}), off, 1) == sizes[1]
