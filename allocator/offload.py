@@ -104,6 +104,12 @@ class MappedFile:
         entry = self.entries[name]
         return self.view(*self.span(name), getattr(torch, _DTYPES[entry["dtype"]]), entry["shape"])
 
+    def evict(self) -> None:
+        """Drop this mapping's pages from the process (``MADV_DONTNEED``: they are read again from the file when
+        touched), so that the kernel may drop them from the page cache too (cold-cache measurements)."""
+        if self.mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mm.madvise(mmap.MADV_DONTNEED)
+
     def page_in(self, start: int, end: int) -> None:
         """Ask the kernel to read ``start:end`` ahead, then touch one byte per page so it is in memory."""
         if self.mm is None or end <= start:
@@ -551,6 +557,11 @@ class Attached:
                 del self.live[s.source.key]
                 freed += s.nbytes
         self._count(-freed)
+
+    def evict(self) -> None:
+        """Drop the pages of every mapped file from this process (:meth:`MappedFile.evict`)."""
+        for f in list(self.files.open.values()):
+            f.evict()
 
     def close(self) -> None:
         """Wait for the prefetch thread, release what it staged."""

@@ -26,7 +26,8 @@ OBJECTIVES = ("contract", "latency")
 """Values of :attr:`PlanOptions.objective`."""
 
 RUNTIMES = ("accelerate", "allocator")
-"""Values of :attr:`PlanOptions.runtime`: what streams offloaded weights (accelerate's hooks, :mod:`allocator.offload`)."""
+"""Values of :attr:`PlanOptions.runtime`: what streams offloaded weights (accelerate's hooks, or
+:mod:`allocator.offload`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
