@@ -346,3 +346,28 @@ def test_prefetch_reserve_is_the_largest_modules_whatever_the_order():
     assert prefetch_reserve(g, runs, off, 2) == sizes[0] + sizes[1]   # not adjacent in module order
     assert prefetch_reserve(g, runs, off, 9) == sum(sizes)
     assert prefetch_reserve(g, map_runs(g, {"0": "cpu", "1": "cpu", "2": "disk", "3": "disk"}), off, 1) == sizes[1]
+
+
+# -- patch(runtime="allocator") and dispatch() ----------------------------------------------------------------------
+
+def test_patch_runtime_allocator_runs_our_hooks_after_from_pretrained(cases, tmp_path):
+    from allocator import hf
+
+    case = cases["llama"]
+    budgets = {"cpu": int(0.7 * case.total)}
+    expected = allocator.plan(case.meta, dict(budgets), runtime="allocator", prefetch=1)
+    assert expected.valid and expected.prefetch and "disk" in expected.device_map.values()
+    with hf.patch(runtime="allocator", prefetch=1):
+        model = case.cls.from_pretrained(case.path, dtype=DTYPE, device_map="auto", max_memory=dict(budgets),
+                                         offload_folder=str(tmp_path / "offload"))
+    assert model.hf_device_map == expected.device_map
+    runtime = model._allocator_runtime
+    assert runtime.prefetch == 1 and all(isinstance(u.module._hf_hook, offload.OffloadHook) for u in runtime.units)
+    for _ in range(2):
+        assert torch.equal(case.logits(model), case.reference)
+    assert runtime.peak_held <= expected.streamed + expected.prefetch
+    # without runtime="allocator" the patch leaves accelerate's hooks alone
+    with hf.patch():
+        plain = case.cls.from_pretrained(case.path, dtype=DTYPE, device_map="auto", max_memory=dict(budgets),
+                                         offload_folder=str(tmp_path / "offload2"))
+    assert not hasattr(plain, "_allocator_runtime") and offload.has_offload_hooks(plain)
