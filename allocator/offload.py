@@ -332,8 +332,8 @@ class StreamDevice:
         b = self.backend
         label = slots[0].source.key if slots else ()
         out = {}
-        for s in slots:
-            out[s.source.key] = _convert(b.copy(s.source.host()), s.meta)
+        for s in slots:   # cast on the host: a cast on the device would run outside the side stream
+            out[s.source.key] = b.copy(_convert(s.source.host(), s.meta))
         event = b.event(label)
         event.record(b.side)
         return out, event
