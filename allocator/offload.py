@@ -110,13 +110,19 @@ class MappedFile:
         if self.mm is not None and hasattr(mmap, "MADV_DONTNEED"):
             self.mm.madvise(mmap.MADV_DONTNEED)
 
-    def page_in(self, start: int, end: int) -> None:
-        """Ask the kernel to read ``start:end`` ahead, then touch one byte per page so it is in memory."""
-        if self.mm is None or end <= start:
+    def advise(self, start: int, end: int) -> None:
+        """Ask the kernel to read ``start:end`` in (asynchronous read-ahead)."""
+        if self.mm is None or end <= start or not hasattr(mmap, "MADV_WILLNEED"):
             return
         lo = start - start % PAGE
-        if hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
-            self.mm.madvise(mmap.MADV_WILLNEED, lo, end - lo)
+        self.mm.madvise(mmap.MADV_WILLNEED, lo, end - lo)
+
+    def page_in(self, start: int, end: int) -> None:
+        """Read ``start:end`` in now: the kernel's read-ahead, then one byte touched per page."""
+        if self.mm is None or end <= start:
+            return
+        self.advise(start, end)
+        lo = start - start % PAGE
         memoryview(self.mm)[lo:end:PAGE].tobytes()
 
 
@@ -153,6 +159,10 @@ class _Source:
     def page_in(self) -> None:
         if self.file is not None:
             self.file.page_in(self.start, self.end)
+
+    def advise(self) -> None:
+        if self.file is not None:
+            self.file.advise(self.start, self.end)
 
 
 def _source(weights_map: Mapping, name: str, files: _Files) -> _Source:
@@ -229,9 +239,22 @@ def _convert(value, meta):
 
 
 class HostDevice:
-    """CPU main device: a module's weights are views into the mapped files, their pages read in ahead."""
+    """CPU main device: a module's weights are views into the mapped files.
+
+    Ahead of a module (``prefetch``), by default the kernel is asked to read its byte ranges in
+    (``madvise(MADV_WILLNEED)``, asynchronous read-ahead, no thread and nothing materialised early); with
+    ``thread=True`` a background thread reads the pages in and makes the views ahead (the runtime then holds them).
+    """
 
     kind = "cpu"
+
+    def __init__(self, *, thread: bool = False):
+        self.threaded = thread
+
+    def advise(self, slots) -> None:
+        """Start the kernel's read-ahead of ``slots``' bytes."""
+        for s in slots:
+            s.source.advise()
 
     def stage(self, slots, *, ahead: bool):
         """Make ``slots``' tensors ready; on the prefetch thread (``ahead``) also read their pages in."""
@@ -320,6 +343,7 @@ class StreamDevice:
     """
 
     kind = "stream"
+    threaded = True
 
     def __init__(self, backend):
         self.backend = backend
@@ -487,7 +511,9 @@ class Attached:
         self.pending: dict[int, Future] = {}     # unit -> staged handle (prefetched)
         self.held = self.peak_held = self.fetches = 0
         self.lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="allocator-prefetch") if prefetch else None
+        self.threaded = getattr(device, "threaded", True)
+        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="allocator-prefetch")
+                         if prefetch and self.threaded else None)
 
     # --- accounting -------------------------------------------------------------------------------------------
     def _count(self, nbytes: int) -> None:
@@ -530,6 +556,9 @@ class Attached:
         self._count(-duplicate)
         if self.executor is not None:
             self._prefetch(unit.index)
+        elif self.prefetch:    # read-ahead only: the kernel fetches the pages, nothing is held early
+            for u in self.scheduler.ahead(unit.index, self.prefetch):
+                self.device.advise(self.units[u].slots)
 
     def _prefetch(self, index: int) -> None:
         ahead = self.scheduler.ahead(index, self.prefetch)

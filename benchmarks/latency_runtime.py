@@ -4,7 +4,8 @@ The four models of ``benchmarks/latency.py`` (llama, T5, ViT, Segformer; float32
 For each RAM budget (30/50/70 % of the model; the CPU is the main device, the rest is streamed from disk), the map
 is ``allocator.plan(meta, budget).device_map`` (the default plan, made for accelerate's hooks), loaded by
 ``from_pretrained`` once per runtime in this one process: one copy keeps accelerate's hooks, one copy per
-``--prefetch`` value runs :func:`allocator.offload.attach`. A copy fully in RAM is the reference: every timed output
+``--prefetch`` value runs :func:`allocator.offload.attach` (``ours-k``: the kernel's read-ahead of the next ``k``
+modules; with ``--thread`` also ``ours-k-thread``: a thread reads their pages in and makes their views ahead). A copy fully in RAM is the reference: every timed output
 is compared with it (``torch.equal``).
 
 Forwards take turns (the order rotates at every forward), one thread for torch (the prefetch thread is extra), inputs
@@ -65,13 +66,15 @@ def _cell(model: Model, f: float, args, workdir: Path) -> list[dict]:
     budget = {"cpu": int(f * model.total)}
     plan = allocator.plan(model.meta, dict(budget))
     inputs = specs()[model.name][2](torch.Generator().manual_seed(0))
-    runtimes = ["hooks", *[f"ours-{k}" for k in args.prefetch]]
+    runtimes = ["hooks", *[f"ours-{k}" for k in args.prefetch],
+                *([f"ours-{k}-thread" for k in args.prefetch if k] if args.thread else [])]
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         loaded, attached = {}, {}
         for name in runtimes:
             loaded[name] = _load(model, plan.device_map, budget, Path(tmp) / name)
             if name != "hooks":
-                attached[name] = offload.attach(loaded[name], plan.device_map, prefetch=int(name.split("-")[1]))
+                attached[name] = offload.attach(loaded[name], plan.device_map, prefetch=int(name.split("-")[1]),
+                                                device=offload.HostDevice(thread=name.endswith("thread")))
         reference = _load(model, None, None, None)
         cold_paths = _files(model.path, tmp)
         with torch.no_grad():
@@ -140,7 +143,9 @@ def report(rows, args, command, seconds) -> str:
         f"{args.forwards} timed runs per cell after {args.warmup} warm-up; `speedup` = hooks median / ours median; "
         "`equal`: every timed output equal (`torch.equal`) to the model fully in RAM (generate: the same tokens). "
         "`peak_held`: offloaded weight our runtime held at once; `reserve`: what a plan made for that runtime "
-        "(`runtime=\"allocator\", prefetch=k`) reserves for this map (streamed chain + prefetch).",
+        "(`runtime=\"allocator\", prefetch=k`) reserves for this map (streamed chain + prefetch). `ours-k`: prefetch "
+        "by the kernel's read-ahead (`madvise(MADV_WILLNEED)`) of the next k modules; `ours-k-thread`: a thread "
+        "reads their pages in and makes their views ahead (held: counted in peak held).",
         "",
         "| model | RAM | regime | job | runtime | median ms | speedup | equal | peak held | reserve |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -177,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--forwards", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-generate", dest="generate", action="store_false")
+    ap.add_argument("--thread", action="store_true",
+                    help="also ours-k-thread: a prefetch thread reads pages in and makes the views ahead")
     ap.add_argument("--quick", action="store_true", help="7 timed runs per cell")
     ap.add_argument("--smoke", action="store_true", help="tiny llama, one budget, 3 runs, warm (CI)")
     ap.add_argument("--out", type=Path, default=OUT)

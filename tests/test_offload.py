@@ -60,6 +60,8 @@ class Held:
 
     def __init__(self, inner):
         self.inner, self.current, self.max = inner, 0, 0
+        self.threaded = inner.threaded
+        self.advise = inner.advise
 
     def stage(self, slots, *, ahead):
         handle = self.inner.stage(slots, ahead=ahead)
@@ -212,6 +214,7 @@ class Failing(offload.HostDevice):
     """Fails staging the unit named ``bad`` on the prefetch thread."""
 
     def __init__(self, bad):
+        super().__init__(thread=True)
         self.bad = bad
 
     def stage(self, slots, *, ahead):
@@ -275,9 +278,9 @@ def test_stream_device_waits_only_for_recorded_copies(cases, tmp_path, k):
 @pytest.mark.parametrize("name", MODELS)
 def test_weights_held_at_once_fit_the_plans_reserve(cases, name, tmp_path):
     case = cases[name]
-    for k in (0, 1, 2):
-        p, model = _loaded(case, tmp_path / str(k), runtime="allocator", prefetch=k)
-        meter = Held(offload.HostDevice())
+    for k, thread in ((0, False), (1, False), (1, True), (2, True)):
+        p, model = _loaded(case, tmp_path / f"{k}{thread}", runtime="allocator", prefetch=k)
+        meter = Held(offload.HostDevice(thread=thread))
         runtime = offload.attach(model, p, device=meter)
         assert runtime.prefetch == k    # from the plan's options
         for _ in range(2):
@@ -286,6 +289,8 @@ def test_weights_held_at_once_fit_the_plans_reserve(cases, name, tmp_path):
         gc.collect()
         reserve = p.streamed + p.prefetch
         assert 0 < meter.max <= reserve, (name, k, meter.max, reserve)
+        if not thread:   # read-ahead only: nothing held beyond the running chain
+            assert meter.max <= p.streamed
         assert runtime.peak_held <= reserve
         assert meter.current == 0 and runtime.held == 0
 
@@ -371,3 +376,28 @@ def test_patch_runtime_allocator_runs_our_hooks_after_from_pretrained(cases, tmp
         plain = case.cls.from_pretrained(case.path, dtype=DTYPE, device_map="auto", max_memory=dict(budgets),
                                          offload_folder=str(tmp_path / "offload2"))
     assert not hasattr(plain, "_allocator_runtime") and offload.has_offload_hooks(plain)
+
+
+def test_host_read_ahead_asks_the_kernel_for_the_next_module(cases, tmp_path):
+    case = cases["llama"]
+    p, model = _loaded(case, tmp_path)
+    device = offload.HostDevice()
+    events = []
+    device.advise = lambda slots: events.append(("advise", slots[0].source.key))
+    runtime = offload.attach(model, p, prefetch=1, device=device)
+    assert runtime.executor is None            # no thread: the kernel reads ahead
+    key = {u.name: u.slots[0].source.key for u in runtime.units}
+    handles = [u.module.register_forward_pre_hook(lambda m, a, n=u.name: events.append(("run", key[n])))
+               for u in runtime.units]
+    assert torch.equal(case.logits(model), case.reference)
+    del events[:]
+    assert torch.equal(case.logits(model), case.reference)   # learnt order
+    for h in handles:
+        h.remove()
+    runs = [k for kind, k in events if kind == "run"]
+    assert len(runs) == len(runtime.units)
+    # after each module starts, the one that runs next is advised, before it runs
+    for a, b in zip(runs, runs[1:]):
+        i, j = events.index(("run", a)), events.index(("run", b))
+        assert ("advise", b) in events[i:j]
+    assert runtime.held == 0 and runtime.peak_held <= p.streamed
