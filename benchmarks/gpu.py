@@ -526,7 +526,8 @@ def report(rows, info, args, device: Device, command, seconds) -> str:
                                                                                              args.dry_run))
     if info.get("runtime"):
         parts.append(
-            f"\n## offload runtime: accelerate's hooks against `allocator.offload`, budget {args.runtime_budget:.0%}\n\n"
+            "\n## offload runtime: accelerate's hooks against `allocator.offload`, budget "
+            f"{args.runtime_budget:.0%}\n\n"
             "One map planned with `runtime=\"allocator\", prefetch=1`, loaded once per runtime; forwards take turns. "
             + ("Dry run: the CPU is main, offloaded weights come from disk; `ours-1-standin` runs the GPU stream "
                "scheduling (side-stream copies, events) with the CPU stand-in device." if args.dry_run else

@@ -5,8 +5,8 @@ For each RAM budget (30/50/70 % of the model; the CPU is the main device, the re
 is ``allocator.plan(meta, budget).device_map`` (the default plan, made for accelerate's hooks), loaded by
 ``from_pretrained`` once per runtime in this one process: one copy keeps accelerate's hooks, one copy per
 ``--prefetch`` value runs :func:`allocator.offload.attach` (``ours-k``: the kernel's read-ahead of the next ``k``
-modules; with ``--thread`` also ``ours-k-thread``: a thread reads their pages in and makes their views ahead). A copy fully in RAM is the reference: every timed output
-is compared with it (``torch.equal``).
+modules; with ``--thread`` also ``ours-k-thread``: a thread reads their pages in and makes their views ahead). A
+copy fully in RAM is the reference: every timed output is compared with it (``torch.equal``).
 
 Forwards take turns (the order rotates at every forward), one thread for torch (the prefetch thread is extra), inputs
 fixed, ``torch.no_grad``. Regimes: *warm* (the page cache holds the files after warm-up) and *cold* (before every
