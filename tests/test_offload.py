@@ -157,24 +157,23 @@ def test_offloaded_buffers_are_streamed_and_read_from_the_checkpoint(cases, tmp_
 
 
 def test_tied_weights_fetched_once_and_shared(cases, tmp_path):
-    case = cases["gpt2"]   # lm_head.weight is transformer.wte.weight
+    case = cases["gpt2"]   # lm_head.weight is transformer.wte.weight; both modules are on disk at 30 %
     p, model = _loaded(case, tmp_path)
     runtime = offload.attach(model, p, prefetch=0)
     assert torch.equal(case.logits(model), case.reference)
-    # A tensor two modules hold at once is materialised once: entering a unit a second time while it is in use (a
-    # tied user) fetches nothing new, and the tensor stays until its last user is done.
-    a = runtime.units[0]
-    runtime.load(a)
-    held = runtime.held
-    first = a.slots[0].owner._parameters[a.slots[0].attr]
-    runtime.load(a)
-    assert runtime.held == held == a.nbytes
-    assert a.slots[0].owner._parameters[a.slots[0].attr].data_ptr() == first.data_ptr()
-    runtime.drop(a)
-    assert runtime.held == held and runtime.live
-    runtime.drop(a)
-    assert runtime.held == 0 and not runtime.live
-    assert a.slots[0].owner._parameters[a.slots[0].attr].device.type == "meta"
+    wte, head = (next(u for u in runtime.units if u.name == n) for n in ("transformer.wte", "lm_head"))
+    assert wte.slots[0].source.key == head.slots[0].source.key   # one tensor of the checkpoint behind both
+    # Both modules holding it at once (as nested hooks would) materialise it once, and it stays until the last
+    # of them is done.
+    runtime.load(wte)
+    runtime.load(head)
+    assert runtime.held == wte.nbytes
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    runtime.drop(wte)
+    assert runtime.held == wte.nbytes and model.lm_head.weight.device.type != "meta"
+    assert model.transformer.wte.weight.device.type == "meta"
+    runtime.drop(head)
+    assert runtime.held == 0 and not runtime.live and model.lm_head.weight.device.type == "meta"
     assert torch.equal(case.logits(model), case.reference)
 
 
