@@ -18,6 +18,7 @@ streamed from disk). With our hooks in place of accelerate's, each test checks o
 from __future__ import annotations
 
 import gc
+import random
 import weakref
 
 import pytest
@@ -400,3 +401,30 @@ def test_host_read_ahead_asks_the_kernel_for_the_next_module(cases, tmp_path):
         i, j = events.index(("run", a)), events.index(("run", b))
         assert ("advise", b) in events[i:j]
     assert runtime.held == 0 and runtime.peak_held <= p.streamed
+
+
+@pytest.mark.parametrize("name", ("llama", "t5", "segformer"))
+def test_every_strategy_keeps_the_prefetch_reserve_with_accelerators(cases, name):
+    """Two GPUs and RAM: every strategy's plan for the allocator runtime validates with its prefetch counted."""
+    from allocator.validate import check
+
+    case = cases[name]
+    rng = random.Random(name)
+    streaming = 0
+    for _ in range(3):
+        budgets = {0: int(rng.uniform(0.1, 0.6) * case.total), 1: int(rng.uniform(0.1, 0.6) * case.total),
+                   "cpu": int(rng.uniform(0.1, 1.0) * case.total)}
+        for strategy in ("auto", "backfill", "reserve", "ilp", "balanced", "balanced_low_0"):
+            try:
+                p = allocator.plan(case.meta, dict(budgets), strategy=strategy, runtime="allocator", prefetch=1,
+                                   strict=True)
+            except allocator.InfeasiblePlacement:
+                continue
+            violations, memory = check(p.problem, p.device_map)
+            assert not violations and p.valid, (budgets, strategy, p.explain())
+            main = p.main_device
+            assert p.peak[main] <= budgets[main]
+            if p.streamed:
+                assert memory.prefetch > 0
+                streaming += 1
+    assert streaming, "no plan offloaded anything: the test would not see the prefetch reserve"
