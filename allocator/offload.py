@@ -384,7 +384,18 @@ class StandInDevice(StreamDevice):
 
 class Scheduler:
     """Which offloaded unit runs after which: module order at first, then what really ran (learnt at every step,
-    so ``generate``'s repeated decoder passes and an encoder that runs once are both followed)."""
+    so ``generate``'s repeated decoder passes and an encoder that runs once are both followed).
+
+    Examples
+    --------
+    >>> s = Scheduler(4)          # before anything ran: module order, wrapping round
+    >>> s.ahead(2, 2)
+    [3, 0]
+    >>> for unit in (0, 2, 1, 0):   # what really ran: 0, then 2, then 1, then 0 again
+    ...     s.arrive(unit)
+    >>> s.ahead(0, 2)
+    [2, 1]
+    """
 
     def __init__(self, n: int):
         self.after = {i: i + 1 for i in range(n - 1)}
