@@ -428,3 +428,26 @@ def test_every_strategy_keeps_the_prefetch_reserve_with_accelerators(cases, name
                 assert memory.prefetch > 0
                 streaming += 1
     assert streaming, "no plan offloaded anything: the test would not see the prefetch reserve"
+
+
+@pytest.mark.parametrize("device", [None, "stand-in"])
+def test_weights_offloaded_to_ram_by_accelerates_cpu_offload(device):
+    """``accelerate.cpu_offload`` keeps weights in a plain state dict (RAM sources, not files), as ``dispatch_model``
+    does for ``cpu`` modules under a GPU main device: the runtime streams them the same way."""
+    from accelerate import cpu_offload
+
+    cls, config, make_inputs = tiny_specs()["llama"]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    inputs = make_inputs(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    cpu_offload(model, execution_device="cpu")
+    runtime = offload.attach(model, prefetch=1, device=device)
+    assert runtime.units and all(s.source.file is None and s.source.ram is not None
+                                 for u in runtime.units for s in u.slots)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**inputs).logits, expected)
+    offload.detach(model)
+    assert not runtime.live and runtime.held == 0
