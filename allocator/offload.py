@@ -8,15 +8,15 @@ with :class:`OffloadHook`, which computes the same thing differently:
 - each checkpoint file is opened and memory-mapped once (:class:`MappedFile` for safetensors files, the ``.dat``
   files of accelerate's offload folder alike); a module's tensors are views into the mapping, made in one call;
 - a :class:`Scheduler` learns which offloaded module runs after which (from module order at first, then from what
-  ran) and, while module ``u`` runs, a background thread makes the next ``prefetch`` modules' weights ready: on a
-  CPU main device (:class:`HostDevice`) their pages are read in from disk; on a GPU (:class:`StreamDevice` with
-  CUDA streams) they are copied from pinned host memory on a side stream, the compute stream waiting on an event
-  for what it uses. :class:`StandInDevice` is the same stream logic with a CPU stand-in for the GPU, so the
+  ran) and, while module ``u`` runs, the next ``prefetch`` modules' weights are made ready: on a CPU main device
+  (:class:`HostDevice`) the kernel reads their pages ahead (or, with ``thread=True``, a background thread reads
+  them in and makes the views); on a GPU (:class:`StreamDevice` with CUDA streams) a background thread copies them
+  from pinned host memory on a side stream, the compute stream waiting on an event for what it uses. :class:`StandInDevice` is the same stream logic with a CPU stand-in for the GPU, so the
   scheduling is exercised without one.
 - tied parameters materialised by two modules at once are fetched once and shared.
 
 The memory of the prefetch is part of the plan: ``PlanOptions(runtime="allocator", prefetch=k)`` makes the main
-device reserve, on top of the streamed chain, the largest sum of ``k`` consecutive streamed units
+device reserve, on top of the streamed chain, the ``k`` largest amounts one offloaded module streams
 (:func:`allocator.runtime.prefetch_reserve`). :func:`detach` puts accelerate's hooks back.
 """
 
