@@ -11,8 +11,9 @@ with :class:`OffloadHook`, which computes the same thing differently:
   ran) and, while module ``u`` runs, the next ``prefetch`` modules' weights are made ready: on a CPU main device
   (:class:`HostDevice`) the kernel reads their pages ahead (or, with ``thread=True``, a background thread reads
   them in and makes the views); on a GPU (:class:`StreamDevice` with CUDA streams) a background thread copies them
-  from pinned host memory on a side stream, the compute stream waiting on an event for what it uses. :class:`StandInDevice` is the same stream logic with a CPU stand-in for the GPU, so the
-  scheduling is exercised without one.
+  from pinned host memory on a side stream, the compute stream waiting on an event for what it uses.
+  :class:`StandInDevice` is the same stream logic with a CPU stand-in for the GPU, so the scheduling is exercised
+  without one.
 - tied parameters materialised by two modules at once are fetched once and shared.
 
 The memory of the prefetch is part of the plan: ``PlanOptions(runtime="allocator", prefetch=k)`` makes the main
