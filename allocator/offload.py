@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .errors import InvalidOption, InvalidRuntime
+from .errors import InvalidOption, InvalidRuntime, warn_caller
 from .runtime import prefetch_of
 
 __all__ = [
@@ -661,6 +661,11 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Att
     Attached
         The runtime; :func:`detach` (or ``Attached.close``) ends it.
 
+    Warns
+    -----
+    UserWarning
+        ``prefetch`` is more than the plan reserved for and the device holds modules ahead (a thread or a GPU).
+
     Raises
     ------
     InvalidRuntime
@@ -676,15 +681,20 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Att
         if loaded is not None and dict(loaded) != expected:
             raise InvalidRuntime(f"the model was loaded with device_map {loaded}, not the plan's {expected}; "
                                  f"load it with plan.device_map.")
+    options = getattr(getattr(plan, "problem", None), "options", None)
     if prefetch is None:   # what the plan reserved for: none under accelerate's hooks
-        options = getattr(getattr(plan, "problem", None), "options", None)
         prefetch = 1 if options is None else prefetch_of(options)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise InvalidOption(f"prefetch must be a non-negative integer, got {prefetch!r}.")
     if not has_offload_hooks(model):
         raise InvalidRuntime("the model has no offloaded modules (no accelerate AlignDevicesHook with offload=True):"
                              " load it with a device_map that puts something on 'disk' (or 'cpu' with a GPU).")
-    runtime = Attached(model, prefetch=prefetch, device=_device_for(model, device))
+    device = _device_for(model, device)
+    if options is not None and prefetch > prefetch_of(options) and getattr(device, "threaded", True):
+        warn_caller(f"attach(prefetch={prefetch}) holds up to {prefetch} offloaded modules ahead on the main device, "
+                    f"beyond what the plan reserved (prefetch={prefetch_of(options)}); plan with "
+                    f"runtime='allocator', prefetch={prefetch} so that its budget counts them.")
+    runtime = Attached(model, prefetch=prefetch, device=device)
     hooks = {id(u.original): OffloadHook(runtime, u) for u in runtime.units}
     for _, module, top, i, h in list(_offload_hooks(model)):
         if i is None:

@@ -451,3 +451,19 @@ def test_weights_offloaded_to_ram_by_accelerates_cpu_offload(device):
             assert torch.equal(model(**inputs).logits, expected)
     offload.detach(model)
     assert not runtime.live and runtime.held == 0
+
+
+def test_attach_warns_when_it_would_hold_more_than_the_plan_reserved(cases, tmp_path):
+    import warnings
+
+    case = cases["llama"]
+    p, model = _loaded(case, tmp_path)          # a plan for accelerate's hooks: nothing reserved for prefetch
+    with pytest.warns(UserWarning, match="beyond what the plan reserved"):
+        offload.attach(model, p, prefetch=1, device="stand-in")
+    offload.detach(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload.attach(model, p, prefetch=1)    # the CPU's read-ahead holds nothing early
+        offload.detach(model)
+        offload.attach(model, p)                # the plan's prefetch: 0
+    assert model._allocator_runtime.prefetch == 0
