@@ -18,9 +18,11 @@ from .errors import (
     InvalidModel,
     InvalidOption,
     InvalidPlacement,
+    InvalidRuntime,
     UnsupportedByAccelerate,
 )
 from .generation import GenerationBudget
+from . import offload
 from .hf import patch, unpatch
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem
@@ -30,9 +32,10 @@ from .validate import Violation, validate
 
 __all__ = [
     "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",
-    "InvalidOption", "InvalidPlacement", "UnsupportedByAccelerate", "Cost", "GenerationBudget", "Profile",
+    "InvalidOption", "InvalidPlacement", "InvalidRuntime", "UnsupportedByAccelerate", "Cost", "GenerationBudget",
+    "Profile",
     "estimate", "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
     "contract_violations",
-    "infer_auto_device_map", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
+    "infer_auto_device_map", "offload", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

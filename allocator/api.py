@@ -58,6 +58,9 @@ class Plan:
         Broken runtime rules (only ``sequential`` may return a map with violations: it reproduces accelerate).
     cost : Cost
         The cost model's estimate per forward (seconds, streamed bytes, device changes).
+    prefetch : int
+        Bytes kept free on the main device, beyond ``streamed``, for the offloaded modules the allocator runtime makes
+        ready ahead (``runtime="allocator"``, :mod:`allocator.offload`); 0 under accelerate's hooks.
     """
 
     device_map: dict
@@ -70,6 +73,7 @@ class Plan:
     placement: Placement
     cost: Cost
     parts: dict = field(default_factory=dict)
+    prefetch: int = 0
 
     @property
     def optimal(self) -> bool | None:
@@ -170,6 +174,7 @@ def _finish(problem: Problem, placement: Placement) -> Plan:
         device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
         placement=placement, cost=priced(problem, placement.device_map), parts=ByDevice(parts),
+        prefetch=memory.prefetch,
     )
 
 
@@ -303,9 +308,9 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
         (:mod:`allocator.kit` has what a strategy is built from).
     options : PlanOptions, optional
         How the model is read (``no_split_module_classes``, ``dtype``, ``special_dtypes``, ``tied_parameters``,
-        ``hf_quantizer``, ``size_fn``, ``infer_no_split``), how the plan will run (``loader``, ``offload_buffers``,
-        ``clean_result``, ``fallback_allocation``, ``profile``, ``generation``) and what decides (``objective``,
-        ``strict``); each field is documented on :class:`PlanOptions`.
+        ``hf_quantizer``, ``size_fn``, ``infer_no_split``), how the plan will run (``loader``, ``runtime``,
+        ``prefetch``, ``offload_buffers``, ``clean_result``, ``fallback_allocation``, ``profile``, ``generation``) and
+        what decides (``objective``, ``strict``); each field is documented on :class:`PlanOptions`.
     **keywords
         Fields of :class:`PlanOptions`, one by one (they override those of ``options``):
         ``plan(model, budgets, offload_buffers=True)``.

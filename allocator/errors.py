@@ -18,6 +18,7 @@ __all__ = [
     "InvalidModel",
     "InvalidOption",
     "InvalidPlacement",
+    "InvalidRuntime",
     "InfeasiblePlacement",
     "UnsupportedByAccelerate",
     "warn_caller",
@@ -78,6 +79,11 @@ class InvalidPlacement(AllocatorError):
     def __init__(self, message: str, *, violations=()):
         super().__init__(message)
         self.violations = tuple(violations)
+
+
+class InvalidRuntime(AllocatorError):
+    """:func:`allocator.offload.attach` cannot run this model: no offloading hooks to replace, a tensor class it does
+    not stream (quantized parameters), or a model already attached."""
 
 
 class BrokenContract(AllocatorError):

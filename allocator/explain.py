@@ -213,7 +213,8 @@ def _holding(plan, layout: _Layout, device, full: set) -> str:
     elif device == layout.main:
         parts = plan.parts.get(device, {})
         extra = [("streaming reserve", plan.streamed),
-                 ("buffers of offloaded modules", parts.get("weights", 0) - held - plan.streamed),
+                 ("prefetch of the allocator runtime", plan.prefetch),
+                 ("buffers of offloaded modules", parts.get("weights", 0) - held - plan.streamed - plan.prefetch),
                  ("for generate", sum(parts.get(k, 0) for k in ("cache", "logits", "activations")))]
         extra = [(what, n) for what, n in extra if n > 0]
         if extra:
@@ -303,8 +304,13 @@ def _reserve(plan) -> str | None:
         who = f", set by '{chain[0]}'"
     else:
         who = f", set by {', '.join(repr(c) for c in chain)} together (nested hooks are active at once)"
+    ahead = ""
+    if plan.prefetch:
+        k = plan.problem.options.prefetch
+        ahead = (f"; and {format_bytes(plan.prefetch)} for the allocator runtime's prefetch (the {k} largest "
+                 f"offloaded module{'s' if k > 1 else ''}, made ready while another runs)")
     return (f"streaming reserve on {plan.main_device!r}: {format_bytes(plan.streamed)}, kept free there for the "
-            f"offloaded weights materialised at once{who}")
+            f"offloaded weights materialised at once{who}{ahead}")
 
 
 def reasons(plan) -> tuple[list[str], set[str]]:

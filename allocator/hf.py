@@ -35,6 +35,7 @@ from .api import plan
 from .budgets import is_accelerator
 from .errors import InvalidOption
 from .logs import shown
+from .offload import attach, has_offload_hooks
 from .problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
 from .runtime import device_of, tensor_devices
 from .strategies import resolve
@@ -234,8 +235,31 @@ class Patch:
 
         return _named(infer_auto_device_map, original)
 
+    def _dispatch_model(self, original):
+        """accelerate's ``dispatch_model``, then (``runtime="allocator"``) our offload runtime in place of its
+        offloading hooks (:func:`allocator.offload.attach`)."""
+
+        def dispatch_model(model, *args, **kwargs):
+            result = original(model, *args, **kwargs)
+            if has_offload_hooks(model) and getattr(model, "_allocator_runtime", None) is None:
+                attach(model, prefetch=self.options.prefetch)
+                log.info("%s runs the allocator offload runtime (prefetch=%d)", type(model).__name__,
+                         self.options.prefetch)
+            return result
+
+        replacement = _named(dispatch_model, original)
+        replacement.__doc__ = (f"allocator.hf's replacement of {getattr(original, '__module__', '?')}.dispatch_model: "
+                               "accelerate's, then allocator.offload.attach (runtime='allocator').")
+        replacement.__wrapped__ = original   # inspect.signature (transformers reads it) sees accelerate's
+        return replacement
+
     def _swaps_for_installed(self) -> list[_Swap]:
         swaps: list[_Swap] = []
+        if self.options.runtime == "allocator":   # from_pretrained and load_checkpoint_and_dispatch dispatch here
+            for name in ("transformers.integrations.accelerate", "accelerate.big_modeling"):
+                module = _import(name)
+                if module is not None and hasattr(module, "dispatch_model"):
+                    swaps.append(_Swap(module, "dispatch_model", self._dispatch_model(module.dispatch_model)))
         tia = _import("transformers.integrations.accelerate")
         modeling_utils = _import("transformers.modeling_utils")
         if tia is not None and hasattr(tia, "_get_device_map"):  # transformers 5
@@ -271,7 +295,10 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) ->
         ``offload_buffers`` (pass ``True`` when you pass it to ``from_pretrained``, which does not tell its map
         builder), ``no_split_module_classes`` (united with the model's), ``dtype``, ``special_dtypes``,
         ``clean_result``, ``fallback_allocation``, ``tied_parameters``,
-        ``size_fn``, ``infer_no_split``, ``profile``, ``generation`` (an :class:`allocator.GenerationBudget`: room for
+        ``size_fn``, ``infer_no_split``, ``profile``, ``runtime`` and ``prefetch`` (``runtime="allocator"``: the maps
+        reserve the prefetch of :mod:`allocator.offload`, and every model ``dispatch_model`` offloads, from
+        ``from_pretrained`` or ``load_checkpoint_and_dispatch``, runs our offload runtime instead of accelerate's
+        hooks, ``prefetch`` modules ahead), ``generation`` (an :class:`allocator.GenerationBudget`: room for
         ``generate``'s KV cache, logits and activations), ``objective`` (``"contract"``, the default, or
         ``"latency"``: see :func:`allocator.plan`), ``strict`` (``True``: raise where no valid plan exists, instead of
         loading accelerate's own map as transformers would). What accelerate's ``infer_auto_device_map`` is called with

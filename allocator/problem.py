@@ -18,12 +18,16 @@ from .graph import ModelGraph, build_graph
 from .memo import Derived
 from .rules import LOADERS
 
-__all__ = ["OBJECTIVES", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "build_problem"]
+__all__ = ["OBJECTIVES", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem"]
 
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("contract", "latency")
 """Values of :attr:`PlanOptions.objective`."""
+
+RUNTIMES = ("accelerate", "allocator")
+"""Values of :attr:`PlanOptions.runtime`: what streams offloaded weights (accelerate's hooks, or
+:mod:`allocator.offload`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +83,14 @@ class PlanOptions:
     ``from_pretrained(device_map=...)``, what :func:`allocator.patch` plans for it) or ``"accelerate"``
     (``load_checkpoint_and_dispatch`` / ``dispatch_model``). They load weights differently, so some maps work on one
     path only (:mod:`allocator.rules`)."""
+    runtime: str = "accelerate"
+    """What streams the offloaded weights at each forward, one of :data:`RUNTIMES`: ``"accelerate"`` (its hooks, one
+    module's weights at a time) or ``"allocator"`` (:func:`allocator.offload.attach`, which makes the next
+    ``prefetch`` offloaded modules' weights ready while one runs). The plan reserves what the runtime holds."""
+    prefetch: int = 1
+    """With ``runtime="allocator"``: offloaded modules made ready ahead of the running one (0: none). The main device
+    then keeps room for the streamed chain plus the ``prefetch`` largest offloaded modules
+    (:func:`allocator.runtime.prefetch_reserve`); ignored with ``runtime="accelerate"``."""
     inputs: Mapping | str | None = None
     """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
     tensors, or ``"default"`` for :func:`allocator.flops.default_inputs` of the model's config. The problem builder
@@ -103,6 +115,11 @@ class PlanOptions:
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.loader not in LOADERS:
             raise InvalidOption(f"loader must be one of {list(LOADERS)}, got {self.loader!r}.")
+        if self.runtime not in RUNTIMES:
+            raise InvalidOption(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}.")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            raise InvalidOption(f"prefetch must be a non-negative integer (offloaded modules made ready ahead), got "
+                                f"{self.prefetch!r}.")
         if self.objective not in OBJECTIVES:
             raise InvalidOption(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}.")
         if isinstance(self.profile, (str, os.PathLike)):

@@ -32,7 +32,8 @@ from .rules import device_of, executes_on, hooks_attach, main_device, moves, mov
 from .runs import Run, columns, expand, first_device, pieces, runs
 
 __all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs", "moves",
-           "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "streamed_chain", "workspace"]
+           "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "prefetch_of", "prefetch_reserve",
+           "streamed_chain", "streams_held", "workspace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,9 @@ class Memory:
     chain: tuple[str, ...]
     generation: Mapping = field(default_factory=dict)
     """Of ``peak``, the bytes per device a generation budget adds (KV cache, logits, activations)."""
+    prefetch: int = 0
+    """Of the main device's ``peak``, the bytes the allocator runtime's prefetch holds beyond ``streamed``
+    (:func:`prefetch_reserve`); 0 under accelerate's hooks."""
 
 
 def extra_by_device(graph: ModelGraph, found: list, node_bytes: Mapping[int, int], main: Device, offloaded,
@@ -146,7 +150,51 @@ def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_bu
     return best, chain
 
 
-def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: bool = False) -> Memory:
+def prefetch_of(options) -> int:
+    """How many offloaded modules the runtime of ``options`` (a :class:`allocator.PlanOptions`) makes ready ahead:
+    its ``prefetch`` with ``runtime="allocator"``, 0 with accelerate's hooks."""
+    return options.prefetch if options.runtime == "allocator" else 0
+
+
+def streams_held(options, reserve: int) -> int:
+    """What a streaming reserve ``reserve`` (the largest chain a fill may stream) costs on the main device under the
+    runtime of ``options``: ``reserve`` for accelerate's hooks, ``(1 + prefetch) * reserve`` for the allocator
+    runtime, since each module made ready ahead streams at most one chain's worth. An upper bound of
+    :func:`prefetch_reserve` plus the chain, so that a fill charging it stays valid; works on CP-SAT expressions."""
+    return reserve * (1 + prefetch_of(options))
+
+
+def prefetch_reserve(graph: ModelGraph, found: list[Run], offloaded, k: int, *, offload_buffers: bool = False,
+                     read_copies: bool = False) -> int:
+    """Bytes the allocator runtime holds on the main device beyond the streamed chain when it makes ``k`` offloaded
+    modules ready ahead: the ``k`` largest amounts a single hook streams (its module's own offloaded tensors).
+
+    The runtime follows the execution order it observes (which differs from module order, and from one forward to
+    the next in ``generate``), so the reserve is the largest ``k`` whatever the order, not the largest window of
+    ``k`` consecutive modules in one assumed order.
+
+    Notes
+    -----
+    O(t) for t offloaded tensors.
+    """
+    if k <= 0 or not offloaded:
+        return 0
+    cols = columns(graph)
+    mov = cols.moving(offload_buffers, read_copies)
+    held, module = mov.held_array(), cols.module_array()
+    per: dict[int, int] = {}
+    for run in found:
+        if run.device not in offloaded or mov.sum_nbytes[run.end] == mov.sum_nbytes[run.start]:
+            continue
+        part = held[run.start:run.end]
+        hits = np.flatnonzero(part)
+        for m, nbytes in zip(module[run.start:run.end][hits].tolist(), part[hits].tolist()):
+            per[m] = per.get(m, 0) + nbytes
+    return sum(sorted(per.values(), reverse=True)[:k])
+
+
+def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: bool = False,
+          prefetch: int = 0) -> Memory:
     """Bytes each device holds at its peak during a forward, under accelerate's runtime.
 
     Parameters
@@ -155,6 +203,9 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
         The map's runs (:func:`map_runs`); uncovered tensors are ignored.
     map_devices : iterable
         The values of the device map (they decide the main device and whether hooks are attached).
+    prefetch : int
+        Offloaded modules the runtime makes ready ahead (:func:`prefetch_of`): their bytes are held on the main device
+        on top of the streamed chain (:func:`prefetch_reserve`).
 
     Returns
     -------
@@ -184,12 +235,14 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
     # every name of a shared tensor is copied by its own hook, so the chain counts nbytes, not counted bytes
     reserve, chain = streamed_chain(graph, found, offloaded, offload_buffers=offload_buffers,
                                     read_copies=main == "cpu")
-    resident[main] = resident.get(main, 0) + reserve
+    ahead = prefetch_reserve(graph, found, offloaded, prefetch, offload_buffers=offload_buffers,
+                             read_copies=main == "cpu")
+    resident[main] = resident.get(main, 0) + reserve + ahead
     generation = _generation_bytes(graph, found, main, offloaded, hooks)
     for device, nbytes in generation.items():
         resident[device] = resident.get(device, 0) + nbytes
     return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes.name[i] for i in chain),
-                  generation=generation)
+                  generation=generation, prefetch=ahead)
 
 
 def workspace(graph: ModelGraph, *, main: bool) -> int:

@@ -19,7 +19,8 @@ from .problem import PlanOptions, Problem, build_problem
 from .rules import (ambiguous_main_device, device_objects, hooks_attach, loads_device_objects, loads_disk_only, moves,
                     must_cover, nested_keys, reads_disk_buffers, tie_loads)
 from .runs import columns, devices_in
-from .runtime import Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks
+from .runtime import (Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks,
+                      prefetch_of)
 
 __all__ = ["Violation", "check", "peak_parts", "validate", "normalize_map", "format_bytes"]
 
@@ -80,7 +81,8 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     found += _no_split(problem, runs)
     found += _unhooked(problem, device_map, lone)
     found += _ties(problem, device_map, runs)
-    memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers)
+    memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers,
+                   prefetch=prefetch_of(problem.options))
     placed = set(device_map.values())
     for device, used in memory.peak.items():
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
@@ -94,6 +96,8 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
             extra = ""
             if device == memory.main and memory.streamed:
                 extra = f", of which {format_bytes(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
+                if memory.prefetch:
+                    extra += f" and {format_bytes(memory.prefetch)} holds the runtime's prefetch"
             if memory.generation.get(device):
                 extra += (f"{', and' if extra else ', of which'} {format_bytes(memory.generation[device])} is for "
                           "generate (KV cache, logits, activations)")

@@ -277,6 +277,84 @@ def measure_generate(args, device: Device, workdir: Path, name, layers, total, m
     return rows
 
 
+RUNTIMES = ("hooks", "ours-0", "ours-1")
+
+
+def measure_runtime(args, device: Device, workdir: Path, name, total, meta, path, inputs, deadline) -> list[dict]:
+    """The runtime case of one saved model: one map (planned for ``runtime="allocator", prefetch=1``), loaded once per
+    runtime: accelerate's hooks, ours without prefetch, ours one module ahead (on a GPU: pinned host copies on a side
+    stream; in a dry run also ``ours-1-standin``, the same stream scheduling with the CPU stand-in for a GPU).
+    Forwards take turns; each output is compared with the hooks' (``torch.equal``); per runtime the transient peak of
+    a forward (GPU: ``max_memory_allocated`` minus what was allocated before it) and our runtime's ``peak_held``,
+    next to what the plan reserves for streaming (chain + prefetch)."""
+    from allocator import offload
+
+    f = args.runtime_budget
+    budget = device.budget(f, total)
+    try:
+        plan = allocator.plan(meta, dict(budget), runtime="allocator", prefetch=1)
+    except allocator.InfeasiblePlacement as err:
+        return [dict(model=name, budget=f, runtime=r, status=f"no plan: needs {err.minimum} B on {err.device!r}")
+                for r in RUNTIMES]
+    if time.time() > deadline:
+        return [dict(model=name, budget=f, runtime=r, status="skipped: time limit") for r in RUNTIMES]
+    runtimes = [*RUNTIMES, *(["ours-1-standin"] if device.dry_run else [])]
+    rows, models, attached = [], {}, {}
+    with tempfile.TemporaryDirectory(dir=workdir) as offload_root:
+        try:
+            for r in runtimes:
+                models[r], _ = _load(path, plan.device_map, budget, args, str(Path(offload_root) / r))
+                if r != "hooks":
+                    attached[r] = offload.attach(models[r], plan.device_map, prefetch=int(r.split("-")[1]),
+                                                 device="stand-in" if r.endswith("standin") else None)
+        except torch.cuda.OutOfMemoryError as err:
+            return [dict(model=name, budget=f, runtime=r, status=f"out of memory: {str(err)[:100]}")
+                    for r in runtimes]
+        times = {r: [] for r in runtimes}
+        transient = dict.fromkeys(runtimes, 0)
+        equal = dict.fromkeys(runtimes, True)
+        with torch.no_grad():
+            for i in range(args.warmup + args.forwards):
+                k = i % len(runtimes)
+                outs = {}
+                for r in runtimes[k:] + runtimes[:k]:
+                    device.sync()
+                    before = device.allocated()
+                    if not device.dry_run:
+                        torch.cuda.reset_peak_memory_stats()
+                    start = time.perf_counter()
+                    outs[r] = models[r](**inputs).logits
+                    device.sync()
+                    if i >= args.warmup:
+                        times[r].append(time.perf_counter() - start)
+                        if before is not None:
+                            transient[r] = max(transient[r], device.peak() - before)
+                for r in runtimes:
+                    equal[r] &= bool(torch.equal(outs[r], outs["hooks"]))
+        for r in attached:
+            offload.detach(models[r])
+    hooks = statistics.median(times["hooks"])
+    for r in runtimes:
+        med = statistics.median(times[r])
+        rows.append(dict(model=name, budget=f, runtime=r, status="ok", median_ms=f"{med * 1e3:.3f}",
+                         speedup=f"{hooks / med:.2f}", equal=equal[r],
+                         transient_peak_bytes="" if device.dry_run else transient[r],
+                         peak_held_bytes=attached[r].peak_held if r in attached else "",
+                         reserve_bytes=plan.streamed + plan.prefetch))
+        print(f"{name} runtime {f:.0%} {r}: {med * 1e3:.3f} ms, equal {equal[r]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def runtime_table(rows) -> str:
+    lines = ["| model | budget | runtime | status | median ms | speedup vs hooks | output = hooks' | transient peak | "
+             "peak held (ours) | plan's streaming reserve |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['budget']:.0%} | {r['runtime']} | {r['status']} | {r.get('median_ms', '')} "
+                     f"| {r.get('speedup', '')} | {r.get('equal', '')} | {r.get('transient_peak_bytes', '')} | "
+                     f"{r.get('peak_held_bytes', '')} | {r.get('reserve_bytes', '')} |")
+    return "\n".join(lines)
+
+
 def measure(args, device: Device, workdir: Path, deadline: float) -> tuple[list[dict], dict]:
     target, reason = (int(args.dry_model_mib * 2**20), "dry run") if args.dry_run else model_target_bytes(args)
     info = {"target_bytes": target, "target_reason": reason}
@@ -324,6 +402,9 @@ def measure(args, device: Device, workdir: Path, deadline: float) -> tuple[list[
                 rows.append(_row(name, layers, total, f, method, budget, problem, plan, result, device))
                 print(f"{name} {f:.0%} {method}: {rows[-1]['status']}, {rows[-1]['median_ms'] or '—'} ms",
                       file=sys.stderr, flush=True)
+        if args.runtime_budget:
+            info.setdefault("runtime", []).extend(
+                measure_runtime(args, device, workdir, name, total, meta, path, inputs, deadline))
         if args.gen_budget:
             info.setdefault("generate", []).extend(
                 measure_generate(args, device, workdir, name, layers, total, meta, path, deadline))
@@ -443,6 +524,15 @@ def report(rows, info, args, device: Device, command, seconds) -> str:
             "Predicted: the peak `allocator` computes for the map with this generation budget (weights + KV cache + "
             "logits + activations); ours is planned with it, auto is not.\n\n" + generate_table(info["generate"],
                                                                                              args.dry_run))
+    if info.get("runtime"):
+        parts.append(
+            "\n## offload runtime: accelerate's hooks against `allocator.offload`, budget "
+            f"{args.runtime_budget:.0%}\n\n"
+            "One map planned with `runtime=\"allocator\", prefetch=1`, loaded once per runtime; forwards take turns. "
+            + ("Dry run: the CPU is main, offloaded weights come from disk; `ours-1-standin` runs the GPU stream "
+               "scheduling (side-stream copies, events) with the CPU stand-in device." if args.dry_run else
+               "Ours copies from pinned host memory on a side CUDA stream, the compute stream waiting on an event.")
+            + "\n\n" + runtime_table(info["runtime"]))
     skipped = [r for r in rows if r["status"].startswith("skipped")]
     if skipped:
         parts.append(f"\n{len(skipped)} loads skipped at the {args.time_limit:.0f} s time limit.")
@@ -464,6 +554,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gen-batch", type=int, help="generate case: batch size (default 8; 2 in a dry run)")
     parser.add_argument("--gen-length", type=int, help="generate case: prompt + new tokens (default 2048; 32 dry)")
     parser.add_argument("--gen-new", type=int, help="generate case: new tokens (default 16; 4 in a dry run)")
+    parser.add_argument("--runtime-budget", type=float, default=0.5,
+                        help="runtime case: the device budget as a fraction of the model (0 skips the case)")
     parser.add_argument("--time-limit", type=float, default=420.0,
                         help="seconds after which remaining loads are skipped (default 420: done within 8 minutes)")
     parser.add_argument("--workdir", type=Path, help="where models are saved (default: a temporary directory)")
@@ -489,6 +581,8 @@ def main(argv=None) -> int:
     write_csv(args.out / "gpu.csv", rows)
     if info.get("generate"):
         write_csv(args.out / "gpu_generate.csv", info["generate"])
+    if info.get("runtime"):
+        write_csv(args.out / "gpu_runtime.csv", info["runtime"])
     text = report(rows, info, args, device, command, time.time() - start)
     (args.out / "gpu.md").write_text(text)
     print(text)

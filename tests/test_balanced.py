@@ -11,6 +11,7 @@ import functools
 
 import copy
 import itertools
+import random
 from functools import cache
 
 import pytest
@@ -308,3 +309,29 @@ def test_deterministic_and_inputs_untouched(strategy):
     again = allocator.plan(model, dict(reversed(list(budget.items()))), strategy=strategy).device_map
     assert first == again and budget == given
     assert list(first.items()) == list(allocator.plan(model, budget, strategy=strategy).device_map.items())
+
+
+class _OnlyNonPersistent(torch.nn.Module):
+    """A module whose only tensor is a non-persistent buffer (a rotary embedding's ``inv_freq``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(16), persistent=False)
+
+
+@pytest.mark.parametrize("position", range(5))
+def test_balanced_gives_a_lone_non_persistent_buffer_a_device(position):
+    """Regression (found with issue #24): a module holding only a non-persistent buffer was mapped to ``None``."""
+    layers = [torch.nn.Linear(64, 64) for _ in range(4)]
+    layers.insert(position, _OnlyNonPersistent())
+    model = torch.nn.Sequential(*layers)
+    rng = random.Random(position)
+    for _ in range(12):
+        budgets = {0: rng.randint(0, 80000), 1: rng.randint(0, 80000), "cpu": rng.choice([10**6, 30000])}
+        for strategy in ("balanced", "balanced_low_0"):
+            try:
+                p = allocator.plan(model, dict(budgets), strategy=strategy)
+            except allocator.InfeasiblePlacement:
+                continue
+            assert None not in p.device_map.values(), (budgets, strategy, p.device_map)
+            assert p.valid, p.explain()

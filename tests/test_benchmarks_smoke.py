@@ -2,7 +2,8 @@
 
 Each script runs in its smallest mode into a temporary ``--out`` folder (placement and ilp_optimality: one
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
-gpu: ``--dry-run``, tiny models with the CPU as the device, and its generate case). The numbers are not checked, only
+gpu: ``--dry-run``, tiny models with the CPU as the device, its generate and runtime cases; latency_runtime:
+``--smoke``, a tiny llama under accelerate's hooks and ours). The numbers are not checked, only
 that the files appear with rows.
 """
 
@@ -27,6 +28,7 @@ CASES = {
     "latency": (["--smoke"], "latency"),
     "planning_speed": (["--sizes", "1000", "--repeat-seconds", "0"], "planning_speed"),
     "gpu": (["--dry-run"], "gpu"),
+    "latency_runtime": (["--smoke"], "latency_runtime"),
 }
 
 
@@ -56,6 +58,15 @@ def test_benchmark_script_writes_results(script, tmp_path):
         assert {"auto", "ours"} <= set(by)
         assert all(int(r["warm_n"]) == 3 and float(r["warm_median_ms"]) > 0 for r in by.values())
         assert by["ours"]["matches_plan"] == "True"
+    if script == "latency_runtime":  # the hooks and our runtime at each prefetch, same outputs as in RAM
+        assert {r["runtime"] for r in rows} == {"hooks", "ours-0", "ours-1", "ours-2"}
+        assert all(r["equal"] == "True" and int(r["n"]) == 3 for r in rows)
+        assert all(int(r["peak_held"]) <= int(r["reserve"]) for r in rows if r["runtime"] != "hooks")
+    if script == "gpu":  # the runtime case: every runtime computes what the hooks compute, stand-in included
+        with open(tmp_path / "gpu_runtime.csv", newline="") as fh:
+            runtime = list(csv.DictReader(fh))
+        assert {r["runtime"] for r in runtime} == {"hooks", "ours-0", "ours-1", "ours-1-standin"}
+        assert all(r["status"] == "ok" and r["equal"] == "True" for r in runtime), runtime
     if script == "gpu":  # the generate case: both maps run generate; ours is planned within the budget with it
         with open(tmp_path / "gpu_generate.csv", newline="") as fh:
             generate = list(csv.DictReader(fh))

@@ -295,7 +295,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "strategies": ("strategies.room", "strategies.first_fit", "strategies.sequential", "strategies.contract",
                    "strategies.ranking", "strategies.backfill", "strategies.reserve", "strategies.balanced",
                    "strategies.ilp", "strategies.auto", "strategies", "kit"),
-    "composition": ("explain", "api", "hf", ""),
+    "composition": ("explain", "api", "offload", "hf", ""),
     "adapters": ("zoo", "checkpoint", "quantization", "distributed", "cli", "__main__"),
 }
 

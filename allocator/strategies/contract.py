@@ -41,7 +41,7 @@ from ..errors import AllocatorError
 from ..placement import clean_device_map
 from ..problem import Problem
 from ..runs import Run, columns
-from ..runtime import main_device, map_runs
+from ..runtime import main_device, map_runs, streams_held
 from ..units import problem_groups
 from ..validate import Violation, check, format_bytes
 from . import sequential
@@ -157,7 +157,7 @@ def why_empty(problem: Problem, device: Device) -> str:
     limit = b.limit(device) or 0
     if limit == 0:
         return f"accelerator {device!r} has a budget of 0"
-    need = full_reserve(problem)
+    need = streams_held(problem.options, full_reserve(problem))
     smallest = min((s for s in problem_groups(problem).size if s), default=0)
     g = problem.graph
     generate = g.workspace + g.main_workspace

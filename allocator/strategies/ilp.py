@@ -44,7 +44,7 @@ from ..placement import Placement, clean_device_map
 from ..problem import Problem
 from ..rules import loads_disk_only
 from ..runs import columns
-from ..runtime import device_of, main_device, map_runs, offloaded_devices, workspace
+from ..runtime import device_of, main_device, map_runs, offloaded_devices, streams_held, workspace
 from ..units import Group, disk_loadable, problem_groups
 from ..validate import check
 from . import backfill, reserve
@@ -176,7 +176,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
         limit = b.limit(d)
         if d == main:
             resident = sum(grp.size * x[k, d] for k, grp in enumerate(found))
-            model.Add(resident + pinned + reserve + workspace(g, main=True) <= limit)
+            model.Add(resident + pinned + streams_held(problem.options, reserve) + workspace(g, main=True) <= limit)
             if is_accelerator(d):
                 model.Add(sum(x[k, d] for k in range(len(found))) >= 1)
         elif d in targets:

@@ -13,7 +13,7 @@ import math
 from ..budgets import Device
 from ..problem import Problem
 from ..rules import offloaded_devices
-from ..runtime import workspace
+from ..runtime import streams_held, workspace
 from ..units import Groups
 
 __all__ = ["Room"]
@@ -79,7 +79,7 @@ class Room:
         devices = [d for d in devices if d in b.order]   # main first
         offloaded = offloaded_devices(main)
         free = [b.limit(d) if b.limit(d) is not None else math.inf for d in devices]
-        free[0] -= reserve
+        free[0] -= streams_held(problem.options, reserve)   # with prefetch, the modules made ready ahead too
         # Generation: every device that runs something holds activations; the main device also the next-token scores.
         # A device left with negative room gets nothing, so it runs nothing and needs no workspace.
         for j, d in enumerate(devices):
