@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidOption
 
-__all__ = ["FlopCount", "count_flops", "default_inputs", "node_flops", "meta_copy", "TOKENS", "IMAGE_SIZE"]
+__all__ = ["FlopCount", "count_flops", "default_inputs", "node_flops", "node_values", "meta_copy", "TOKENS",
+           "IMAGE_SIZE"]
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +290,14 @@ def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed
 def node_flops(count: FlopCount, graph) -> tuple[int, ...]:
     """:attr:`FlopCount.flops` per node of ``graph`` (an :class:`allocator.graph.ModelGraph` of the same model), in
     node order; a path the graph does not have is charged to the root, so they sum to the total."""
+    return node_values(count.flops, graph)
+
+
+def node_values(values: Mapping[str, int], graph) -> tuple[int, ...]:
+    """Per-module ``values`` (:attr:`FlopCount.flops`, :attr:`FlopCount.ops`, ...) per node of ``graph``, in node
+    order; a path the graph does not have is charged to the root."""
     out = [0] * len(graph.nodes)
     index = graph.node_index
-    for name, flops in count.flops.items():
-        out[index.get(name, 0)] += flops
+    for name, value in values.items():
+        out[index.get(name, 0)] += value
     return tuple(out)

@@ -168,7 +168,7 @@ def test_a_model_on_meta_runs_as_it_is_and_keeps_no_hook():
 
 def test_estimate_with_inputs_follows_the_counted_flops():
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
-    profile = Profile(cpu_memory=1e15)   # reads free: the compute term alone
+    profile = Profile(cpu_memory=1e15, cpu_op_latency=0)   # reads and ops free: the compute term alone
     seconds = {}
     for rows in (512, 4096):
         problem = build_problem(model, {"cpu": 10**9}, inputs={"input": (rows, 256)}, profile=profile)
@@ -189,7 +189,9 @@ def test_tensor_seconds_the_ilp_prices_with_follow_the_counted_flops_too():
             summed = sum(tensor_seconds(problem, device, problem.profile, problem.graph.tensors[t], device)
                          for t in range(len(problem.graph.tensors)))
             assert summed == pytest.approx(estimate(problem, device_map).seconds, rel=1e-9)
-    assert estimate(problem, {"": 0}).seconds == pytest.approx(problem.flops.total / problem.profile.accelerator_flops)
+    ops = sum(problem.flops.ops.values())
+    assert estimate(problem, {"": 0}).seconds == pytest.approx(
+        problem.flops.total / problem.profile.accelerator_flops + ops * problem.profile.accelerator_op_latency)
 
 
 def test_inputs_option_is_checked():
