@@ -1,0 +1,204 @@
+"""The cost model measured from the model itself (issue #21): ``Profile.measure``'s fields and spreads, the per-op and
+boundary terms where FLOPs were counted (in ``estimate`` and in ``ilp``'s objective alike), Segformer at 512² with a
+GPU at 90 %, and the command line's ``--inputs`` and ``profile`` output."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch.nn as nn
+
+import allocator
+from allocator import cli, zoo
+from allocator.cost import boundaries, change_seconds, estimate
+from allocator.cost_profile import Profile
+from allocator.errors import InvalidOption
+from allocator.flops import count_flops, node_values
+from allocator.problem import build_problem
+from allocator.units import boundary_bytes
+
+MEASURED = ("cpu_memory", "cpu_flops", "cpu_op_latency", "disk_read", "disk_read_warm", "offload_tensor_latency",
+            "disk_tensor_latency")
+
+
+# -- Profile ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return Profile.measure(size=2**16, repeats=2, folder=tmp_path_factory.mktemp("disk"))
+
+
+def test_measure_reports_every_measured_field_with_its_spread(measured):
+    default = Profile()
+    for name in MEASURED:
+        assert name in measured.spread and measured.spread[name] >= 0, name
+        assert getattr(measured, name) > 0 and getattr(measured, name) != getattr(default, name), name
+    # without CUDA the accelerator keeps its documented defaults, and says so by having no spread
+    for name in ("accelerator_flops", "accelerator_op_latency", "accelerator_tensor_latency", "host_to_device"):
+        assert (name in measured.spread) == (getattr(measured, name) != getattr(default, name)), name
+    assert 0 < measured.cpu_op_latency < 1e-3 and measured.cpu_flops > 1e8
+    assert measured.disk_read_warm > 1e6 and measured.disk_read > 1e6
+
+
+def test_spread_is_read_only_and_outside_equality(measured):
+    same = dataclasses.replace(measured, spread={})
+    assert same == measured and hash(same) == hash(measured)
+    with pytest.raises(TypeError):
+        measured.spread["cpu_flops"] = 0.0
+    with pytest.raises(InvalidOption, match="spread"):
+        Profile(spread={"no_such_field": 0.1})
+    with pytest.raises(InvalidOption, match="spread"):
+        Profile(spread={"cpu_flops": -1})
+
+
+def test_profile_round_trips_and_old_files_without_new_fields_still_load(measured, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(measured.to_dict()))
+    loaded = Profile.load(path)
+    assert loaded == measured and dict(loaded.spread) == dict(measured.spread)
+    old = {k: v for k, v in Profile().to_dict().items()
+           if k not in ("disk_read_warm", "cpu_op_latency", "accelerator_op_latency", "accelerator_tensor_latency",
+                        "spread")}
+    path.write_text(json.dumps(old | {"cpu_flops": 5e10}))
+    assert Profile.load(path) == Profile(cpu_flops=5e10)
+
+
+def test_measure_checks_its_arguments(tmp_path):
+    with pytest.raises(InvalidOption, match="not a folder"):
+        Profile.measure(size=2**12, repeats=1, folder=tmp_path / "missing")
+    with pytest.raises(InvalidOption, match="repeats >= 1"):
+        Profile.measure(repeats=0)
+
+
+# -- the op term -----------------------------------------------------------------------------------------------------
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU())
+
+
+def test_each_counted_op_costs_its_latency_where_it_executes():
+    base = Profile(cpu_op_latency=0, accelerator_op_latency=0)
+    slow = dataclasses.replace(base, cpu_op_latency=1e-3, accelerator_op_latency=1e-4)
+    inputs = {"input": (8, 64)}
+    count = count_flops(_mlp(), inputs)
+    ops = sum(count.ops.values())
+    assert ops >= 4   # two products and two activations, at least
+    for device_map, latency in (({"": "cpu"}, 1e-3), ({"": 0}, 1e-4)):
+        seconds = {}
+        for profile in (base, slow):
+            problem = build_problem(_mlp(), {0: 10**6, "cpu": 10**6}, inputs=inputs, profile=profile)
+            seconds[profile.cpu_op_latency] = estimate(problem, device_map).seconds
+        assert seconds[1e-3] - seconds[0] == pytest.approx(ops * latency, rel=1e-6)
+    # not counted: no op term, whatever the profile says
+    plain = [estimate(build_problem(_mlp(), {"cpu": 10**6}, profile=p), {"": "cpu"}).seconds for p in (base, slow)]
+    assert plain[0] == plain[1]
+
+
+# -- the boundary term -----------------------------------------------------------------------------------------------
+
+
+def _wide_narrow():
+    """Four layers whose outputs are 8 x 1024, 8 x 4, 8 x 1024 and 8 x 4 floats: a cut after an odd layer moves
+    little, after an even one a lot."""
+    return nn.Sequential(nn.Linear(4, 1024), nn.Linear(1024, 4), nn.Linear(4, 1024), nn.Linear(1024, 4))
+
+
+def test_boundary_bytes_are_the_outputs_of_the_module_before_each_cut():
+    model = _wide_narrow()
+    problem = build_problem(model, {"cpu": 10**8}, inputs={"input": (8, 4)})
+    crossing = boundary_bytes(problem.graph, node_values(problem.flops.output_bytes, problem.graph))
+    first = {name: problem.graph.tensor_index[f"{name}.weight"] for name in ("1", "2", "3")}
+    assert crossing[first["1"]] == 8 * 1024 * 4 and crossing[first["2"]] == 8 * 4 * 4
+    assert crossing[first["3"]] == 8 * 1024 * 4
+    assert crossing[len(problem.graph.tensors)] == 8 * 4 * 4   # the last layer's, not the root's output
+    assert boundaries(build_problem(model, {"cpu": 10**8})) is None
+
+
+def test_a_device_change_moves_the_counted_activation_not_the_fixed_one():
+    profile = Profile(device_to_device=1e6, activation_bytes=10**6)   # 1 MB/s: the transfer dominates
+    budget = {0: 10**8, 1: 10**8, "cpu": 10**8}
+    counted = build_problem(_wide_narrow(), budget, inputs={"input": (8, 4)}, profile=profile)
+    plain = build_problem(_wide_narrow(), budget, profile=profile)
+    narrow = {"0": 0, "1": 0, "2": 1, "3": 1}    # cut after 8 x 4 floats
+    wide = {"0": 0, "1": 0, "2": 0, "3": 1}      # cut after 8 x 1024 floats
+    for problem in (counted, plain):
+        cut = {name: estimate(problem, m) for name, m in (("narrow", narrow), ("wide", wide))}
+        assert cut["narrow"].device_changes == cut["wide"].device_changes == 1
+    same = estimate(plain, wide).seconds - estimate(plain, narrow).seconds
+    assert abs(same) < 1e-6    # the fixed activation: either cut costs the same
+    gap = estimate(counted, wide).seconds - estimate(counted, narrow).seconds
+    assert gap == pytest.approx(change_seconds(profile, 8 * 1024 * 4) - change_seconds(profile, 8 * 4 * 4), rel=1e-3)
+    assert gap > 0.02
+
+
+def test_ilp_cuts_where_the_activation_is_small():
+    pytest.importorskip("ortools")
+    # RAM slow to read and to copy from: the CPU neither runs nor streams; what is left is where to cut
+    profile = Profile(device_to_device=1e6, activation_bytes=10**6, cpu_memory=1e3, host_to_device=1e3)
+    layer = 4 * 1024 * 4 + 1024 * 4   # weight and bias of a 4 -> 1024 layer, in float32 (the 1024 -> 4 is close)
+    budget = {0: int(2.5 * layer), 1: int(2.5 * layer), "cpu": 10**8}
+    problem = build_problem(_wide_narrow(), budget, inputs={"input": (8, 4)}, profile=profile, objective="latency")
+    found = allocator.plan(_wide_narrow(), budget, strategy="ilp", inputs={"input": (8, 4)}, profile=profile,
+                           objective="latency")
+    m = found.device_map
+    assert set(m) == {"0", "1", "2", "3"} and m["0"] == m["1"] != m["2"] == m["3"]   # the cut after 8 x 4 floats
+    assert {m["0"], m["2"]} == {0, 1}
+    assert found.cost.seconds == pytest.approx(estimate(problem, found.device_map).seconds)
+
+
+# -- Segformer at 512² with a GPU at 90 % ----------------------------------------------------------------------------
+
+
+def test_segformer_at_512_with_a_gpu_at_90_percent_runs_on_the_gpu():
+    model = zoo.build("segformer-b0")
+    total = build_problem(model, {"cpu": 0}).graph.total
+    found = allocator.plan(model, {0: int(0.9 * total), "cpu": 10 * total}, objective="latency",
+                           inputs={"pixel_values": (1, 3, 512, 512)})
+    assert found.main_device == 0
+    assert found.inputs == {"pixel_values": (1, 3, 512, 512)}
+    assert "compute term counted at pixel_values=1x3x512x512" in found.explain()
+
+
+def test_explain_says_when_the_compute_term_is_estimated():
+    found = allocator.plan(_mlp(), {"cpu": 10**6})
+    assert found.inputs is None and "compute term estimated: 2 x params x 512 tokens" in found.explain()
+
+
+# -- command line ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["input_ids", "input_ids=1x", "input_ids=0x512", "input_ids=1x512,input_ids=1x4",
+                                  "=1x512", "input_ids=1xa"])
+def test_cli_inputs_that_do_not_parse_exit_2_with_one_line(capsys, text):
+    code = cli.main(["plan", "segformer-b0", "--max-memory", "cpu=1GiB", "--inputs", text])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--inputs" in err, err
+
+
+def test_cli_plan_with_inputs_says_what_it_counted(capsys):
+    code = cli.main(["plan", "segformer-b0", "--max-memory", "cpu=1GiB", "--inputs", "pixel_values=1x3x64x64"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "compute term counted at pixel_values=1x3x64x64 (the inputs given)" in out
+    assert cli.parse_inputs("input_ids=1x512,pixel_values=1x3x8x8") == {"input_ids": (1, 512),
+                                                                         "pixel_values": (1, 3, 8, 8)}
+    assert cli.parse_inputs("default") == "default"
+
+
+def test_cli_profile_prints_each_field_in_its_unit_with_the_spread(capsys, tmp_path):
+    code = cli.main(["profile", "--folder", str(tmp_path), "--out", str(tmp_path / "p.json")])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip() and "profile" not in line}
+    assert rows["cpu_flops"][2] == "GFLOP/s" and rows["accelerator_flops"][2] == "GFLOP/s"
+    assert rows["disk_read"][2] == rows["disk_read_warm"][2] == rows["cpu_memory"][2] == "GB/s"
+    for name in ("cpu_op_latency", "accelerator_op_latency", "accelerator_tensor_latency", "offload_tensor_latency"):
+        assert rows[name][2] in ("µs", "ms"), rows[name]
+    assert "spread" in " ".join(rows["cpu_flops"]) and rows["accelerator_op_latency"][-1] == "default"
+    assert list(tmp_path.iterdir()) == [tmp_path / "p.json"]   # the disk test file is gone
+    code = cli.main(["profile", "--folder", str(tmp_path / "missing")])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--folder" in err and err.count("\n") == 1
