@@ -9,7 +9,8 @@ bytes not copied at every forward.
 
 Where FLOPs were counted at the user's inputs (:mod:`allocator.flops`, ``PlanOptions.inputs``), the compute term is
 the counted FLOPs of each unit, each op it dispatches adds a fixed cost on the executing device
-(:func:`allocator.cost_profile.op_seconds`), and a change of device moves the output of the module before it
+(:func:`allocator.cost_profile.op_seconds`), the bytes its ops without a FLOP formula write cost memory traffic
+at the executing device's memory rate, and a change of device moves the output of the module before it
 (:func:`allocator.units.boundary_bytes`) instead of the fixed ``Profile.activation_bytes``. Without a complete
 count: ``2 * tokens`` FLOP per parameter element, no op term, the fixed activation.
 
@@ -31,7 +32,8 @@ from .runtime import main_device, map_runs, moves_with_weights, offloaded_device
 from .units import boundary_bytes, tensor_flops
 
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
-           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops", "counted_ops", "boundaries"]
+           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops", "counted_ops", "counted_written",
+           "boundaries"]
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +50,17 @@ class Cost:
 
 
 def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None,
-                 ops: float = 0) -> float:
+                 ops: float = 0, written: float = 0) -> float:
     """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
     (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger;
-    plus ``ops`` dispatched ops at :func:`allocator.cost_profile.op_seconds` each."""
+    plus ``ops`` dispatched ops at :func:`allocator.cost_profile.op_seconds` each and ``written`` activation bytes
+    at the memory rate of ``run_on``."""
     per_byte, per_element = read_rates(profile, run_on)
     compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
     seconds = max(nbytes * per_byte, compute)
-    return seconds + ops * op_seconds(profile, run_on) if ops else seconds
+    if ops:
+        seconds = seconds + ops * op_seconds(profile, run_on)
+    return seconds + written * per_byte if written else seconds
 
 
 def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> float:
@@ -77,13 +82,13 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> 
 
 
 def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
-                    tensors: int = 0, flops: float | None = None, ops: float = 0) -> float:
+                    tensors: int = 0, flops: float | None = None, ops: float = 0, written: float = 0) -> float:
     """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
     :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
     :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
     """
     run_on = main if device in ("cpu", "disk") else device
-    return (read_seconds(profile, run_on, nbytes, numel, flops, ops)
+    return (read_seconds(profile, run_on, nbytes, numel, flops, ops, written)
             + copy_seconds(profile, main, device, offload, tensors))
 
 
@@ -95,11 +100,12 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
     """
     moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
     numel = tensor.numel if tensor.is_param and tensor.counted else 0
-    counted, ops = counted_flops(problem), counted_ops(problem)
+    counted, ops, written = counted_flops(problem), counted_ops(problem), counted_written(problem)
     at = problem.graph.tensor_index[tensor.name]
     flops = None if counted is None else float(counted[at])
     return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
-                           int(moves), flops, 0 if ops is None else float(ops[at]))
+                           int(moves), flops, 0 if ops is None else float(ops[at]),
+                           0 if written is None else float(written[at]))
 
 
 def counted_flops(problem: Problem):
@@ -119,6 +125,15 @@ def counted_ops(problem: Problem):
         problem.graph, node_values(problem.flops.ops, problem.graph)))
 
 
+def counted_written(problem: Problem):
+    """The bytes the ops without a FLOP formula of each tensor's unit write (:attr:`allocator.flops.FlopCount.written`,
+    spread as :func:`counted_ops`), or ``None`` where the FLOP count is not complete."""
+    if problem.node_flops is None:
+        return None
+    return problem.derived.once("tensor written", lambda: tensor_flops(
+        problem.graph, node_values(problem.flops.written, problem.graph)))
+
+
 def boundaries(problem: Problem):
     """Activation bytes crossing each boundary between tensors (:func:`allocator.units.boundary_bytes` of the
     counted outputs), or ``None`` where the FLOP count is not complete: a change then moves
@@ -136,7 +151,8 @@ def _reads(problem: Problem, profile: Profile) -> tuple:
     flops = counted_flops(problem)
     if flops is None:
         return cols.reads(profile)
-    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(profile, flops, counted_ops(problem)))
+    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(profile, flops, counted_ops(problem),
+                                                                          counted_written(problem)))
 
 
 def change_seconds(profile: Profile, nbytes: int | None = None) -> float:

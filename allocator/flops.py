@@ -61,6 +61,9 @@ class FlopCount:
     """Whether the forward ran on a meta copy of the model (its weights were not all on the meta device)."""
     defaults: bool = field(default=False)
     """Whether :attr:`inputs` were derived from the config (:func:`default_inputs`)."""
+    written: Mapping[str, int] = field(default_factory=dict)
+    """Bytes of the outputs of the ops each module dispatched itself that have no FLOP formula and are not views
+    (elementwise ops, normalisations, softmax, copies, concatenations): memory traffic, not arithmetic."""
 
     @property
     def complete(self) -> bool:
@@ -155,7 +158,7 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
     on_meta = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
     run = model if on_meta else meta_copy(model)
     arguments = _meta_inputs(inputs, _floating_dtype(run))
-    flops, ops, out_bytes = defaultdict(int), defaultdict(int), defaultdict(int)
+    flops, ops, out_bytes, written = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
     uncounted: set[str] = set()
     stack: list[str] = []
     failed: list[str] = []
@@ -166,7 +169,7 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
             handles.append(module.register_forward_pre_hook(_push(stack, name)))
             handles.append(module.register_forward_hook(_pop(stack, out_bytes, name), always_call=True))
         counter = FlopCounterMode(display=False)
-        with _charge(counter, stack, flops, ops, uncounted, failed), counter, torch.no_grad():
+        with _charge(counter, stack, flops, ops, uncounted, failed, written), counter, torch.no_grad():
             run(**arguments)
     except Exception as err:  # reported: the caller falls back to the parameter rule
         error = f"{failed[-1]}: {err}" if failed else f"{type(err).__name__}: {err}"
@@ -183,7 +186,7 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
         inputs={k: tuple(v.shape) for k, v in arguments.items()},
         flops={n: flops.get(n, 0) for n in names}, ops={n: ops.get(n, 0) for n in names},
         output_bytes={n: out_bytes.get(n, 0) for n in names}, total=total, uncounted=tuple(sorted(uncounted)),
-        error=error, copied=not on_meta, defaults=defaults,
+        error=error, copied=not on_meta, defaults=defaults, written={n: written.get(n, 0) for n in names},
     )
 
 
@@ -259,9 +262,10 @@ def _does_arithmetic(packet) -> bool:
     return namespace not in ("aten", "prims", "prim") or any(w in name for w in ("mm", "conv", "attention", "einsum"))
 
 
-def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed: list):
+def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed: list, written: dict):
     """A dispatch mode entered outside ``counter``: it sees each op ``counter`` executes (after its decompositions)
-    and charges it, with the same formula, to the innermost running module."""
+    and charges it, with the same formula, to the innermost running module; the bytes an op without a formula
+    writes (not a view) go to ``written``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     registry = counter.flop_registry
@@ -280,8 +284,11 @@ def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed
             formula = registry.get(packet)
             if formula is not None:
                 flops[where] += formula(*args, **kwargs, out_val=out)
-            elif _does_arithmetic(packet):
-                uncounted.add(str(packet))
+            else:
+                if _does_arithmetic(packet):
+                    uncounted.add(str(packet))
+                if not getattr(func, "is_view", False):
+                    written[where] += _tensor_bytes(out)
             return out
 
     return Charge()

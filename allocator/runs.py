@@ -99,23 +99,24 @@ class Columns:
             found = self._moving[key] = Moving(self, self._graph(), *key)
         return found
 
-    def reads(self, profile, flops=None, ops=None) -> tuple[list[int], list[int]]:
+    def reads(self, profile, flops=None, ops=None, written=None) -> tuple[list[int], list[int]]:
         """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``, from
         :func:`allocator.cost_profile.read_rates`), on the CPU and on an accelerator. Integers, so that a sum does
         not depend on how a map cuts it into runs; Python ints where a time passes an int64 (9,223 s).
 
         ``flops`` (FLOPs per tensor, float64, :func:`allocator.units.tensor_flops`) replaces the parameter rule's
-        compute term, and ``ops`` (ops per tensor, spread the same way) adds a fixed cost per op
-        (:func:`allocator.cost_profile.op_seconds`); those sums are not kept here (the problem keeps them)."""
+        compute term, ``ops`` (ops per tensor, spread the same way) adds a fixed cost per op
+        (:func:`allocator.cost_profile.op_seconds`) and ``written`` (bytes per tensor) memory traffic at the
+        executing device's memory rate; those sums are not kept here (the problem keeps them)."""
         if flops is not None:
-            ops = None if ops is None else np.asarray(ops, dtype=np.float64)
-            return self._femtos(profile, np.asarray(flops, dtype=np.float64), ops)
+            extra = [None if v is None else np.asarray(v, dtype=np.float64) for v in (ops, written)]
+            return self._femtos(profile, np.asarray(flops, dtype=np.float64), *extra)
         found = self._reads.get(profile)
         if found is None:
-            found = self._reads[profile] = self._femtos(profile, None, None)
+            found = self._reads[profile] = self._femtos(profile, None, None, None)
         return found
 
-    def _femtos(self, profile, flops, ops) -> tuple:
+    def _femtos(self, profile, flops, ops, written) -> tuple:
         nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
             .astype(np.float64)
         found = []
@@ -126,6 +127,8 @@ class Columns:
             seconds = np.maximum(nbytes * per_byte, compute)
             if ops is not None:
                 seconds = seconds + ops * op_seconds(profile, on)
+            if written is not None:
+                seconds = seconds + written * per_byte
             femtos = np.rint(seconds * FEMTO)
             wide = len(femtos) and femtos.max() >= 2.0**62   # astype would wrap: exact Python ints instead
             found.append(_prefix([int(f) for f in femtos] if wide else femtos.astype(np.int64)))

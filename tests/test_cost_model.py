@@ -205,3 +205,19 @@ def test_cli_profile_prints_each_field_in_its_unit_with_the_spread(capsys, tmp_p
     code = cli.main(["profile", "--folder", str(tmp_path / "missing")])
     _, err = capsys.readouterr()
     assert code == 2 and "--folder" in err and err.count("\n") == 1
+
+
+# -- the memory traffic term -----------------------------------------------------------------------------------------
+
+
+def test_ops_without_a_flop_formula_cost_the_bytes_they_write():
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+    count = count_flops(model, {"input": (1000, 64)})
+    assert count.written["1"] == 1000 * 64 * 4    # the GELU's output
+    assert count.written["0"] == 0                # a product (counted in FLOPs) and a view of the weight
+    profile = Profile(cpu_memory=1e6, cpu_flops=1e15, cpu_op_latency=0)
+    counted = build_problem(model, {"cpu": 10**6}, inputs={"input": (1000, 64)}, profile=profile)
+    weights = (64 * 64 + 64) * 4
+    assert estimate(counted, {"": "cpu"}).seconds == pytest.approx((weights + 1000 * 64 * 4) / 1e6, rel=1e-6)
+    plain = build_problem(model, {"cpu": 10**6}, profile=profile)
+    assert estimate(plain, {"": "cpu"}).seconds == pytest.approx(weights / 1e6, rel=1e-6)

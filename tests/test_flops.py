@@ -174,7 +174,8 @@ def test_estimate_with_inputs_follows_the_counted_flops():
         problem = build_problem(model, {"cpu": 10**9}, inputs={"input": (rows, 256)}, profile=profile)
         assert problem.flops.total == 2 * 2 * rows * 256 * 256
         seconds[rows] = estimate(problem, {"": "cpu"}).seconds
-        assert seconds[rows] == pytest.approx(problem.flops.total / profile.cpu_flops, rel=1e-9)
+        written = sum(problem.flops.written.values()) / profile.cpu_memory   # the ReLU's output: 1e-15 s a byte
+        assert seconds[rows] == pytest.approx(problem.flops.total / profile.cpu_flops + written, rel=1e-9)
     assert seconds[4096] == pytest.approx(8 * seconds[512], rel=1e-9)
     plain = build_problem(model, {"cpu": 10**9}, profile=profile)   # without inputs: 2 x params x tokens
     assert plain.flops is None
@@ -189,9 +190,10 @@ def test_tensor_seconds_the_ilp_prices_with_follow_the_counted_flops_too():
             summed = sum(tensor_seconds(problem, device, problem.profile, problem.graph.tensors[t], device)
                          for t in range(len(problem.graph.tensors)))
             assert summed == pytest.approx(estimate(problem, device_map).seconds, rel=1e-9)
-    ops = sum(problem.flops.ops.values())
+    ops, written = sum(problem.flops.ops.values()), sum(problem.flops.written.values())
     assert estimate(problem, {"": 0}).seconds == pytest.approx(
-        problem.flops.total / problem.profile.accelerator_flops + ops * problem.profile.accelerator_op_latency)
+        problem.flops.total / problem.profile.accelerator_flops + ops * problem.profile.accelerator_op_latency
+        + written / problem.profile.accelerator_memory)
 
 
 def test_inputs_option_is_checked():
