@@ -146,29 +146,27 @@ class Worker:
 
 def candidate_maps(problem, plan_map: dict) -> dict:
     """name -> device map: the plan's, then units on disk from the front, from the back and every other one until
-    the rest fits the RAM budget (at least a third of the units when everything fits); valid and distinct only."""
+    the map is valid under the RAM budget (at least a third of the units); distinct ones only."""
     g = problem.graph
     found = list(problem_groups(problem).records())
-    sizes = [grp.size for grp in found]
-    limit = problem.budgets.limit("cpu")
-    total = sum(sizes)
     movable = [k for k, grp in enumerate(found) if not grp.resident_only]
     out = {"ours": plan_map}
 
     def fill(order):
-        on_disk, resident = set(), total
+        """Units of ``order`` to disk one by one until the map is valid (and at least a third of them went)."""
+        on_disk = set()
         for k in order:
-            if resident <= 0.9 * limit and len(on_disk) >= len(movable) // 3:
-                break
             on_disk.add(k)
-            resident -= sizes[k]
-        return {u.name: "disk" if k in on_disk else "cpu" for k, grp in enumerate(found) for u in grp.units}
+            device_map = {u.name: "disk" if j in on_disk else "cpu" for j, grp in enumerate(found) for u in grp.units}
+            if len(on_disk) >= len(movable) // 3 and not check(problem, device_map)[0]:
+                return device_map
+        return None
 
     orders = {"front": movable, "back": movable[::-1], "alternate": movable[::2] + movable[1::2]}
     seen = [plan_map]
     for name, order in orders.items():
         device_map = fill(order)
-        if check(problem, device_map)[0] or any(_same(device_map, m, g) for m in seen):
+        if device_map is None or any(_same(device_map, m, g) for m in seen):
             continue
         out[name] = device_map
         seen.append(device_map)
