@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .budgets import Budgets, parse_budgets
 from .cost_profile import Profile
 from .errors import InvalidOption
-from .flops import FlopCount, count_flops, default_inputs, node_flops
+from .flops import FlopCount, count_flops, node_flops
 from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
@@ -254,7 +254,7 @@ def _count(model, graph: ModelGraph, inputs) -> tuple[FlopCount | None, tuple[in
     """The FLOP count at ``inputs`` and its exclusive FLOPs per node (``None`` where it is incomplete)."""
     if inputs is None:
         return None, None
-    counted = count_flops(model, default_inputs(model) if isinstance(inputs, str) else inputs)
+    counted = count_flops(model, None if isinstance(inputs, str) else inputs)   # None: default_inputs, so marked
     if not counted.complete:
         log.warning("FLOPs at inputs %s are not all counted (%s); the compute term keeps 2 x params x tokens",
                     dict(counted.inputs), counted.reason())

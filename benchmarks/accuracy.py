@@ -18,6 +18,7 @@ the fraction the estimate orders the same way. Writes ``accuracy.csv`` and ``acc
     python benchmarks/latency.py --accuracy            # 8 models x 3 budgets, 10 forwards per map
     python benchmarks/latency.py --accuracy --quick    # 8 models x 3 budgets, 6 forwards per map
     python benchmarks/accuracy.py --models llama --budgets 0.5 --forwards 4   # any subset
+    python benchmarks/accuracy.py --smoke              # a tiny llama, one budget, 2 forwards (CI smoke test)
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def specs() -> dict:
             {"pixel_values": (1, 3, 512, 512)}),
         "convnext": (tf.ConvNextForImageClassification, tf.ConvNextConfig(
             hidden_sizes=[48, 96, 192, 384], depths=[2, 2, 4, 2], num_labels=1000, image_size=224), image),
+        "tiny-llama": (tf.LlamaForCausalLM, tf.LlamaConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=256, vocab_size=1000, tie_word_embeddings=False), {"input_ids": (1, 8)}),
         "swin": (tf.SwinForImageClassification, tf.SwinConfig(
             embed_dim=48, depths=[2, 2, 4, 2], num_heads=[3, 6, 12, 24], image_size=224, window_size=7,
             num_labels=1000), image),
@@ -301,15 +305,20 @@ def report(rows: list[dict], profile, args, command: str, seconds: float) -> str
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 timed forwards and 1 warm-up per map")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS),
-                        help="RAM budgets, fractions of the model")
+    parser.add_argument("--smoke", action="store_true", help="a tiny llama, one budget, 2 forwards (CI)")
+    parser.add_argument("--models", nargs="+", choices=sorted(specs()), help=f"default: {' '.join(MODELS)}")
+    parser.add_argument("--budgets", nargs="+", type=float, help="RAM budgets, fractions of the model (default: "
+                        f"{' '.join(map(str, BUDGETS))})")
     parser.add_argument("--forwards", type=int, help="timed forwards per map (default 10; --quick 6)")
     parser.add_argument("--warmup", type=int, help="untimed forwards per map (default 2; --quick 1)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per load or forward")
     parser.add_argument("--workdir", type=Path, help="where models are saved (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=OUT, help="output folder (default: benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.models, args.budgets = args.models or ["tiny-llama"], args.budgets or [0.5]
+        args.forwards, args.warmup = args.forwards or 2, 0 if args.warmup is None else args.warmup
+    args.models, args.budgets = args.models or list(MODELS), args.budgets or list(BUDGETS)
     args.forwards = args.forwards or (6 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     torch.set_num_threads(1)   # the workers' thread count; also keeps OpenMP's pool unstarted, which keeps fork safe

@@ -2,7 +2,8 @@
 
 Each script runs in its smallest mode into a temporary ``--out`` folder (placement and ilp_optimality: one
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
-gpu: ``--dry-run``, tiny models with the CPU as the device, and its generate case). The numbers are not checked, only
+gpu: ``--dry-run``, tiny models with the CPU as the device, and its generate case; accuracy: ``--smoke``, a tiny
+llama, one budget, 2 forwards per map). The numbers are not checked, only
 that the files appear with rows.
 """
 
@@ -27,6 +28,7 @@ CASES = {
     "latency": (["--smoke"], "latency"),
     "planning_speed": (["--sizes", "1000", "--repeat-seconds", "0"], "planning_speed"),
     "gpu": (["--dry-run"], "gpu"),
+    "accuracy": (["--smoke"], "accuracy"),
 }
 
 
@@ -56,6 +58,8 @@ def test_benchmark_script_writes_results(script, tmp_path):
         assert {"auto", "ours"} <= set(by)
         assert all(int(r["warm_n"]) == 3 and float(r["warm_median_ms"]) > 0 for r in by.values())
         assert by["ours"]["matches_plan"] == "True"
+    if script == "accuracy":  # every map estimated and measured
+        assert len(rows) >= 2 and all(float(r["estimated_ms"]) > 0 and float(r["measured_ms"]) > 0 for r in rows)
     if script == "gpu":  # the generate case: both maps run generate; ours is planned within the budget with it
         with open(tmp_path / "gpu_generate.csv", newline="") as fh:
             generate = list(csv.DictReader(fh))

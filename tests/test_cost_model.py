@@ -221,3 +221,10 @@ def test_ops_without_a_flop_formula_cost_the_bytes_they_write():
     assert estimate(counted, {"": "cpu"}).seconds == pytest.approx((weights + 1000 * 64 * 4) / 1e6, rel=1e-6)
     plain = build_problem(model, {"cpu": 10**6}, profile=profile)
     assert estimate(plain, {"": "cpu"}).seconds == pytest.approx(weights / 1e6, rel=1e-6)
+
+
+def test_default_inputs_are_said_to_come_from_the_config():
+    model = zoo.build("segformer-b0")
+    found = allocator.plan(model, {"cpu": 10**9}, inputs="default")
+    assert found.inputs == {"pixel_values": (1, 3, 512, 512)}
+    assert "(the config's defaults)" in found.compute_term()
