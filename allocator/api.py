@@ -17,7 +17,7 @@ from .explain import reasons
 from .gc_pause import gc_paused
 from .logs import shown
 from .placement import Placement, clean_device_map
-from .problem import PlanOptions, Problem, build_problem
+from .problem import PlanOptions, Problem, build_problem, step_problem
 from .strategies import STRATEGIES, resolve, run
 from .strategies.ranking import priced
 from .runs import columns
@@ -81,6 +81,15 @@ class Plan:
         return not self.violations
 
     @property
+    def costs(self) -> dict:
+        """The estimate of each forward that was counted (``"prefill"``, and with a generation budget ``"decode"``:
+        one decoding step), as :class:`Cost`; ``{"prefill": cost}`` when nothing was counted. :attr:`cost` is the
+        one ``options.optimize`` names."""
+        steps = self.problem.steps or {"prefill": None}
+        return {step: self.cost if step == self.problem.options.optimize else
+                priced(step_problem(self.problem, step), self.device_map) for step in steps}
+
+    @property
     def inputs(self) -> dict | None:
         """The shapes of the forward the cost model counted (``PlanOptions.inputs``, or the config's defaults), or
         ``None`` where nothing was counted."""
@@ -97,6 +106,8 @@ class Plan:
                     f"(1, 512)}} or inputs='default' to count FLOPs on the meta device)")
         shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in counted.inputs.items())
         source = "the config's defaults" if counted.defaults else "the inputs given"
+        if self.problem.options.optimize == "decode":
+            source = f"one decoding step of {source}, the whole KV cache read"
         if self.problem.node_flops is None:
             return (f"compute term estimated: 2 x params x {tokens} tokens; the count at {shapes} ({source}) is "
                     f"incomplete: {counted.reason()}")
@@ -133,6 +144,10 @@ class Plan:
                  f"streamed per forward, {self.cost.device_changes} device changes"
                  + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal")),
                  f"  {self.compute_term()}"]
+        if len(self.problem.steps) > 1:
+            costs = self.costs
+            steps = ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in costs.items())
+            lines.append(f"  per step: {steps}; objectives price the {self.problem.options.optimize}")
         for device in budgets.order:
             if device not in self.peak:
                 continue

@@ -4,7 +4,7 @@
 
     allocator plan SOURCE [--max-memory 0=20GiB,1=20GiB,cpu=64GiB] [--dtype bfloat16] [--strategy auto]
                           [--compare] [--explain] [--json FILE] [--plot FILE] [--profile FILE]
-                          [--inputs input_ids=1x512] [--trust-remote-code]
+                          [--inputs input_ids=1x512] [--optimize prefill|decode] [--trust-remote-code]
     allocator plan --list
     allocator demo [--model t5-base] [--strategy auto]
     allocator profile [--out FILE] [--folder DIR]
@@ -586,7 +586,8 @@ def _cmd_plan(args) -> int:
     loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
     dtype = args.dtype or loaded.dtype
     kept, patterns = kept_in_float32(loaded.model, dtype)  # from_pretrained's _keep_in_fp32_modules(_strict)
-    options = dict(dtype=dtype, profile=profile, generation=generation, special_dtypes=kept or None, inputs=inputs)
+    options = dict(dtype=dtype, profile=profile, generation=generation, special_dtypes=kept or None, inputs=inputs,
+                   optimize=args.optimize)
     if loaded.quantization is not None:
         options.update(size_fn=loaded.quantization.size_fn, hf_quantizer=loaded.quantization.hf_quantizer)
     ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True, **options)
@@ -599,6 +600,9 @@ def _cmd_plan(args) -> int:
         print(_quantization_line(loaded.quantization, dtype, ours))
     if inputs is not None:
         print(ours.compute_term())
+        if len(ours.costs) > 1:
+            print("per step: " + ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in ours.costs.items())
+                  + f"; the plan minimises the {args.optimize}")
     if max_memory is None:
         print(f"budgets: the default, this machine's free memory now ({_budget_spec(ours.problem.budgets)}); "
               f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
@@ -780,6 +784,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs", metavar="NAME=DIMxDIM,...",
                    help="shapes of one forward, e.g. input_ids=1x512 or pixel_values=1x3x512x512, or 'default' (the "
                         "config's): FLOPs, ops and activations are counted on the meta device for the cost model")
+    p.add_argument("--optimize", default="prefill", choices=["prefill", "decode"],
+                   help="the forward objectives price: prefill (default, one forward at --inputs) or decode (one "
+                        "decoding step: needs --inputs and --generation)")
     p.add_argument("--generation", metavar="BATCH,MAX_LENGTH[,PROMPT]",
                    help="keep room for generate: KV cache, logits and activations (allocator.GenerationBudget)")
     p.add_argument("--trust-remote-code", action="store_true",

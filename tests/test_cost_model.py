@@ -228,3 +228,72 @@ def test_default_inputs_are_said_to_come_from_the_config():
     found = allocator.plan(model, {"cpu": 10**9}, inputs="default")
     assert found.inputs == {"pixel_values": (1, 3, 512, 512)}
     assert "(the config's defaults)" in found.compute_term()
+
+
+# -- a decoding step -------------------------------------------------------------------------------------------------
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def test_a_generation_budget_costs_a_decoding_step_next_to_the_prefill():
+    model = _tiny_llama()
+    inputs = {"input_ids": (1, 256)}
+    costs = {}
+    for length in (512, 4096):
+        found = allocator.plan(model, {"cpu": 10**9}, inputs=inputs,
+                               generation=allocator.GenerationBudget(1, length, prompt_length=256))
+        assert set(found.costs) == {"prefill", "decode"} and found.cost == found.costs["prefill"]
+        steps = found.problem.steps
+        assert steps["decode"].inputs == {"input_ids": (1, 1)} and steps["prefill"].inputs == {"input_ids": (1, 256)}
+        assert steps["decode"].total < steps["prefill"].total / 100
+        costs[length] = {k: v.seconds for k, v in found.costs.items()}
+    # the prefill does not read the cache; the step reads all of it: a longer context costs it more
+    assert costs[4096]["prefill"] == pytest.approx(costs[512]["prefill"])
+    cache = {n: allocator.build_problem(model, {"cpu": 10**9},
+                                        generation=allocator.GenerationBudget(1, n, prompt_length=256))
+             .generation.cache_bytes for n in (512, 4096)}
+    assert costs[4096]["decode"] - costs[512]["decode"] == pytest.approx(
+        (cache[4096] - cache[512]) / Profile().cpu_memory, rel=1e-6)
+    # without a generation budget only the prefill is counted
+    assert set(allocator.plan(model, {"cpu": 10**9}, inputs=inputs).costs) == {"prefill"}
+
+
+def test_optimize_decode_makes_the_objectives_price_the_step():
+    model = _tiny_llama()
+    generation = allocator.GenerationBudget(1, 1024, prompt_length=256)
+    found = allocator.plan(model, {"cpu": 10**9}, inputs={"input_ids": (1, 256)}, generation=generation,
+                           optimize="decode")
+    assert found.cost == found.costs["decode"] and found.costs["prefill"].seconds > found.cost.seconds
+    assert "one decoding step" in found.compute_term() and "objectives price the decode" in found.explain()
+    with pytest.raises(InvalidOption, match="needs inputs"):
+        allocator.PlanOptions(optimize="decode", generation=generation)
+    with pytest.raises(InvalidOption, match="one of"):
+        allocator.PlanOptions(optimize="fastest")
+    with pytest.raises(InvalidOption, match="token inputs"):
+        allocator.plan(model, {"cpu": 10**9}, inputs={"inputs_embeds": (1, 8, 64)}, generation=generation,
+                       optimize="decode")
+
+
+def test_cli_optimize_decode_prints_both_steps(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=500,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    code = cli.main(["plan", str(folder), "--max-memory", "cpu=1GiB", "--inputs", "input_ids=1x64",
+                     "--generation", "1,512,64", "--optimize", "decode"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "per step: prefill" in out and "the plan minimises the decode" in out
+    code = cli.main(["plan", str(folder), "--max-memory", "cpu=1GiB", "--optimize", "decode"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "needs inputs" in err and err.count("\n") == 1
