@@ -10,7 +10,8 @@ bytes not copied at every forward.
 Where FLOPs were counted at the user's inputs (:mod:`allocator.flops`, ``PlanOptions.inputs``), the compute term is
 the counted FLOPs of each unit, each op it dispatches adds a fixed cost on the executing device
 (:func:`allocator.cost_profile.op_seconds`), the bytes its ops without a FLOP formula write cost memory traffic
-at the executing device's memory rate, and a change of device moves the output of the module before it
+at the executing device's memory rate (functions per element, :data:`allocator.flops.POINTWISE`, at the CPU's
+``cpu_pointwise``), and a change of device moves the output of the module before it
 (:func:`allocator.units.boundary_bytes`) instead of the fixed ``Profile.activation_bytes``. Without a complete
 count: ``2 * tokens`` FLOP per parameter element, no op term, the fixed activation.
 
@@ -24,7 +25,7 @@ import logging
 from dataclasses import dataclass
 
 from .budgets import Device, is_accelerator, normalize_map
-from .cost_profile import Profile, flop_seconds, op_seconds, read_rates
+from .cost_profile import Profile, flop_seconds, op_seconds, pointwise_seconds, read_rates
 from .flops import node_values
 from .problem import Problem
 from .runs import FEMTO, Run, columns
@@ -50,17 +51,19 @@ class Cost:
 
 
 def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None,
-                 ops: float = 0, written: float = 0) -> float:
+                 ops: float = 0, written: float = 0, pointwise: float = 0) -> float:
     """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
     (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger;
-    plus ``ops`` dispatched ops at :func:`allocator.cost_profile.op_seconds` each and ``written`` activation bytes
-    at the memory rate of ``run_on``."""
+    plus ``ops`` dispatched ops at :func:`allocator.cost_profile.op_seconds` each, ``written`` activation bytes
+    at the memory rate of ``run_on`` and ``pointwise`` bytes at :func:`allocator.cost_profile.pointwise_seconds`."""
     per_byte, per_element = read_rates(profile, run_on)
     compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
     seconds = max(nbytes * per_byte, compute)
     if ops:
         seconds = seconds + ops * op_seconds(profile, run_on)
-    return seconds + written * per_byte if written else seconds
+    if written:
+        seconds = seconds + written * per_byte
+    return seconds + pointwise * pointwise_seconds(profile, run_on) if pointwise else seconds
 
 
 def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> float:
@@ -82,13 +85,14 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> 
 
 
 def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
-                    tensors: int = 0, flops: float | None = None, ops: float = 0, written: float = 0) -> float:
+                    tensors: int = 0, flops: float | None = None, ops: float = 0, written: float = 0,
+                    pointwise: float = 0) -> float:
     """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
     :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
     :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
     """
     run_on = main if device in ("cpu", "disk") else device
-    return (read_seconds(profile, run_on, nbytes, numel, flops, ops, written)
+    return (read_seconds(profile, run_on, nbytes, numel, flops, ops, written, pointwise)
             + copy_seconds(profile, main, device, offload, tensors))
 
 
@@ -101,11 +105,11 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
     moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
     numel = tensor.numel if tensor.is_param and tensor.counted else 0
     counted, ops, written = counted_flops(problem), counted_ops(problem), counted_written(problem)
+    pointwise = counted_written(problem, "pointwise")
     at = problem.graph.tensor_index[tensor.name]
     flops = None if counted is None else float(counted[at])
     return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
-                           int(moves), flops, 0 if ops is None else float(ops[at]),
-                           0 if written is None else float(written[at]))
+                           int(moves), flops, *(0 if v is None else float(v[at]) for v in (ops, written, pointwise)))
 
 
 def counted_flops(problem: Problem):
@@ -125,13 +129,14 @@ def counted_ops(problem: Problem):
         problem.graph, node_values(problem.flops.ops, problem.graph)))
 
 
-def counted_written(problem: Problem):
-    """The bytes the ops without a FLOP formula of each tensor's unit write (:attr:`allocator.flops.FlopCount.written`,
-    spread as :func:`counted_ops`), or ``None`` where the FLOP count is not complete."""
+def counted_written(problem: Problem, kind: str = "written"):
+    """The bytes the ops without a FLOP formula of each tensor's unit write (``kind`` ``"written"``:
+    :attr:`allocator.flops.FlopCount.written`; ``"pointwise"``: :attr:`~allocator.flops.FlopCount.pointwise`), spread
+    as :func:`counted_ops`; ``None`` where the FLOP count is not complete."""
     if problem.node_flops is None:
         return None
-    return problem.derived.once("tensor written", lambda: tensor_flops(
-        problem.graph, node_values(problem.flops.written, problem.graph)))
+    return problem.derived.once(f"tensor {kind}", lambda: tensor_flops(
+        problem.graph, node_values(getattr(problem.flops, kind), problem.graph)))
 
 
 def boundaries(problem: Problem):
@@ -151,8 +156,8 @@ def _reads(problem: Problem, profile: Profile) -> tuple:
     flops = counted_flops(problem)
     if flops is None:
         return cols.reads(profile)
-    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(profile, flops, counted_ops(problem),
-                                                                          counted_written(problem)))
+    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(
+        profile, flops, counted_ops(problem), counted_written(problem), counted_written(problem, "pointwise")))
 
 
 def change_seconds(profile: Profile, nbytes: int | None = None) -> float:

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from .errors import InvalidOption
 
-__all__ = ["Profile", "read_rates", "flop_seconds", "op_seconds"]
+__all__ = ["Profile", "read_rates", "flop_seconds", "op_seconds", "pointwise_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,13 @@ ACCELERATOR_OP_LATENCY = 5e-6
 #: 200 us, three times the 66 us of :data:`OFFLOAD_TENSOR_LATENCY`'s CPU-to-CPU path.
 ACCELERATOR_TENSOR_LATENCY = 200e-6
 
+#: Bytes per second the CPU writes evaluating a function per element (activations, norms, softmax): ~3 GB/s, a
+#: third of a copy (measured on the machine of ``benchmarks/results/latency.md`` by ``Profile.measure``: 3.3 GB/s
+#: for ``gelu``, 3.4 for ``softmax``, 4.3 for ``layer_norm`` on 4 MiB float32 tensors, one thread, torch 2.13).
+CPU_POINTWISE = 3e9
+
 _RATES = ("accelerator_memory", "host_to_device", "disk_read", "disk_read_warm", "cpu_memory", "device_to_device",
-          "accelerator_flops", "cpu_flops")
+          "accelerator_flops", "cpu_flops", "cpu_pointwise")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,6 +121,9 @@ class Profile:
     accelerator_tensor_latency: float = ACCELERATOR_TENSOR_LATENCY
     """Fixed cost per offloaded tensor streamed to an accelerator main device per forward (the hook's copy and its
     ``empty_cache``); :attr:`offload_tensor_latency` is the same path with the CPU as the main device."""
+    cpu_pointwise: float = CPU_POINTWISE
+    """Bytes per second the CPU writes evaluating a function per element (``allocator.flops.POINTWISE`` ops; an
+    accelerator's are charged at :attr:`accelerator_memory`)."""
     spread: Mapping = field(default_factory=dict, compare=False, repr=False)
     """Measured fields only (:meth:`measure`): field name -> relative spread of its repeats, ``(max - min) /
     median`` (0.1: the repeats lay within 10 % of the median). Not part of equality."""
@@ -186,7 +194,8 @@ class Profile:
 
         Always: RAM (a copy of ``size`` bytes), the CPU's FLOP rate (``F.linear`` in float32, a 512 x 2048 by
         2048 x 2048 product like a real layer's, at ``torch.get_num_threads()`` threads), the per-op cost of the
-        CPU (a chain of tiny ops), disk reads of a ``size``-byte file in ``folder`` (a temporary folder when
+        CPU (a chain of tiny ops), its rate of functions per element (``gelu``, ``softmax``, ``layer_norm`` on 4 MiB),
+        disk reads of a ``size``-byte file in ``folder`` (a temporary folder when
         ``None``): written, ``fsync``-ed, then dropped from the page cache with ``posix_fadvise(DONTNEED)`` before
         each cold read (:attr:`disk_read`, where ``posix_fadvise`` exists; else the reads are warm) and read again
         with the pages kept (:attr:`disk_read_warm`). The per-tensor latencies time accelerate's own hooks (when
@@ -217,6 +226,8 @@ class Profile:
         with torch.no_grad():
             timed["cpu_flops"] = _rate(lambda: F.linear(x, w), 2 * 512 * 2048 * 2048, repeats)
         timed["cpu_op_latency"] = _latency(_tiny_ops(torch.ones(4)), _TINY_OPS, repeats)
+        with torch.no_grad():
+            timed["cpu_pointwise"] = _rate(_pointwise(torch.ones(1024, 1024)), 3 * 4 * 2**20, repeats)
         timed.update(_disk(buf, folder, repeats))
         try:
             timed.update(_tensor_latencies(repeats))
@@ -237,6 +248,18 @@ _TINY_OPS = 5   # aten ops of one _tiny_ops call
 def _tiny_ops(x):
     def run():
         return ((x + 1).view(2, 2).t() * 2).contiguous()
+    return run
+
+
+def _pointwise(x):
+    """Three functions per element of a 4 MiB float32 tensor, each writing its 4 MiB: ``gelu``, ``softmax``,
+    ``layer_norm``."""
+    import torch.nn.functional as F
+
+    def run():
+        F.gelu(x)
+        x.softmax(-1)
+        F.layer_norm(x, x.shape[-1:])
     return run
 
 
@@ -287,6 +310,11 @@ def read_rates(profile: Profile, run_on) -> tuple[float, float]:
 def flop_seconds(profile: Profile, run_on) -> float:
     """Seconds per FLOP on ``run_on``: the compute term where FLOPs are counted (:mod:`allocator.flops`)."""
     return 1 / (profile.cpu_flops if run_on == "cpu" else profile.accelerator_flops)
+
+
+def pointwise_seconds(profile: Profile, run_on) -> float:
+    """Seconds per byte written by a function per element (:data:`allocator.flops.POINTWISE`) on ``run_on``."""
+    return 1 / (profile.cpu_pointwise if run_on == "cpu" else profile.accelerator_memory)
 
 
 def op_seconds(profile: Profile, run_on) -> float:

@@ -10,6 +10,7 @@ that the files appear with rows.
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,9 @@ def test_benchmark_script_writes_results(script, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT, cwd=BENCHMARKS.parent,
-    )
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCHMARKS.parent),
+                                                                      os.environ.get("PYTHONPATH")]))},
+    )   # this tree's allocator, not the one the environment installed
     assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-4000:]}"
     with open(tmp_path / f"{stem}.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

@@ -19,8 +19,8 @@ from allocator.flops import count_flops, node_values
 from allocator.problem import build_problem
 from allocator.units import boundary_bytes
 
-MEASURED = ("cpu_memory", "cpu_flops", "cpu_op_latency", "disk_read", "disk_read_warm", "offload_tensor_latency",
-            "disk_tensor_latency")
+MEASURED = ("cpu_memory", "cpu_flops", "cpu_op_latency", "cpu_pointwise", "disk_read", "disk_read_warm",
+            "offload_tensor_latency", "disk_tensor_latency")
 
 
 # -- Profile ---------------------------------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ def test_profile_round_trips_and_old_files_without_new_fields_still_load(measure
     assert loaded == measured and dict(loaded.spread) == dict(measured.spread)
     old = {k: v for k, v in Profile().to_dict().items()
            if k not in ("disk_read_warm", "cpu_op_latency", "accelerator_op_latency", "accelerator_tensor_latency",
-                        "spread")}
+                        "cpu_pointwise", "spread")}
     path.write_text(json.dumps(old | {"cpu_flops": 5e10}))
     assert Profile.load(path) == Profile(cpu_flops=5e10)
 
@@ -211,23 +211,22 @@ def test_cli_profile_prints_each_field_in_its_unit_with_the_spread(capsys, tmp_p
 
 
 def test_ops_without_a_flop_formula_cost_the_bytes_they_write():
-    model = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.GELU())
     count = count_flops(model, {"input": (1000, 64)})
-    assert count.written["1"] == 1000 * 64 * 4    # the GELU's output
-    assert count.written["0"] == 0                # a product (counted in FLOPs) and a view of the weight
-    profile = Profile(cpu_memory=1e6, cpu_flops=1e15, cpu_op_latency=0)
+    out = 1000 * 64 * 4
+    assert count.written["1"] == out and count.pointwise["1"] == 0     # a maximum: memory traffic
+    assert count.pointwise["2"] == out and count.written["2"] == 0     # a function per element
+    assert count.written["0"] == count.pointwise["0"] == 0             # a product (FLOPs) and a view of the weight
+    profile = Profile(cpu_memory=1e6, cpu_pointwise=1e5, cpu_flops=1e15, cpu_op_latency=0)
     counted = build_problem(model, {"cpu": 10**6}, inputs={"input": (1000, 64)}, profile=profile)
     weights = (64 * 64 + 64) * 4
-    assert estimate(counted, {"": "cpu"}).seconds == pytest.approx((weights + 1000 * 64 * 4) / 1e6, rel=1e-6)
+    assert estimate(counted, {"": "cpu"}).seconds == pytest.approx((weights + out) / 1e6 + out / 1e5, rel=1e-6)
     plain = build_problem(model, {"cpu": 10**6}, profile=profile)
     assert estimate(plain, {"": "cpu"}).seconds == pytest.approx(weights / 1e6, rel=1e-6)
-
-
-def test_default_inputs_are_said_to_come_from_the_config():
-    model = zoo.build("segformer-b0")
-    found = allocator.plan(model, {"cpu": 10**9}, inputs="default")
-    assert found.inputs == {"pixel_values": (1, 3, 512, 512)}
-    assert "(the config's defaults)" in found.compute_term()
+    # on an accelerator both are memory traffic at its memory rate
+    fast = dataclasses.replace(profile, accelerator_memory=1e6, accelerator_flops=1e15, accelerator_op_latency=0)
+    on_gpu = build_problem(model, {0: 10**6}, inputs={"input": (1000, 64)}, profile=fast)
+    assert estimate(on_gpu, {"": 0}).seconds == pytest.approx((weights + 2 * out) / 1e6, rel=1e-6)
 
 
 # -- a decoding step -------------------------------------------------------------------------------------------------

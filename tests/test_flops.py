@@ -175,6 +175,7 @@ def test_estimate_with_inputs_follows_the_counted_flops():
         assert problem.flops.total == 2 * 2 * rows * 256 * 256
         seconds[rows] = estimate(problem, {"": "cpu"}).seconds
         written = sum(problem.flops.written.values()) / profile.cpu_memory   # the ReLU's output: 1e-15 s a byte
+        assert sum(problem.flops.pointwise.values()) == 0
         assert seconds[rows] == pytest.approx(problem.flops.total / profile.cpu_flops + written, rel=1e-9)
     assert seconds[4096] == pytest.approx(8 * seconds[512], rel=1e-9)
     plain = build_problem(model, {"cpu": 10**9}, profile=profile)   # without inputs: 2 x params x tokens
