@@ -9,8 +9,10 @@ loads of a cell take turns forward by forward, and each map's time is the median
 cache, one thread, ``torch.no_grad``).
 
 The estimate of each map is ``allocator.estimate`` of a problem built with ``inputs`` at the benchmark's shapes
-(FLOPs, ops and activations counted on the meta device) and ``Profile.measure()`` taken in the same run at the
-same thread count; the page cache is warm, so the profile's ``disk_read`` is its measured ``disk_read_warm``.
+(FLOPs, ops and activations counted on the meta device) under ``Profile.measure()`` taken in the same run at the
+same thread count (at the start, halfway and at the end; per field the median: the cores are shared, and one
+measurement can fall in a busy moment); the page cache is warm, so the profile's ``disk_read`` is its measured
+``disk_read_warm``.
 Reported: per map estimated / measured, per model the median |est/meas - 1|, the maps off by more than 2x, and of
 the pairs of maps in a cell whose measured order is significant (a sign test over the paired forwards, p < 0.05)
 the fraction the estimate orders the same way. Writes ``accuracy.csv`` and ``accuracy.md``.
@@ -213,9 +215,15 @@ def run_cell(name: str, path: str, budget: dict, maps: dict, args, workdir: Path
             w.close()
 
 
-def measure(args, workdir: Path, profile) -> list[dict]:
-    rows = []
-    for name in args.models:
+def measure(args, workdir: Path, profiles: list) -> list[tuple]:
+    """Every cell's maps, loaded and timed: (model, budget, problem builder, map name, device map, seconds). The
+    plans are made with the first profile; a profile is measured again halfway and at the end (``profiles`` gets
+    them), so that the estimates use rates taken across the run."""
+    records = []
+    halfway = len(args.models) // 2
+    for i, name in enumerate(args.models):
+        if i == halfway and i > 0:
+            profiles.append(allocator.Profile.measure(folder=workdir))
         cls, config, shapes = specs()[name]
         path = str(workdir / name)
         torch.manual_seed(0)
@@ -225,25 +233,47 @@ def measure(args, workdir: Path, profile) -> list[dict]:
         total = allocator.build_problem(meta, {"cpu": 0}).graph.total
         for f in args.budgets:
             budget = {"cpu": int(f * total)}
-            problem = allocator.build_problem(meta, dict(budget), inputs=shapes, profile=profile)
-            plan = allocator.plan(meta, dict(budget), inputs=shapes, profile=profile)
-            maps = candidate_maps(problem, plan.device_map)
-            maps = {"auto": "auto", **maps}
+            problem = allocator.build_problem(meta, dict(budget), inputs=shapes, profile=profiles[0])
+            plan = allocator.plan(meta, dict(budget), inputs=shapes, profile=profiles[0])
+            maps = {"auto": "auto", **candidate_maps(problem, plan.device_map)}
             measured = run_cell(name, path, budget, maps, args, workdir)
             seen = []
             for method, (loaded, seconds) in measured.items():
-                if method == "auto" and any(_same(loaded, m, problem.graph) for m in seen if m is not None):
-                    continue   # transformers' map equals one already measured
-                seen.append(loaded if method == "auto" else maps[method])
                 device_map = loaded if method == "auto" else maps[method]
-                est = allocator.estimate(problem, device_map)
-                meas = statistics.median(seconds)
-                rows.append(dict(model=name, budget=f, map=method, estimated_ms=round(est.seconds * 1e3, 3),
-                                 measured_ms=round(meas * 1e3, 3), ratio=round(est.seconds / meas, 3),
-                                 disk_mb=round(est.disk_bytes / 1e6, 2), forwards=";".join(f"{s * 1e3:.3f}"
-                                                                                        for s in seconds)))
-            print(f"{name} {f:.0%}: {len([r for r in rows if r['model'] == name and r['budget'] == f])} maps",
-                  file=sys.stderr, flush=True)
+                if method == "auto" and any(_same(loaded, m, problem.graph) for m in seen):
+                    continue   # transformers' map equals one already measured
+                seen.append(device_map)
+                records.append((name, f, problem, method, device_map, seconds))
+            print(f"{name} {f:.0%}: {len([r for r in records if r[:2] == (name, f)])} maps", file=sys.stderr,
+                  flush=True)
+    profiles.append(allocator.Profile.measure(folder=workdir))
+    return records
+
+
+def median_profile(profiles: list):
+    """Per field the median of ``profiles`` (each field's spread: the largest of theirs and of the medians')."""
+    fields = {}
+    spread = {}
+    for name in profiles[0].to_dict():
+        if name == "spread":
+            continue
+        values = [getattr(p, name) for p in profiles]
+        fields[name] = statistics.median(values)
+        own = [p.spread[name] for p in profiles if name in p.spread]
+        if own:
+            spread[name] = max(own + [(max(values) - min(values)) / fields[name]])
+    return allocator.Profile(**fields, spread=spread)
+
+
+def rows_of(records: list[tuple], profile) -> list[dict]:
+    """The estimate of each measured map under ``profile``, next to its median measured time."""
+    rows = []
+    for name, f, problem, method, device_map, seconds in records:
+        est = allocator.estimate(problem, device_map, profile)
+        meas = statistics.median(seconds)
+        rows.append(dict(model=name, budget=f, map=method, estimated_ms=round(est.seconds * 1e3, 3),
+                         measured_ms=round(meas * 1e3, 3), ratio=round(est.seconds / meas, 3),
+                         disk_mb=round(est.disk_bytes / 1e6, 2), forwards=";".join(f"{s * 1e3:.3f}" for s in seconds)))
     return rows
 
 
@@ -277,12 +307,14 @@ def report(rows: list[dict], profile, args, command: str, seconds: float) -> str
         f"{platform.machine()}, {os.cpu_count()} cores shared with another job, torch {torch.__version__}, one "
         f"thread; warm page cache; {args.warmup} warm-up and {args.forwards} timed forwards per map, taking turns.",
         "",
-        "Profile: `Profile.measure()` in this run (one thread), `disk_read` set to its `disk_read_warm`:",
+        f"Profile: per field the median of {args.profiles} `Profile.measure()` in this run (at the start, halfway "
+        "and at the end; one thread), `disk_read` set to its `disk_read_warm` (the page cache is warm); spread: the "
+        "largest of each measurement's and of the measurements' own:",
         "",
         "| field | value | spread |",
         "|---|---|---|",
     ]
-    for name in ("cpu_memory", "cpu_flops", "cpu_op_latency", "disk_read", "offload_tensor_latency",
+    for name in ("cpu_memory", "cpu_flops", "cpu_op_latency", "cpu_pointwise", "disk_read", "offload_tensor_latency",
                  "disk_tensor_latency"):
         lines.append(f"| {name} | {getattr(profile, name):.4g} | {profile.spread.get(name, 0):.0%} |")
     lines += ["", f"**Median |est/meas - 1|: {statistics.median(errors):.1%}** over {len(rows)} maps; "
@@ -326,9 +358,12 @@ def main(argv=None) -> int:
     command = " ".join(["python benchmarks/accuracy.py", *(sys.argv[1:] if argv is None else argv)])
     start = time.time()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        measured = allocator.Profile.measure(folder=tmp)
+        profiles = [allocator.Profile.measure(folder=tmp)]
+        records = measure(args, Path(tmp), profiles)
+        measured = median_profile(profiles)
         profile = dataclasses.replace(measured, disk_read=measured.disk_read_warm)
-        rows = measure(args, Path(tmp), profile)
+        rows = rows_of(records, profile)
+        args.profiles = len(profiles)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "accuracy.csv", rows)
     text = report(rows, profile, args, command, time.time() - start)
