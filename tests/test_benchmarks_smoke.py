@@ -3,7 +3,7 @@
 Each script runs in its smallest mode into a temporary ``--out`` folder (placement and ilp_optimality: one
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
 gpu: ``--dry-run``, tiny models with the CPU as the device, and its generate case; accuracy: ``--smoke``, a tiny
-llama, one budget, 2 forwards per map). The numbers are not checked, only
+llama, one budget, 2 forwards per map; counting cost: segformer-b0, one call). The numbers are not checked, only
 that the files appear with rows.
 """
 
@@ -30,6 +30,7 @@ CASES = {
     "planning_speed": (["--sizes", "1000", "--repeat-seconds", "0"], "planning_speed"),
     "gpu": (["--dry-run"], "gpu"),
     "accuracy": (["--smoke"], "accuracy"),
+    "counting_cost": (["--models", "segformer-b0", "--repeat", "1"], "counting_cost"),
 }
 
 
