@@ -207,7 +207,7 @@ class Profile:
         Raises
         ------
         InvalidOption
-            ``size`` or ``repeats`` is below 1, or ``folder`` is not a folder.
+            ``size`` is below 8 bytes, ``repeats`` below 1, or ``folder`` is not a folder.
         """
         import numpy as np
         import torch
