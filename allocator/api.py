@@ -17,7 +17,7 @@ from .explain import reasons
 from .gc_pause import gc_paused
 from .logs import shown
 from .placement import Placement, clean_device_map
-from .problem import PlanOptions, Problem, build_problem
+from .problem import PlanOptions, Problem, build_problem, step_problem
 from .strategies import STRATEGIES, resolve, run
 from .strategies.ranking import priced
 from .runs import columns
@@ -84,6 +84,40 @@ class Plan:
     def valid(self) -> bool:
         return not self.violations
 
+    @property
+    def costs(self) -> dict:
+        """The estimate of each forward that was counted (``"prefill"``, and with a generation budget ``"decode"``:
+        one decoding step), as :class:`Cost`; ``{"prefill": cost}`` when nothing was counted. :attr:`cost` is the
+        one ``options.optimize`` names."""
+        steps = self.problem.steps or {"prefill": None}
+        return {step: self.cost if step == self.problem.options.optimize else
+                priced(step_problem(self.problem, step), self.device_map) for step in steps}
+
+    @property
+    def inputs(self) -> dict | None:
+        """The shapes of the forward the cost model counted (``PlanOptions.inputs``, or the config's defaults), or
+        ``None`` where nothing was counted."""
+        counted = self.problem.flops
+        return None if counted is None else dict(counted.inputs)
+
+    def compute_term(self) -> str:
+        """One line: whether the estimate's compute term is counted (FLOPs, ops and activations at the inputs) or
+        estimated (``2 * params * tokens``), and why."""
+        counted = self.problem.flops
+        tokens = self.problem.profile.tokens
+        if counted is None:
+            return (f"compute term estimated: 2 x params x {tokens} tokens (no inputs; pass inputs={{'input_ids': "
+                    f"(1, 512)}} or inputs='default' to count FLOPs on the meta device)")
+        shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in counted.inputs.items())
+        source = "the config's defaults" if counted.defaults else "the inputs given"
+        if self.problem.options.optimize == "decode":
+            source = f"one decoding step of {source}, the whole KV cache read"
+        if self.problem.node_flops is None:
+            return (f"compute term estimated: 2 x params x {tokens} tokens; the count at {shapes} ({source}) is "
+                    f"incomplete: {counted.reason()}")
+        return (f"compute term counted at {shapes} ({source}): {counted.total / 1e9:.3g} GFLOP, "
+                f"{sum(counted.ops.values())} ops, activations at each device change")
+
     def resident(self, device: Device) -> int:
         """Counted bytes of the model that live on ``device`` (not counting the streaming reserve)."""
         counted = columns(self.problem.graph).sum_counted
@@ -112,7 +146,12 @@ class Plan:
                  f"{self.main_device!r}",
                  f"  estimated {self.cost.seconds * 1e3:.3f} ms per forward, {format_bytes(self.cost.streamed_bytes)} "
                  f"streamed per forward, {self.cost.device_changes} device changes"
-                 + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal"))]
+                 + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal")),
+                 f"  {self.compute_term()}"]
+        if len(self.problem.steps) > 1:
+            costs = self.costs
+            steps = ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in costs.items())
+            lines.append(f"  per step: {steps}; objectives price the {self.problem.options.optimize}")
         for device in budgets.order:
             if device not in self.peak:
                 continue

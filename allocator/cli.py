@@ -4,10 +4,10 @@
 
     allocator plan SOURCE [--max-memory 0=20GiB,1=20GiB,cpu=64GiB] [--dtype bfloat16] [--strategy auto]
                           [--compare] [--explain] [--json FILE] [--plot FILE] [--profile FILE]
-                          [--trust-remote-code]
+                          [--inputs input_ids=1x512] [--optimize prefill|decode] [--trust-remote-code]
     allocator plan --list
     allocator demo [--model t5-base] [--strategy auto]
-    allocator profile [--out FILE]
+    allocator profile [--out FILE] [--folder DIR]
     allocator --version
 
 ``SOURCE`` is a local model folder holding a ``config.json``, a ``config.json`` path, or a built-in example
@@ -45,8 +45,8 @@ from .quantization import quantized_sizes
 from .strategies import STRATEGIES, resolve
 from .zoo import move_strays_to_meta, quiet_transformers
 
-__all__ = ["main", "parse_max_memory", "LoadedModel", "load_model", "load_profile", "device_table", "generation_table",
-           "compare_text", "side_by_side", "plot_plans", "DEMO_SCENARIOS"]
+__all__ = ["main", "parse_max_memory", "parse_inputs", "LoadedModel", "load_model", "load_profile", "device_table",
+           "generation_table", "compare_text", "side_by_side", "plot_plans", "DEMO_SCENARIOS"]
 
 ACCELERATE = "sequential"
 """The strategy that reproduces accelerate's ``infer_auto_device_map`` output for output."""
@@ -102,6 +102,38 @@ def parse_generation(text: str):
                             f"{text!r}; e.g. --generation 4,2048.")
     batch, length, *prompt = map(int, parts)
     return GenerationBudget(batch, length, prompt_length=prompt[0] if prompt else None)
+
+
+def parse_inputs(text: str):
+    """``"input_ids=1x512,pixel_values=1x3x512x512"`` -> ``{"input_ids": (1, 512), ...}``; ``"default"`` as is.
+
+    Raises
+    ------
+    InvalidOption
+        An entry that is not ``NAME=DIMxDIM...`` of positive integers, or a name given twice.
+
+    Examples
+    --------
+    >>> parse_inputs("input_ids=1x512,pixel_values=1x3x64x64")
+    {'input_ids': (1, 512), 'pixel_values': (1, 3, 64, 64)}
+    >>> parse_inputs("input_ids=1x")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    allocator.errors.InvalidOption: --inputs entry 'input_ids=1x' is not NAME=DIMxDIM... of positive integers; ...
+    """
+    if text.strip() == "default":
+        return "default"
+    out: dict = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, shape = (s.strip() for s in part.partition("="))
+        dims = shape.lower().split("x")
+        if not sep or not name.isidentifier() or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise InvalidOption(f"--inputs entry {part!r} is not NAME=DIMxDIM... of positive integers; write e.g. "
+                                "input_ids=1x512 or pixel_values=1x3x512x512.")
+        if name in out:
+            raise InvalidOption(f"--inputs names {name!r} twice; give each input once.")
+        out[name] = tuple(int(d) for d in dims)
+    return out
 
 
 def parse_max_memory(text: str) -> dict:
@@ -548,12 +580,14 @@ def _cmd_plan(args) -> int:
         as_dtype(args.dtype, "--dtype")
     profile = load_profile(args.profile) if args.profile else None
     generation = parse_generation(args.generation) if args.generation is not None else None
+    inputs = parse_inputs(args.inputs) if args.inputs is not None else None
     _check_writable(args.json, "--json")
     _check_writable(args.plot, "--plot")
     loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
     dtype = args.dtype or loaded.dtype
     kept, patterns = kept_in_float32(loaded.model, dtype)  # from_pretrained's _keep_in_fp32_modules(_strict)
-    options = dict(dtype=dtype, profile=profile, generation=generation, special_dtypes=kept or None)
+    options = dict(dtype=dtype, profile=profile, generation=generation, special_dtypes=kept or None, inputs=inputs,
+                   optimize=args.optimize)
     if loaded.quantization is not None:
         options.update(size_fn=loaded.quantization.size_fn, hf_quantizer=loaded.quantization.hf_quantizer)
     ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True, **options)
@@ -564,6 +598,11 @@ def _cmd_plan(args) -> int:
                                              f"{', '.join(patterns)}" if kept else ""))
     if loaded.quantization is not None:
         print(_quantization_line(loaded.quantization, dtype, ours))
+    if inputs is not None:
+        print(ours.compute_term())
+        if len(ours.costs) > 1:
+            print("per step: " + ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in ours.costs.items())
+                  + f"; the plan minimises the {args.optimize}")
     if max_memory is None:
         print(f"budgets: the default, this machine's free memory now ({_budget_spec(ours.problem.budgets)}); "
               f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
@@ -679,13 +718,17 @@ def _cmd_demo(args) -> int:
 
 def _cmd_profile(args) -> int:
     _check_writable(args.out, "--out")
-    measured = Profile.measure()
-    default = Profile()
+    if args.folder is not None and not os.path.isdir(args.folder):
+        raise InvalidOption(f"--folder {args.folder} is not a folder; give an existing one on the disk to measure.")
+    measured = Profile.measure(folder=args.folder)
     rows = [("field", "value", "")]
     for field in dataclasses.fields(Profile):
+        if field.name == "spread":
+            continue
         value = getattr(measured, field.name)
+        spread = measured.spread.get(field.name)
         rows.append((field.name, _quantity(field.name, value),
-                     "default" if value == getattr(default, field.name) else "measured"))
+                     "default" if spread is None else f"measured, spread {spread:.0%}"))
     print("\n".join(_align(rows)))
     if args.out:
         with open(args.out, "w") as fh:
@@ -701,9 +744,11 @@ def _quantity(name: str, value: float) -> str:
     ('10.0 GB/s', '20.0 µs', '512')
     >>> _quantity("offload_tensor_latency", 6.6e-5), _quantity("disk_tensor_latency", 2.86e-3)
     ('66.0 µs', '2.86 ms')
+    >>> _quantity("cpu_flops", 9.2e10), _quantity("cpu_op_latency", 1.9e-6)
+    ('92.0 GFLOP/s', '1.9 µs')
     """
     if name.endswith("flops"):
-        return f"{value / 1e12:.2f} TFLOP/s"
+        return f"{value / 1e9:.1f} GFLOP/s"
     if name.endswith("latency"):
         return f"{value * 1e6:.1f} µs" if value < 1e-3 else f"{value * 1e3:.2f} ms"
     if name == "activation_bytes":
@@ -736,6 +781,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the device map as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of bytes per device")
     p.add_argument("--profile", metavar="FILE", help="bandwidths written by 'allocator profile --out FILE'")
+    p.add_argument("--inputs", metavar="NAME=DIMxDIM,...",
+                   help="shapes of one forward, e.g. input_ids=1x512 or pixel_values=1x3x512x512, or 'default' (the "
+                        "config's): FLOPs, ops and activations are counted on the meta device for the cost model")
+    p.add_argument("--optimize", default="prefill", choices=["prefill", "decode"],
+                   help="the forward objectives price: prefill (default, one forward at --inputs) or decode (one "
+                        "decoding step: needs --inputs and --generation)")
     p.add_argument("--generation", metavar="BATCH,MAX_LENGTH[,PROMPT]",
                    help="keep room for generate: KV cache, logits and activations (allocator.GenerationBudget)")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -745,6 +796,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
     f = sub.add_parser("profile", help="measure this machine's bandwidths")
     f.add_argument("--out", metavar="FILE", help="write them as JSON for 'allocator plan --profile FILE'")
+    f.add_argument("--folder", metavar="DIR",
+                   help="where the disk test file is written (default: the temporary folder); use the disk that "
+                        "will hold offloaded weights")
     return parser
 
 

@@ -2,9 +2,18 @@
 
 Per forward, in model order, every unit reads its weights where it executes; an offloaded unit first pays the
 copy to the main device (host to device for ``cpu``; a disk read, then host to device, for ``disk``) and a fixed
-latency per tensor its hooks stream (more from disk: accelerate opens the checkpoint for each tensor); a change of
-executing device between consecutive units pays an activation transfer plus a fixed latency. The first-order
-effect: bytes kept resident on accelerators are bytes not copied at every forward.
+latency per tensor its hooks stream (more from disk: accelerate opens the checkpoint for each tensor; more to an
+accelerator: accelerate empties the CUDA cache for each); a change of executing device between consecutive units
+pays an activation transfer plus a fixed latency. The first-order effect: bytes kept resident on accelerators are
+bytes not copied at every forward.
+
+Where FLOPs were counted at the user's inputs (:mod:`allocator.flops`, ``PlanOptions.inputs``), the compute term is
+the counted FLOPs of each unit, each op it dispatches adds a fixed cost on the executing device
+(:func:`allocator.cost_profile.op_seconds`), the bytes its ops without a FLOP formula write cost memory traffic
+at the executing device's memory rate (functions per element, :data:`allocator.flops.POINTWISE`, at the CPU's
+``cpu_pointwise``), and a change of device moves the output of the module before it
+(:func:`allocator.units.boundary_bytes`) instead of the fixed ``Profile.activation_bytes``. Without a complete
+count: ``2 * tokens`` FLOP per parameter element, no op term, the fixed activation.
 
 Default bandwidths are named constants with their source in :mod:`allocator.cost_profile`;
 :meth:`Profile.measure` measures this machine. :func:`read_rates` is that module's, re-exported here.
@@ -16,14 +25,16 @@ import logging
 from dataclasses import dataclass
 
 from .budgets import Device, is_accelerator, normalize_map
-from .cost_profile import Profile, flop_seconds, read_rates
+from .cost_profile import Profile, flop_seconds, op_seconds, pointwise_seconds, read_rates
+from .flops import node_values
 from .problem import Problem
 from .runs import FEMTO, Run, columns
 from .runtime import main_device, map_runs, moves_with_weights, offloaded_devices
-from .units import tensor_flops
+from .units import boundary_bytes, tensor_flops
 
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
-           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops"]
+           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops", "counted_ops", "counted_written",
+           "boundaries"]
 
 log = logging.getLogger(__name__)
 
@@ -39,38 +50,50 @@ class Cost:
     resident_fast: int      # bytes resident on the fastest tier
 
 
-def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None) -> float:
+def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None,
+                 ops: float = 0, written: float = 0, pointwise: float = 0) -> float:
     """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
-    (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger."""
+    (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger;
+    plus ``ops`` dispatched ops at :func:`allocator.cost_profile.op_seconds` each, ``written`` activation bytes
+    at the memory rate of ``run_on`` and ``pointwise`` bytes at :func:`allocator.cost_profile.pointwise_seconds`."""
     per_byte, per_element = read_rates(profile, run_on)
     compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
-    return max(nbytes * per_byte, compute)
+    seconds = max(nbytes * per_byte, compute)
+    if ops:
+        seconds = seconds + ops * op_seconds(profile, run_on)
+    if written:
+        seconds = seconds + written * per_byte
+    return seconds + pointwise * pointwise_seconds(profile, run_on) if pointwise else seconds
 
 
 def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> float:
     """Seconds to stream ``offload`` bytes in ``tensors`` tensors from ``device`` to ``main`` at a forward: host to
     device for ``cpu``; disk read, then host to device, for ``disk`` (only the disk read when the CPU is main); a
-    fixed latency per tensor (``offload_tensor_latency``, plus ``disk_tensor_latency`` from disk). Linear in both."""
+    fixed latency per tensor (the hook's path: ``offload_tensor_latency`` to the CPU, ``accelerator_tensor_latency``
+    to an accelerator; plus ``disk_tensor_latency`` from disk). Linear in both."""
     seconds = 0.0
+    run_on = main if device in ("cpu", "disk") else device
+    hook = profile.offload_tensor_latency if run_on == "cpu" else profile.accelerator_tensor_latency
     if device == "disk":
         seconds += offload / profile.disk_read
-        seconds += tensors * (profile.disk_tensor_latency + profile.offload_tensor_latency)
-    run_on = main if device in ("cpu", "disk") else device
+        seconds += tensors * (profile.disk_tensor_latency + hook)
     if device in ("cpu", "disk") and run_on != "cpu" and not (device == "cpu" and main == "mps"):
         seconds += offload / profile.host_to_device
         if device == "cpu":
-            seconds += tensors * profile.offload_tensor_latency
+            seconds += tensors * hook
     return seconds
 
 
 def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
-                    tensors: int = 0, flops: float | None = None) -> float:
+                    tensors: int = 0, flops: float | None = None, ops: float = 0, written: float = 0,
+                    pointwise: float = 0) -> float:
     """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
     :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
     :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
     """
     run_on = main if device in ("cpu", "disk") else device
-    return read_seconds(profile, run_on, nbytes, numel, flops) + copy_seconds(profile, main, device, offload, tensors)
+    return (read_seconds(profile, run_on, nbytes, numel, flops, ops, written, pointwise)
+            + copy_seconds(profile, main, device, offload, tensors))
 
 
 def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
@@ -81,10 +104,12 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
     """
     moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
     numel = tensor.numel if tensor.is_param and tensor.counted else 0
-    counted = counted_flops(problem)
-    flops = None if counted is None else float(counted[problem.graph.tensor_index[tensor.name]])
+    counted, ops, written = counted_flops(problem), counted_ops(problem), counted_written(problem)
+    pointwise = counted_written(problem, "pointwise")
+    at = problem.graph.tensor_index[tensor.name]
+    flops = None if counted is None else float(counted[at])
     return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
-                           int(moves), flops)
+                           int(moves), flops, *(0 if v is None else float(v[at]) for v in (ops, written, pointwise)))
 
 
 def counted_flops(problem: Problem):
@@ -95,6 +120,35 @@ def counted_flops(problem: Problem):
     return problem.derived.once("tensor flops", lambda: tensor_flops(problem.graph, problem.node_flops))
 
 
+def counted_ops(problem: Problem):
+    """The ops each tensor's unit dispatches (:attr:`allocator.flops.FlopCount.ops`, spread over the tensors as
+    :func:`allocator.units.tensor_flops` spreads FLOPs), or ``None`` where the FLOP count is not complete."""
+    if problem.node_flops is None:
+        return None
+    return problem.derived.once("tensor ops", lambda: tensor_flops(
+        problem.graph, node_values(problem.flops.ops, problem.graph)))
+
+
+def counted_written(problem: Problem, kind: str = "written"):
+    """The bytes the ops without a FLOP formula of each tensor's unit write (``kind`` ``"written"``:
+    :attr:`allocator.flops.FlopCount.written`; ``"pointwise"``: :attr:`~allocator.flops.FlopCount.pointwise`), spread
+    as :func:`counted_ops`; ``None`` where the FLOP count is not complete."""
+    if problem.node_flops is None:
+        return None
+    return problem.derived.once(f"tensor {kind}", lambda: tensor_flops(
+        problem.graph, node_values(getattr(problem.flops, kind), problem.graph)))
+
+
+def boundaries(problem: Problem):
+    """Activation bytes crossing each boundary between tensors (:func:`allocator.units.boundary_bytes` of the
+    counted outputs), or ``None`` where the FLOP count is not complete: a change then moves
+    ``Profile.activation_bytes``."""
+    if problem.node_flops is None:
+        return None
+    return problem.derived.once("boundary bytes", lambda: boundary_bytes(
+        problem.graph, node_values(problem.flops.output_bytes, problem.graph)))
+
+
 def _reads(problem: Problem, profile: Profile) -> tuple:
     """The graph's per-tensor read-or-compute prefix sums under ``profile`` (:meth:`allocator.runs.Columns.reads`),
     with the counted FLOPs where there are some; made once per problem and profile."""
@@ -102,11 +156,14 @@ def _reads(problem: Problem, profile: Profile) -> tuple:
     flops = counted_flops(problem)
     if flops is None:
         return cols.reads(profile)
-    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(profile, flops))
+    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(
+        profile, flops, counted_ops(problem), counted_written(problem), counted_written(problem, "pointwise")))
 
 
-def change_seconds(profile: Profile) -> float:
-    return profile.activation_bytes / profile.device_to_device + profile.switch_latency
+def change_seconds(profile: Profile, nbytes: int | None = None) -> float:
+    """Seconds of one change of executing device that moves ``nbytes`` of activations (``activation_bytes`` of
+    ``profile`` when ``None`` or 0: nothing was counted there)."""
+    return (nbytes or profile.activation_bytes) / profile.device_to_device + profile.switch_latency
 
 
 def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Cost:
@@ -143,7 +200,9 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
     reads = 0          # femtoseconds, exact: the same whichever runs a map is cut into
     moved: dict = {}   # offloaded device -> [bytes, tensors] streamed from it
     streamed = disk = fast = changes = 0
-    last = None
+    crossing = boundaries(problem)
+    change_time = 0.0
+    last, last_end = None, 0
     for run in found:
         d, a, b = run.device, run.start, run.end
         if d is None:
@@ -161,8 +220,10 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
             fast += cols.sum_counted[b] - cols.sum_counted[a]
         if cols.sum_weighted[b] > cols.sum_weighted[a]:  # tensors without bytes do not change the device
             run_on = main if d in offloaded or not is_accelerator(d) else d
-            changes += last is not None and run_on != last
-            last = run_on
+            if last is not None and run_on != last:
+                changes += 1
+                change_time += change_seconds(profile, None if crossing is None else int(crossing[last_end]))
+            last, last_end = run_on, b
     seconds = reads / FEMTO + sum(copy_seconds(profile, main, d, nbytes, count) for d, (nbytes, count) in moved.items())
-    seconds += changes * change_seconds(profile)
+    seconds += change_time
     return Cost(seconds=seconds, streamed_bytes=streamed, disk_bytes=disk, device_changes=changes, resident_fast=fast)

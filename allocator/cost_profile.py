@@ -7,13 +7,16 @@ import dataclasses
 import json
 import logging
 import os
+import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from .errors import InvalidOption
 
-__all__ = ["Profile", "read_rates", "flop_seconds"]
+__all__ = ["Profile", "read_rates", "flop_seconds", "op_seconds", "pointwise_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,28 @@ DISK_TENSOR_LATENCY = 286e-6
 ACCELERATOR_FLOPS = 156e12
 #: FP32 throughput of a 16-core AVX-512 server CPU: 16 cores x 2.0 GHz x 32 FLOP/cycle ~ 1 TFLOPS.
 CPU_FLOPS = 1e12
+#: Reading a file whose pages are in the page cache: a copy out of RAM, at :data:`CPU_MEMORY`'s rate.
+DISK_READ_WARM = CPU_MEMORY
+#: Per aten op a CPU forward dispatches, whatever its size: PyTorch's eager dispatcher and a tiny kernel, ~2 us
+#: (measured on the machine of ``benchmarks/results/latency.md`` by ``Profile.measure``: 1.96 us per op of an
+#: ``add, view, t, mul, contiguous`` chain on a 4-element tensor, torch 2.13, x86_64).
+CPU_OP_LATENCY = 2e-6
+#: Per op on an accelerator: a CUDA kernel launch from eager PyTorch, ~5 us (NVIDIA's CUDA C++ Best Practices
+#: Guide gives launch overheads of a few microseconds; PyTorch's eager dispatcher adds about as much on top).
+ACCELERATOR_OP_LATENCY = 5e-6
+#: Per tensor accelerate's hooks move to an accelerator per forward: ``set_module_tensor_to_device`` (accelerate
+#: 1.15-1.16, ``clear_cache=True``) calls ``torch.cuda.empty_cache()`` for every tensor and copies from pageable
+#: memory (a synchronising copy). Conservative until measured (``Profile.measure`` times it where CUDA exists):
+#: 200 us, three times the 66 us of :data:`OFFLOAD_TENSOR_LATENCY`'s CPU-to-CPU path.
+ACCELERATOR_TENSOR_LATENCY = 200e-6
+
+#: Bytes per second the CPU writes evaluating a function per element (activations, norms, softmax): ~3 GB/s, a
+#: third of a copy (measured on the machine of ``benchmarks/results/latency.md`` by ``Profile.measure``: 3.3 GB/s
+#: for ``gelu``, 3.4 for ``softmax``, 4.3 for ``layer_norm`` on 4 MiB float32 tensors, one thread, torch 2.13).
+CPU_POINTWISE = 3e9
+
+_RATES = ("accelerator_memory", "host_to_device", "disk_read", "disk_read_warm", "cpu_memory", "device_to_device",
+          "accelerator_flops", "cpu_flops", "cpu_pointwise")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,23 +111,47 @@ class Profile:
     """Arithmetic throughput of an accelerator (FLOP/s)."""
     cpu_flops: float = CPU_FLOPS
     """Arithmetic throughput of the CPU (FLOP/s)."""
+    disk_read_warm: float = DISK_READ_WARM
+    """Reading offloaded weights from disk when their pages are in the page cache (:attr:`disk_read` is the cold
+    rate, what the estimate charges)."""
+    cpu_op_latency: float = CPU_OP_LATENCY
+    """Fixed cost of each op the CPU executes (where ops were counted, :mod:`allocator.flops`)."""
+    accelerator_op_latency: float = ACCELERATOR_OP_LATENCY
+    """Fixed cost of each op an accelerator executes (a kernel launch)."""
+    accelerator_tensor_latency: float = ACCELERATOR_TENSOR_LATENCY
+    """Fixed cost per offloaded tensor streamed to an accelerator main device per forward (the hook's copy and its
+    ``empty_cache``); :attr:`offload_tensor_latency` is the same path with the CPU as the main device."""
+    cpu_pointwise: float = CPU_POINTWISE
+    """Bytes per second the CPU writes evaluating a function per element (``allocator.flops.POINTWISE`` ops; an
+    accelerator's are charged at :attr:`accelerator_memory`)."""
+    spread: Mapping = field(default_factory=dict, compare=False, repr=False)
+    """Measured fields only (:meth:`measure`): field name -> relative spread of its repeats, ``(max - min) /
+    median`` (0.1: the repeats lay within 10 % of the median). Not part of equality."""
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for name in _NUMBERS:
+            value = getattr(self, name)
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not value >= 0 or value == float("inf"):
-                raise InvalidOption(f"Profile.{field.name} must be a finite number >= 0, got {value!r}.")
-        for name in ("accelerator_memory", "host_to_device", "disk_read", "cpu_memory", "device_to_device",
-                     "accelerator_flops", "cpu_flops"):
+                raise InvalidOption(f"Profile.{name} must be a finite number >= 0, got {value!r}.")
+        for name in _RATES:
             if getattr(self, name) == 0:
                 raise InvalidOption(f"Profile.{name} is a bandwidth and must be > 0.")
+        if not isinstance(self.spread, Mapping) or not all(
+                k in _NUMBERS and isinstance(v, (int, float)) and v >= 0 for k, v in self.spread.items()):
+            raise InvalidOption(f"Profile.spread must map field names to relative spreads >= 0, got {self.spread!r}.")
+        object.__setattr__(self, "spread", MappingProxyType(dict(self.spread)))   # frozen: no one edits it later
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a JSON-ready dict (``spread`` a plain dict, empty unless measured)."""
+        out = {name: getattr(self, name) for name in _NUMBERS}
+        out["spread"] = dict(self.spread)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":
+        """The profile of :meth:`to_dict`'s fields; a field missing (a file written before it existed) keeps its
+        default."""
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             known = [f.name for f in dataclasses.fields(cls)]
@@ -139,48 +188,116 @@ class Profile:
             raise InvalidOption(f"profile {path}: {err}") from None
 
     @classmethod
-    def measure(cls, *, size: int = 64 * 2**20, repeats: int = 3) -> "Profile":
-        """Measure this machine: RAM copy and disk read always, host-to-device and accelerator memory where CUDA exists.
+    def measure(cls, *, size: int = 64 * 2**20, repeats: int = 5, folder=None) -> "Profile":
+        """Measure this machine; each rate or latency is the median of ``repeats`` timings, its relative spread in
+        :attr:`spread`.
 
-        Disk reads use a temporary file evicted from the page cache with ``posix_fadvise`` where available. The
-        per-tensor latencies time accelerate's own hooks (when accelerate and safetensors import) on 64 tiny
-        ``Linear`` layers, page cache warm: weights served from RAM (to the accelerator where CUDA exists) for
-        ``offload_tensor_latency``, from a safetensors file minus that for ``disk_tensor_latency``.
-        Unmeasured fields keep their defaults.
+        Always: RAM (a copy of ``size`` bytes), the CPU's FLOP rate (``F.linear`` in float32, a 512 x 2048 by
+        2048 x 2048 product like a real layer's, at ``torch.get_num_threads()`` threads), the per-op cost of the
+        CPU (a chain of tiny ops), its rate of functions per element (``gelu``, ``softmax``, ``layer_norm`` on 4 MiB),
+        disk reads of a ``size``-byte file in ``folder`` (a temporary folder when
+        ``None``): written, ``fsync``-ed, then dropped from the page cache with ``posix_fadvise(DONTNEED)`` before
+        each cold read (:attr:`disk_read`, where ``posix_fadvise`` exists; else the reads are warm) and read again
+        with the pages kept (:attr:`disk_read_warm`). The per-tensor latencies time accelerate's own hooks (when
+        accelerate and safetensors import) on 64 tiny ``Linear`` layers: weights served from RAM for
+        :attr:`offload_tensor_latency`, from a safetensors file minus that for :attr:`disk_tensor_latency`, to the
+        accelerator for :attr:`accelerator_tensor_latency` where CUDA exists; there also host-to-device, accelerator
+        memory, FLOP rate and per-kernel latency. Unmeasured fields keep their defaults.
+
+        Raises
+        ------
+        InvalidOption
+            ``size`` is below 8 bytes, ``repeats`` below 1, or ``folder`` is not a folder.
         """
         import numpy as np
+        import torch
+        import torch.nn.functional as F
 
-        values = {}
-        buf = np.ones(size // 8, dtype=np.float64)
-        values["cpu_memory"] = _best(lambda: buf.copy(), size, repeats)
-        a = np.ones((512, 1024), dtype=np.float32)
-        w = np.ones((1024, 1024), dtype=np.float32)
-        values["cpu_flops"] = _best(lambda: a @ w, 2 * 512 * 1024 * 1024, repeats)
-        with tempfile.NamedTemporaryFile(delete=False) as fh:
-            fh.write(buf.tobytes())
-            path = fh.name
+        if not (isinstance(size, int) and size >= 8 and isinstance(repeats, int) and repeats >= 1):
+            raise InvalidOption(f"Profile.measure needs size >= 8 bytes and repeats >= 1, got size={size!r}, "
+                                f"repeats={repeats!r}.")
+        if folder is not None and not os.path.isdir(folder):
+            raise InvalidOption(f"Profile.measure folder {folder} is not a folder; pass an existing one (where the "
+                                "disk test file is written).")
+        timed: dict = {}
+        buf = np.ones(max(size // 8, 1), dtype=np.float64)
+        timed["cpu_memory"] = _rate(lambda: buf.copy(), buf.nbytes, repeats)
+        x, w = torch.ones(512, 2048), torch.ones(2048, 2048)
+        with torch.no_grad():
+            timed["cpu_flops"] = _rate(lambda: F.linear(x, w), 2 * 512 * 2048 * 2048, repeats)
+        timed["cpu_op_latency"] = _latency(_tiny_ops(torch.ones(4)), _TINY_OPS, repeats)
+        with torch.no_grad():
+            timed["cpu_pointwise"] = _rate(_pointwise(torch.ones(1024, 1024)), 3 * 4 * 2**20, repeats)
+        timed.update(_disk(buf, folder, repeats))
         try:
-            values["disk_read"] = _best(lambda: _read_uncached(path), size, repeats)
-        finally:
-            os.unlink(path)
-        try:
-            values.update(_tensor_latencies(repeats))
+            timed.update(_tensor_latencies(repeats))
         except ImportError as err:
             log.warning("could not time accelerate's offload hooks (%s); keeping default per-tensor latencies", err)
         try:
-            import torch
-
             if torch.cuda.is_available():
-                host = torch.ones(size // 4)
-                dev = host.to("cuda")
-                torch.cuda.synchronize()
-                values["host_to_device"] = _best(lambda: (host.to("cuda"), torch.cuda.synchronize()), size, repeats)
-                values["accelerator_memory"] = 2 * _best(lambda: (dev.clone(), torch.cuda.synchronize()), size, repeats)
-                m = torch.ones((4096, 4096), device="cuda")
-                values["accelerator_flops"] = _best(lambda: (m @ m, torch.cuda.synchronize()), 2 * 4096**3, repeats)
+                timed.update(_accelerator(size, repeats))
         except Exception as err:  # a broken driver must not break planning; say so
             log.warning("could not measure the accelerator (%s); keeping default bandwidths", err)
-        return cls(**values)
+        return cls(**{k: v for k, (v, _) in timed.items()}, spread={k: s for k, (_, s) in timed.items()})
+
+
+_NUMBERS = tuple(f.name for f in dataclasses.fields(Profile) if f.name != "spread")
+_TINY_OPS = 5   # aten ops of one _tiny_ops call
+
+
+def _tiny_ops(x):
+    def run():
+        return ((x + 1).view(2, 2).t() * 2).contiguous()
+    return run
+
+
+def _pointwise(x):
+    """Three functions per element of a 4 MiB float32 tensor, each writing its 4 MiB: ``gelu``, ``softmax``,
+    ``layer_norm``."""
+    import torch.nn.functional as F
+
+    def run():
+        F.gelu(x)
+        x.softmax(-1)
+        F.layer_norm(x, x.shape[-1:])
+    return run
+
+
+def _accelerator(size: int, repeats: int) -> dict:
+    import torch
+
+    sync = torch.cuda.synchronize
+    host = torch.ones(max(size // 4, 1))
+    dev = host.to("cuda")
+    m = torch.ones((4096, 4096), device="cuda")
+    sync()
+    return {"host_to_device": _rate(lambda: (host.to("cuda"), sync()), host.nbytes, repeats),
+            "accelerator_memory": _rate(lambda: (dev.clone(), sync()), 2 * dev.nbytes, repeats),   # read + write
+            "accelerator_flops": _rate(lambda: (m @ m, sync()), 2 * 4096**3, repeats),
+            "accelerator_op_latency": _latency(_then(_tiny_ops(torch.ones(4, device="cuda")), sync), _TINY_OPS,
+                                               repeats)}
+
+
+def _then(fn, after):
+    def run():
+        fn()
+        after()
+    return run
+
+
+def _disk(buf, folder, repeats: int) -> dict:
+    """Cold and warm read rates of a file of ``buf``'s bytes written (and ``fsync``-ed) in ``folder``."""
+    fd, path = tempfile.mkstemp(dir=folder, prefix="allocator-profile-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(buf.tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())   # dirty pages cannot be dropped: flush them first, so the cold read is cold
+        cold = _rate(lambda: _read(path, drop=True), buf.nbytes, repeats)
+        warm = _rate(lambda: _read(path, drop=False), buf.nbytes, repeats)
+    finally:
+        os.unlink(path)
+    return {"disk_read": cold, "disk_read_warm": warm}
 
 
 def read_rates(profile: Profile, run_on) -> tuple[float, float]:
@@ -195,19 +312,46 @@ def flop_seconds(profile: Profile, run_on) -> float:
     return 1 / (profile.cpu_flops if run_on == "cpu" else profile.accelerator_flops)
 
 
-def _best(fn, size: int, repeats: int) -> float:
+def pointwise_seconds(profile: Profile, run_on) -> float:
+    """Seconds per byte written by a function per element (:data:`allocator.flops.POINTWISE`) on ``run_on``."""
+    return 1 / (profile.cpu_pointwise if run_on == "cpu" else profile.accelerator_memory)
+
+
+def op_seconds(profile: Profile, run_on) -> float:
+    """Seconds per op dispatched on ``run_on``, whatever its size: the launch term where ops are counted."""
+    return profile.cpu_op_latency if run_on == "cpu" else profile.accelerator_op_latency
+
+
+def _timings(fn, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
     fn()
-    best = float("inf")
+    found = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return size / max(best, 1e-9)
+        found.append(max(time.perf_counter() - start, 1e-9))
+    return found
 
 
-def _read_uncached(path: str) -> None:
+def _rate(fn, size: float, repeats: int) -> tuple[float, float]:
+    """``size`` per median second of ``fn``, and the relative spread of the repeats ((max - min) / median)."""
+    seconds = _timings(fn, repeats)
+    median = statistics.median(seconds)
+    return size / median, (max(seconds) - min(seconds)) / median
+
+
+def _latency(fn, count: int, repeats: int, calls: int = 200) -> tuple[float, float]:
+    """Median seconds per one of the ``count`` ops of ``fn``, over ``calls`` calls a repeat, and the spread."""
+    def many():
+        for _ in range(calls):
+            fn()
+    rate, spread = _rate(many, calls * count, repeats)
+    return 1 / rate, spread
+
+
+def _read(path: str, drop: bool) -> None:
     with open(path, "rb") as fh:
-        if hasattr(os, "posix_fadvise"):
+        if drop and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         while fh.read(2**22):
             pass
@@ -231,12 +375,14 @@ def _without_meta_device_warning():
 
 
 def _tensor_latencies(repeats: int, layers: int = 64) -> dict:
-    """Seconds per tensor of accelerate's offload hooks: the hook path from RAM, and the extra of a disk read.
+    """Seconds per tensor of accelerate's offload hooks, with their spreads: the hook path from RAM, the extra of a
+    disk read, and (with CUDA) the path to the accelerator.
 
     Times forwards of ``layers`` ``Linear(4, 4)`` (bytes negligible) dispatched by ``accelerate.dispatch_model``:
     without hooks, with every layer offloaded and its weights served from a state dict in RAM, and served from a
-    safetensors file (what ``from_pretrained`` sets up); the differences divided by the tensor count. With CUDA,
-    the hook path is timed with the accelerator as the main device (it then includes the copy's launch).
+    safetensors file (what ``from_pretrained`` sets up); the differences of the i-th repeats divided by the tensor
+    count. With CUDA, the same model offloaded to the CPU with the accelerator as the main device
+    (``accelerator_tensor_latency``: the copy, its launch and accelerate's ``empty_cache``).
     """
     import torch
     from accelerate import dispatch_model
@@ -248,10 +394,15 @@ def _tensor_latencies(repeats: int, layers: int = 64) -> dict:
             dispatch_model(model, {str(i): to for i in range(layers)}, **dispatch)
         return model
 
-    def seconds(model, device="cpu") -> float:
+    def seconds(model, device="cpu") -> list[float]:
         x = torch.ones(1, 4, device=device)
         sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-        return 1 / _best(lambda: (model(x), sync()), 1, max(repeats, 3))
+        return _timings(lambda: (model(x), sync()), max(repeats, 3))
+
+    def per_tensor(more: list[float], less: list[float]) -> tuple[float, float]:
+        diffs = [max(a - b, 0.0) / len(state) for a, b in zip(more, less)]
+        median = statistics.median(diffs)
+        return median, (max(diffs) - min(diffs)) / median if median > 0 else 0.0
 
     state = {k: v.contiguous() for k, v in build().state_dict().items()}
     with torch.no_grad(), tempfile.TemporaryDirectory() as folder, _without_meta_device_warning():
@@ -261,10 +412,10 @@ def _tensor_latencies(repeats: int, layers: int = 64) -> dict:
         from_ram = seconds(build("disk", main_device="cpu", state_dict=state, offload_index={k: {} for k in state}))
         from_disk = seconds(build("disk", main_device="cpu", offload_index={
             k: {"safetensors_file": path, "weight_name": k} for k in state}))
-        values = {"disk_tensor_latency": max(from_disk - from_ram, 0.0) / len(state),
-                  "offload_tensor_latency": max(from_ram - plain, 0.0) / len(state)}
+        values = {"disk_tensor_latency": per_tensor(from_disk, from_ram),
+                  "offload_tensor_latency": per_tensor(from_ram, plain)}
         if torch.cuda.is_available():
             plain = seconds(build().to("cuda"), "cuda")
             to_device = seconds(build("cpu", main_device=0), "cuda")
-            values["offload_tensor_latency"] = max(to_device - plain, 0.0) / len(state)
+            values["accelerator_tensor_latency"] = per_tensor(to_device, plain)
     return values

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidOption
 
-__all__ = ["FlopCount", "count_flops", "default_inputs", "node_flops", "meta_copy", "TOKENS", "IMAGE_SIZE"]
+__all__ = ["FlopCount", "count_flops", "default_inputs", "node_flops", "node_values", "meta_copy", "TOKENS",
+           "IMAGE_SIZE", "POINTWISE"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,15 @@ IMAGE_SIZE = 512
 """Side of the default image of a vision model whose config has no ``image_size`` (segmenters)."""
 
 _INTEGER_INPUTS = ("ids", "mask", "positions", "position")   # inputs given by shape that hold indices, not values
+
+POINTWISE = frozenset({
+    "gelu", "silu", "sigmoid", "tanh", "exp", "log", "erf", "pow", "sqrt", "rsqrt", "reciprocal", "sin", "cos",
+    "elu", "softplus", "mish", "hardswish", "hardsigmoid", "leaky_relu", "_softmax", "softmax", "_log_softmax",
+    "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit", "upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d", "grid_sampler_2d",
+})
+"""Aten ops (without their ``aten.`` namespace) that evaluate a function per element of their output: their bytes go
+to :attr:`FlopCount.pointwise`, the others' without a FLOP formula to :attr:`FlopCount.written`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +70,12 @@ class FlopCount:
     """Whether the forward ran on a meta copy of the model (its weights were not all on the meta device)."""
     defaults: bool = field(default=False)
     """Whether :attr:`inputs` were derived from the config (:func:`default_inputs`)."""
+    written: Mapping[str, int] = field(default_factory=dict)
+    """Bytes of the outputs of the ops each module dispatched itself that have no FLOP formula, are not views and
+    evaluate no function per element (additions, products by a scalar, copies, concatenations): memory traffic."""
+    pointwise: Mapping[str, int] = field(default_factory=dict)
+    """Bytes of the outputs of the ops each module dispatched itself that evaluate a function per element
+    (:data:`POINTWISE`: activations, normalisations, softmax, interpolation): slower per byte than a copy on a CPU."""
 
     @property
     def complete(self) -> bool:
@@ -155,6 +171,7 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
     run = model if on_meta else meta_copy(model)
     arguments = _meta_inputs(inputs, _floating_dtype(run))
     flops, ops, out_bytes = defaultdict(int), defaultdict(int), defaultdict(int)
+    written, pointwise = defaultdict(int), defaultdict(int)
     uncounted: set[str] = set()
     stack: list[str] = []
     failed: list[str] = []
@@ -165,7 +182,7 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
             handles.append(module.register_forward_pre_hook(_push(stack, name)))
             handles.append(module.register_forward_hook(_pop(stack, out_bytes, name), always_call=True))
         counter = FlopCounterMode(display=False)
-        with _charge(counter, stack, flops, ops, uncounted, failed), counter, torch.no_grad():
+        with _charge(counter, stack, flops, ops, uncounted, failed, (written, pointwise)), counter, torch.no_grad():
             run(**arguments)
     except Exception as err:  # reported: the caller falls back to the parameter rule
         error = f"{failed[-1]}: {err}" if failed else f"{type(err).__name__}: {err}"
@@ -182,7 +199,8 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
         inputs={k: tuple(v.shape) for k, v in arguments.items()},
         flops={n: flops.get(n, 0) for n in names}, ops={n: ops.get(n, 0) for n in names},
         output_bytes={n: out_bytes.get(n, 0) for n in names}, total=total, uncounted=tuple(sorted(uncounted)),
-        error=error, copied=not on_meta, defaults=defaults,
+        error=error, copied=not on_meta, defaults=defaults, written={n: written.get(n, 0) for n in names},
+        pointwise={n: pointwise.get(n, 0) for n in names},
     )
 
 
@@ -258,9 +276,11 @@ def _does_arithmetic(packet) -> bool:
     return namespace not in ("aten", "prims", "prim") or any(w in name for w in ("mm", "conv", "attention", "einsum"))
 
 
-def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed: list):
+def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed: list, traffic: tuple):
     """A dispatch mode entered outside ``counter``: it sees each op ``counter`` executes (after its decompositions)
-    and charges it, with the same formula, to the innermost running module."""
+    and charges it, with the same formula, to the innermost running module; the bytes an op without a formula
+    writes (not a view) go to ``traffic``: ``(written, pointwise)`` by :data:`POINTWISE`."""
+    written, pointwise = traffic
     from torch.utils._python_dispatch import TorchDispatchMode
 
     registry = counter.flop_registry
@@ -279,8 +299,12 @@ def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed
             formula = registry.get(packet)
             if formula is not None:
                 flops[where] += formula(*args, **kwargs, out_val=out)
-            elif _does_arithmetic(packet):
-                uncounted.add(str(packet))
+            else:
+                if _does_arithmetic(packet):
+                    uncounted.add(str(packet))
+                if not getattr(func, "is_view", False):
+                    kind = pointwise if packet.__name__ in POINTWISE else written
+                    kind[where] += _tensor_bytes(out)
             return out
 
     return Charge()
@@ -289,8 +313,14 @@ def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed
 def node_flops(count: FlopCount, graph) -> tuple[int, ...]:
     """:attr:`FlopCount.flops` per node of ``graph`` (an :class:`allocator.graph.ModelGraph` of the same model), in
     node order; a path the graph does not have is charged to the root, so they sum to the total."""
+    return node_values(count.flops, graph)
+
+
+def node_values(values: Mapping[str, int], graph) -> tuple[int, ...]:
+    """Per-module ``values`` (:attr:`FlopCount.flops`, :attr:`FlopCount.ops`, ...) per node of ``graph``, in node
+    order; a path the graph does not have is charged to the root."""
     out = [0] * len(graph.nodes)
     index = graph.node_index
-    for name, flops in count.flops.items():
-        out[index.get(name, 0)] += flops
+    for name, value in values.items():
+        out[index.get(name, 0)] += value
     return tuple(out)

@@ -11,19 +11,22 @@ from dataclasses import dataclass, field
 from .budgets import Budgets, parse_budgets
 from .cost_profile import Profile
 from .errors import InvalidOption
-from .flops import FlopCount, count_flops, default_inputs, node_flops
+from .flops import FlopCount, count_flops, node_flops
 from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
 from .memo import Derived
 from .rules import LOADERS
 
-__all__ = ["OBJECTIVES", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem"]
+__all__ = ["OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem",
+           "step_problem", "decode_inputs"]
 
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("contract", "latency")
 """Values of :attr:`PlanOptions.objective`."""
+STEPS = ("prefill", "decode")
+"""Values of :attr:`PlanOptions.optimize`: the forward that objectives price."""
 
 RUNTIMES = ("accelerate", "allocator")
 """Values of :attr:`PlanOptions.runtime`: what streams offloaded weights (accelerate's hooks, or
@@ -104,6 +107,11 @@ class PlanOptions:
     anything is the main device, accelerators used in index order, never fewer bytes on them than accelerate's own
     valid map), ranked by the cost model among themselves. ``"latency"``: the cost model's estimate alone decides,
     over every device that could be main (the CPU included) and in any order of accelerators."""
+    optimize: str = "prefill"
+    """Which forward the objectives price, one of :data:`STEPS`: ``"prefill"`` (the default: one forward at
+    ``inputs``) or ``"decode"`` (one decoding step of ``generate``: one token per sequence, counted at ``inputs`` with
+    each ``*input_ids`` one token long, plus reading the whole KV cache of the ``generation`` budget where its layers
+    execute). ``"decode"`` needs ``inputs`` and ``generation``."""
     strict: bool = False
     """Where no valid plan exists: ``False`` returns accelerate's own map, flagged, as ``device_map="auto"`` would;
     ``True`` raises :class:`allocator.InfeasiblePlacement` with the smallest budget that works."""
@@ -135,6 +143,11 @@ class PlanOptions:
                                             and all(isinstance(k, str) for k in self.inputs)):
             raise InvalidOption(f"inputs must map forward argument names to shapes or tensors, or be 'default', got "
                                 f"{self.inputs!r}; e.g. inputs={{'input_ids': (1, 512)}}.")
+        if self.optimize not in STEPS:
+            raise InvalidOption(f"optimize must be one of {list(STEPS)}, got {self.optimize!r}.")
+        if self.optimize == "decode" and (self.inputs is None or self.generation is None):
+            raise InvalidOption("optimize='decode' prices one decoding step: it needs inputs (e.g. "
+                                "inputs={'input_ids': (1, 512)} or 'default') and generation=GenerationBudget(...).")
         if self.size_fn is not None and not callable(self.size_fn):
             raise InvalidOption(f"size_fn must be callable as size_fn(name, tensor), got {self.size_fn!r}.")
 
@@ -183,6 +196,9 @@ class Problem:
     node_flops: tuple[int, ...] | None = None
     """Exclusive FLOPs per graph node, from :attr:`flops` where that count is complete; ``None`` otherwise, and the
     cost model's compute term is ``2 · params · tokens``."""
+    steps: Mapping[str, FlopCount] = field(default_factory=dict)
+    """The counts of each forward (:data:`STEPS`) where they were made: ``"prefill"`` at ``inputs``, and with a
+    generation budget ``"decode"`` (:func:`step_problem`). :attr:`flops` is the one ``options.optimize`` names."""
     derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
     """Values that follow from this problem, made once (:class:`allocator.memo.Derived`)."""
 
@@ -255,6 +271,16 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
             graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
                                         main_workspace=needs.scores)
     counted, per_node = _count(model, graph, options.inputs)
+    steps = {} if counted is None else {"prefill": counted}
+    if counted is not None and needs is not None and "input_ids" in "".join(counted.inputs):
+        decode, _ = _count(model, graph, decode_inputs(counted.inputs))
+        steps["decode"] = dataclasses.replace(decode, written=_with_cache_reads(decode.written, graph, needs))
+    if options.optimize == "decode":
+        if "decode" not in steps:
+            raise InvalidOption(f"optimize='decode' needs token inputs to count a decoding step; got inputs "
+                                f"{dict(counted.inputs)}.")
+        counted = steps["decode"]
+        per_node = node_flops(counted, graph) if counted.complete else None
     budgets = parse_budgets(max_memory)
     _note_missing_accelerators(budgets)
     quantizer = options.hf_quantizer
@@ -264,14 +290,53 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
         budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
     return Problem(graph=graph, budgets=budgets, options=options, profile=options.profile or Profile(),
-                   generation=needs, flops=counted, node_flops=per_node)
+                   generation=needs, flops=counted, node_flops=per_node, steps=steps)
+
+
+def decode_inputs(inputs: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The shapes of one decoding step: each ``*input_ids`` (and its ``*attention_mask``) one token long, the rest
+    as given.
+
+    >>> decode_inputs({"input_ids": (4, 512), "decoder_input_ids": (4, 64)})
+    {'input_ids': (4, 1), 'decoder_input_ids': (4, 1)}
+    """
+    return {k: (v[0], 1) if ("input_ids" in k or "attention_mask" in k) and len(v) == 2 else tuple(v)
+            for k, v in inputs.items()}
+
+
+def _with_cache_reads(written: Mapping[str, int], graph: ModelGraph, needs: GenerationNeeds) -> dict[str, int]:
+    """``written`` plus the KV cache each layer reads at a decoding step: all of it, at the budget's longest context
+    (the step that costs most), on the key and value projections that hold it."""
+    out = dict(written)
+    for node, nbytes in needs.cache.items():
+        name = graph.nodes.name[node]
+        out[name] = out.get(name, 0) + nbytes
+    return out
+
+
+def step_problem(problem: Problem, step: str) -> Problem:
+    """``problem`` priced for ``step`` (one of :data:`STEPS`): its FLOP count swapped for that forward's.
+
+    Raises
+    ------
+    InvalidOption
+        That forward was not counted (no ``inputs``; ``"decode"`` without a generation budget or token inputs).
+    """
+    if step not in problem.steps:
+        raise InvalidOption(f"no count of the {step!r} forward: counted {sorted(problem.steps) or 'none'}; pass "
+                            "inputs=..., and generation=GenerationBudget(...) for 'decode'.")
+    counted = problem.steps[step]
+    if counted is problem.flops:
+        return problem
+    return dataclasses.replace(problem, flops=counted,
+                               node_flops=node_flops(counted, problem.graph) if counted.complete else None)
 
 
 def _count(model, graph: ModelGraph, inputs) -> tuple[FlopCount | None, tuple[int, ...] | None]:
     """The FLOP count at ``inputs`` and its exclusive FLOPs per node (``None`` where it is incomplete)."""
     if inputs is None:
         return None, None
-    counted = count_flops(model, default_inputs(model) if isinstance(inputs, str) else inputs)
+    counted = count_flops(model, None if isinstance(inputs, str) else inputs)   # None: default_inputs, so marked
     if not counted.complete:
         log.warning("FLOPs at inputs %s are not all counted (%s); the compute term keeps 2 x params x tokens",
                     dict(counted.inputs), counted.reason())

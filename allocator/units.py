@@ -24,7 +24,7 @@ from .rules import device_of, loads_from_disk, moves
 from .runs import as_array, as_ints, columns
 
 __all__ = ["Unit", "Group", "Units", "Groups", "units", "groups", "problem_groups", "disk_loadable", "unit_flops",
-           "tensor_flops"]
+           "tensor_flops", "boundary_bytes"]
 
 
 class Unit(Record):
@@ -389,3 +389,28 @@ def tensor_flops(g: ModelGraph, node_flops) -> np.ndarray:
     for k in empty.tolist():
         out[max(int(first[found.array("node")[k]]) - 1, 0)] += per_unit[k]
     return out
+
+
+def boundary_bytes(g: ModelGraph, node_bytes) -> np.ndarray:
+    """Activation bytes crossing each boundary between tensors in model order (int64, one more entry than the
+    tensors): at ``t``, what the outermost module whose tensors end right before tensor ``t`` returned
+    (``node_bytes``, one entry per graph node: :attr:`allocator.flops.FlopCount.output_bytes` by
+    :func:`allocator.flops.node_values`); the root is never counted, and 0 where no module with an output ends.
+
+    A change of executing device between consecutive pieces of a plan moves that output; the cost model charges it
+    (:func:`allocator.cost.change_seconds`).
+
+    Notes
+    -----
+    O(nodes) numpy work.
+    """
+    cols = columns(g)
+    first, last, _ = cols.arrays()
+    out_bytes = np.asarray(node_bytes, dtype=np.int64)
+    found = np.zeros(len(g.tensors) + 1, dtype=np.int64)
+    keep = np.flatnonzero((out_bytes > 0) & (last > first))
+    keep = keep[keep > 0]   # not the root: its output leaves the model
+    if len(keep):
+        ends, at = np.unique(last[keep], return_index=True)   # nodes in preorder: the first is the outermost
+        found[ends] = out_bytes[keep[at]]
+    return found

@@ -23,6 +23,7 @@ forwards. Rounds load everything afresh. Writes ``latency.csv`` (one row per con
     python benchmarks/latency.py            # 4 models x 3 budgets, 3 rounds x 12 forwards, warm and cold
     python benchmarks/latency.py --quick    # 50 % budget only, 1 round x 20 forwards, warm only
     python benchmarks/latency.py --smoke    # tiny llama, 1 budget, 3 forwards (CI smoke test)
+    python benchmarks/latency.py --accuracy [--quick]   # the cost model's accuracy (benchmarks/accuracy.py)
 """
 
 from __future__ import annotations
@@ -571,7 +572,14 @@ def _version(name: str) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--accuracy" in argv:   # the cost model's accuracy, map by map: benchmarks/accuracy.py
+        import accuracy
+
+        return accuracy.main([a for a in argv if a != "--accuracy"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--accuracy", action="store_true",
+                        help="estimated vs measured ms per map, 8 models (benchmarks/accuracy.py; its options follow)")
     parser.add_argument("--quick", action="store_true", help="50%% budget only, 1 round of 20 forwards, warm only")
     parser.add_argument("--smoke", action="store_true", help="tiny llama, one budget, 3 forwards (CI)")
     parser.add_argument("--models", nargs="+", choices=sorted(specs()), help="default: llama t5 vit segformer")

@@ -3,13 +3,15 @@
 Each script runs in its smallest mode into a temporary ``--out`` folder (placement and ilp_optimality: one
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
 gpu: ``--dry-run``, tiny models with the CPU as the device, its generate and runtime cases; latency_runtime:
-``--smoke``, a tiny llama under accelerate's hooks and ours). The numbers are not checked, only
+``--smoke``, a tiny llama under accelerate's hooks and ours; accuracy: ``--smoke``, a tiny llama, one budget,
+2 forwards per map; counting cost: segformer-b0, one call). The numbers are not checked, only
 that the files appear with rows.
 """
 
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,8 @@ CASES = {
     "planning_speed": (["--sizes", "1000", "--repeat-seconds", "0"], "planning_speed"),
     "gpu": (["--dry-run"], "gpu"),
     "latency_runtime": (["--smoke"], "latency_runtime"),
+    "accuracy": (["--smoke"], "accuracy"),
+    "counting_cost": (["--models", "segformer-b0", "--repeat", "1"], "counting_cost"),
 }
 
 
@@ -45,7 +49,9 @@ def test_benchmark_script_writes_results(script, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT, cwd=BENCHMARKS.parent,
-    )
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCHMARKS.parent),
+                                                                      os.environ.get("PYTHONPATH")]))},
+    )   # this tree's allocator, not the one the environment installed
     assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-4000:]}"
     with open(tmp_path / f"{stem}.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -67,6 +73,8 @@ def test_benchmark_script_writes_results(script, tmp_path):
             runtime = list(csv.DictReader(fh))
         assert {r["runtime"] for r in runtime} == {"hooks", "ours-0", "ours-1", "ours-1-standin"}
         assert all(r["status"] == "ok" and r["equal"] == "True" for r in runtime), runtime
+    if script == "accuracy":  # every map estimated and measured
+        assert len(rows) >= 2 and all(float(r["estimated_ms"]) > 0 and float(r["measured_ms"]) > 0 for r in rows)
     if script == "gpu":  # the generate case: both maps run generate; ours is planned within the budget with it
         with open(tmp_path / "gpu_generate.csv", newline="") as fh:
             generate = list(csv.DictReader(fh))

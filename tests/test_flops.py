@@ -168,13 +168,15 @@ def test_a_model_on_meta_runs_as_it_is_and_keeps_no_hook():
 
 def test_estimate_with_inputs_follows_the_counted_flops():
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
-    profile = Profile(cpu_memory=1e15)   # reads free: the compute term alone
+    profile = Profile(cpu_memory=1e15, cpu_op_latency=0)   # reads and ops free: the compute term alone
     seconds = {}
     for rows in (512, 4096):
         problem = build_problem(model, {"cpu": 10**9}, inputs={"input": (rows, 256)}, profile=profile)
         assert problem.flops.total == 2 * 2 * rows * 256 * 256
         seconds[rows] = estimate(problem, {"": "cpu"}).seconds
-        assert seconds[rows] == pytest.approx(problem.flops.total / profile.cpu_flops, rel=1e-9)
+        written = sum(problem.flops.written.values()) / profile.cpu_memory   # the ReLU's output: 1e-15 s a byte
+        assert sum(problem.flops.pointwise.values()) == 0
+        assert seconds[rows] == pytest.approx(problem.flops.total / profile.cpu_flops + written, rel=1e-9)
     assert seconds[4096] == pytest.approx(8 * seconds[512], rel=1e-9)
     plain = build_problem(model, {"cpu": 10**9}, profile=profile)   # without inputs: 2 x params x tokens
     assert plain.flops is None
@@ -189,7 +191,10 @@ def test_tensor_seconds_the_ilp_prices_with_follow_the_counted_flops_too():
             summed = sum(tensor_seconds(problem, device, problem.profile, problem.graph.tensors[t], device)
                          for t in range(len(problem.graph.tensors)))
             assert summed == pytest.approx(estimate(problem, device_map).seconds, rel=1e-9)
-    assert estimate(problem, {"": 0}).seconds == pytest.approx(problem.flops.total / problem.profile.accelerator_flops)
+    ops, written = sum(problem.flops.ops.values()), sum(problem.flops.written.values())
+    assert estimate(problem, {"": 0}).seconds == pytest.approx(
+        problem.flops.total / problem.profile.accelerator_flops + ops * problem.profile.accelerator_op_latency
+        + written / problem.profile.accelerator_memory)
 
 
 def test_inputs_option_is_checked():

@@ -44,7 +44,7 @@ def cpu_seconds(fn, repeats: int = 2) -> float:
 
 # Bytes only: with the per-tensor latency of accelerate's hooks, thousands of tiny layers run faster from RAM on the
 # CPU, and the test wants the GPU used.
-BYTES_ONLY = allocator.Profile(offload_tensor_latency=0, disk_tensor_latency=0)
+BYTES_ONLY = allocator.Profile(offload_tensor_latency=0, disk_tensor_latency=0, accelerator_tensor_latency=0)
 
 
 def plan_all(m: nn.Module, limits: dict) -> None:

@@ -85,7 +85,7 @@ def test_measured_targets(name, fraction, at_least):
     budget = {0: int(total * fraction), "cpu": 2 * total}
     # The targets count resident bytes: price bytes only. With the default per-tensor latencies, ConvNeXt's optimum
     # keeps fewer bytes (46 %) on the GPU to stream 31 tensors instead of 116.
-    bytes_only = allocator.Profile(offload_tensor_latency=0, disk_tensor_latency=0)
+    bytes_only = allocator.Profile(offload_tensor_latency=0, disk_tensor_latency=0, accelerator_tensor_latency=0)
     ours = allocator.plan(model, budget, profile=bytes_only)
     theirs = allocator.plan(model, budget, strategy="sequential", profile=bytes_only)
     assert fast_bytes(ours) >= at_least * total

@@ -38,7 +38,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from ..budgets import is_accelerator
-from ..cost import Profile, change_seconds, estimate, tensor_seconds
+from ..cost import Profile, boundaries, change_seconds, estimate, tensor_seconds
 from ..errors import AllocatorError
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
@@ -134,9 +134,12 @@ def _runs(found: list[Group], sequence: list[int], cost: list[dict], changes: bo
 
 
 def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]], sequence: list[int], main,
-                    profile: Profile, seconds: float, hint: dict | None, cutoff: int | None, need: int = 0) -> _Solved:
+                    profile: Profile, seconds: float, hint: dict | None, cutoff: int | None, need: int = 0,
+                    ends: list[int] | None = None) -> _Solved:
     """CP-SAT for one main device; ``cutoff`` (picoseconds) bounds the objective from above when given; ``need``:
-    bytes the plan must keep on the fastest tier (the contract's floor)."""
+    bytes the plan must keep on the fastest tier (the contract's floor); ``ends``: one past the last tensor of each
+    unit of ``sequence`` (where a change of device after it moves that unit's output)."""
+    ends = ends if ends is not None else [0] * len(sequence)
     from ortools.sat.python import cp_model
 
     g, b = problem.graph, problem.budgets
@@ -216,10 +219,11 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
     changes = len(executing) > 1
     switches = []  # (k1, k2, boolean): a change of executing device between consecutive groups k1 and k2
     if changes:
-        change_ps = int(round(change_seconds(profile) * NS))
-        for k1, k2 in zip(sequence, sequence[1:]):
+        crossing = boundaries(problem)   # activation bytes at each tensor boundary, where they were counted
+        for (k1, end), k2 in zip(zip(sequence, ends), sequence[1:]):
             if k1 == k2:
                 continue
+            change_ps = int(round(change_seconds(profile, None if crossing is None else int(crossing[end])) * NS))
             ch = model.NewBoolVar("")
             for a in executing:
                 e1 = x[k1, a] + (off[k1] if a == main else 0)
@@ -389,7 +393,10 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     tensors = [[t for u in grp.units for t in _unit_tensors(g, u)] for grp in found]
     unit_group = {u.name: k for k, grp in enumerate(found) for u in grp.units}
     weighted = {u.name for grp in found for u in grp.units if any(g.tensors.nbytes[t] for t in _unit_tensors(g, u))}
-    sequence = [unit_group[name] for name in _unit_order(found, g) if name in weighted]
+    by_name = {u.name: u for grp in found for u in grp.units}
+    ordered = [name for name in _unit_order(found, g) if name in weighted]
+    sequence = [unit_group[name] for name in ordered]
+    ends = [max(_unit_tensors(g, by_name[name])) + 1 for name in ordered]
     if hint is None:
         hint = _heuristic(problem, profile)
     incumbent = None  # (estimated seconds, device map): the hint, kept when CP-SAT finds nothing better
@@ -413,7 +420,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
                 cutoff = bound if cutoff is None else min(cutoff, bound)
             start = hints.get(main, unit_hint if main == hinted else None)
             solved = _solve_for_main(problem, found, tensors, sequence, main, profile, left / (len(todo) - i), start,
-                                     cutoff, need)
+                                     cutoff, need, ends)
             left = max(0.0, left - solved.work)
             if not solved.proven:
                 pending.append(main)
