@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 
 from .budgets import Device, is_accelerator, normalize_map
-from .cost_profile import Profile, flop_seconds, op_seconds, pointwise_seconds, read_rates
+from .cost_profile import Profile, flop_seconds, op_seconds, pointwise_seconds, read_rates, strided_seconds
 from .flops import node_values
 from .problem import Problem
 from .runs import FEMTO, Run, columns
@@ -51,11 +51,12 @@ class Cost:
 
 
 def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None,
-                 ops: float = 0, written: float = 0, pointwise: float = 0) -> float:
+                 ops: float = 0, written: float = 0, pointwise: float = 0, strided: float = 0) -> float:
     """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
     (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger;
     plus ``ops`` dispatched ops at :func:`allocator.cost_profile.op_seconds` each, ``written`` activation bytes
-    at the memory rate of ``run_on`` and ``pointwise`` bytes at :func:`allocator.cost_profile.pointwise_seconds`."""
+    at the memory rate of ``run_on``, ``pointwise`` bytes at :func:`allocator.cost_profile.pointwise_seconds` and
+    ``strided`` bytes at :func:`allocator.cost_profile.strided_seconds`."""
     per_byte, per_element = read_rates(profile, run_on)
     compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
     seconds = max(nbytes * per_byte, compute)
@@ -63,7 +64,9 @@ def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float
         seconds = seconds + ops * op_seconds(profile, run_on)
     if written:
         seconds = seconds + written * per_byte
-    return seconds + pointwise * pointwise_seconds(profile, run_on) if pointwise else seconds
+    if pointwise:
+        seconds = seconds + pointwise * pointwise_seconds(profile, run_on)
+    return seconds + strided * strided_seconds(profile, run_on) if strided else seconds
 
 
 def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> float:
@@ -86,13 +89,13 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> 
 
 def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
                     tensors: int = 0, flops: float | None = None, ops: float = 0, written: float = 0,
-                    pointwise: float = 0) -> float:
+                    pointwise: float = 0, strided: float = 0) -> float:
     """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
     :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
     :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
     """
     run_on = main if device in ("cpu", "disk") else device
-    return (read_seconds(profile, run_on, nbytes, numel, flops, ops, written, pointwise)
+    return (read_seconds(profile, run_on, nbytes, numel, flops, ops, written, pointwise, strided)
             + copy_seconds(profile, main, device, offload, tensors))
 
 
@@ -105,11 +108,12 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
     moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
     numel = tensor.numel if tensor.is_param and tensor.counted else 0
     counted, ops, written = counted_flops(problem), counted_ops(problem), counted_written(problem)
-    pointwise = counted_written(problem, "pointwise")
+    pointwise, strided = counted_written(problem, "pointwise"), counted_written(problem, "strided")
     at = problem.graph.tensor_index[tensor.name]
     flops = None if counted is None else float(counted[at])
     return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
-                           int(moves), flops, *(0 if v is None else float(v[at]) for v in (ops, written, pointwise)))
+                           int(moves), flops,
+                           *(0 if v is None else float(v[at]) for v in (ops, written, pointwise, strided)))
 
 
 def counted_flops(problem: Problem):
@@ -131,7 +135,8 @@ def counted_ops(problem: Problem):
 
 def counted_written(problem: Problem, kind: str = "written"):
     """The bytes the ops without a FLOP formula of each tensor's unit write (``kind`` ``"written"``:
-    :attr:`allocator.flops.FlopCount.written`; ``"pointwise"``: :attr:`~allocator.flops.FlopCount.pointwise`), spread
+    :attr:`allocator.flops.FlopCount.written`; ``"pointwise"``, ``"strided"``: those fields of
+    :class:`~allocator.flops.FlopCount`), spread
     as :func:`counted_ops`; ``None`` where the FLOP count is not complete."""
     if problem.node_flops is None:
         return None
@@ -157,7 +162,8 @@ def _reads(problem: Problem, profile: Profile) -> tuple:
     if flops is None:
         return cols.reads(profile)
     return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(
-        profile, flops, counted_ops(problem), counted_written(problem), counted_written(problem, "pointwise")))
+        profile, flops, counted_ops(problem), counted_written(problem), counted_written(problem, "pointwise"),
+        counted_written(problem, "strided")))
 
 
 def change_seconds(profile: Profile, nbytes: int | None = None) -> float:

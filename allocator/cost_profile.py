@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from .errors import InvalidOption
 
-__all__ = ["Profile", "read_rates", "flop_seconds", "op_seconds", "pointwise_seconds"]
+__all__ = ["Profile", "read_rates", "flop_seconds", "op_seconds", "pointwise_seconds", "strided_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,15 @@ ACCELERATOR_TENSOR_LATENCY = 200e-6
 #: third of a copy (measured on the machine of ``benchmarks/results/latency.md`` by ``Profile.measure``: 3.3 GB/s
 #: for ``gelu``, 3.4 for ``softmax``, 4.3 for ``layer_norm`` on 4 MiB float32 tensors, one thread, torch 2.13).
 CPU_POINTWISE = 3e9
+#: Bytes per second the CPU writes interpolating across memory layouts (``allocator.flops.RESAMPLE`` with a
+#: non-contiguous input and a contiguous output, as SegFormer's decode head does): ~0.4 GB/s, a tenth of
+#: :data:`CPU_POINTWISE` (measured on the same machine by ``Profile.measure``: a bilinear resize of a
+#: ``(1, 4096, 256).permute(0, 2, 1).reshape(1, -1, 64, 64)`` float32 view to 128 x 128, 39 ms, one thread, torch
+#: 2.13; the same resize of a contiguous or channels-last tensor takes 1.6-6 ms).
+CPU_STRIDED = 4e8
 
 _RATES = ("accelerator_memory", "host_to_device", "disk_read", "disk_read_warm", "cpu_memory", "device_to_device",
-          "accelerator_flops", "cpu_flops", "cpu_pointwise")
+          "accelerator_flops", "cpu_flops", "cpu_pointwise", "cpu_strided")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +130,9 @@ class Profile:
     cpu_pointwise: float = CPU_POINTWISE
     """Bytes per second the CPU writes evaluating a function per element (``allocator.flops.POINTWISE`` ops; an
     accelerator's are charged at :attr:`accelerator_memory`)."""
+    cpu_strided: float = CPU_STRIDED
+    """Bytes per second the CPU writes interpolating across memory layouts (``allocator.flops.FlopCount.strided``;
+    an accelerator's are charged at :attr:`accelerator_memory`)."""
     spread: Mapping = field(default_factory=dict, compare=False, repr=False)
     """Measured fields only (:meth:`measure`): field name -> relative spread of its repeats, ``(max - min) /
     median`` (0.1: the repeats lay within 10 % of the median). Not part of equality."""
@@ -228,6 +237,9 @@ class Profile:
         timed["cpu_op_latency"] = _latency(_tiny_ops(torch.ones(4)), _TINY_OPS, repeats)
         with torch.no_grad():
             timed["cpu_pointwise"] = _rate(_pointwise(torch.ones(1024, 1024)), 3 * 4 * 2**20, repeats)
+            view = torch.ones(1, 64 * 64, 256).permute(0, 2, 1).reshape(1, -1, 64, 64)   # not contiguous
+            timed["cpu_strided"] = _rate(lambda: F.interpolate(view, size=(128, 128), mode="bilinear"),
+                                         256 * 128 * 128 * 4, repeats)
         timed.update(_disk(buf, folder, repeats))
         try:
             timed.update(_tensor_latencies(repeats))
@@ -315,6 +327,12 @@ def flop_seconds(profile: Profile, run_on) -> float:
 def pointwise_seconds(profile: Profile, run_on) -> float:
     """Seconds per byte written by a function per element (:data:`allocator.flops.POINTWISE`) on ``run_on``."""
     return 1 / (profile.cpu_pointwise if run_on == "cpu" else profile.accelerator_memory)
+
+
+def strided_seconds(profile: Profile, run_on) -> float:
+    """Seconds per byte written by an interpolation across memory layouts (:attr:`allocator.flops.FlopCount.strided`)
+    on ``run_on``."""
+    return 1 / (profile.cpu_strided if run_on == "cpu" else profile.accelerator_memory)
 
 
 def op_seconds(profile: Profile, run_on) -> float:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from .errors import InvalidOption
 
 __all__ = ["FlopCount", "count_flops", "default_inputs", "node_flops", "node_values", "meta_copy", "TOKENS",
-           "IMAGE_SIZE", "POINTWISE"]
+           "IMAGE_SIZE", "POINTWISE", "RESAMPLE"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,11 @@ POINTWISE = frozenset({
 })
 """Aten ops (without their ``aten.`` namespace) that evaluate a function per element of their output: their bytes go
 to :attr:`FlopCount.pointwise`, the others' without a FLOP formula to :attr:`FlopCount.written`."""
+RESAMPLE = frozenset({"upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d", "grid_sampler_2d"})
+"""The interpolating ops among :data:`POINTWISE`. Given an input that is not contiguous and writing a contiguous
+output (a channels-last view whose batch stride torch does not read as channels last, as SegFormer's decode head
+makes with ``permute`` and ``reshape``), torch's CPU kernel gathers element by element, an order of magnitude
+slower: those bytes go to :attr:`FlopCount.strided` (the meta device keeps strides, so the count sees it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,9 @@ class FlopCount:
     pointwise: Mapping[str, int] = field(default_factory=dict)
     """Bytes of the outputs of the ops each module dispatched itself that evaluate a function per element
     (:data:`POINTWISE`: activations, normalisations, softmax, interpolation): slower per byte than a copy on a CPU."""
+    strided: Mapping[str, int] = field(default_factory=dict)
+    """Bytes of the outputs of the interpolations each module dispatched itself that gather across memory layouts
+    (:data:`RESAMPLE`: a non-contiguous input, a contiguous output); not in :attr:`pointwise`."""
 
     @property
     def complete(self) -> bool:
@@ -171,7 +179,7 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
     run = model if on_meta else meta_copy(model)
     arguments = _meta_inputs(inputs, _floating_dtype(run))
     flops, ops, out_bytes = defaultdict(int), defaultdict(int), defaultdict(int)
-    written, pointwise = defaultdict(int), defaultdict(int)
+    written, pointwise, strided = defaultdict(int), defaultdict(int), defaultdict(int)
     uncounted: set[str] = set()
     stack: list[str] = []
     failed: list[str] = []
@@ -182,7 +190,8 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
             handles.append(module.register_forward_pre_hook(_push(stack, name)))
             handles.append(module.register_forward_hook(_pop(stack, out_bytes, name), always_call=True))
         counter = FlopCounterMode(display=False)
-        with _charge(counter, stack, flops, ops, uncounted, failed, (written, pointwise)), counter, torch.no_grad():
+        traffic = (written, pointwise, strided)
+        with _charge(counter, stack, flops, ops, uncounted, failed, traffic), counter, torch.no_grad():
             run(**arguments)
     except Exception as err:  # reported: the caller falls back to the parameter rule
         error = f"{failed[-1]}: {err}" if failed else f"{type(err).__name__}: {err}"
@@ -200,7 +209,7 @@ def count_flops(model, inputs: Mapping | None = None) -> FlopCount:
         flops={n: flops.get(n, 0) for n in names}, ops={n: ops.get(n, 0) for n in names},
         output_bytes={n: out_bytes.get(n, 0) for n in names}, total=total, uncounted=tuple(sorted(uncounted)),
         error=error, copied=not on_meta, defaults=defaults, written={n: written.get(n, 0) for n in names},
-        pointwise={n: pointwise.get(n, 0) for n in names},
+        pointwise={n: pointwise.get(n, 0) for n in names}, strided={n: strided.get(n, 0) for n in names},
     )
 
 
@@ -279,8 +288,9 @@ def _does_arithmetic(packet) -> bool:
 def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed: list, traffic: tuple):
     """A dispatch mode entered outside ``counter``: it sees each op ``counter`` executes (after its decompositions)
     and charges it, with the same formula, to the innermost running module; the bytes an op without a formula
-    writes (not a view) go to ``traffic``: ``(written, pointwise)`` by :data:`POINTWISE`."""
-    written, pointwise = traffic
+    writes (not a view) go to ``traffic``: ``(written, pointwise, strided)`` by :data:`POINTWISE` and
+    :func:`_gathers`."""
+    written, pointwise, strided = traffic
     from torch.utils._python_dispatch import TorchDispatchMode
 
     registry = counter.flop_registry
@@ -303,11 +313,21 @@ def _charge(counter, stack: list, flops: dict, ops: dict, uncounted: set, failed
                 if _does_arithmetic(packet):
                     uncounted.add(str(packet))
                 if not getattr(func, "is_view", False):
-                    kind = pointwise if packet.__name__ in POINTWISE else written
+                    op = packet.__name__
+                    kind = strided if _gathers(op, args, out) else pointwise if op in POINTWISE else written
                     kind[where] += _tensor_bytes(out)
             return out
 
     return Charge()
+
+
+def _gathers(op: str, args, out) -> bool:
+    """Whether an interpolation (:data:`RESAMPLE`) reads a non-contiguous input into a contiguous output."""
+    import torch
+
+    if op not in RESAMPLE or not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    return not args[0].is_contiguous() and out.is_contiguous()
 
 
 def node_flops(count: FlopCount, graph) -> tuple[int, ...]:

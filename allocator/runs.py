@@ -18,7 +18,7 @@ from itertools import accumulate, repeat
 
 import numpy as np
 
-from .cost_profile import flop_seconds, op_seconds, pointwise_seconds, read_rates
+from .cost_profile import flop_seconds, op_seconds, pointwise_seconds, read_rates, strided_seconds
 from .graph import ModelGraph
 from .kernels import Run, key_runs
 from .rules import moves, read_copy
@@ -99,7 +99,8 @@ class Columns:
             found = self._moving[key] = Moving(self, self._graph(), *key)
         return found
 
-    def reads(self, profile, flops=None, ops=None, written=None, pointwise=None) -> tuple[list[int], list[int]]:
+    def reads(self, profile, flops=None, ops=None, written=None, pointwise=None,
+              strided=None) -> tuple[list[int], list[int]]:
         """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``, from
         :func:`allocator.cost_profile.read_rates`), on the CPU and on an accelerator. Integers, so that a sum does
         not depend on how a map cuts it into runs; Python ints where a time passes an int64 (9,223 s).
@@ -107,17 +108,20 @@ class Columns:
         ``flops`` (FLOPs per tensor, float64, :func:`allocator.units.tensor_flops`) replaces the parameter rule's
         compute term, ``ops`` (ops per tensor, spread the same way) adds a fixed cost per op
         (:func:`allocator.cost_profile.op_seconds`), ``written`` (bytes per tensor) memory traffic at the
-        executing device's memory rate and ``pointwise`` (bytes per tensor) functions per element
-        (:func:`allocator.cost_profile.pointwise_seconds`); those sums are not kept here (the problem keeps them)."""
+        executing device's memory rate, ``pointwise`` (bytes per tensor) functions per element
+        (:func:`allocator.cost_profile.pointwise_seconds`) and ``strided`` (bytes per tensor) interpolation across
+        memory layouts (:func:`allocator.cost_profile.strided_seconds`); those sums are not kept here (the problem
+        keeps them)."""
         if flops is not None:
-            extra = [None if v is None else np.asarray(v, dtype=np.float64) for v in (ops, written, pointwise)]
+            extra = [None if v is None else np.asarray(v, dtype=np.float64)
+                     for v in (ops, written, pointwise, strided)]
             return self._femtos(profile, np.asarray(flops, dtype=np.float64), *extra)
         found = self._reads.get(profile)
         if found is None:
-            found = self._reads[profile] = self._femtos(profile, None, None, None, None)
+            found = self._reads[profile] = self._femtos(profile, None, None, None, None, None)
         return found
 
-    def _femtos(self, profile, flops, ops, written, pointwise) -> tuple:
+    def _femtos(self, profile, flops, ops, written, pointwise, strided) -> tuple:
         nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
             .astype(np.float64)
         found = []
@@ -132,6 +136,8 @@ class Columns:
                 seconds = seconds + written * per_byte
             if pointwise is not None:
                 seconds = seconds + pointwise * pointwise_seconds(profile, on)
+            if strided is not None:
+                seconds = seconds + strided * strided_seconds(profile, on)
             femtos = np.rint(seconds * FEMTO)
             wide = len(femtos) and femtos.max() >= 2.0**62   # astype would wrap: exact Python ints instead
             found.append(_prefix([int(f) for f in femtos] if wide else femtos.astype(np.int64)))

@@ -30,7 +30,6 @@ import dataclasses
 import datetime
 import math
 import multiprocessing
-import os
 import platform
 import statistics
 import sys
@@ -44,7 +43,7 @@ import allocator
 from allocator.units import problem_groups
 from allocator.validate import check
 
-from benchutil import quiet, write_csv
+from benchutil import cores, quiet, write_csv
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = (0.4, 0.7, 1.2)
@@ -304,7 +303,7 @@ def report(rows: list[dict], profile, args, command: str, seconds: float) -> str
         "# Cost model accuracy: estimated vs measured ms per forward",
         "",
         f"`{command}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {seconds / 60:.1f} min; "
-        f"{platform.machine()}, {os.cpu_count()} cores shared with another job, torch {torch.__version__}, one "
+        f"{platform.machine()}, {args.cores}, torch {torch.__version__}, one "
         f"thread; warm page cache; {args.warmup} warm-up and {args.forwards} timed forwards per map, taking turns.",
         "",
         f"Profile: per field the median of {args.profiles} `Profile.measure()` in this run (at the start, halfway "
@@ -314,8 +313,8 @@ def report(rows: list[dict], profile, args, command: str, seconds: float) -> str
         "| field | value | spread |",
         "|---|---|---|",
     ]
-    for name in ("cpu_memory", "cpu_flops", "cpu_op_latency", "cpu_pointwise", "disk_read", "offload_tensor_latency",
-                 "disk_tensor_latency"):
+    for name in ("cpu_memory", "cpu_flops", "cpu_op_latency", "cpu_pointwise", "cpu_strided", "disk_read",
+                 "offload_tensor_latency", "disk_tensor_latency"):
         lines.append(f"| {name} | {getattr(profile, name):.4g} | {profile.spread.get(name, 0):.0%} |")
     lines += ["", f"**Median |est/meas - 1|: {statistics.median(errors):.1%}** over {len(rows)} maps; "
               f"{len(off)} maps off by more than 2x; significant pairs ordered right: {right}/{significant}"
@@ -347,6 +346,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", type=Path, help="where models are saved (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=OUT, help="output folder (default: benchmarks/results)")
     args = parser.parse_args(argv)
+    args.cores = cores()   # before the run loads the machine
     if args.smoke:
         args.models, args.budgets = args.models or ["tiny-llama"], args.budgets or [0.5]
         args.forwards, args.warmup = args.forwards or 2, 0 if args.warmup is None else args.warmup

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -34,3 +35,8 @@ def ram_held(model) -> int:
             seen.add(t.data_ptr())
             total += t.nbytes
     return total
+
+
+def cores() -> str:
+    """The cores and how busy the machine was when a run started: ``"2 cores (load average 0.4)"``."""
+    return f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} over the minute before the run)"

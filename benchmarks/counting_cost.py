@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import statistics
 import sys
@@ -26,7 +25,7 @@ import torch
 import allocator
 from allocator import zoo
 
-from benchutil import quiet, write_csv
+from benchutil import cores, quiet, write_csv
 
 OUT = Path(__file__).parent / "results"
 MODELS = ("llama-3.2-1b", "t5-base", "vit-base", "segformer-b0", "swin-tiny", "mamba-130m", "llama-70b")
@@ -48,6 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed calls of each (median)")
     parser.add_argument("--out", type=Path, default=OUT, help="output folder (default: benchmarks/results)")
     args = parser.parse_args(argv)
+    args.cores = cores()   # before the run loads the machine
     quiet()
     torch.set_num_threads(1)
     command = " ".join(["python benchmarks/counting_cost.py", *(sys.argv[1:] if argv is None else argv)])
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     write_csv(args.out / "counting_cost.csv", rows)
     lines = ["# What counting FLOPs costs a plan", "",
              f"`{command}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, "
-             f"{os.cpu_count()} cores shared with another job, torch {torch.__version__}; median of {args.repeat} "
+             f"{args.cores}, torch {torch.__version__}; median of {args.repeat} "
              "calls each; GPU 0 at 40 % of the model.", "",
              "| model | inputs | plan, s | plan with inputs='default', s | × | ops | GFLOP | complete |",
              "|---|---|---|---|---|---|---|---|"]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import os
 import platform
 import statistics
 import sys
@@ -42,7 +41,7 @@ import allocator
 from allocator import offload
 from allocator.validate import check
 
-from benchutil import quiet, write_csv
+from benchutil import cores, quiet, write_csv
 from latency import Model, _drop_cache, _files, specs
 
 OUT = Path(__file__).parent / "results"
@@ -137,7 +136,7 @@ def report(rows, args, command, seconds) -> str:
         "# Offload runtime: accelerate's hooks against `allocator.offload` on the same map",
         "",
         f"Measured {datetime.date.today().isoformat()} with `{command}` ({seconds:.0f} s) on {platform.machine()}, "
-        f"{os.cpu_count()} logical CPUs (shared with other work: medians of interleaved runs), torch "
+        f"{args.cores} (medians of interleaved runs), torch "
         f"{torch.__version__}, transformers {importlib.metadata.version('transformers')}, accelerate "
         f"{importlib.metadata.version('accelerate')}. One torch thread; CPU main device, the rest streamed from disk. "
         f"{args.forwards} timed runs per cell after {args.warmup} warm-up; `speedup` = hooks median / ours median; "
@@ -188,6 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny llama, one budget, 3 runs, warm (CI)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
+    args.cores = cores()   # before the run loads the machine
     if args.quick:
         args.forwards = 7
     if args.smoke:

@@ -19,7 +19,7 @@ from allocator.flops import count_flops, node_values
 from allocator.problem import build_problem
 from allocator.units import boundary_bytes
 
-MEASURED = ("cpu_memory", "cpu_flops", "cpu_op_latency", "cpu_pointwise", "disk_read", "disk_read_warm",
+MEASURED = ("cpu_memory", "cpu_flops", "cpu_op_latency", "cpu_pointwise", "cpu_strided", "disk_read", "disk_read_warm",
             "offload_tensor_latency", "disk_tensor_latency")
 
 
@@ -61,7 +61,7 @@ def test_profile_round_trips_and_old_files_without_new_fields_still_load(measure
     assert loaded == measured and dict(loaded.spread) == dict(measured.spread)
     old = {k: v for k, v in Profile().to_dict().items()
            if k not in ("disk_read_warm", "cpu_op_latency", "accelerator_op_latency", "accelerator_tensor_latency",
-                        "cpu_pointwise", "spread")}
+                        "cpu_pointwise", "cpu_strided", "spread")}
     path.write_text(json.dumps(old | {"cpu_flops": 5e10}))
     assert Profile.load(path) == Profile(cpu_flops=5e10)
 
@@ -227,6 +227,35 @@ def test_ops_without_a_flop_formula_cost_the_bytes_they_write():
     fast = dataclasses.replace(profile, accelerator_memory=1e6, accelerator_flops=1e15, accelerator_op_latency=0)
     on_gpu = build_problem(model, {0: 10**6}, inputs={"input": (1000, 64)}, profile=fast)
     assert estimate(on_gpu, {"": 0}).seconds == pytest.approx((weights + 2 * out) / 1e6, rel=1e-6)
+
+
+class _Resize(nn.Module):
+    """A token map ``(1, H*W, C)`` resized as an image: through a ``permute``/``reshape`` view (SegFormer's decode
+    head) or through a contiguous copy of it."""
+
+    def __init__(self, contiguous: bool):
+        super().__init__()
+        self.contiguous = contiguous
+
+    def forward(self, tokens):
+        image = tokens.permute(0, 2, 1).reshape(1, -1, 16, 16)
+        image = image.contiguous() if self.contiguous else image
+        return nn.functional.interpolate(image, size=(32, 32), mode="bilinear", align_corners=False)
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_an_interpolation_across_memory_layouts_is_charged_at_the_strided_rate(contiguous):
+    model = nn.Sequential(nn.Linear(8, 8), _Resize(contiguous))
+    inputs = {"input": (1, 256, 8)}
+    count = count_flops(model, inputs)
+    out = 8 * 32 * 32 * 4
+    assert (count.strided["1"], count.pointwise["1"]) == ((0, out) if contiguous else (out, 0))
+    profile = Profile(cpu_memory=1e9, cpu_pointwise=1e6, cpu_strided=1e5, cpu_flops=1e15, cpu_op_latency=0)
+    problem = build_problem(model, {"cpu": 10**6}, inputs=inputs, profile=profile)
+    moved = 8 * 16 * 16 * 4 if contiguous else 0   # the copy .contiguous() writes: memory traffic
+    weights = (8 * 8 + 8) * 4
+    expected = (weights + moved) / 1e9 + (out / 1e6 if contiguous else out / 1e5)
+    assert estimate(problem, {"": "cpu"}).seconds == pytest.approx(expected, rel=1e-6)
 
 
 # -- a decoding step -------------------------------------------------------------------------------------------------
