@@ -69,17 +69,23 @@ def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float
     return seconds + strided * strided_seconds(profile, run_on) if strided else seconds
 
 
-def copy_seconds(profile: Profile, main, device, offload: int, tensors: int) -> float:
+def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, runtime: str = "accelerate") -> float:
     """Seconds to stream ``offload`` bytes in ``tensors`` tensors from ``device`` to ``main`` at a forward: host to
     device for ``cpu``; disk read, then host to device, for ``disk`` (only the disk read when the CPU is main); a
-    fixed latency per tensor (the hook's path: ``offload_tensor_latency`` to the CPU, ``accelerator_tensor_latency``
-    to an accelerator; plus ``disk_tensor_latency`` from disk). Linear in both."""
+    fixed latency per tensor. Linear in both.
+
+    With accelerate's hooks (``runtime="accelerate"``) the per-tensor latency is the hook's path
+    (``offload_tensor_latency`` to the CPU, ``accelerator_tensor_latency`` to an accelerator: an ``empty_cache`` per
+    tensor), plus ``disk_tensor_latency`` from disk (a ``safe_open`` per tensor). With :mod:`allocator.offload`
+    (``runtime="allocator"``) every file is mapped once, so there is no per-tensor open, and no cache is emptied:
+    ``offload_tensor_latency`` per tensor on any main device, an upper bound of its swap (not measured on its own)."""
     seconds = 0.0
     run_on = main if device in ("cpu", "disk") else device
-    hook = profile.offload_tensor_latency if run_on == "cpu" else profile.accelerator_tensor_latency
+    ours = runtime == "allocator"
+    hook = profile.offload_tensor_latency if run_on == "cpu" or ours else profile.accelerator_tensor_latency
     if device == "disk":
         seconds += offload / profile.disk_read
-        seconds += tensors * (profile.disk_tensor_latency + hook)
+        seconds += tensors * (hook if ours else profile.disk_tensor_latency + hook)
     if device in ("cpu", "disk") and run_on != "cpu" and not (device == "cpu" and main == "mps"):
         seconds += offload / profile.host_to_device
         if device == "cpu":
@@ -96,7 +102,7 @@ def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: in
     """
     run_on = main if device in ("cpu", "disk") else device
     return (read_seconds(profile, run_on, nbytes, numel, flops, ops, written, pointwise, strided)
-            + copy_seconds(profile, main, device, offload, tensors))
+            + copy_seconds(profile, main, device, offload, tensors, runtime=problem.options.runtime))
 
 
 def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
@@ -230,6 +236,8 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
                 changes += 1
                 change_time += change_seconds(profile, None if crossing is None else int(crossing[last_end]))
             last, last_end = run_on, b
-    seconds = reads / FEMTO + sum(copy_seconds(profile, main, d, nbytes, count) for d, (nbytes, count) in moved.items())
+    runtime = problem.options.runtime
+    seconds = reads / FEMTO + sum(copy_seconds(profile, main, d, nbytes, count, runtime=runtime)
+                                  for d, (nbytes, count) in moved.items())
     seconds += change_time
     return Cost(seconds=seconds, streamed_bytes=streamed, disk_bytes=disk, device_changes=changes, resident_fast=fast)

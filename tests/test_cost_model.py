@@ -325,3 +325,19 @@ def test_cli_optimize_decode_prints_both_steps(capsys, tmp_path):
     code = cli.main(["plan", str(folder), "--max-memory", "cpu=1GiB", "--optimize", "decode"])
     _, err = capsys.readouterr()
     assert code == 2 and "needs inputs" in err and err.count("\n") == 1
+
+
+# -- the offload runtime ---------------------------------------------------------------------------------------------
+
+
+def test_our_offload_runtime_is_priced_without_a_file_open_or_a_cache_emptied_per_tensor():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))   # two tensors per Linear
+    profile = Profile()
+    on = {}
+    for runtime in ("accelerate", "allocator"):
+        problem = build_problem(model, {0: 10**6, "cpu": 10**6}, profile=profile, runtime=runtime, prefetch=0)
+        on[runtime] = (estimate(problem, {"0": "cpu", "1": "disk"}).seconds,
+                       estimate(problem, {"0": 0, "1": "cpu"}).seconds)
+    cpu_main, gpu_main = (a - b for a, b in zip(on["accelerate"], on["allocator"]))
+    assert cpu_main == pytest.approx(2 * profile.disk_tensor_latency, rel=1e-9)
+    assert gpu_main == pytest.approx(2 * (profile.accelerator_tensor_latency - profile.offload_tensor_latency), rel=1e-9)
