@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .budgets import Budgets, parse_budgets
 from .cost_profile import Profile
 from .errors import InvalidOption
-from .flops import FlopCount, count_flops, node_flops
+from .flops import FlopCount, count_flops, default_inputs, node_flops
 from .generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .graph import ModelGraph, build_graph
@@ -94,12 +94,15 @@ class PlanOptions:
     """With ``runtime="allocator"``: offloaded modules made ready ahead of the running one (0: none). The main device
     then keeps room for the streamed chain plus the ``prefetch`` largest offloaded modules
     (:func:`allocator.runtime.prefetch_reserve`); ignored with ``runtime="accelerate"``."""
-    inputs: Mapping | str | None = None
+    inputs: Mapping | str | None = "auto"
     """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
     tensors, or ``"default"`` for :func:`allocator.flops.default_inputs` of the model's config. The problem builder
     then counts FLOPs per module on the meta device (:func:`allocator.flops.count_flops`) and the cost model's
     compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails on
-    meta, an op has no FLOP formula) it keeps that rule, and logs why. ``None``: nothing is counted."""
+    meta, an op has no FLOP formula, more than :data:`allocator.flops.MAX_OPS` ops) it keeps that rule, and logs why.
+    ``None``: nothing is counted. ``"auto"`` (the default): ``"default"`` where the estimate alone decides
+    (``objective="latency"``) and the config gives defaults, else ``None`` (under the contract the estimate only
+    ranks plans that keep it, and counting adds 0.1-1 s to a plan)."""
     # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
@@ -138,14 +141,15 @@ class PlanOptions:
         if self.generation is not None and not isinstance(self.generation, GenerationBudget):
             raise InvalidOption(f"generation must be an allocator.GenerationBudget, got "
                                 f"{type(self.generation).__name__}.")
-        if self.inputs is not None and not (self.inputs == "default" if isinstance(self.inputs, str) else
+        if self.inputs is not None and not (self.inputs in ("auto", "default") if isinstance(self.inputs, str) else
                                             isinstance(self.inputs, Mapping) and bool(self.inputs)
                                             and all(isinstance(k, str) for k in self.inputs)):
-            raise InvalidOption(f"inputs must map forward argument names to shapes or tensors, or be 'default', got "
+            raise InvalidOption(f"inputs must map forward argument names to shapes or tensors, or be 'default' or "
+                                f"'auto', got "
                                 f"{self.inputs!r}; e.g. inputs={{'input_ids': (1, 512)}}.")
         if self.optimize not in STEPS:
             raise InvalidOption(f"optimize must be one of {list(STEPS)}, got {self.optimize!r}.")
-        if self.optimize == "decode" and (self.inputs is None or self.generation is None):
+        if self.optimize == "decode" and (self.inputs in (None, "auto") or self.generation is None):
             raise InvalidOption("optimize='decode' prices one decoding step: it needs inputs (e.g. "
                                 "inputs={'input_ids': (1, 512)} or 'default') and generation=GenerationBudget(...).")
         if self.size_fn is not None and not callable(self.size_fn):
@@ -270,7 +274,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
             needs = generation_needs(model, graph, options.generation, dtype=options.dtype)
             graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
                                         main_workspace=needs.scores)
-    counted, per_node = _count(model, graph, options.inputs)
+    counted, per_node = _count(model, graph, _inputs(model, options))
     steps = {} if counted is None else {"prefill": counted}
     if counted is not None and needs is not None and "input_ids" in "".join(counted.inputs):
         decode, _ = _count(model, graph, decode_inputs(counted.inputs))
@@ -330,6 +334,20 @@ def step_problem(problem: Problem, step: str) -> Problem:
         return problem
     return dataclasses.replace(problem, flops=counted,
                                node_flops=node_flops(counted, problem.graph) if counted.complete else None)
+
+
+def _inputs(model, options: PlanOptions):
+    """What :attr:`PlanOptions.inputs` counts for ``model``: ``"auto"`` resolved (``"default"`` under
+    ``objective="latency"`` where the config gives defaults, else ``None``)."""
+    if options.inputs != "auto":
+        return options.inputs
+    if options.objective != "latency":
+        return None
+    try:
+        default_inputs(model)
+    except InvalidOption:
+        return None
+    return "default"
 
 
 def _count(model, graph: ModelGraph, inputs) -> tuple[FlopCount | None, tuple[int, ...] | None]:
