@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import datetime
 import math
-import multiprocessing
 import platform
 import statistics
 import sys
@@ -43,7 +42,7 @@ import allocator
 from allocator.units import problem_groups
 from allocator.validate import check
 
-from benchutil import cores, quiet, write_csv
+from benchutil import Worker, cores, quiet, write_csv
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = (0.4, 0.7, 1.2)
@@ -112,40 +111,6 @@ def serve(job: dict, conn) -> None:
         conn.send({"error": f"{type(err).__name__}: {err}"})
 
 
-class Worker:
-    def __init__(self, job: dict, timeout: float):
-        ctx = multiprocessing.get_context("fork")
-        self.timeout = timeout
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(job, child), daemon=True)
-        self.proc.start()
-        child.close()
-        self.device_map = self._receive()
-
-    def _receive(self):
-        if not self.conn.poll(self.timeout):
-            raise TimeoutError(f"no answer in {self.timeout} s")
-        answer = self.conn.recv()
-        if isinstance(answer, dict) and "error" in answer:
-            raise RuntimeError(answer["error"])
-        return answer
-
-    def forward(self) -> float:
-        self.conn.send("forward")
-        return self._receive()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send("stop")
-            except OSError:
-                pass
-            self.proc.join(self.timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
-
 # -- parent ----------------------------------------------------------------------------------------------------------
 
 
@@ -197,18 +162,18 @@ def run_cell(name: str, path: str, budget: dict, maps: dict, args, workdir: Path
     workers = {}
     try:
         for method, device_map in maps.items():
-            workers[method] = Worker(dict(model=name, path=path, device_map=device_map, max_memory=budget,
-                                          workdir=str(workdir)), args.timeout)
+            workers[method] = Worker(serve, dict(model=name, path=path, device_map=device_map, max_memory=budget,
+                                                 workdir=str(workdir)), timeout=args.timeout, name=f"{name} {method}")
         for _ in range(args.warmup):
             for w in workers.values():
-                w.forward()
+                w.ask("forward")
         times = {m: [] for m in workers}
         methods = list(workers)
         for i in range(args.forwards):
             k = i % len(methods)
             for method in methods[k:] + methods[:k]:
-                times[method].append(workers[method].forward())
-        return {m: (workers[m].device_map, times[m]) for m in methods}
+                times[method].append(workers[method].ask("forward"))
+        return {m: (workers[m].loaded, times[m]) for m in methods}
     finally:
         for w in workers.values():
             w.close()

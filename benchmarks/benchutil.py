@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import multiprocessing
 import os
 import warnings
 from pathlib import Path
@@ -40,3 +41,40 @@ def ram_held(model) -> int:
 def cores() -> str:
     """The cores and how busy the machine was when a run started: ``"2 cores (load average 0.4)"``."""
     return f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} over the minute before the run)"
+
+
+class Worker:
+    """A forked child running ``serve(job, conn)``: it sends one answer when loaded (:attr:`loaded`), then one per
+    message; an answer ``{"error": ...}`` raises here. ``stop`` is the message that ends it."""
+
+    def __init__(self, serve, job: dict, *, timeout: float, name: str = "worker", stop="stop"):
+        ctx = multiprocessing.get_context("fork")
+        self.name, self.timeout, self.stop = name, timeout, stop
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(job, child), daemon=True)
+        self.proc.start()
+        child.close()
+        self.loaded = self.receive()
+
+    def receive(self):
+        if not self.conn.poll(self.timeout):
+            raise TimeoutError(f"{self.name}: no answer in {self.timeout} s")
+        answer = self.conn.recv()
+        if isinstance(answer, dict) and "error" in answer:
+            raise RuntimeError(f"{self.name}: {answer['error']}")
+        return answer
+
+    def ask(self, message):
+        self.conn.send(message)
+        return self.receive()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(self.stop)
+            except OSError:
+                pass
+            self.proc.join(self.timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()

@@ -32,7 +32,6 @@ import argparse
 import datetime
 import importlib.metadata
 import math
-import multiprocessing
 import os
 import platform
 import statistics
@@ -47,7 +46,7 @@ import allocator
 from allocator.runtime import tensor_devices
 from allocator.validate import check
 
-from benchutil import quiet, ram_held, write_csv
+from benchutil import Worker, quiet, ram_held, write_csv
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = (0.3, 0.5, 0.7)
@@ -170,42 +169,6 @@ def serve(job: dict, conn) -> None:
         conn.send({"error": f"{type(err).__name__}: {err}"})
 
 
-class Worker:
-    """A forked child holding one loaded configuration."""
-
-    def __init__(self, job: dict):
-        ctx = multiprocessing.get_context("fork")
-        self.name, self.timeout = f"{job['model']} {job['method']} {job['budget']}", job["timeout"]
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(job, child), daemon=True)
-        self.proc.start()
-        child.close()
-        self.loaded = self._receive()
-
-    def _receive(self):
-        if not self.conn.poll(self.timeout):
-            raise TimeoutError(f"{self.name}: no answer in {self.timeout} s")
-        answer = self.conn.recv()
-        if isinstance(answer, dict) and "error" in answer:
-            raise RuntimeError(f"{self.name}: {answer['error']}")
-        return answer
-
-    def ask(self, command: str, arg=None):
-        self.conn.send((command, arg))
-        return self._receive()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("stop", None))
-            except OSError:
-                pass
-            self.proc.join(self.timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Parent: save models, plan, drive the children, aggregate.
 
@@ -236,22 +199,23 @@ def _run_cell(model: Model, f: float, plan, args, workdir: Path, round_index: in
     workers = {}
     try:
         for method in methods:
-            workers[method] = Worker(dict(
+            workers[method] = Worker(serve, dict(
                 model=model.name, path=model.path, budget=f, method=method, device_map=maps[method],
-                max_memory=None if method == REFERENCE else budget, workdir=str(workdir), timeout=args.timeout))
+                max_memory=None if method == REFERENCE else budget, workdir=str(workdir), timeout=args.timeout),
+                timeout=args.timeout, name=f"{model.name} {method} {f}", stop=("stop", None))
         out = {m: {"device_map": w.loaded["device_map"], "ram_held": w.loaded["ram_held"]} for m, w in workers.items()}
         for regime in args.regimes:
             for _ in range(args.warmup):
                 for w in workers.values():
-                    w.ask("forward", regime)
-            before = {m: w.ask("reset") for m, w in workers.items()}
+                    w.ask(("forward", regime))
+            before = {m: w.ask(("reset", None)) for m, w in workers.items()}
             times = {m: [] for m in methods}
             for i in range(args.forwards):
                 k = (i + round_index) % len(methods)
                 for method in methods[k:] + methods[:k]:
-                    times[method].append(workers[method].ask("forward", regime))
+                    times[method].append(workers[method].ask(("forward", regime)))
             for m, w in workers.items():
-                peak, exact = w.ask("peak")
+                peak, exact = w.ask(("peak", None))
                 out[m][regime] = {"wall": [t[0] for t in times[m]], "cpu": [t[1] for t in times[m]],
                                   "rss_increase": peak - before[m], "rss_peak": peak, "exact": exact}
         return out
