@@ -118,6 +118,10 @@ class Plan:
         return (f"compute term counted at {shapes} ({source}): {counted.total / 1e9:.3g} GFLOP, "
                 f"{sum(counted.ops.values())} ops, activations at each device change")
 
+    def per_step(self) -> str:
+        """``"per step: prefill 1.234 ms, decode 0.123 ms"``: the estimate of each counted forward (:attr:`costs`)."""
+        return "per step: " + ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in self.costs.items())
+
     def resident(self, device: Device) -> int:
         """Counted bytes of the model that live on ``device`` (not counting the streaming reserve)."""
         counted = columns(self.problem.graph).sum_counted
@@ -149,9 +153,7 @@ class Plan:
                  + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal")),
                  f"  {self.compute_term()}"]
         if len(self.problem.steps) > 1:
-            costs = self.costs
-            steps = ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in costs.items())
-            lines.append(f"  per step: {steps}; objectives price the {self.problem.options.optimize}")
+            lines.append(f"  {self.per_step()}; objectives price the {self.problem.options.optimize}")
         for device in budgets.order:
             if device not in self.peak:
                 continue

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Mapping
 
 from .errors import InvalidModel
+from .offload import SAFETENSORS_DTYPES, safetensors_header
 
 __all__ = ["kept_in_float32", "load_dtype", "safetensors_dtypes", "weights_files"]
 
@@ -32,19 +32,11 @@ SAFE_INDEX = "model.safetensors.index.json"
 TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 """File names ``from_pretrained`` looks for in a local folder, in its order (``modeling_utils``' constants)."""
 
-_HEADER_LIMIT = 100 * 2**20  # safetensors itself refuses headers over 100 MB
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
-                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16",
-                       "U32": "uint32", "U64": "uint64", "BOOL": "bool"}
-"""safetensors' dtype codes, as torch dtype names (transformers' ``str_to_torch_dtype``)."""
-
-
 def safetensors_dtypes(path: str) -> dict[str, str]:
     """Tensor name -> torch dtype name (``"bfloat16"``) of the safetensors file at ``path``, from its header alone.
 
-    A safetensors file starts with an 8-byte little-endian length and that many bytes of JSON describing each tensor;
-    only those are read. Codes torch has no name for keep their safetensors spelling (``"F4"``).
+    Only the header is read (:func:`allocator.offload.safetensors_header`). Codes torch has no name for keep their
+    safetensors spelling (``"F4"``).
 
     Raises
     ------
@@ -52,16 +44,8 @@ def safetensors_dtypes(path: str) -> dict[str, str]:
         The file cannot be read or its header is not a safetensors header.
     """
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
-            if not 0 < length <= _HEADER_LIMIT:
-                raise ValueError(f"header length {length} is not that of a safetensors file")
-            header = json.loads(fh.read(length))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-        return {name: _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"])
-                for name, info in header.items() if name != "__metadata__"}
+        _, header = safetensors_header(path)
+        return {name: SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]) for name, info in header.items()}
     except (OSError, ValueError, KeyError, TypeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise InvalidModel(f"cannot read the safetensors header of {path}: {reason}; pass --dtype to say which dtype "

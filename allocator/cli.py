@@ -580,7 +580,7 @@ def _cmd_plan(args) -> int:
         as_dtype(args.dtype, "--dtype")
     profile = load_profile(args.profile) if args.profile else None
     generation = parse_generation(args.generation) if args.generation is not None else None
-    inputs = parse_inputs(args.inputs) if args.inputs is not None else None
+    inputs = parse_inputs(args.inputs) if args.inputs is not None else "auto"   # PlanOptions' default
     _check_writable(args.json, "--json")
     _check_writable(args.plot, "--plot")
     loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
@@ -598,11 +598,10 @@ def _cmd_plan(args) -> int:
                                              f"{', '.join(patterns)}" if kept else ""))
     if loaded.quantization is not None:
         print(_quantization_line(loaded.quantization, dtype, ours))
-    if inputs is not None:
+    if ours.problem.flops is not None:
         print(ours.compute_term())
-        if len(ours.costs) > 1:
-            print("per step: " + ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in ours.costs.items())
-                  + f"; the plan minimises the {args.optimize}")
+        if len(ours.problem.steps) > 1:
+            print(f"{ours.per_step()}; the plan minimises the {args.optimize}")
     if max_memory is None:
         print(f"budgets: the default, this machine's free memory now ({_budget_spec(ours.problem.budgets)}); "
               f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")

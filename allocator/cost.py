@@ -8,10 +8,11 @@ pays an activation transfer plus a fixed latency. The first-order effect: bytes 
 bytes not copied at every forward.
 
 Where FLOPs were counted at the user's inputs (:mod:`allocator.flops`, ``PlanOptions.inputs``), the compute term is
-the counted FLOPs of each unit, each op it dispatches adds a fixed cost on the executing device
-(:func:`allocator.cost_profile.op_seconds`), the bytes its ops without a FLOP formula write cost memory traffic
-at the executing device's memory rate (functions per element, :data:`allocator.flops.POINTWISE`, at the CPU's
-``cpu_pointwise``), and a change of device moves the output of the module before it
+the counted FLOPs of each unit, plus the work of :data:`allocator.cost_profile.COUNTED` at
+:func:`allocator.cost_profile.counted_rates`: each op it dispatches a fixed cost on the executing device, the bytes
+its ops without a FLOP formula write memory traffic at the executing device's memory rate (functions per element,
+:data:`allocator.flops.POINTWISE`, at the CPU's ``cpu_pointwise``; interpolations across memory layouts at
+``cpu_strided``), and a change of device moves the output of the module before it
 (:func:`allocator.units.boundary_bytes`) instead of the fixed ``Profile.activation_bytes``. Without a complete
 count: ``2 * tokens`` FLOP per parameter element, no op term, the fixed activation.
 
@@ -25,7 +26,7 @@ import logging
 from dataclasses import dataclass
 
 from .budgets import Device, is_accelerator, normalize_map
-from .cost_profile import Profile, flop_seconds, op_seconds, pointwise_seconds, read_rates, strided_seconds
+from .cost_profile import COUNTED, Profile, counted_rates, flop_seconds, read_rates
 from .flops import node_values
 from .problem import Problem
 from .runs import FEMTO, Run, columns
@@ -33,7 +34,7 @@ from .runtime import main_device, map_runs, moves_with_weights, offloaded_device
 from .units import boundary_bytes, tensor_flops
 
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
-           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops", "counted_ops", "counted_written",
+           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops", "counted_work",
            "boundaries"]
 
 log = logging.getLogger(__name__)
@@ -51,22 +52,19 @@ class Cost:
 
 
 def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None,
-                 ops: float = 0, written: float = 0, pointwise: float = 0, strided: float = 0) -> float:
+                 counted: tuple = ()) -> float:
     """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
     (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger;
-    plus ``ops`` dispatched ops at :func:`allocator.cost_profile.op_seconds` each, ``written`` activation bytes
-    at the memory rate of ``run_on``, ``pointwise`` bytes at :func:`allocator.cost_profile.pointwise_seconds` and
-    ``strided`` bytes at :func:`allocator.cost_profile.strided_seconds`."""
+    plus the ``counted`` work (one amount per kind of :data:`allocator.cost_profile.COUNTED`: ops, bytes written,
+    bytes of functions per element, bytes interpolated across memory layouts) at
+    :func:`allocator.cost_profile.counted_rates`."""
     per_byte, per_element = read_rates(profile, run_on)
     compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
     seconds = max(nbytes * per_byte, compute)
-    if ops:
-        seconds = seconds + ops * op_seconds(profile, run_on)
-    if written:
-        seconds = seconds + written * per_byte
-    if pointwise:
-        seconds = seconds + pointwise * pointwise_seconds(profile, run_on)
-    return seconds + strided * strided_seconds(profile, run_on) if strided else seconds
+    for amount, rate in zip(counted, counted_rates(profile, run_on)):
+        if amount:
+            seconds = seconds + amount * rate
+    return seconds
 
 
 def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, runtime: str = "accelerate") -> float:
@@ -94,14 +92,13 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, 
 
 
 def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
-                    tensors: int = 0, flops: float | None = None, ops: float = 0, written: float = 0,
-                    pointwise: float = 0, strided: float = 0) -> float:
+                    tensors: int = 0, flops: float | None = None, counted: tuple = ()) -> float:
     """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
     :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
     :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
     """
     run_on = main if device in ("cpu", "disk") else device
-    return (read_seconds(profile, run_on, nbytes, numel, flops, ops, written, pointwise, strided)
+    return (read_seconds(profile, run_on, nbytes, numel, flops, counted)
             + copy_seconds(profile, main, device, offload, tensors, runtime=problem.options.runtime))
 
 
@@ -113,13 +110,11 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
     """
     moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
     numel = tensor.numel if tensor.is_param and tensor.counted else 0
-    counted, ops, written = counted_flops(problem), counted_ops(problem), counted_written(problem)
-    pointwise, strided = counted_written(problem, "pointwise"), counted_written(problem, "strided")
+    counted, work = counted_flops(problem), counted_work(problem)
     at = problem.graph.tensor_index[tensor.name]
     flops = None if counted is None else float(counted[at])
     return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
-                           int(moves), flops,
-                           *(0 if v is None else float(v[at]) for v in (ops, written, pointwise, strided)))
+                           int(moves), flops, tuple(float(v[at]) for v in work or ()))
 
 
 def counted_flops(problem: Problem):
@@ -130,24 +125,14 @@ def counted_flops(problem: Problem):
     return problem.derived.once("tensor flops", lambda: tensor_flops(problem.graph, problem.node_flops))
 
 
-def counted_ops(problem: Problem):
-    """The ops each tensor's unit dispatches (:attr:`allocator.flops.FlopCount.ops`, spread over the tensors as
-    :func:`allocator.units.tensor_flops` spreads FLOPs), or ``None`` where the FLOP count is not complete."""
+def counted_work(problem: Problem):
+    """The work each tensor's unit does beyond its FLOPs, one array per kind of
+    :data:`allocator.cost_profile.COUNTED` (those fields of :class:`allocator.flops.FlopCount`, spread over the
+    tensors as :func:`allocator.units.tensor_flops` spreads FLOPs), or ``None`` where the FLOP count is not complete."""
     if problem.node_flops is None:
         return None
-    return problem.derived.once("tensor ops", lambda: tensor_flops(
-        problem.graph, node_values(problem.flops.ops, problem.graph)))
-
-
-def counted_written(problem: Problem, kind: str = "written"):
-    """The bytes the ops without a FLOP formula of each tensor's unit write (``kind`` ``"written"``:
-    :attr:`allocator.flops.FlopCount.written`; ``"pointwise"``, ``"strided"``: those fields of
-    :class:`~allocator.flops.FlopCount`), spread
-    as :func:`counted_ops`; ``None`` where the FLOP count is not complete."""
-    if problem.node_flops is None:
-        return None
-    return problem.derived.once(f"tensor {kind}", lambda: tensor_flops(
-        problem.graph, node_values(getattr(problem.flops, kind), problem.graph)))
+    return problem.derived.once("tensor work", lambda: tuple(
+        tensor_flops(problem.graph, node_values(getattr(problem.flops, kind), problem.graph)) for kind in COUNTED))
 
 
 def boundaries(problem: Problem):
@@ -167,9 +152,7 @@ def _reads(problem: Problem, profile: Profile) -> tuple:
     flops = counted_flops(problem)
     if flops is None:
         return cols.reads(profile)
-    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(
-        profile, flops, counted_ops(problem), counted_written(problem), counted_written(problem, "pointwise"),
-        counted_written(problem, "strided")))
+    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(profile, flops, counted_work(problem)))
 
 
 def change_seconds(profile: Profile, nbytes: int | None = None) -> float:

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from .errors import InvalidOption
 
-__all__ = ["Profile", "read_rates", "flop_seconds", "op_seconds", "pointwise_seconds", "strided_seconds"]
+__all__ = ["Profile", "read_rates", "flop_seconds", "COUNTED", "counted_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -324,20 +324,20 @@ def flop_seconds(profile: Profile, run_on) -> float:
     return 1 / (profile.cpu_flops if run_on == "cpu" else profile.accelerator_flops)
 
 
-def pointwise_seconds(profile: Profile, run_on) -> float:
-    """Seconds per byte written by a function per element (:data:`allocator.flops.POINTWISE`) on ``run_on``."""
-    return 1 / (profile.cpu_pointwise if run_on == "cpu" else profile.accelerator_memory)
+COUNTED = ("ops", "written", "pointwise", "strided")
+"""The work a complete FLOP count adds to a unit's compute term, by :class:`allocator.flops.FlopCount` field, in the
+order the cost model sums it: ops dispatched, bytes written by ops without a FLOP formula, bytes written by functions
+per element, bytes written by interpolations across memory layouts (:func:`counted_rates`)."""
 
 
-def strided_seconds(profile: Profile, run_on) -> float:
-    """Seconds per byte written by an interpolation across memory layouts (:attr:`allocator.flops.FlopCount.strided`)
-    on ``run_on``."""
-    return 1 / (profile.cpu_strided if run_on == "cpu" else profile.accelerator_memory)
-
-
-def op_seconds(profile: Profile, run_on) -> float:
-    """Seconds per op dispatched on ``run_on``, whatever its size: the launch term where ops are counted."""
-    return profile.cpu_op_latency if run_on == "cpu" else profile.accelerator_op_latency
+def counted_rates(profile: Profile, run_on) -> tuple[float, float, float, float]:
+    """Seconds per unit of each kind of :data:`COUNTED` on ``run_on``: per op (a fixed launch cost, whatever its
+    size), per byte written (the memory rate), per byte of a function per element (``cpu_pointwise``), per byte of an
+    interpolation across memory layouts (``cpu_strided``). An accelerator writes all three at its memory rate."""
+    if run_on == "cpu":
+        return (profile.cpu_op_latency, 1 / profile.cpu_memory, 1 / profile.cpu_pointwise, 1 / profile.cpu_strided)
+    per_byte = 1 / profile.accelerator_memory
+    return profile.accelerator_op_latency, per_byte, per_byte, per_byte
 
 
 def _timings(fn, repeats: int) -> list[float]:

@@ -24,6 +24,7 @@ device reserve, on top of the streamed chain, the ``k`` largest amounts one offl
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -48,20 +49,39 @@ __all__ = [
     "dispatch",
     "has_offload_hooks",
     "safetensors_header",
+    "SAFETENSORS_DTYPES",
 ]
 
 PAGE = mmap.PAGESIZE
-_DTYPES = {  # safetensors dtype codes -> torch dtype names
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+                      "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16",
+                      "U32": "uint32", "U64": "uint64", "BOOL": "bool"}
+"""safetensors' dtype codes, as torch dtype names (transformers' ``str_to_torch_dtype``)."""
+_HEADER_LIMIT = 100 * 2**20  # safetensors itself refuses headers over 100 MB
 
 
 def safetensors_header(path: str) -> tuple[int, dict]:
-    """The byte offset where a safetensors file's data starts, and its header (name -> dtype, shape, offsets)."""
+    """The byte offset where a safetensors file's data starts, and its header (name -> dtype, shape, offsets).
+
+    A safetensors file starts with an 8-byte little-endian length and that many bytes of JSON describing each tensor;
+    only those are read.
+
+    Raises
+    ------
+    OSError
+        The file cannot be read.
+    ValueError
+        Its header is not a safetensors header.
+    """
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 0 < n <= _HEADER_LIMIT:
+            raise ValueError(f"header length {n} is not that of a safetensors file")
         header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
     header.pop("__metadata__", None)
     return 8 + n, header
 
@@ -103,7 +123,7 @@ class MappedFile:
         import torch
 
         entry = self.entries[name]
-        return self.view(*self.span(name), getattr(torch, _DTYPES[entry["dtype"]]), entry["shape"])
+        return self.view(*self.span(name), getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]]), entry["shape"])
 
     def evict(self) -> None:
         """Drop this mapping's pages from the process (``MADV_DONTNEED``: they are read again from the file when
@@ -188,20 +208,13 @@ def _source(weights_map: Mapping, name: str, files: _Files) -> _Source:
         entry = f.entries[entry_name]
         start, end = f.span(entry_name)
         return _Source(key=(f.path, entry_name), file=f, start=start, end=end,
-                       dtype=getattr(torch, _DTYPES[entry["dtype"]]), shape=tuple(entry["shape"]))
+                       dtype=getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]]), shape=tuple(entry["shape"]))
     path = os.path.join(loader.save_folder, f"{full}.dat")
     f = files.get(path, raw=True)
     shape = tuple(info["shape"])
     dtype = getattr(torch, info["dtype"])
-    return _Source(key=(f.path,), file=f, start=0, end=dtype.itemsize * max(1, _numel(shape)), dtype=dtype,
+    return _Source(key=(f.path,), file=f, start=0, end=dtype.itemsize * max(1, math.prod(shape)), dtype=dtype,
                    shape=shape)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @dataclass
@@ -700,8 +713,7 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Att
         if i is None:
             module._hf_hook = hooks[id(h)]
         else:
-            top.hooks = tuple(hooks[id(x)] if id(x) == id(h) else x for x in top.hooks) if isinstance(
-                top.hooks, tuple) else [hooks[id(x)] if id(x) == id(h) else x for x in top.hooks]
+            top.hooks = type(top.hooks)(hooks[id(x)] if x is h else x for x in top.hooks)   # tuple or list
     model._allocator_runtime = runtime
     return runtime
 
@@ -717,8 +729,8 @@ def detach(model) -> None:
     for unit in runtime.units:
         top = unit.module._hf_hook
         if isinstance(top, SequentialHook):
-            swapped = [unit.original if isinstance(x, OffloadHook) and x.unit is unit else x for x in top.hooks]
-            top.hooks = tuple(swapped) if isinstance(top.hooks, tuple) else swapped
+            top.hooks = type(top.hooks)(unit.original if isinstance(x, OffloadHook) and x.unit is unit else x
+                                        for x in top.hooks)   # tuple or list, as accelerate made it
         elif isinstance(top, OffloadHook):
             unit.module._hf_hook = unit.original
     del model._allocator_runtime

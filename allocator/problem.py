@@ -145,8 +145,7 @@ class PlanOptions:
                                             isinstance(self.inputs, Mapping) and bool(self.inputs)
                                             and all(isinstance(k, str) for k in self.inputs)):
             raise InvalidOption(f"inputs must map forward argument names to shapes or tensors, or be 'default' or "
-                                f"'auto', got "
-                                f"{self.inputs!r}; e.g. inputs={{'input_ids': (1, 512)}}.")
+                                f"'auto', got {self.inputs!r}; e.g. inputs={{'input_ids': (1, 512)}}.")
         if self.optimize not in STEPS:
             raise InvalidOption(f"optimize must be one of {list(STEPS)}, got {self.optimize!r}.")
         if self.optimize == "decode" and (self.inputs in (None, "auto") or self.generation is None):

@@ -18,7 +18,7 @@ from itertools import accumulate, repeat
 
 import numpy as np
 
-from .cost_profile import flop_seconds, op_seconds, pointwise_seconds, read_rates, strided_seconds
+from .cost_profile import counted_rates, flop_seconds, read_rates
 from .graph import ModelGraph
 from .kernels import Run, key_runs
 from .rules import moves, read_copy
@@ -99,29 +99,24 @@ class Columns:
             found = self._moving[key] = Moving(self, self._graph(), *key)
         return found
 
-    def reads(self, profile, flops=None, ops=None, written=None, pointwise=None,
-              strided=None) -> tuple[list[int], list[int]]:
+    def reads(self, profile, flops=None, counted=None) -> tuple[list[int], list[int]]:
         """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.cost.read_seconds``, from
         :func:`allocator.cost_profile.read_rates`), on the CPU and on an accelerator. Integers, so that a sum does
         not depend on how a map cuts it into runs; Python ints where a time passes an int64 (9,223 s).
 
         ``flops`` (FLOPs per tensor, float64, :func:`allocator.units.tensor_flops`) replaces the parameter rule's
-        compute term, ``ops`` (ops per tensor, spread the same way) adds a fixed cost per op
-        (:func:`allocator.cost_profile.op_seconds`), ``written`` (bytes per tensor) memory traffic at the
-        executing device's memory rate, ``pointwise`` (bytes per tensor) functions per element
-        (:func:`allocator.cost_profile.pointwise_seconds`) and ``strided`` (bytes per tensor) interpolation across
-        memory layouts (:func:`allocator.cost_profile.strided_seconds`); those sums are not kept here (the problem
-        keeps them)."""
+        compute term, and ``counted`` (per tensor, spread the same way, one array per kind of
+        :data:`allocator.cost_profile.COUNTED`) adds that work at :func:`allocator.cost_profile.counted_rates`; those
+        sums are not kept here (the problem keeps them)."""
         if flops is not None:
-            extra = [None if v is None else np.asarray(v, dtype=np.float64)
-                     for v in (ops, written, pointwise, strided)]
-            return self._femtos(profile, np.asarray(flops, dtype=np.float64), *extra)
+            work = [np.asarray(v, dtype=np.float64) for v in counted or ()]
+            return self._femtos(profile, np.asarray(flops, dtype=np.float64), work)
         found = self._reads.get(profile)
         if found is None:
-            found = self._reads[profile] = self._femtos(profile, None, None, None, None, None)
+            found = self._reads[profile] = self._femtos(profile, None, ())
         return found
 
-    def _femtos(self, profile, flops, ops, written, pointwise, strided) -> tuple:
+    def _femtos(self, profile, flops, counted) -> tuple:
         nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
             .astype(np.float64)
         found = []
@@ -130,14 +125,8 @@ class Columns:
             compute = numel * per_element if flops is None else flops * flop_seconds(profile, on)
             # read_seconds of each tensor, vectorised (the same float64 products, so the same values)
             seconds = np.maximum(nbytes * per_byte, compute)
-            if ops is not None:
-                seconds = seconds + ops * op_seconds(profile, on)
-            if written is not None:
-                seconds = seconds + written * per_byte
-            if pointwise is not None:
-                seconds = seconds + pointwise * pointwise_seconds(profile, on)
-            if strided is not None:
-                seconds = seconds + strided * strided_seconds(profile, on)
+            for amounts, rate in zip(counted, counted_rates(profile, on)):
+                seconds = seconds + amounts * rate
             femtos = np.rint(seconds * FEMTO)
             wide = len(femtos) and femtos.max() >= 2.0**62   # astype would wrap: exact Python ints instead
             found.append(_prefix([int(f) for f in femtos] if wide else femtos.astype(np.int64)))
