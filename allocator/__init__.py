@@ -5,30 +5,24 @@
 {'': 'cpu'}
 """
 
-from .api import Plan, infer_auto_device_map, plan
+from .api import plan
+from .integrations.accelerate import infer_auto_device_map
+from .report.plan import Plan
 from .budgets import parse_budgets, parse_size
-from .cost import Cost, estimate
-from .cost_profile import Profile
+from .evaluate.cost import Cost, estimate
+from .profile import Profile
 from .errors import (
-    AllocatorError,
-    BrokenContract,
-    InfeasiblePlacement,
-    InvalidBudget,
-    InvalidDeviceMap,
-    InvalidModel,
-    InvalidOption,
-    InvalidPlacement,
-    InvalidRuntime,
-    UnsupportedByAccelerate,
+    AllocatorError, BrokenContract, InfeasiblePlacement, InvalidBudget, InvalidDeviceMap, InvalidModel, InvalidOption,
+    InvalidPlacement, InvalidRuntime, UnsupportedByAccelerate,
 )
-from .generation import GenerationBudget
+from .model.generation import GenerationBudget
 from . import offload
-from .hf import patch, unpatch
+from .integrations.transformers import patch, unpatch
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES
 from .strategies.contract import contract_violations
-from .validate import Violation, validate
+from .evaluate.validate import Violation, validate
 
 __all__ = [
     "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",

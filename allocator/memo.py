@@ -1,6 +1,6 @@
 """What follows from a frozen object, made once and owned by it: :class:`Derived`.
 
-A :class:`allocator.problem.Problem` and a :class:`allocator.graph.ModelGraph` never change, so what is computed
+A :class:`allocator.problem.Problem` and a :class:`allocator.model.ModelGraph` never change, so what is computed
 from them (the graph's columns, the units' groups, accelerate's own map, the contract's floor, the last few maps
 checked and priced) can be kept with them: it goes when they go, and a problem made with
 ``dataclasses.replace`` starts with nothing derived.

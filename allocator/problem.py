@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .budgets import Budgets, parse_budgets
-from .cost_profile import Profile
+from .profile import Profile
 from .errors import InvalidOption
-from .flops import FlopCount, count_flops, default_inputs, node_flops
-from .generation import GenerationBudget, GenerationNeeds, generation_needs
+from .model.flops import FlopCount, count_flops, default_inputs, node_flops
+from .model.generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
-from .graph import ModelGraph, build_graph
+from .model import ModelGraph, build_graph
 from .memo import Derived
-from .rules import LOADERS
+from .rules.loaders import LOADERS
 
 __all__ = ["OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem",
            "step_problem", "decode_inputs"]
@@ -82,7 +82,7 @@ class PlanOptions:
     generation: GenerationBudget | None = None
     """Room for ``generate`` (KV cache, logits, activations) on the devices where they live."""
     loader: str = "transformers"
-    """The loading path the map is for, one of :data:`allocator.rules.LOADERS`: ``"transformers"`` (the default:
+    """The loading path the map is for, one of :data:`allocator.rules.loaders.LOADERS`: ``"transformers"`` (the default:
     ``from_pretrained(device_map=...)``, what :func:`allocator.patch` plans for it) or ``"accelerate"``
     (``load_checkpoint_and_dispatch`` / ``dispatch_model``). They load weights differently, so some maps work on one
     path only (:mod:`allocator.rules`)."""
@@ -93,13 +93,15 @@ class PlanOptions:
     prefetch: int = 1
     """With ``runtime="allocator"``: offloaded modules made ready ahead of the running one (0: none). The main device
     then keeps room for the streamed chain plus the ``prefetch`` largest offloaded modules
-    (:func:`allocator.runtime.prefetch_reserve`); ignored with ``runtime="accelerate"``."""
+    (:func:`allocator.evaluate.memory.prefetch_reserve`); ignored with ``runtime="accelerate"``."""
     inputs: Mapping | str | None = "auto"
     """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
-    tensors, or ``"default"`` for :func:`allocator.flops.default_inputs` of the model's config. The problem builder
-    then counts FLOPs per module on the meta device (:func:`allocator.flops.count_flops`) and the cost model's
+    tensors, or ``"default"`` for :func:`allocator.model.flops.default_inputs` of the model's config. The problem
+    builder
+    then counts FLOPs per module on the meta device (:func:`allocator.model.flops.count_flops`) and the cost model's
     compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails on
-    meta, an op has no FLOP formula, more than :data:`allocator.flops.MAX_OPS` ops) it keeps that rule, and logs why.
+    meta, an op has no FLOP formula, more than :data:`allocator.model.flops.MAX_OPS` ops) it keeps that rule, and logs
+    why.
     ``None``: nothing is counted. ``"auto"`` (the default): ``"default"`` where the estimate alone decides
     (``objective="latency"``) and the config gives defaults, else ``None`` (under the contract the estimate only
     ranks plans that keep it, and counting adds 0.1-1 s to a plan)."""
@@ -207,7 +209,8 @@ class Problem:
 
     @property
     def read_copies(self) -> bool:
-        """Whether streamed chains count the copies hooks read cast tensors into (:func:`allocator.rules.read_copy`):
+        """Whether streamed chains count the copies hooks read cast tensors into
+        (:func:`allocator.rules.dispatch.read_copy`):
         where the CPU is the only device that can be main (no accelerator budget) and ``dtype`` casts some tensor.
         With an accelerator main the copy is made in host RAM or on the accelerator by path; it is not counted."""
         return bool(self.graph.stored) and not self.budgets.accelerators
@@ -249,7 +252,8 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
 
     ``options`` (a :class:`PlanOptions`) says how the model is read and the plan run; ``keywords`` are its fields,
     given one by one (they override those of ``options``). With a ``generation`` budget the graph also holds the KV
-    cache, logits and activations of ``generate`` (:mod:`allocator.generation`). An ``hf_quantizer`` supplies sizes
+    cache, logits and activations of ``generate`` (:mod:`allocator.model.generation`). An ``hf_quantizer`` supplies
+    sizes
     (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is
     modified.
 

@@ -4,7 +4,7 @@ Eight small random models (llama, t5, gpt2, bert, vit, segformer at 512², convn
 ``save_pretrained``. Per model and RAM budget (``{"cpu": f * total}``: the CPU is the main device, the rest goes to
 disk), several maps are loaded by ``from_pretrained(device_map=...)``: allocator's plan, transformers'
 ``device_map="auto"``, and maps that put the first, the last or every other unit on disk (those that
-``allocator.validate`` accepts under the budget; distinct ones only). Each load lives in a forked process; the
+``allocator.evaluate.validate`` accepts under the budget; distinct ones only). Each load lives in a forked process; the
 loads of a cell take turns forward by forward, and each map's time is the median of its forwards (warm page
 cache, one thread, ``torch.no_grad``).
 
@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 import allocator
-from allocator.units import problem_groups
-from allocator.validate import check
+from allocator.evaluate.units import problem_groups
+from allocator.evaluate.validate import check
 
 from benchutil import Worker, cores, quiet, write_csv
 
@@ -144,7 +144,7 @@ def candidate_maps(problem, plan_map: dict) -> dict:
 
 
 def _same(a: dict, b: dict, g) -> bool:
-    from allocator.runtime import tensor_devices
+    from allocator.evaluate.memory import tensor_devices
 
     return tensor_devices(g, a) == tensor_devices(g, b)
 

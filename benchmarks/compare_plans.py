@@ -136,8 +136,8 @@ def plan_record(allocator, model, budget, strategy, **kwargs):
 
 
 def check_record(problem, device_map):
-    from allocator.cost import estimate
-    from allocator.validate import check
+    from allocator.evaluate.cost import estimate
+    from allocator.evaluate.validate import check
 
     try:
         violations, memory = check(problem, device_map)
@@ -150,7 +150,7 @@ def check_record(problem, device_map):
 
 def run(args) -> dict:
     import allocator
-    from allocator import zoo
+    from allocator.model import zoo
 
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")

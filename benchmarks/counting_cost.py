@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import allocator
-from allocator import zoo
+from allocator.model import zoo
 
 from benchutil import cores, quiet, write_csv
 

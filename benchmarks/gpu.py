@@ -8,7 +8,7 @@ loaded twice by ``from_pretrained``: with ``device_map="auto"`` and with ``alloc
 budget).device_map``. Per load: median latency of 20 forwards after 3 warm-ups (batch 1, 32 tokens,
 ``torch.cuda.synchronize`` around each), ``torch.cuda.max_memory_allocated`` over the forwards (reset after
 loading), the memory allocated after loading, the bytes the map keeps on GPU 0, and the peak on GPU 0 that
-``allocator`` predicts for the map (``plan.peak[0]`` for ours; :func:`allocator.validate.check` for auto's).
+``allocator`` predicts for the map (``plan.peak[0]`` for ours; :func:`allocator.evaluate.validate.check` for auto's).
 
 Generate case: per model, one budget (``--gen-budget`` of the model on GPU 0) and a :class:`allocator.GenerationBudget`
 (``--gen-batch`` sequences of ``--gen-length`` tokens, the last ``--gen-new`` of them generated). Both maps — ``auto``
@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 import allocator
-from allocator.runtime import main_device, tensor_devices
-from allocator.validate import check
+from allocator.evaluate.memory import main_device, tensor_devices
+from allocator.evaluate.validate import check
 
 from benchutil import quiet, ram_held, write_csv
 

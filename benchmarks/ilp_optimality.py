@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from placement import GRID, OUT, measure  # noqa: E402
 from benchutil import write_csv  # noqa: E402
 
-from allocator import zoo  # noqa: E402
+from allocator.model import zoo  # noqa: E402
 
 STRATEGIES = ["sequential", "backfill", "reserve", "ilp", "auto"]
 TOLERANCE = 1e-9  # relative: the estimate of equal maps may differ in the last bits only

@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 import allocator
-from allocator.runtime import tensor_devices
-from allocator.validate import check
+from allocator.evaluate.memory import tensor_devices
+from allocator.evaluate.validate import check
 
 from benchutil import Worker, quiet, ram_held, write_csv
 

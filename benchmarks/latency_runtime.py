@@ -39,7 +39,7 @@ import torch
 
 import allocator
 from allocator import offload
-from allocator.validate import check
+from allocator.evaluate.validate import check
 
 from benchutil import cores, quiet, write_csv
 from latency import Model, _drop_cache, _files, specs

@@ -2,7 +2,8 @@
 
 For every cell it records, per method: the share of the model resident on the fastest tier (accelerators, or RAM
 when there are none), the estimated time per forward, whether the map is valid under accelerate's runtime rules
-(``allocator.validate``), the violations, the planning time (wall and CPU) and, for our strategies, whether the plan
+(``allocator.evaluate.validate``), the violations, the planning time (wall and CPU) and, for our strategies, whether
+the plan
 is proven optimal (``Plan.optimal``; ``ilp``). Writes ``benchmarks/results/placement.csv``, ``placement.md`` and
 ``placement.png``.
 
@@ -22,9 +23,9 @@ import warnings
 from pathlib import Path
 
 import allocator
-from allocator import zoo
-from allocator.cost import estimate
-from allocator.validate import check
+from allocator.model import zoo
+from allocator.evaluate.cost import estimate
+from allocator.evaluate.validate import check
 
 from benchutil import write_csv
 
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
             "Resident share on the fastest tier, accelerate → ours (`auto`); "
             f"`!` = the map breaks a runtime rule (it would run out of memory or fail); "
             f"'none fits' = no valid map exists for these budgets and `auto` says the minimum RAM.\n\n"
-            f"{table(rows, cells)}\n\nEstimated milliseconds per forward (`allocator.cost.estimate`, default "
+            f"{table(rows, cells)}\n\nEstimated milliseconds per forward (`allocator.evaluate.cost.estimate`, default "
             f"`Profile`: 512 tokens, A100-class accelerator, PCIe 4.0 pageable copies), accelerate → ours (`auto`):\n\n"
             f"{table(rows, cells, 'est_ms')}\n")
     (args.out / "placement.md").write_text(text)

@@ -13,7 +13,8 @@ For each model it times, from one run:
 - ours, per strategy in ``sequential``, ``backfill``, ``reserve`` (the greedy family; not ``ilp``/``auto``):
   ``allocator.build_problem`` (the model read once), the strategy alone
   (``allocator.strategies.STRATEGIES[s](problem)`` on a problem just built, so that what the first evaluation of the
-  graph costs, :class:`allocator.runs.Columns`, counts), and the whole ``allocator.plan(model, budget, strategy=s)``
+  graph costs, :class:`allocator.evaluate.runs.Columns`, counts), and the whole ``allocator.plan(model, budget,
+  strategy=s)``
   (build, strategy, validation, cost estimate), plus the peak Python memory of ``plan`` (``tracemalloc``).
 
 Every timed call runs in a forked child with a time cap (``--cap``): a call past the cap is stopped and reported as

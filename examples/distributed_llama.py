@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from allocator.distributed import apply_fully_shard, fsdp_wrap_policy, pipeline_split_spec
+from allocator.parallel import apply_fully_shard, fsdp_wrap_policy, pipeline_split_spec
 
 CONFIG = LlamaConfig(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

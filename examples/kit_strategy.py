@@ -1,4 +1,4 @@
-"""A new strategy from allocator.kit alone: first fit in model order, the largest groups seated first.
+"""A new strategy from allocator.strategies.kit alone: first fit in model order, the largest groups seated first.
 
 Seating the largest groups first leaves the small ones to fill the gaps (first-fit decreasing), so more of the model
 tends to stay on the fastest tier than in model order. Under every main device the kit offers, the streaming reserve
@@ -6,7 +6,7 @@ is shrunk to what the offloaded groups really stream and the fill redone; the co
 accelerate's own map (so the plan never keeps fewer bytes on the accelerators than accelerate's).
 """
 
-from allocator import kit
+from allocator.strategies import kit
 
 
 def decreasing(problem: kit.Problem) -> kit.Placement:

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 import allocator
-from allocator.runtime import tensor_devices
+from allocator.evaluate.memory import tensor_devices
 
 SEED = 0
 DTYPE = torch.float32

@@ -6,8 +6,8 @@ import functools
 import logging
 
 import allocator
-from allocator import zoo
-from allocator.validate import format_bytes
+from allocator.model import zoo
+from allocator.evaluate.validate import format_bytes
 
 
 @functools.cache

@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 import allocator
-from allocator import zoo
+from allocator.model import zoo
 from allocator.budgets import parse_budgets
-from allocator.cost import estimate
+from allocator.evaluate.cost import estimate
 from allocator.problem import Options, Problem
-from allocator.runtime import device_of
+from allocator.evaluate.memory import device_of
 from allocator.strategies import STRATEGIES
-from allocator.units import groups
-from allocator.validate import check
+from allocator.evaluate.units import groups
+from allocator.evaluate.validate import check
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -35,7 +35,7 @@ import accelerate.utils as accelerate_utils  # noqa: E402
 import transformers.integrations.accelerate as tia  # noqa: E402
 import transformers.modeling_utils as modeling_utils  # noqa: E402
 
-import allocator.hf as hf  # noqa: E402
+import allocator.integrations.transformers as hf
 
 # where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
 strict_plan = functools.partial(allocator.plan, strict=True)

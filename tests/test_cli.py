@@ -13,8 +13,9 @@ import warnings
 import pytest
 
 import allocator
-from allocator import cli, zoo
-from allocator.cost_profile import Profile
+from allocator import cli
+from allocator.model import zoo
+from allocator.profile import Profile
 
 SEG = "segformer-b0"
 PNG = b"\x89PNG\r\n\x1a\n"

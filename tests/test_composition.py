@@ -190,7 +190,7 @@ def test_the_readme_shows_the_kit_example_as_it_is_tested():
 
 
 def test_the_accelerate_drop_in_plans_for_accelerates_loader(monkeypatch):
-    import allocator.api as api
+    import allocator.integrations.accelerate as api
 
     seen = []
     real = api.plan

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import allocator
-from allocator import zoo
+from allocator.model import zoo
 from allocator.strategies.contract import accelerator_sequence, contract_main
-from allocator.runtime import map_runs
+from allocator.evaluate.memory import map_runs
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,9 +92,9 @@ def test_a_first_gpu_too_small_to_be_main_is_left_empty_and_explained(caplog):
     notes = "\n".join(p.placement.notes)
     assert "accelerator 0" in notes and "it needs at least" in notes
     # the budget the note names does make GPU 0 the main device, 1 % less does not
-    minimum = allocator.api.main_minimum(p.problem, 0)
-    assert contract_main(allocator.api._with_budget(p.problem, 0, minimum)) == 0
-    assert contract_main(allocator.api._with_budget(p.problem, 0, minimum - max(1, minimum // 100) - 1)) == 1
+    minimum = allocator.report.minimum.main_minimum(p.problem, 0)
+    assert contract_main(allocator.report.minimum.with_budget(p.problem, 0, minimum)) == 0
+    assert contract_main(allocator.report.minimum.with_budget(p.problem, 0, minimum - max(1, minimum // 100) - 1)) == 1
 
 
 # -- rule 2: accelerators in index order ----------------------------------------------------------------------------

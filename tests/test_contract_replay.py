@@ -36,7 +36,8 @@ The configs are those of the ``*ModelTester`` classes (``tests/models/<arch>/tes
 Two paths per cell, each with ``strategy="sequential"`` (accelerate's algorithm) and with the planner's default:
 
 1. ``allocator.plan(model, max_memory)`` on the meta model, every class;
-2. the map ``from_pretrained(device_map="auto", max_memory=...)`` computes under ``allocator.hf.patch``, for one
+2. the map ``from_pretrained(device_map="auto", max_memory=...)`` computes under
+``allocator.integrations.transformers.patch``, for one
    saved class per architecture: ``transformers.modeling_utils._get_device_map`` (the name ``from_pretrained``
    calls, the patched one under the patch) is wrapped to raise the map as soon as it is known, before any weight is
    read or dispatched to a GPU this machine does not have. transformers' own map for the same cell (no patch) is
@@ -68,7 +69,7 @@ import transformers.modeling_utils as modeling_utils  # noqa: E402
 from transformers.integrations.accelerate import compute_module_sizes  # noqa: E402
 
 import allocator  # noqa: E402
-import allocator.hf as hf  # noqa: E402
+import allocator.integrations.transformers as hf
 from models import quiet_hf  # noqa: E402
 
 SEED = 0

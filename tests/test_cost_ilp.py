@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import allocator
-from allocator import zoo
-from allocator.cost import change_seconds, estimate
+from allocator.model import zoo
+from allocator.evaluate.cost import change_seconds, estimate
 from allocator.errors import InvalidOption
 from allocator.strategies import ilp
 from trees import budgets, module_trees
@@ -119,7 +119,7 @@ def test_coarsening_is_said_and_stays_valid():
     assert placement.optimal is False
     assert any("coarsened" in note for note in placement.notes)
     assert allocator.validate.__module__  # the plan below goes through the one checker
-    from allocator.validate import check
+    from allocator.evaluate.validate import check
 
     assert check(problem, placement.device_map)[0] == []
 
@@ -137,7 +137,7 @@ SCRIPT = """
 import json, logging, sys
 logging.disable(logging.WARNING)
 import allocator
-from allocator import zoo
+from allocator.model import zoo
 model = zoo.build("t5-base")
 total = allocator.build_problem(model, {"cpu": 0}).graph.total
 budget = {0: int(total * .2), 1: int(total * .2), "cpu": 2 * total}
@@ -207,7 +207,7 @@ def test_ilp_streams_fewer_tensors_when_bytes_tie():
     # whichever two; keeping the two-tensor layer in RAM reads 2 tensors from disk instead of 3
     placement = allocator.plan(_three_equal_layers(), {"cpu": 2 * 16384}, strategy="ilp")
     assert placement.valid and placement.optimal
-    from allocator.runtime import device_of
+    from allocator.evaluate.memory import device_of
 
     assert [device_of(f"{i}.weight", placement.device_map) for i in range(3)] == ["disk", "cpu", "disk"]
     assert allocator.plan(_three_equal_layers(), {"cpu": 2 * 16384}).device_map == placement.device_map
@@ -228,8 +228,8 @@ def _brute_force(problem) -> float:
     """The lowest estimate over every assignment of tie groups to devices that ``check`` accepts."""
     import itertools
 
-    from allocator.units import groups
-    from allocator.validate import check
+    from allocator.evaluate.units import groups
+    from allocator.evaluate.validate import check
 
     found = groups(problem.graph)
     devices = list(problem.budgets.order)

@@ -11,13 +11,14 @@ import pytest
 import torch.nn as nn
 
 import allocator
-from allocator import cli, zoo
-from allocator.cost import boundaries, change_seconds, estimate
-from allocator.cost_profile import Profile
+from allocator import cli
+from allocator.model import zoo
+from allocator.evaluate.cost import boundaries, change_seconds, estimate
+from allocator.profile import Profile
 from allocator.errors import InvalidOption
-from allocator.flops import count_flops, node_values
+from allocator.model.flops import count_flops, node_values
 from allocator.problem import build_problem
-from allocator.units import boundary_bytes
+from allocator.evaluate.units import boundary_bytes
 
 MEASURED = ("cpu_memory", "cpu_flops", "cpu_op_latency", "cpu_pointwise", "cpu_strided", "disk_read", "disk_read_warm",
             "offload_tensor_latency", "disk_tensor_latency")

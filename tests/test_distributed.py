@@ -1,4 +1,4 @@
-"""allocator.distributed: the exact partitioner against brute force, block classes and pipeline splits on real
+"""allocator.parallel: the exact partitioner against brute force, block classes and pipeline splits on real
 architectures (meta-device zoo), and two real processes over gloo on CPU: FSDP2 (apply_fully_shard) and FSDP1
 (fsdp_wrap_policy) training steps equal to one process bit for bit, and a 2-stage GPipe pipeline built from
 pipeline_split_spec giving the logits of one process bit for bit."""
@@ -19,13 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from allocator import zoo
-from allocator.distributed import (
-    _shard_order, block_classes, contiguous_min_max, fsdp_wrap_policy, pipeline_split_spec,
-)
+from allocator.model import zoo
+from allocator.parallel import _shard_order, block_classes, contiguous_min_max, fsdp_wrap_policy, pipeline_split_spec
 from allocator.errors import InfeasiblePlacement, InvalidBudget, InvalidModel, InvalidOption
-from allocator.graph import build_graph
-from allocator.introspect import find_layers, infer_blocks
+from allocator.model import build_graph
+from allocator.model.blocks import find_layers, infer_blocks
 
 
 @functools.cache
@@ -270,7 +268,7 @@ def _sgd_step(model, ids):
 def _check_fully_shard(rank):
     from torch.distributed.fsdp import FSDPModule
 
-    from allocator.distributed import apply_fully_shard
+    from allocator.parallel import apply_fully_shard
 
     reference = _tiny_llama(seed=0)
     model = copy.deepcopy(reference)
@@ -354,7 +352,7 @@ def _run_ranks(out):
     # the ranks fork from a server that imported these once, instead of each importing torch and transformers
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["torch", "torch._dynamo", "torch.export", "torch.distributed.fsdp", "torch.distributed.pipelining",
-         "transformers.models.llama.modeling_llama", "allocator.distributed", _worker.__module__])
+         "transformers.models.llama.modeling_llama", "allocator.parallel", _worker.__module__])
     context = mp.start_processes(_worker, args=(str(out / "store"), str(out)), nprocs=_WORLD, join=False,
                                  start_method="forkserver")
     deadline = time.monotonic() + _TIMEOUT_S

@@ -9,7 +9,7 @@ each model the tests check, against the real runtime:
   budget, and keeps more bytes in RAM or reads fewer tensors (accelerate opens the checkpoint for each);
 - the RAM the loaded model really holds is what the memory model predicts, and the largest amount of offloaded
   weight materialised at once during a forward (measured by wrapping the hooks) fits in the plan's streaming
-  reserve ``Plan.streamed`` — and for transformers' map, in what :func:`allocator.validate.check` predicts.
+  reserve ``Plan.streamed`` — and for transformers' map, in what :func:`allocator.evaluate.validate.check` predicts.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 accelerate_hooks = pytest.importorskip("accelerate.hooks")
 
 import allocator  # noqa: E402
-from allocator.runtime import tensor_devices  # noqa: E402
-from allocator.validate import check  # noqa: E402
+from allocator.evaluate.memory import tensor_devices  # noqa: E402
+from allocator.evaluate.validate import check  # noqa: E402
 from benchutil import ram_held  # noqa: E402
 from models import SavedModel, StreamMeter, tiny_specs  # noqa: E402
 

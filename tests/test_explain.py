@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import allocator
-from allocator.validate import check, format_bytes
+from allocator.evaluate.validate import check, format_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,7 +146,7 @@ def test_explain_stays_bounded_for_a_model_with_many_modules():
 def test_an_accelerator_too_small_for_generate_names_it_and_a_budget_that_works():
     """With a generation budget the main device also holds generate's activations and scores: the smallest budget
     the note states is above the budget given, and does make the accelerator the main device."""
-    from allocator.api import _with_budget, main_minimum
+    from allocator.report.minimum import main_minimum, with_budget as _with_budget
     from allocator.strategies.contract import contract_main
 
     model = llama(vocab=1000)

@@ -1,4 +1,4 @@
-"""FLOPs counted on the meta device (allocator.flops), charged to units, and the cost model that reads them."""
+"""FLOPs counted on the meta device (allocator.model.flops), charged to units, and the cost model that reads them."""
 
 import json
 import logging
@@ -10,10 +10,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import allocator
 from allocator import InvalidOption, PlanOptions, Profile, build_problem, estimate
-from allocator.cost import tensor_seconds
-from allocator.flops import count_flops, default_inputs, node_flops
-from allocator.graph import build_graph
-from allocator.units import tensor_flops, unit_flops, units
+from allocator.evaluate.cost import tensor_seconds
+from allocator.model.flops import count_flops, default_inputs, node_flops
+from allocator.model import build_graph
+from allocator.evaluate.units import tensor_flops, unit_flops, units
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 import allocator  # noqa: E402
 from allocator import GenerationBudget, InvalidOption  # noqa: E402
-from allocator.units import groups  # noqa: E402
-from allocator.validate import check, peak_parts  # noqa: E402
+from allocator.evaluate.units import groups  # noqa: E402
+from allocator.evaluate.validate import check, peak_parts  # noqa: E402
 
 # where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
 strict_plan = functools.partial(allocator.plan, strict=True)

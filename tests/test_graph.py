@@ -4,7 +4,7 @@ from torch import nn
 
 import allocator
 from allocator.errors import InvalidModel, InvalidOption
-from allocator.graph import build_graph, no_split_classes
+from allocator.model import build_graph, no_split_classes
 
 
 class Block(nn.Module):
@@ -111,7 +111,7 @@ def test_records_read_as_attributes_and_stay_immutable():
     import gc
     import pickle
 
-    from allocator.graph import ModuleNode, TensorNode
+    from allocator.model import ModuleNode, TensorNode
 
     g = build_graph(Outer())
     t = g.tensors[g.tensor_index["tower.blocks.0.mask"]]
@@ -222,8 +222,8 @@ def test_sizes_beyond_int64_from_a_size_fn():
     huge = 2**70  # a size_fn may say anything; the columns fall back to Python integers
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     g = build_graph(model, size_fn=lambda name, t: huge if name == "1.weight" else None)
-    from allocator.runs import columns
-    from allocator.validate import check
+    from allocator.evaluate.runs import columns
+    from allocator.evaluate.validate import check
 
     cols = columns(g)
     assert g.total == huge + 32 and cols.sum_counted[-1] == g.total  # 24 B + 8 B of bias besides
@@ -251,7 +251,7 @@ def test_a_large_graph_keeps_no_object_per_module():
 def test_tensor_index_of_a_module_with_many_tensors_is_not_quadratic():
     import time
 
-    from allocator.graph.model import _SCAN
+    from allocator.model.graph import _SCAN
 
     n = 20_000
     model = nn.Module()

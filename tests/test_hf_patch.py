@@ -1,4 +1,5 @@
-"""``allocator.hf.patch``: transformers' and accelerate's string device maps planned by the planner, end to end.
+"""``allocator.integrations.transformers.patch``: transformers' and accelerate's string device maps planned by the
+planner, end to end.
 
 Five small random models (llama, GPT-2 with tied embeddings, T5, ViT, Segformer) are saved to disk once per module
 and loaded on this CPU machine with half of their size as the RAM budget (CPU main device, the rest on disk). Under
@@ -24,8 +25,8 @@ import transformers.modeling_utils as modeling_utils  # noqa: E402
 from accelerate.utils import get_max_memory as accelerate_get_max_memory  # noqa: E402
 
 import allocator  # noqa: E402
-import allocator.hf as hf  # noqa: E402
-from allocator.runtime import device_of  # noqa: E402
+import allocator.integrations.transformers as hf
+from allocator.evaluate.memory import device_of  # noqa: E402
 from models import DTYPE, SEED, SavedModel, tiny_specs  # noqa: E402
 
 BUDGET_SHARE = 0.5

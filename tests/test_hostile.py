@@ -134,7 +134,7 @@ def test_ties_across_a_no_split_boundary_stay_together(model):
         for strategy in ("auto", "backfill", "reserve", "ilp"):
             plan = planned_unchanged(model, budget, strategy=strategy)
             assert plan.valid, plan.violations
-            devices = {k: allocator.runtime.device_of(k, plan.device_map)
+            devices = {k: allocator.evaluate.memory.device_of(k, plan.device_map)
                        for k in ("blocks.0.fc.weight", "blocks.2.fc.weight")}
             assert len(set(devices.values())) == 1
 

@@ -1,4 +1,4 @@
-"""allocator.introspect: no-split classes, inferred blocks, stacks and unwrapping, on real architectures
+"""allocator.model.blocks: no-split classes, inferred blocks, stacks and unwrapping, on real architectures
 (meta-device zoo) and on custom modules for the edge cases."""
 
 import functools
@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from allocator import graph, zoo
+from allocator import model as graph
+from allocator.model import zoo
 from allocator.errors import InvalidModel
-from allocator.introspect import find_layers, infer_blocks, no_split_classes, unwrap
+from allocator.model.blocks import find_layers, infer_blocks, no_split_classes, unwrap
 
 
 @functools.cache
@@ -469,7 +470,7 @@ def test_unwrap_fsdp_flat_param_warns(caplog):
                 module.get_submodule(name.rpartition(".")[0])._parameters.pop(name.rpartition(".")[2])
             module._flat_param = nn.Parameter(flat)
 
-    with caplog.at_level(logging.WARNING, logger="allocator.introspect"):
+    with caplog.at_level(logging.WARNING, logger="allocator.model.blocks"):
         unwrap(FullyShardedDataParallel(Block()))
     assert "use_orig_params=True" in caplog.text
 
@@ -582,7 +583,7 @@ def test_unwrap_real_peft():
 
 def test_unwrap_peft_prompt_owned_parameters_warn(caplog):
     net = Net()
-    with caplog.at_level(logging.WARNING, logger="allocator.introspect"):
+    with caplog.at_level(logging.WARNING, logger="allocator.model.blocks"):
         assert unwrap(PeftModel(net, prompt=True)) is net
     assert "prompt_encoder.weight" in caplog.text
 

@@ -5,7 +5,7 @@ declare no ``_no_split_modules`` of their own. Each is built small (float32, see
 and planned on its meta twin with half of its size as the RAM budget (CPU main device, the rest on disk). The tests
 check against the real runtime (transformers' ``from_pretrained`` with the planned map, accelerate's hooks) that:
 
-- the plan's no-split set is the inferred blocks (:func:`allocator.introspect.infer_blocks`);
+- the plan's no-split set is the inferred blocks (:func:`allocator.model.blocks.infer_blocks`);
 - no block is split: no device-map key lies strictly inside a block, and :func:`allocator.validate` with the
   blocks as no-split classes finds nothing;
 - the plan uses RAM and disk and sends at least one inferred block to disk whole;
@@ -21,7 +21,7 @@ Expected failures (``xfail(strict=True)``) record what the runtime does not supp
 tensor-level disk keys (one tensor of a module on disk). Each reason names the plans that produce such maps.
 
 scipy (used only by Mask2Former's training loss), timm and torchvision are not needed: the loss is built with
-:func:`allocator.zoo._no_scipy_check`, as the zoo does.
+:func:`allocator.model.zoo._no_scipy_check`, as the zoo does.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import allocator  # noqa: E402
-from allocator.introspect import find_layers, infer_blocks, no_split_classes  # noqa: E402
-from allocator.runtime import device_of, tensor_devices  # noqa: E402
-from allocator.zoo import _no_scipy_check  # noqa: E402
+from allocator.model.blocks import find_layers, infer_blocks, no_split_classes  # noqa: E402
+from allocator.evaluate.memory import device_of, tensor_devices  # noqa: E402
+from allocator.model.zoo import _no_scipy_check  # noqa: E402
 
 SEED = 0
 BUDGET_SHARE = 0.5

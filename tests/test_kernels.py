@@ -1,4 +1,5 @@
-"""Each kernel of :mod:`allocator.kernels` against its plain-Python reference, on random inputs: int64 edge values,
+"""Each kernel of :mod:`allocator.evaluate.kernels` against its plain-Python reference, on random inputs: int64 edge
+values,
 rooms without limit, empty inputs. The references themselves are checked against the rules elsewhere
 (tests/test_runs.py, tests/test_units.py)."""
 
@@ -10,12 +11,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator import kernels
+from allocator.evaluate import kernels
 from allocator.problem import build_problem
-from allocator.runs import columns, key_orders
+from allocator.evaluate.runs import columns, key_orders
 from allocator.strategies.first_fit import Streams
 from allocator.strategies.room import Room
-from allocator.units import groups
+from allocator.evaluate.units import groups
 from trees import module_trees
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -28,7 +28,7 @@ class Import:
     """One import of a module of the package, as written in ``source`` at ``line``."""
 
     source: str  # the importing module, e.g. "allocator.strategies.ilp"
-    target: str  # the imported module, e.g. "allocator.runtime"
+    target: str  # the imported module, e.g. "allocator.evaluate.memory"
     names: tuple[str, ...]  # the names taken from it ("from target import names"); empty for "import target"
     line: int
     in_function: bool
@@ -218,7 +218,7 @@ def test_the_reader_finds_the_package():
     modules = module_names()
     assert {"allocator", "allocator.api", "allocator.strategies", "allocator.strategies.sequential"} <= set(modules)
     edges = imports(modules)
-    assert any(e.source == "allocator.strategies.ilp" and e.target == "allocator.runtime" for e in edges)
+    assert any(e.source == "allocator.strategies.ilp" and e.target == "allocator.evaluate.memory" for e in edges)
     assert any(e.source == "allocator" and e.target == "allocator.api" for e in edges)
 
 
@@ -268,12 +268,12 @@ def test_the_private_name_rule_finds_each_form():
         return Import(source, target, names, 1, False, False)
 
     found = private_imports([
-        edge("allocator.api", "allocator.validate", "check", "_fmt"),        # a private name
+        edge("allocator.api", "allocator.evaluate.validate", "check", "_fmt"),        # a private name
         edge("allocator.api", "allocator.strategies._fill", "fill"),         # a private module, from outside
         edge("allocator.strategies.backfill", "allocator.strategies._fill", "fill"),   # from inside: allowed
-        edge("allocator.api", "allocator.validate", "__all__"),              # a dunder is no private name
+        edge("allocator.api", "allocator.evaluate.validate", "__all__"),              # a dunder is no private name
     ])
-    assert found == ["allocator.api:1 takes _fmt from allocator.validate",
+    assert found == ["allocator.api:1 takes _fmt from allocator.evaluate.validate",
                      "allocator.api:1 imports the private module allocator.strategies._fill from outside "
                      "allocator.strategies"]
 
@@ -283,29 +283,39 @@ def test_no_private_name_from_another_module():
     assert not lines, "private names used across modules (make them public and documented):\n" + "\n".join(lines)
 
 
-#: The layers of the package, bottom first; README's "Layout" draws the same table. A module imports only from its
-#: own layer or the ones below (and, within a layer, without a cycle: the test above).
+#: The layers of the package, bottom first, read from the folders: a subpackage is a layer's member with every module
+#: in it; a module at the package top is named by itself. docs/architecture.md draws the same table. A module imports
+#: only from its own layer or the ones below (and, within a layer, without a cycle: the test above).
 LAYERS: dict[str, tuple[str, ...]] = {
-    "foundation": ("errors", "gc_pause", "memo", "logs", "budgets", "rules", "placement", "partition",
-                   "cost_profile"),
-    "graph": ("graph.table", "graph.model", "graph.sizes", "graph.ties", "introspect", "graph.no_split", "graph.read",
-              "graph"),
-    "problem": ("generation", "flops", "problem"),
-    "evaluation": ("kernels", "runs", "runtime", "units", "cost", "validate"),
-    "strategies": ("strategies.room", "strategies.first_fit", "strategies.sequential", "strategies.contract",
-                   "strategies.ranking", "strategies.backfill", "strategies.reserve", "strategies.balanced",
-                   "strategies.ilp", "strategies.auto", "strategies", "kit"),
-    "composition": ("explain", "api", "offload", "hf", ""),
-    "adapters": ("zoo", "checkpoint", "quantization", "distributed", "cli", "__main__"),
+    "foundation": ("errors", "gc_pause", "memo", "logs", "budgets", "placement", "profile", "rules/"),
+    "model": ("model/",),
+    "problem": ("problem",),
+    "evaluate": ("evaluate/",),
+    "strategies": ("strategies/",),
+    "report": ("report/",),
+    "composition": ("api", "offload/", "integrations/", ""),
+    "adapters": ("parallel/", "cli/", "__main__"),
 }
+
+#: At most this many modules at the package top (``__init__`` and ``__main__`` included), and none longer than
+#: ``MAX_LINES``: the folders, not one flat list, show the architecture.
+MAX_TOP = 12
+MAX_LINES = 500
 
 
 def layer_of(modules: dict[str, Path]) -> dict[str, int]:
-    """The layer index of every module named in :data:`LAYERS` (``""`` is the package itself)."""
+    """The layer index of every module: a top module by its name, the modules of a subpackage by the folder
+    (``""`` is the package itself)."""
     found = {}
     for index, names in enumerate(LAYERS.values()):
         for name in names:
-            found[f"{PACKAGE}.{name}" if name else PACKAGE] = index
+            if name.endswith("/"):
+                prefix = f"{PACKAGE}.{name[:-1]}"
+                for module in modules:
+                    if module == prefix or module.startswith(prefix + "."):
+                        found[module] = index
+            else:
+                found[f"{PACKAGE}.{name}" if name else PACKAGE] = index
     return found
 
 
@@ -314,8 +324,11 @@ def test_every_module_sits_in_one_layer():
     named = [name for names in LAYERS.values() for name in names]
     assert len(named) == len(set(named)), "a module is named in two layers"
     missing = sorted(set(modules) - set(layer_of(modules)))
-    assert not missing, f"modules in no layer of tests/test_layout.py's LAYERS (and README's Layout): {missing}"
+    assert not missing, f"modules in no layer of tests/test_layout.py's LAYERS (and docs/architecture.md): {missing}"
     assert not sorted(set(layer_of(modules)) - set(modules)), "LAYERS names a module that does not exist"
+    folders = {name[:-1] for names in LAYERS.values() for name in names if name.endswith("/")}
+    assert folders == {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}, \
+        "every subpackage of allocator is a member of one layer"
 
 
 def test_imports_go_down_the_layers():
@@ -325,3 +338,11 @@ def test_imports_go_down_the_layers():
     assert not upward, "imports from a higher layer (move the shared rule down, or the importer up):\n" + "\n".join(
         f"  {e.source} ({names[layer[e.source]]}) imports {e.target} ({names[layer[e.target]]}) at line {e.line}"
         for e in upward)
+
+
+def test_few_modules_at_the_top_and_none_too_long():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= MAX_TOP, f"{len(top)} modules at the package top (at most {MAX_TOP}): {top}"
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"

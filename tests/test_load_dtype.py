@@ -11,8 +11,9 @@ import sys
 import pytest
 
 import allocator
-from allocator import cli, zoo
-from allocator.checkpoint import load_dtype, safetensors_dtypes
+from allocator import cli
+from allocator.model import zoo
+from allocator.model.checkpoint import load_dtype, safetensors_dtypes
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -55,7 +56,7 @@ def transformers_dtype(path):
     if get is None:
         pytest.skip("this transformers has no modeling_utils._get_dtype")
     config = transformers.AutoConfig.from_pretrained(path)
-    files, metadata = allocator.checkpoint.weights_files(str(path))
+    files, metadata = allocator.model.checkpoint.weights_files(str(path))
     sharded = None
     if files and (path / "model.safetensors.index.json").exists():
         sharded = {**metadata}
@@ -141,7 +142,7 @@ def test_cli_plans_a_builtin_example_in_its_published_dtype():
 def test_modules_kept_in_float32_are_those_from_pretrained_keeps(tmp_path):
     """T5 keeps ``wo`` in float32 when loaded in float16 (``_keep_in_fp32_modules``), not in bfloat16: a real
     ``from_pretrained`` of a tiny T5 agrees with :func:`kept_in_float32` tensor for tensor."""
-    from allocator.checkpoint import kept_in_float32
+    from allocator.model.checkpoint import kept_in_float32
 
     config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
     transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")

@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import allocator  # noqa: E402
-from allocator.rules import accelerate_at_least  # noqa: E402
-from allocator.validate import check  # noqa: E402
+from allocator.rules.versions import accelerate_at_least  # noqa: E402
+from allocator.evaluate.validate import check  # noqa: E402
 from models import DTYPE, SEED, SavedModel, StreamMeter, tiny_specs  # noqa: E402
 
 LLAMA_REST = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu"}
@@ -189,7 +189,7 @@ def test_first_fit_steers_buffers_off_disk_on_accelerates_path(strategy, monkeyp
     """On accelerate 1.15's path (offload_buffers=False) the blocks' BatchNorm statistics would never be read from disk:
     the first fit keeps those blocks in RAM and sends the Linears to disk, where filtering its model-order fills found
     no plan at this budget. The rules are those of accelerate 1.15 whatever is installed (1.16 reads such buffers)."""
-    monkeypatch.setattr(allocator.rules, "ACCELERATE", (1, 15, 0))
+    monkeypatch.setattr(allocator.rules.versions, "ACCELERATE", (1, 15, 0))
     with torch.device("meta"):
         model = _Net()
     total = allocator.build_problem(model, {"cpu": 10**9}).graph.total

@@ -308,7 +308,7 @@ def test_plan_options_runtime_and_prefetch_are_checked(cases):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_prefetch_reserve_in_every_strategys_plan(cases, name):
-    from allocator.validate import check
+    from allocator.evaluate.validate import check
 
     case = cases[name]
     budgets = {"cpu": int(0.7 * case.total)}
@@ -338,7 +338,7 @@ def test_prefetch_reserve_in_every_strategys_plan(cases, name):
 
 
 def test_prefetch_reserve_is_the_largest_modules_whatever_the_order():
-    from allocator.runtime import map_runs, offloaded_devices, prefetch_reserve
+    from allocator.evaluate.memory import map_runs, offloaded_devices, prefetch_reserve
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 64), torch.nn.Linear(64, 4),
                                 torch.nn.Linear(4, 32))
@@ -356,7 +356,7 @@ def test_prefetch_reserve_is_the_largest_modules_whatever_the_order():
 # -- patch(runtime="allocator") and dispatch() ----------------------------------------------------------------------
 
 def test_patch_runtime_allocator_runs_our_hooks_after_from_pretrained(cases, tmp_path):
-    from allocator import hf
+    from allocator.integrations import transformers as hf
 
     case = cases["llama"]
     budgets = {"cpu": int(0.7 * case.total)}
@@ -406,7 +406,7 @@ def test_host_read_ahead_asks_the_kernel_for_the_next_module(cases, tmp_path):
 @pytest.mark.parametrize("name", ("llama", "t5", "segformer"))
 def test_every_strategy_keeps_the_prefetch_reserve_with_accelerators(cases, name):
     """Two GPUs and RAM: every strategy's plan for the allocator runtime validates with its prefetch counted."""
-    from allocator.validate import check
+    from allocator.evaluate.validate import check
 
     case = cases[name]
     rng = random.Random(name)

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import allocator
-from allocator import kernels
+from allocator.evaluate import kernels
 from allocator.errors import UnsupportedByAccelerate
-from allocator.runtime import main_device
-from allocator.validate import check
+from allocator.evaluate.memory import main_device
+from allocator.evaluate.validate import check
 from parity import both
 from trees import budgets, module_trees
 

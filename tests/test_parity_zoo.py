@@ -3,8 +3,8 @@
 import pytest
 
 import allocator
-from allocator import zoo
-from allocator.validate import check
+from allocator.model import zoo
+from allocator.evaluate.validate import check
 from parity import both
 from zoo_scenarios import SCENARIOS, budget
 

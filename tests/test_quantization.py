@@ -13,7 +13,7 @@ import pytest
 
 import allocator
 from allocator import cli
-from allocator.quantization import quantized_sizes
+from allocator.model.quantization import quantized_sizes
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -197,7 +197,7 @@ def test_int4_is_half_a_byte_per_weight():
     done = subprocess.run([sys.executable, "-m", "allocator", "plan", "llama-3.2-1b", "--dtype", "int4",
                            "--max-memory", "0=1GiB,cpu=8GiB"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    from allocator import zoo
+    from allocator.model import zoo
 
     int8 = allocator.build_problem(zoo.build("llama-3.2-1b"), {"cpu": 0}, dtype="int8").graph.total
     assert done.stdout.splitlines()[1] == f"LlamaForCausalLM: {cli._size(math.ceil(int8 / 2))} in int4"

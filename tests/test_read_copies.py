@@ -3,13 +3,16 @@
 A float32 llama (16 MiB per decoder layer, its largest tensor 4 MiB) is saved, and two of its layers are mapped to
 disk (CPU main). Each load runs in its own process with malloc's mmap threshold at 64 KiB, so that memory freed by
 a hook goes back to the system and the peak RSS of a forward shows what the hooks hold at once. The streamed peak
-(``VmHWM`` after ``clear_refs`` minus the RSS before the forward) must fit what ``allocator.validate.check`` predicts
-for the map (:attr:`allocator.runtime.Memory.streamed`), and the outputs equal those of the model loaded in RAM at
+(``VmHWM`` after ``clear_refs`` minus the RSS before the forward) must fit what ``allocator.evaluate.validate.check``
+predicts
+for the map (:attr:`allocator.evaluate.memory.Memory.streamed`), and the outputs equal those of the model loaded in RAM
+at
 the same dtype:
 
 - at ``dtype=float32`` both paths hold the largest tensor as stored (4 MiB);
 - at ``dtype=float16`` the hook reads the float32 tensor and casts it: the float16 copy and the float32 one live
-  together (:func:`allocator.rules.read_copy`), 6 MiB, which a rule counting float16 bytes alone (2 MiB) misses;
+  together (:func:`allocator.rules.dispatch.read_copy`), 6 MiB, which a rule counting float16 bytes alone (2 MiB)
+  misses;
 - on accelerate's path the ``.dat`` file is memory-mapped while it is copied: its pages (page cache, reclaimable, as
   for every disk weight not budgeted) add the stored tensor once more to the RSS.
 
@@ -31,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import allocator  # noqa: E402
-from allocator.validate import check  # noqa: E402
+from allocator.evaluate.validate import check  # noqa: E402
 
 MiB = 2**20
 DEVICE_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",

@@ -1,4 +1,4 @@
-"""Maps evaluated run by run (allocator.runs) equal the same rules applied tensor by tensor.
+"""Maps evaluated run by run (allocator.evaluate.runs) equal the same rules applied tensor by tensor.
 
 The reference below is the plain reading of the runtime rules: every tensor's device by longest prefix, memory and
 cost summed tensor by tensor, the streamed chain over every node. Random trees, random maps (nested keys, tensor
@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import allocator
-from allocator.cost import change_seconds, estimate, tensor_seconds
+from allocator.evaluate.cost import change_seconds, estimate, tensor_seconds
 from allocator.budgets import is_accelerator
 from allocator.problem import build_problem
-from allocator import kernels
-from allocator.runs import Run, columns, runs
-from allocator.runtime import device_of, main_device, moves_with_weights, offloaded_devices, tensor_devices
-from allocator.validate import check
+from allocator.evaluate import kernels
+from allocator.evaluate.runs import Run, columns, runs
+from allocator.evaluate.memory import device_of, main_device, moves_with_weights, offloaded_devices, tensor_devices
+from allocator.evaluate.validate import check
 from trees import module_trees
 
 DEVICES = [0, 1, "cpu", "disk"]
@@ -143,7 +143,7 @@ def _runs_equal_the_rules(data):
     no_split = [v for v in violations if v.kind == "no-split"]
     assert [v.message.split(" (")[0] for v in no_split] == [n or "<root>" for n in reference_no_split(problem, devices)]
     coverage = [v for v in violations if v.kind == "coverage"]
-    # only parameters and persistent buffers must have a device (allocator.rules.must_cover)
+    # only parameters and persistent buffers must have a device (allocator.rules.dispatch.must_cover)
     uncovered = sum(d is None and (t.is_param or t.persistent) for t, d in zip(problem.graph.tensors, devices))
     assert bool(coverage) == bool(uncovered)
     if coverage:

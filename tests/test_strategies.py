@@ -11,14 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import allocator
-from allocator import zoo
-from allocator.cost import estimate
+from allocator.model import zoo
+from allocator.evaluate.cost import estimate
 from allocator.placement import clean_device_map
-from allocator.rules import loads_disk_only, nested_keys
-from allocator.validate import check
+from allocator.rules.loaders import loads_disk_only
+from allocator.rules.dispatch import nested_keys
+from allocator.evaluate.validate import check
 from trees import budgets, module_trees
 
-from kit_strategy import decreasing   # examples/kit_strategy.py: a strategy built from allocator.kit alone
+from kit_strategy import decreasing   # examples/kit_strategy.py: a strategy built from allocator.strategies.kit alone
 
 GRID = {
     "gpu15": {0: .15, "cpu": 2}, "gpu30": {0: .30, "cpu": 2}, "gpu50": {0: .50, "cpu": 2},
@@ -208,13 +209,13 @@ def _plan_random_tree_for_accelerate(strategy, release, data):
 
 @contextlib.contextmanager
 def accelerate_release(release):
-    """The loader rules of accelerate ``release`` (:data:`allocator.rules.ACCELERATE`) inside the block."""
-    installed = allocator.rules.ACCELERATE
-    allocator.rules.ACCELERATE = release
+    """The loader rules of accelerate ``release`` (:data:`allocator.rules.versions.ACCELERATE`) inside the block."""
+    installed = allocator.rules.versions.ACCELERATE
+    allocator.rules.versions.ACCELERATE = release
     try:
         yield
     finally:
-        allocator.rules.ACCELERATE = installed
+        allocator.rules.versions.ACCELERATE = installed
 
 
 def test_minimum_ram_where_auto_is_not_monotone_in_the_budget():

@@ -1,11 +1,13 @@
 """Units and groups stored as columns, and the first fit over them, against plain references.
 
-- :func:`allocator.units.units` against a preorder walk written from the definition (stop at every node that is not
+- :func:`allocator.evaluate.units.units` against a preorder walk written from the definition (stop at every node that
+is not
   split, take the direct tensors of every node that is), sizes summed tensor by tensor;
-- :func:`allocator.units.groups` against connected components of the tie groups;
-- :class:`allocator.strategies.first_fit.Streams` against :func:`allocator.runtime.streamed_chain` of the unit map;
+- :func:`allocator.evaluate.units.groups` against connected components of the tie groups;
+- :class:`allocator.strategies.first_fit.Streams` against :func:`allocator.evaluate.memory.streamed_chain` of the unit
+map;
 - the runs and price of a fill's answer (:class:`allocator.strategies.first_fit.Filled`) against those of its map;
-- the first fit's stretches (:func:`allocator.kernels.fit_stretch`) against the same fit one group at a time
+- the first fit's stretches (:func:`allocator.evaluate.kernels.fit_stretch`) against the same fit one group at a time
   (:meth:`allocator.strategies.room.Room.seat`).
 """
 
@@ -22,16 +24,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator.cost import estimate, estimate_runs
+from allocator.evaluate.cost import estimate, estimate_runs
 from allocator.placement import clean_device_map
 from allocator.problem import build_problem
-from allocator.runs import runs
-from allocator.runtime import map_runs, moves_with_weights, offloaded_devices, streamed_chain
-from allocator import kernels
+from allocator.evaluate.runs import runs
+from allocator.evaluate.memory import map_runs, moves_with_weights, offloaded_devices, streamed_chain
+from allocator.evaluate import kernels
 from allocator.strategies.first_fit import Filled, Streams, _seat_all, fill, unit_map
 from allocator.strategies.room import Room
 from allocator.strategies.contract import main_candidates
-from allocator.units import Group, Groups, Unit, Units, groups, units
+from allocator.evaluate.units import Group, Groups, Unit, Units, groups, units
 from trees import module_trees
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

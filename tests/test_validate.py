@@ -4,7 +4,7 @@ from torch import nn
 
 import allocator
 from allocator.errors import InvalidDeviceMap
-from allocator.validate import check
+from allocator.evaluate.validate import check
 
 
 class Attn(nn.Module):

@@ -20,7 +20,7 @@ import logging
 
 from ..placement import Placement
 from ..problem import Problem
-from ..units import problem_groups
+from ..evaluate.units import problem_groups
 from . import backfill, ilp, reserve
 from .contract import accelerate_placement
 from .ranking import Tried, best_valid, infeasible

@@ -7,7 +7,8 @@ together can spill to RAM (huggingface/transformers#46823, accelerate#1888). Her
 
 What is balanced
 ----------------
-The tie groups of :func:`allocator.units.groups`, in model order (a group sits at its first unit), are cut into one
+The tie groups of :func:`allocator.evaluate.units.groups`, in model order (a group sits at its first unit), are cut
+into one
 contiguous run per accelerator, in the budgets' order. A tied head that is defined last but tied to the embeddings
 travels with the embeddings' group: "contiguous" is over groups, so the partition is contiguous in model order except
 for units pulled by a tie. The objective is the largest *fill*, ``peak / budget``, over the accelerators, and it is
@@ -31,7 +32,8 @@ largest fill does not constrain are not left uneven (the largest fill never rise
 run is the shortest prefix with which the rest of the model fits the other accelerators, which are then balanced as
 above. When the others hold the whole model it gets nothing.
 
-Peaks are the validator's (:func:`allocator.validate.check`): with everything on accelerators, a device's peak is the
+Peaks are the validator's (:func:`allocator.evaluate.validate.check`): with everything on accelerators, a device's peak
+is the
 bytes resident there (with a generation budget, the groups' sizes include the KV cache of the layers they hold, and
 each device also keeps the activations' workspace, the first one the next-token scores too). When the accelerators
 together cannot hold the model, the plan with the most bytes resident is
@@ -45,7 +47,7 @@ Notes
 -----
 O(n · g · (log B + log g)) for ``n`` accelerators, ``g`` groups and ``B`` the largest budget,
 plus ``reserve`` when something must be offloaded. Deterministic. Every result passes
-:func:`allocator.validate.check`; when no plan fits, :class:`allocator.InfeasiblePlacement` (from ``reserve``).
+:func:`allocator.evaluate.validate.check`; when no plan fits, :class:`allocator.InfeasiblePlacement` (from ``reserve``).
 
 Examples
 --------
@@ -66,13 +68,13 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from ..budgets import Device
-from ..partition import least_feasible, parts, prefix_sums, reachable, split
+from .partition import least_feasible, parts, prefix_sums, reachable, split
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runtime import device_of, main_device, workspace
-from ..units import Group, problem_groups
+from ..evaluate.memory import device_of, main_device, workspace
+from ..evaluate.units import Group, problem_groups
 from ..budgets import format_bytes
-from ..validate import check
+from ..evaluate.validate import check
 from . import reserve
 from .contract import contract_main
 

@@ -40,10 +40,10 @@ from ..budgets import Device, is_accelerator
 from ..errors import AllocatorError
 from ..placement import clean_device_map
 from ..problem import Problem
-from ..runs import Run, columns
-from ..runtime import main_device, map_runs, streams_held
-from ..units import problem_groups
-from ..validate import Violation, check, format_bytes
+from ..evaluate.runs import Run, columns
+from ..evaluate.memory import main_device, map_runs, streams_held
+from ..evaluate.units import problem_groups
+from ..evaluate.validate import Violation, check, format_bytes
 from . import sequential
 from .first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
 

@@ -5,13 +5,13 @@ order goes to the first device with room: accelerators from ``M`` on (earlier on
 become main), then cpu, then disk. A group may be offloaded only if the weights its hooks materialise at once fit
 in ``R``; its buffers are charged to ``M``. Groups whose streamed chain exceeds ``R`` must stay resident, so they
 are seated first, as are lone tensors (accelerate cannot offload a tensor on its own) and, where disk is the only
-offload target, groups the loading path would not load right from disk (:func:`allocator.units.disk_loadable`;
+offload target, groups the loading path would not load right from disk (:func:`allocator.evaluate.units.disk_loadable`;
 with cpu as a target too they are only kept off disk). The rules are those of
 :class:`allocator.strategies.room.Room`, stated there once. The result is always re-checked by
-:func:`allocator.validate.check`.
+:func:`allocator.evaluate.validate.check`.
 
-The fill reads the group columns (:class:`allocator.units.Groups`) and answers with a device per group; long
-stretches of groups that go to one device are seated at once (:func:`allocator.kernels.fit_stretch`).
+The fill reads the group columns (:class:`allocator.evaluate.units.Groups`) and answers with a device per group; long
+stretches of groups that go to one device are seated at once (:func:`allocator.evaluate.kernels.fit_stretch`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import numpy as np
 
 from ..budgets import Device
 from ..problem import Problem
-from ..kernels import Stretches, fit_stretch, group_map, side_by_side, stream_reserve, stretchable
-from ..runs import Run, as_array, columns
-from ..runtime import main_device, offloaded_devices
-from ..units import Groups, disk_loadable, problem_groups
+from ..evaluate.kernels import Stretches, fit_stretch, group_map, side_by_side, stream_reserve, stretchable
+from ..evaluate.runs import Run, as_array, columns
+from ..evaluate.memory import main_device, offloaded_devices
+from ..evaluate.units import Groups, disk_loadable, problem_groups
 from .room import Room
 
 __all__ = ["Filled", "Streams", "every_main", "fill", "fill_to_fixed_point", "full_reserve", "largest_stream",
@@ -86,8 +86,10 @@ def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray
     <allocator.strategies.room.Room.seat>`, or ``None`` when one fits nowhere (``disk_ok``: which may go to disk;
     all where ``None``).
 
-    Long stretches of groups that all go to one device are seated at once (:func:`allocator.kernels.fit_stretch`,
-    tried as :class:`allocator.kernels.Stretches` says): assuming the next groups go where the last one went, the
+    Long stretches of groups that all go to one device are seated at once
+    (:func:`allocator.evaluate.kernels.fit_stretch`,
+    tried as :class:`allocator.evaluate.kernels.Stretches` says): assuming the next groups go where the last one went,
+    the
     stretch ends at the first group that does not, which a single step then seats.
     """
     n = len(stay)
@@ -190,7 +192,7 @@ class Filled:
 
     @property
     def main(self) -> Device:
-        """The main device of the unit map (:func:`allocator.runtime.main_device` of its values)."""
+        """The main device of the unit map (:func:`allocator.evaluate.memory.main_device` of its values)."""
         return main_device(set(self.where))
 
     def device_map(self) -> dict:
@@ -198,10 +200,12 @@ class Filled:
         return unit_map(self.found, self.where, self.reserve)
 
     def runs(self) -> list[Run]:
-        """The runs of the unit map (equal to :func:`allocator.runtime.map_runs` of :meth:`device_map`), made once.
+        """The runs of the unit map (equal to :func:`allocator.evaluate.memory.map_runs` of :meth:`device_map`), made
+        once.
 
         Units partition the tensors and none holds another, so the runs are the units that hold tensors, in model
-        order, merged where neighbours share a device (:func:`allocator.kernels.side_by_side` of the units' tensor
+        order, merged where neighbours share a device (:func:`allocator.evaluate.kernels.side_by_side` of the units'
+        tensor
         ranges), made without the map.
         """
         if self._runs is None:
@@ -240,7 +244,8 @@ def full_reserve(problem: Problem) -> int:
 class Streams:
     """What the offloaded units of a fill stream at once on the main device, from the units alone.
 
-    Equal to :func:`allocator.runtime.streamed_chain` of the unit map, without building it: an offloaded module unit
+    Equal to :func:`allocator.evaluate.memory.streamed_chain` of the unit map, without building it: an offloaded module
+    unit
     adds its own chain below its (split) parent, an offloaded tensor unit adds its bytes to its module; chains are
     then folded up the split nodes, a level of the tree at a time.
     """

@@ -5,7 +5,8 @@ Model, for each device that could be main (``M``): one device per tie group; acc
 offloaded, which is the largest ``stream`` of an offloaded group (only whole-module units are ever offloaded, and a
 root-to-leaf chain crosses one unit at most), as a staircase of booleans — plus the buffers of offloaded groups; RAM
 holds cpu-offloaded weights; a disk budget holds disk weights when given. The objective is
-:func:`allocator.cost.estimate` in picoseconds, priced tensor by tensor with :func:`allocator.cost.tensor_seconds`
+:func:`allocator.evaluate.cost.estimate` in picoseconds, priced tensor by tensor with
+:func:`allocator.evaluate.cost.tensor_seconds`
 (reads, copies, per-tensor latencies) plus each change of executing device between consecutive units, so a plan's
 objective is its estimate up to rounding.
 
@@ -38,19 +39,21 @@ import logging
 from dataclasses import dataclass, replace
 
 from ..budgets import is_accelerator
-from ..cost import Profile, boundaries, change_seconds, estimate, tensor_seconds
+from ..evaluate.cost import Profile, boundaries, change_seconds, estimate, tensor_seconds
 from ..errors import AllocatorError
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..rules import loads_disk_only
-from ..runs import columns
-from ..runtime import device_of, main_device, map_runs, offloaded_devices, streams_held, workspace
-from ..units import Group, disk_loadable, problem_groups
-from ..validate import check
+from ..rules.loaders import loads_disk_only
+from ..evaluate.runs import columns
+from ..evaluate.memory import device_of, main_device, map_runs, offloaded_devices, streams_held, workspace
+from ..evaluate.units import Group, disk_loadable, problem_groups
+from ..evaluate.validate import check
 from . import backfill, reserve
 from .ranking import best_valid, infeasible
-from .contract import (accelerate_map, accelerate_placement, contract_violations, fast_bytes, fast_tier, floor,
-                       main_candidates, order_violations)
+from .contract import (
+    accelerate_map, accelerate_placement, contract_violations, fast_bytes, fast_tier, floor, main_candidates,
+    order_violations,
+)
 
 __all__ = ["place"]
 
@@ -156,7 +159,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
             for d in devices:
                 if d in targets:
                     model.Add(x[k, d] == 0)
-    for k in no_disk:   # what the loader would not load right from disk (allocator.rules.loads_from_disk)
+    for k in no_disk:   # what the loader would not load right from disk (allocator.rules.loaders.loads_from_disk)
         model.Add(x[k, "disk"] == 0)
     if "disk" in devices and found and not loads_disk_only(problem.options.loader):
         model.Add(sum(x[k, "disk"] for k in range(len(found))) <= len(found) - 1)

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..cost import Cost, estimate, estimate_runs
+from ..evaluate.cost import Cost, estimate, estimate_runs
 from ..errors import AllocatorError, InfeasiblePlacement
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..runtime import main_device
+from ..evaluate.memory import main_device
 from ..budgets import format_bytes
-from ..validate import check
+from ..evaluate.validate import check
 from .contract import accelerate_map, contract_main, contract_violations, fast_bytes, floor, order_violations
 
 __all__ = ["Best", "Tried", "score", "priced", "best_of", "best_valid", "infeasible", "keeping_contract"]
@@ -45,7 +45,8 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
 
     A candidate (:class:`allocator.strategies.first_fit.Filled`) gives its ``runs()``, its ``main`` device, its
     ``device_map()`` and a ``note``. Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED`
-    valid ones are priced with the cost model (:func:`allocator.cost.estimate_runs`, from their runs). Only the maps
+    valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only
+    the maps
     that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
     checked from the best price down and the first valid one wins (usually one map and one check); with more, each
     is checked on the way, in ranked order.

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from ..placement import Placement
 from ..problem import Problem
-from ..units import problem_groups
-from ..validate import format_bytes
+from ..evaluate.units import problem_groups
+from ..evaluate.validate import format_bytes
 from .first_fit import Filled, Streams, fill_to_fixed_point, reserve_sizes
 from .ranking import best_of
 from .contract import fill_memo, main_candidates

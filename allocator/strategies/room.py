@@ -2,7 +2,8 @@
 use, group by group.
 
 ``backfill`` and ``reserve`` (:mod:`allocator.strategies.first_fit`) seat every group with :meth:`Room.seat` — long
-stretches at once with :func:`allocator.kernels.fit_stretch`, its vectorised form, tested against it — and a new
+stretches at once with :func:`allocator.evaluate.kernels.fit_stretch`, its vectorised form, tested against it — and a
+new
 strategy can seat groups with it in any order it likes.
 """
 
@@ -12,9 +13,9 @@ import math
 
 from ..budgets import Device
 from ..problem import Problem
-from ..rules import offloaded_devices
-from ..runtime import streams_held, workspace
-from ..units import Groups
+from ..rules.dispatch import offloaded_devices
+from ..evaluate.memory import streams_held, workspace
+from ..evaluate.units import Groups
 
 __all__ = ["Room"]
 
@@ -29,7 +30,7 @@ class Room:
     sent there executes on the main device. ``charges[j]`` says whether an offloaded group's weights count on
     target ``j``: always on cpu, on disk only when disk has a budget.
 
-    The rules :meth:`seat` applies to a group (its bytes as in :class:`allocator.units.Group`):
+    The rules :meth:`seat` applies to a group (its bytes as in :class:`allocator.evaluate.units.Group`):
 
     - a device that executes (not a target) takes the group's whole ``size``;
     - a target takes its ``offload`` bytes (where it charges them), and its ``pinned`` bytes (buffers that stay,
@@ -37,7 +38,7 @@ class Room:
     - a group that *must stay* (:meth:`must_stay`: its streamed chain passes the reserve, or it holds a lone tensor,
       which accelerate's hooks cannot load) is never offloaded;
     - a group the loading path would not load right from disk (``disk_ok=False``:
-      :func:`allocator.units.disk_loadable`) is never sent to disk.
+      :func:`allocator.evaluate.units.disk_loadable`) is never sent to disk.
 
     :meth:`of` makes the room of a fill: the main device keeps the reserve free for streamed weights, every device
     that executes keeps its generation workspace, and the main device holds back (:meth:`hold`) the pinned bytes of
@@ -152,7 +153,7 @@ class Room:
         return -1
 
     def seat_group(self, group, low: int = 0, high: int | None = None, disk_ok: bool = True) -> int:
-        """:meth:`seat` of a :class:`allocator.units.Group` record (``disk_ok``: its entry of
-        :func:`allocator.units.disk_loadable`)."""
+        """:meth:`seat` of a :class:`allocator.evaluate.units.Group` record (``disk_ok``: its entry of
+        :func:`allocator.evaluate.units.disk_loadable`)."""
         stays = self.must_stay(group.stream, group.resident_only, self.reserve)
         return self.seat(group.size, group.offload, group.pinned, stays, low, high, disk_ok)

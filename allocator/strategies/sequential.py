@@ -12,7 +12,7 @@ Notes
 -----
 Complexity: O(n · r) for n entries and r recomputations of the largest layer (as accelerate), with the
 per-node largest layer memoised. Without tie groups, entries that fit one after another are taken a stretch at a
-time (:func:`allocator.kernels.in_a_row`: the same decisions, without a Python step per entry).
+time (:func:`allocator.evaluate.kernels.in_a_row`: the same decisions, without a Python step per entry).
 
 Deterministic for a given model in a given process; accelerate's tie-group order comes from a set of names, so with
 several tie groups it can depend on ``PYTHONHASHSEED`` — this strategy follows it (the builder records the groups in
@@ -28,12 +28,12 @@ from operator import itemgetter
 import numpy as np
 
 from ..errors import UnsupportedByAccelerate
-from ..kernels import Stretches, in_a_row, vectorised
+from ..evaluate.kernels import Stretches, in_a_row, vectorised
 from ..placement import Placement, clean_device_map
 from ..problem import Problem
-from ..rules import accelerate_at_least
-from ..runs import as_array, columns
-from ..validate import format_bytes
+from ..rules.versions import accelerate_at_least
+from ..evaluate.runs import as_array, columns
+from ..evaluate.validate import format_bytes
 
 __all__ = ["place"]
 
@@ -148,7 +148,8 @@ class _Tree:
         """How many of ``batch`` (the next queued entries) accelerate's loop would place one after another on the
         current device with ``room`` bytes left under its limit (``None``: no limit) and no tie groups, and their
         total size: it stops before the first that does not fit and before the one whose removal empties ``names``
-        (the largest layer is then recomputed); :func:`allocator.kernels.in_a_row`. ``(0, 0)`` where sizes are not
+        (the largest layer is then recomputed); :func:`allocator.evaluate.kernels.in_a_row`. ``(0, 0)`` where sizes are
+        not
         integers held exactly.
         """
         found = self._columns(batch)

@@ -1,0 +1,231 @@
+"""Cost model: what a placement costs per forward pass, in bytes moved and estimated seconds.
+
+Per forward, in model order, every unit reads its weights where it executes; an offloaded unit first pays the
+copy to the main device (host to device for ``cpu``; a disk read, then host to device, for ``disk``) and a fixed
+latency per tensor its hooks stream (more from disk: accelerate opens the checkpoint for each tensor; more to an
+accelerator: accelerate empties the CUDA cache for each); a change of executing device between consecutive units
+pays an activation transfer plus a fixed latency. The first-order effect: bytes kept resident on accelerators are
+bytes not copied at every forward.
+
+Where FLOPs were counted at the user's inputs (:mod:`allocator.model.flops`, ``PlanOptions.inputs``), the compute term
+is
+the counted FLOPs of each unit, plus the work of :data:`allocator.profile.COUNTED` at
+:func:`allocator.profile.counted_rates`: each op it dispatches a fixed cost on the executing device, the bytes
+its ops without a FLOP formula write memory traffic at the executing device's memory rate (functions per element,
+:data:`allocator.model.flops.POINTWISE`, at the CPU's ``cpu_pointwise``; interpolations across memory layouts at
+``cpu_strided``), and a change of device moves the output of the module before it
+(:func:`allocator.evaluate.units.boundary_bytes`) instead of the fixed ``Profile.activation_bytes``. Without a complete
+count: ``2 * tokens`` FLOP per parameter element, no op term, the fixed activation.
+
+Default bandwidths are named constants with their source in :mod:`allocator.profile`;
+:meth:`Profile.measure` measures this machine. :func:`read_rates` is that module's, re-exported here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..budgets import Device, is_accelerator, normalize_map
+from ..profile import COUNTED, Profile, counted_rates, flop_seconds, read_rates
+from ..model.flops import node_values
+from ..problem import Problem
+from .runs import FEMTO, Run, columns
+from .memory import main_device, map_runs, moves_with_weights, offloaded_devices
+from .units import boundary_bytes, tensor_flops
+
+__all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
+           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops", "counted_work",
+           "boundaries"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What a placement costs per forward pass."""
+
+    seconds: float          # estimated seconds per forward
+    streamed_bytes: int     # weights copied to the main device per forward
+    disk_bytes: int         # of which read from disk
+    device_changes: int     # changes of executing device along the model
+    resident_fast: int      # bytes resident on the fastest tier
+
+
+def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None,
+                 counted: tuple = ()) -> float:
+    """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
+    (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger;
+    plus the ``counted`` work (one amount per kind of :data:`allocator.profile.COUNTED`: ops, bytes written,
+    bytes of functions per element, bytes interpolated across memory layouts) at
+    :func:`allocator.profile.counted_rates`."""
+    per_byte, per_element = read_rates(profile, run_on)
+    compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
+    seconds = max(nbytes * per_byte, compute)
+    for amount, rate in zip(counted, counted_rates(profile, run_on)):
+        if amount:
+            seconds = seconds + amount * rate
+    return seconds
+
+
+def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, runtime: str = "accelerate") -> float:
+    """Seconds to stream ``offload`` bytes in ``tensors`` tensors from ``device`` to ``main`` at a forward: host to
+    device for ``cpu``; disk read, then host to device, for ``disk`` (only the disk read when the CPU is main); a
+    fixed latency per tensor. Linear in both.
+
+    With accelerate's hooks (``runtime="accelerate"``) the per-tensor latency is the hook's path
+    (``offload_tensor_latency`` to the CPU, ``accelerator_tensor_latency`` to an accelerator: an ``empty_cache`` per
+    tensor), plus ``disk_tensor_latency`` from disk (a ``safe_open`` per tensor). With :mod:`allocator.offload`
+    (``runtime="allocator"``) every file is mapped once, so there is no per-tensor open, and no cache is emptied:
+    ``offload_tensor_latency`` per tensor on any main device, an upper bound of its swap (not measured on its own)."""
+    seconds = 0.0
+    run_on = main if device in ("cpu", "disk") else device
+    ours = runtime == "allocator"
+    hook = profile.offload_tensor_latency if run_on == "cpu" or ours else profile.accelerator_tensor_latency
+    if device == "disk":
+        seconds += offload / profile.disk_read
+        seconds += tensors * (hook if ours else profile.disk_tensor_latency + hook)
+    if device in ("cpu", "disk") and run_on != "cpu" and not (device == "cpu" and main == "mps"):
+        seconds += offload / profile.host_to_device
+        if device == "cpu":
+            seconds += tensors * hook
+    return seconds
+
+
+def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
+                    tensors: int = 0, flops: float | None = None, counted: tuple = ()) -> float:
+    """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
+    :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
+    :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
+    """
+    run_on = main if device in ("cpu", "disk") else device
+    return (read_seconds(profile, run_on, nbytes, numel, flops, counted)
+            + copy_seconds(profile, main, device, offload, tensors, runtime=problem.options.runtime))
+
+
+def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
+    """Seconds one tensor of the graph costs per forward on ``device`` with ``main`` as the main device.
+
+    :func:`estimate` is the sum of this over the tensors plus the changes of executing device; ``ilp`` prices its
+    groups with it, so its objective is the estimate.
+    """
+    moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
+    numel = tensor.numel if tensor.is_param and tensor.counted else 0
+    counted, work = counted_flops(problem), counted_work(problem)
+    at = problem.graph.tensor_index[tensor.name]
+    flops = None if counted is None else float(counted[at])
+    return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
+                           int(moves), flops, tuple(float(v[at]) for v in work or ()))
+
+
+def counted_flops(problem: Problem):
+    """The counted FLOPs per tensor (:func:`allocator.evaluate.units.tensor_flops` of ``problem.node_flops``), or
+    ``None``
+    where nothing was counted: the compute term is then ``2 * tokens`` FLOP per parameter element."""
+    if problem.node_flops is None:
+        return None
+    return problem.derived.once("tensor flops", lambda: tensor_flops(problem.graph, problem.node_flops))
+
+
+def counted_work(problem: Problem):
+    """The work each tensor's unit does beyond its FLOPs, one array per kind of
+    :data:`allocator.profile.COUNTED` (those fields of :class:`allocator.model.flops.FlopCount`, spread over the
+    tensors as :func:`allocator.evaluate.units.tensor_flops` spreads FLOPs), or ``None`` where the FLOP count is not
+    complete."""
+    if problem.node_flops is None:
+        return None
+    return problem.derived.once("tensor work", lambda: tuple(
+        tensor_flops(problem.graph, node_values(getattr(problem.flops, kind), problem.graph)) for kind in COUNTED))
+
+
+def boundaries(problem: Problem):
+    """Activation bytes crossing each boundary between tensors (:func:`allocator.evaluate.units.boundary_bytes` of the
+    counted outputs), or ``None`` where the FLOP count is not complete: a change then moves
+    ``Profile.activation_bytes``."""
+    if problem.node_flops is None:
+        return None
+    return problem.derived.once("boundary bytes", lambda: boundary_bytes(
+        problem.graph, node_values(problem.flops.output_bytes, problem.graph)))
+
+
+def _reads(problem: Problem, profile: Profile) -> tuple:
+    """The graph's per-tensor read-or-compute prefix sums under ``profile``
+    (:meth:`allocator.evaluate.runs.Columns.reads`),
+    with the counted FLOPs where there are some; made once per problem and profile."""
+    cols = columns(problem.graph)
+    flops = counted_flops(problem)
+    if flops is None:
+        return cols.reads(profile)
+    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(profile, flops, counted_work(problem)))
+
+
+def change_seconds(profile: Profile, nbytes: int | None = None) -> float:
+    """Seconds of one change of executing device that moves ``nbytes`` of activations (``activation_bytes`` of
+    ``profile`` when ``None`` or 0: nothing was counted there)."""
+    return (nbytes or profile.activation_bytes) / profile.device_to_device + profile.switch_latency
+
+
+def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Cost:
+    """The :class:`Cost` of ``device_map`` for ``problem`` under ``profile`` (the problem's when omitted).
+
+    Examples
+    --------
+    >>> import torch.nn as nn
+    >>> from allocator.problem import build_problem
+    >>> p = build_problem(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)), {0: 10**6, "cpu": 10**6})
+    >>> estimate(p, {"0": 0, "1": "cpu"}).streamed_bytes, estimate(p, {"": 0}).streamed_bytes
+    (263168, 0)
+    """
+    device_map = normalize_map(device_map)
+    # the main device as validate.check's memory.main, without the check
+    return estimate_runs(problem, map_runs(problem.graph, device_map), main_device(set(device_map.values())), profile)
+
+
+def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Profile | None = None) -> Cost:
+    """:func:`estimate` of a map given by its runs (:func:`allocator.evaluate.memory.map_runs`) and its main device
+    (:func:`allocator.evaluate.memory.main_device` of its values): strategies price candidate plans without building
+    them.
+
+    Notes
+    -----
+    O(runs), plus O(tensors) numpy work the first time a graph is priced under a profile.
+    """
+    profile = profile or problem.profile
+    g = problem.graph
+    cols = columns(g)
+    mov = cols.moving(problem.options.offload_buffers)
+    cpu_reads, accelerator_reads = _reads(problem, profile)
+    offloaded = offloaded_devices(main)
+    fast_tier = set(problem.budgets.accelerators) or {"cpu"}
+    reads = 0          # femtoseconds, exact: the same whichever runs a map is cut into
+    moved: dict = {}   # offloaded device -> [bytes, tensors] streamed from it
+    streamed = disk = fast = changes = 0
+    crossing = boundaries(problem)
+    change_time = 0.0
+    last, last_end = None, 0
+    for run in found:
+        d, a, b = run.device, run.start, run.end
+        if d is None:
+            continue
+        prefix = cpu_reads if (main if d in ("cpu", "disk") else d) == "cpu" else accelerator_reads
+        reads += prefix[b] - prefix[a]
+        if d in offloaded:
+            nbytes = mov.sum_nbytes[b] - mov.sum_nbytes[a]
+            totals = moved.setdefault(d, [0, 0])
+            totals[0] += nbytes
+            totals[1] += mov.sum_count[b] - mov.sum_count[a]
+            streamed += nbytes
+            disk += nbytes if d == "disk" else 0
+        if d in fast_tier and not (d == "cpu" and main != "cpu"):
+            fast += cols.sum_counted[b] - cols.sum_counted[a]
+        if cols.sum_weighted[b] > cols.sum_weighted[a]:  # tensors without bytes do not change the device
+            run_on = main if d in offloaded or not is_accelerator(d) else d
+            if last is not None and run_on != last:
+                changes += 1
+                change_time += change_seconds(profile, None if crossing is None else int(crossing[last_end]))
+            last, last_end = run_on, b
+    runtime = problem.options.runtime
+    seconds = reads / FEMTO + sum(copy_seconds(profile, main, d, nbytes, count, runtime=runtime)
+                                  for d, (nbytes, count) in moved.items())
+    seconds += change_time
+    return Cost(seconds=seconds, streamed_bytes=streamed, disk_bytes=disk, device_changes=changes, resident_fast=fast)

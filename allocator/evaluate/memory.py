@@ -1,0 +1,265 @@
+"""What accelerate's ``dispatch_model`` does with a device map, as memory: the rules a plan must respect.
+
+Checked against accelerate 1.15 (``big_modeling.dispatch_model``, ``hooks.AlignDevicesHook``):
+
+- The main device is ``list(set(values) - {"cpu", "disk"})[0]``, or ``"cpu"`` when there is no accelerator.
+- Offloaded devices are ``{"disk"}`` when the main device is ``"cpu"`` or ``"mps"``, else ``{"cpu", "disk"}``.
+  With ``"mps"`` as main, ``"cpu"`` modules are not offloaded: their weights move to ``mps`` at dispatch.
+- An offloaded module with direct tensors gets a hook that copies its direct parameters (and persistent
+  buffers with ``offload_buffers=True``) to the main device before its forward and drops them after. A
+  parent's hook stays active while its children run, so the room needed is the largest sum along a chain.
+- Buffers of offloaded modules move to the main device at dispatch unless ``offload_buffers=True``;
+  non-persistent buffers always do.
+- Offloaded ``cpu`` weights stay in RAM; ``disk`` weights are memory-mapped (no RAM budget is used while
+  an accelerator is main; with ``cpu`` as main they are streamed into RAM like any offloaded weight, and a tensor
+  cast to a smaller ``dtype`` than it is stored in is read whole first: :func:`allocator.rules.dispatch.read_copy`).
+- A map with one device other than disk gets no hooks: everything lives on that device.
+
+The rules themselves, one function each, are in :mod:`allocator.rules` (re-exported here); this module says what they
+mean as memory: the runs of a map, its peaks, its streamed chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..budgets import Device
+from ..model.graph import ModelGraph
+from ..rules.dispatch import (
+    device_of, executes_on, hooks_attach, main_device, moves, moves_with_weights, offloaded_devices,
+)
+from .runs import Run, columns, expand, first_device, pieces, runs
+
+__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs", "moves",
+           "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "prefetch_of", "prefetch_reserve",
+           "streamed_chain", "streams_held", "workspace"]
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Memory a device map needs at runtime.
+
+    ``peak`` is bytes per device at its highest point during a forward (the main device's includes
+    ``streamed``); ``chain`` names the offloaded modules whose weights are materialised together at that point.
+    """
+
+    peak: Mapping
+    main: Device
+    streamed: int
+    chain: tuple[str, ...]
+    generation: Mapping = field(default_factory=dict)
+    """Of ``peak``, the bytes per device a generation budget adds (KV cache, logits, activations)."""
+    prefetch: int = 0
+    """Of the main device's ``peak``, the bytes the allocator runtime's prefetch holds beyond ``streamed``
+    (:func:`prefetch_reserve`); 0 under accelerate's hooks."""
+
+
+def extra_by_device(graph: ModelGraph, found: list, node_bytes: Mapping[int, int], main: Device, offloaded,
+                    hooks: bool) -> dict:
+    """Bytes per device of ``node_bytes`` (node -> bytes that live where the node executes), for a map's runs
+    (:func:`map_runs`): a node executes where the first tensor of its subtree on the map is."""
+    cols = columns(graph)
+    out: dict = {}
+    for node, nbytes in node_bytes.items():
+        device = first_device(found, cols.first[node], cols.last[node])
+        if device is not None and nbytes:
+            home = executes_on(device, main, offloaded, hooks)
+            out[home] = out.get(home, 0) + nbytes
+    return out
+
+
+def map_runs(graph: ModelGraph, device_map: Mapping[str, Device]) -> list[Run]:
+    """:func:`allocator.evaluate.runs.runs` of a map; the last few results are remembered with the graph
+    (:meth:`allocator.memo.Derived.recent`)."""
+    return graph.derived.recent("runs", device_map, lambda: runs(graph, device_map))
+
+
+def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:
+    """The device of every tensor of the graph, in graph order: :func:`device_of` for each tensor name (``None``
+    where the map does not cover it). Returns a new list."""
+    return expand(map_runs(graph, device_map))
+
+
+def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_buffers: bool = False,
+                   read_copies: bool = False) -> tuple[int, list[int]]:
+    """The largest sum of streamed bytes along a root-to-leaf chain when the tensors of ``found`` (runs) on
+    ``offloaded`` devices are streamed, and that chain's nodes that stream something.
+
+    A node's hook streams its own moving tensors; hooks of nested modules are active together. An offloaded run is
+    cut into whole subtrees (:func:`allocator.evaluate.runs.pieces`), whose chains are known
+    (:class:`allocator.evaluate.runs.Moving`),
+    and loose tensors, whose modules stream them on top of the chains below. On a tie the chain that comes first
+    in model order wins. With ``read_copies`` a hook also holds the copy it reads a cast tensor into
+    (:func:`allocator.rules.dispatch.read_copy`; the main device is the CPU).
+
+    Notes
+    -----
+    O(p x depth) for p pieces of the offloaded runs.
+    """
+    cols = columns(graph)
+    mov = cols.moving(offload_buffers, read_copies)
+    parent = cols.parent
+    subtrees: list[int] = []
+    loose: dict[int, int] = {}   # module -> bytes its hook streams (those of its tensors that are offloaded)
+    for run in found:
+        if run.device not in offloaded or mov.sum_nbytes[run.end] == mov.sum_nbytes[run.start]:
+            continue
+        if run.node >= 0:
+            subtrees.append(run.node)
+            continue
+        nodes, tensors = pieces(cols, run.start, run.end)
+        subtrees += nodes[mov.chain_array()[nodes] != 0].tolist()
+        for tensor in tensors[mov.held_array()[tensors] != 0].tolist():
+            module = cols.module[tensor]
+            loose[module] = loose.get(module, 0) + mov.held[tensor]
+
+    def above(node: int) -> int:   # what loose hooks of the node's ancestors stream
+        total, node = 0, parent[node]
+        while node >= 0:
+            total += loose.get(node, 0)
+            node = parent[node]
+        return total
+
+    # every chain ends in a subtree or at a loose module; the first in model order among the largest wins
+    best, top = 0, -1
+    if loose:
+        for node, value in sorted([(node, mov.chain[node]) for node in subtrees] + list(loose.items())):
+            value += above(node)
+            if value > best:
+                best, top = value, node
+    elif subtrees:
+        subtrees.sort()
+        values = mov.chain_array()[subtrees]
+        k = int(np.argmax(values))   # the first of the largest
+        if values[k] > 0:
+            best, top = int(values[k]), subtrees[k]
+    if top < 0:
+        return 0, []
+    chain, node = [], top
+    while node >= 0:               # the loose ancestors, and the end itself
+        if node in loose:
+            chain.append(node)
+        node = parent[node]
+    chain.reverse()
+    if top not in loose:           # down the subtree along its largest chain
+        node = top
+        while node >= 0:
+            if mov.own[node]:
+                chain.append(node)
+            node = mov.next_in_chain(node)
+    return best, chain
+
+
+def prefetch_of(options) -> int:
+    """How many offloaded modules the runtime of ``options`` (a :class:`allocator.PlanOptions`) makes ready ahead:
+    its ``prefetch`` with ``runtime="allocator"``, 0 with accelerate's hooks."""
+    return options.prefetch if options.runtime == "allocator" else 0
+
+
+def streams_held(options, reserve: int) -> int:
+    """What a streaming reserve ``reserve`` (the largest chain a fill may stream) costs on the main device under the
+    runtime of ``options``: ``reserve`` for accelerate's hooks, ``(1 + prefetch) * reserve`` for the allocator
+    runtime, since each module made ready ahead streams at most one chain's worth. An upper bound of
+    :func:`prefetch_reserve` plus the chain, so that a fill charging it stays valid; works on CP-SAT expressions."""
+    return reserve * (1 + prefetch_of(options))
+
+
+def prefetch_reserve(graph: ModelGraph, found: list[Run], offloaded, k: int, *, offload_buffers: bool = False,
+                     read_copies: bool = False) -> int:
+    """Bytes the allocator runtime holds on the main device beyond the streamed chain when it makes ``k`` offloaded
+    modules ready ahead: the ``k`` largest amounts a single hook streams (its module's own offloaded tensors).
+
+    The runtime follows the execution order it observes (which differs from module order, and from one forward to
+    the next in ``generate``), so the reserve is the largest ``k`` whatever the order, not the largest window of
+    ``k`` consecutive modules in one assumed order.
+
+    Notes
+    -----
+    O(t) for t offloaded tensors.
+    """
+    if k <= 0 or not offloaded:
+        return 0
+    cols = columns(graph)
+    mov = cols.moving(offload_buffers, read_copies)
+    held, module = mov.held_array(), cols.module_array()
+    per: dict[int, int] = {}
+    for run in found:
+        if run.device not in offloaded or mov.sum_nbytes[run.end] == mov.sum_nbytes[run.start]:
+            continue
+        part = held[run.start:run.end]
+        hits = np.flatnonzero(part)
+        for m, nbytes in zip(module[run.start:run.end][hits].tolist(), part[hits].tolist()):
+            per[m] = per.get(m, 0) + nbytes
+    return sum(sorted(per.values(), reverse=True)[:k])
+
+
+def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: bool = False,
+          prefetch: int = 0) -> Memory:
+    """Bytes each device holds at its peak during a forward, under accelerate's runtime.
+
+    Parameters
+    ----------
+    found : list of Run
+        The map's runs (:func:`map_runs`); uncovered tensors are ignored.
+    map_devices : iterable
+        The values of the device map (they decide the main device and whether hooks are attached).
+    prefetch : int
+        Offloaded modules the runtime makes ready ahead (:func:`prefetch_of`): their bytes are held on the main device
+        on top of the streamed chain (:func:`prefetch_reserve`).
+
+    Returns
+    -------
+    Memory
+    """
+    used = set(map_devices)
+    main = main_device(used)
+    hooks = hooks_attach(used)
+    offloaded = offloaded_devices(main) if hooks else frozenset()
+    resident: dict = {d: 0 for d in used}
+    resident.setdefault(main, 0)
+    cols = columns(graph)
+    moving = cols.moving(offload_buffers).sum_counted
+    counted = cols.sum_counted
+    for run in found:
+        device, a, b = run.device, run.start, run.end
+        if device is None:
+            continue
+        if device in offloaded:
+            weights = moving[b] - moving[a]
+            resident[main] += counted[b] - counted[a] - weights  # buffers of offloaded modules go to the main device
+            home = "cpu" if device == "cpu" else "disk"        # offloaded cpu weights stay in RAM; disk is mapped
+            resident[home] = resident.get(home, 0) + weights
+        else:
+            home = "mps" if device == "cpu" and main == "mps" and hooks else device
+            resident[home] = resident.get(home, 0) + counted[b] - counted[a]
+    # every name of a shared tensor is copied by its own hook, so the chain counts nbytes, not counted bytes
+    reserve, chain = streamed_chain(graph, found, offloaded, offload_buffers=offload_buffers,
+                                    read_copies=main == "cpu")
+    ahead = prefetch_reserve(graph, found, offloaded, prefetch, offload_buffers=offload_buffers,
+                             read_copies=main == "cpu")
+    resident[main] = resident.get(main, 0) + reserve + ahead
+    generation = _generation_bytes(graph, found, main, offloaded, hooks)
+    for device, nbytes in generation.items():
+        resident[device] = resident.get(device, 0) + nbytes
+    return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes.name[i] for i in chain),
+                  generation=generation, prefetch=ahead)
+
+
+def workspace(graph: ModelGraph, *, main: bool) -> int:
+    """Bytes a generation budget needs on a device that runs part of the model beyond its units' own (activations;
+    on the main device also the next-token scores); 0 without a generation budget."""
+    return graph.workspace + (graph.main_workspace if main else 0)
+
+
+def _generation_bytes(graph: ModelGraph, found: list[Run], main: Device, offloaded, hooks: bool) -> dict:
+    """Generation bytes per device: each node's extra where it executes, the workspace on every executing device."""
+    if not (graph.extra or graph.workspace or graph.main_workspace):
+        return {}
+    out = extra_by_device(graph, found, graph.extra, main, offloaded, hooks)
+    executing = {executes_on(run.device, main, offloaded, hooks) for run in found if run.device is not None} | {main}
+    for device in executing - {"disk"}:
+        out[device] = out.get(device, 0) + workspace(graph, main=device == main)
+    return out

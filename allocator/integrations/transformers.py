@@ -1,0 +1,514 @@
+"""Make transformers' ``from_pretrained(device_map="auto")`` and accelerate's ``load_checkpoint_and_dispatch`` plan
+with :func:`allocator.plan`.
+
+:func:`patch` swaps the module attributes through which those two entry points turn a *string* ``device_map``
+into a dict; everything else (loading, offloading, hooks) stays theirs. Only attributes that exist in the installed
+versions are touched:
+
+- ``transformers.integrations.accelerate._get_device_map`` and ``transformers.modeling_utils._get_device_map``
+  (transformers 5: ``modeling_utils`` imports the function by name and ``from_pretrained`` calls it there);
+- ``transformers.modeling_utils.get_balanced_memory`` and ``.infer_auto_device_map`` (transformers 4, which imports
+  accelerate's functions into ``modeling_utils`` and calls them from ``from_pretrained``);
+- ``accelerate.big_modeling.get_balanced_memory`` and ``.infer_auto_device_map`` (``load_checkpoint_and_dispatch``
+  calls them from that namespace).
+
+Each replacement plans for the loading path that calls it (:attr:`allocator.PlanOptions.loader`):
+``"accelerate"`` in ``accelerate.big_modeling``, ``"transformers"`` elsewhere.
+
+transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)`` is replaced whole: it sees the
+mode and the user's ``max_memory``. In the other namespaces a mode reaches the planner in two calls: the
+replacement ``get_balanced_memory`` returns the user's budgets untouched and records the mode; the next
+replacement ``infer_auto_device_map`` in that namespace plans for it (no recorded mode: the caller skipped
+balancing, which is what ``device_map="sequential"`` does).
+
+The patch rebinds module attributes, so it is process-global: every thread sees it, and it is not locked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from ..api import plan
+from ..budgets import is_accelerator
+from ..errors import InvalidOption
+from ..logs import shown
+from ..offload import attach, has_offload_hooks
+from ..problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
+from ..evaluate.memory import device_of, tensor_devices
+from ..strategies import resolve
+
+__all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
+
+log = logging.getLogger("allocator.integrations.transformers")
+
+MODE_TO_STRATEGY: dict[str, str | None] = {
+    "auto": None,
+    "balanced": "balanced",
+    "balanced_low_0": "balanced_low_0",
+    "sequential": "sequential",
+}
+"""String ``device_map`` modes to the strategy that plans them; ``None`` means the strategy given to :func:`patch`.
+
+``"balanced"`` and ``"balanced_low_0"`` are the strategies of those names (:mod:`allocator.strategies.balanced`:
+an exact contiguous min-max split over the accelerators, the first one kept light for ``_low_0``) over the budgets the
+user gave, not over transformers' balanced budgets. ``"sequential"`` is accelerate's algorithm, output for output.
+"""
+
+_RESERVED = frozenset({"model", "max_memory", "strategy", "hf_quantizer", "loader"})
+_LOADER_OF = {"accelerate.big_modeling": "accelerate"}
+"""The loading path whose map each patched namespace builds (:attr:`allocator.PlanOptions.loader`): accelerate's
+``load_checkpoint_and_dispatch`` calls ``infer_auto_device_map`` from ``accelerate.big_modeling``; transformers' own
+namespaces (``_get_device_map``, transformers 4's ``modeling_utils``) load with ``from_pretrained``."""
+_ACTIVE: list[Patch] = []
+"""Live patches, oldest first. Process-global; not locked."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Swap:
+    module: object
+    attribute: str
+    replacement: Callable
+
+    @property
+    def name(self) -> str:
+        return f"{self.module.__name__}.{self.attribute}"
+
+
+class Patch:
+    """A live patch made by :func:`patch`: a context manager, and a handle whose :meth:`unpatch` restores.
+
+    Attributes
+    ----------
+    strategy : str or callable
+        Plans ``device_map="auto"`` (see :data:`MODE_TO_STRATEGY` for the other modes).
+    options : PlanOptions
+        What :func:`allocator.plan` is given for every map (with each call's quantizer, no-split classes and what
+        accelerate's ``infer_auto_device_map`` is called with).
+    patched : tuple of str
+        ``"module.attribute"`` for every attribute replaced.
+    """
+
+    def __init__(self, strategy, options: PlanOptions):
+        self.strategy = strategy
+        self.options = options
+        self._pending: dict[str, str] = {}
+        self._swaps: list[_Swap] = []
+        self._saved: list[object] = []
+
+    @property
+    def patched(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self._swaps)
+
+    @property
+    def active(self) -> bool:
+        return self in _ACTIVE
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "inactive"
+        return (f"<allocator.integrations.transformers.Patch strategy={self.strategy!r} {state}: "
+                f"{', '.join(self.patched)}>")
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.unpatch()
+        return False
+
+    def _apply(self, swaps: list[_Swap]) -> None:
+        try:
+            for swap in swaps:
+                self._saved.append(getattr(swap.module, swap.attribute))
+                setattr(swap.module, swap.attribute, swap.replacement)
+                self._swaps.append(swap)
+        except BaseException:
+            self._restore()
+            raise
+        _ACTIVE.append(self)
+        log.debug("patched %s", ", ".join(self.patched))
+
+    def _restore(self) -> None:
+        for swap, saved in reversed(list(zip(self._swaps, self._saved))):
+            current = getattr(swap.module, swap.attribute)
+            if current is not swap.replacement:
+                log.warning("%s was replaced by %r while allocator's patch was on; restoring what allocator found "
+                            "there, which drops that replacement", swap.name, current)
+            setattr(swap.module, swap.attribute, saved)
+
+    def unpatch(self) -> None:
+        """Put back what this patch replaced; idempotent.
+
+        Unpatching an outer patch while an inner one is live hands the outer one's saved originals to the inner
+        one, so that the inner one's exit restores the originals, not this patch.
+        """
+        if self not in _ACTIVE:
+            return
+        index = _ACTIVE.index(self)
+        # Every patch of a process swaps the same attributes (it imports what it patches), so the one above
+        # takes over exactly what this one saved.
+        if index == len(_ACTIVE) - 1:
+            self._restore()
+        else:
+            above = _ACTIVE[index + 1]
+            mine = {(id(s.module), s.attribute): saved for s, saved in zip(self._swaps, self._saved)}
+            above._saved = [mine.get((id(s.module), s.attribute), saved)
+                            for s, saved in zip(above._swaps, above._saved)]
+        del _ACTIVE[index]
+        log.debug("unpatched %s", ", ".join(self.patched))
+
+    # -- planning -------------------------------------------------------------------------------------------------
+
+    def _device_map(self, model, budgets: Mapping, mode: str, *, hf_quantizer=None, no_split=None,
+                    runtime: Mapping | None = None, verbose: bool = False) -> dict:
+        """Plan ``model`` for ``mode`` over ``budgets``; honour transformers' ``_no_placement_params``."""
+        strategy = MODE_TO_STRATEGY[mode] or self.strategy
+        no_split = sorted(set(_names(no_split)) | set(_names(self.options.no_split_module_classes)))
+        options = replace(self.options, **{k: v for k, v in (runtime or {}).items() if v is not None},
+                          no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
+        result = plan(model, dict(budgets), strategy=strategy, options=options)
+        escaped = _to_escape(model, result, no_split)
+        if escaped:
+            base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)
+            result = plan(model, dict(budgets), strategy=strategy, options=replace(options, size_fn=_zero_for(escaped,
+                                                                                                            base)))
+            device_map = _leave_out(model, result.device_map, escaped)
+            log.info("%s: left %s out of the device map (_no_placement_params: they do not fit an accelerator); "
+                     "transformers loads them in RAM", type(model).__name__, escaped)
+        else:
+            device_map = result.device_map
+        if log.isEnabledFor(logging.INFO):
+            resident = {d: result.resident(d) for d in result.problem.budgets.order}
+            log.info("device_map=%r for %s planned by %s; resident bytes %s", mode, type(model).__name__,
+                     result.strategy, {d: b for d, b in resident.items() if b})
+        if verbose:
+            log.info("%s", result.explain())
+        return device_map
+
+    def _get_device_map(self, original):
+        """transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)``."""
+        from transformers.integrations.accelerate import get_max_memory
+
+        def _get_device_map(model, device_map, max_memory, hf_quantizer, *args, **kwargs):
+            if not (isinstance(device_map, str) and device_map in MODE_TO_STRATEGY):
+                return original(model, device_map, max_memory, hf_quantizer, *args, **kwargs)
+            budgets = _user_budgets(get_max_memory, max_memory, device_map)
+            result = self._device_map(model, budgets, device_map, hf_quantizer=hf_quantizer,
+                                      no_split=getattr(model, "_no_split_modules", None),
+                                      runtime={"loader": "transformers"})
+            if hf_quantizer is not None:
+                hf_quantizer.validate_environment(device_map=result)
+            return result
+
+        return _named(_get_device_map, original)
+
+    def _get_balanced_memory(self, original, namespace: str):
+        """accelerate's ``get_balanced_memory``: the user's budgets, and the mode for the next map."""
+        from accelerate.utils import get_max_memory
+
+        def get_balanced_memory(model, max_memory=None, no_split_module_classes=None, dtype=None,
+                                special_dtypes=None, low_zero=False, **_):
+            mode = "balanced_low_0" if low_zero else "auto"
+            self._pending[namespace] = mode
+            return _user_budgets(get_max_memory, max_memory, mode)
+
+        return _named(get_balanced_memory, original)
+
+    def _infer_auto_device_map(self, original, namespace: str):
+        """accelerate's ``infer_auto_device_map``, planning for the mode recorded by ``get_balanced_memory``."""
+        from accelerate.utils import get_max_memory
+
+        def infer_auto_device_map(model, max_memory=None, no_split_module_classes=None, dtype=None,
+                                  special_dtypes=None, verbose=False, clean_result=True, offload_buffers=False,
+                                  fallback_allocation=False, *, tied_parameters=None, hf_quantizer=None, **_):
+            mode = self._pending.pop(namespace, "sequential")
+            budgets = get_max_memory(dict(max_memory) if max_memory is not None else None)
+            runtime = {"dtype": dtype, "special_dtypes": special_dtypes, "clean_result": clean_result,
+                       "offload_buffers": offload_buffers, "fallback_allocation": fallback_allocation,
+                       "loader": _LOADER_OF.get(namespace, "transformers")}
+            if tied_parameters is not None:
+                runtime["tied_parameters"] = tied_parameters
+            with shown(verbose):  # accelerate prints its decisions with verbose=True: make ours visible
+                return self._device_map(model, budgets, mode, hf_quantizer=hf_quantizer,
+                                        no_split=no_split_module_classes, runtime=runtime, verbose=verbose)
+
+        return _named(infer_auto_device_map, original)
+
+    def _dispatch_model(self, original):
+        """accelerate's ``dispatch_model``, then (``runtime="allocator"``) our offload runtime in place of its
+        offloading hooks (:func:`allocator.offload.attach`)."""
+
+        def dispatch_model(model, *args, **kwargs):
+            result = original(model, *args, **kwargs)
+            if has_offload_hooks(model) and getattr(model, "_allocator_runtime", None) is None:
+                attach(model, prefetch=self.options.prefetch)
+                log.info("%s runs the allocator offload runtime (prefetch=%d)", type(model).__name__,
+                         self.options.prefetch)
+            return result
+
+        replacement = _named(dispatch_model, original)
+        replacement.__doc__ = (f"allocator.integrations.transformers's replacement of "
+                               f"{getattr(original, '__module__', '?')}.dispatch_model: "
+                               "accelerate's, then allocator.offload.attach (runtime='allocator').")
+        replacement.__wrapped__ = original   # inspect.signature (transformers reads it) sees accelerate's
+        return replacement
+
+    def _swaps_for_installed(self) -> list[_Swap]:
+        swaps: list[_Swap] = []
+        if self.options.runtime == "allocator":   # from_pretrained and load_checkpoint_and_dispatch dispatch here
+            for name in ("transformers.integrations.accelerate", "accelerate.big_modeling"):
+                module = _import(name)
+                if module is not None and hasattr(module, "dispatch_model"):
+                    swaps.append(_Swap(module, "dispatch_model", self._dispatch_model(module.dispatch_model)))
+        tia = _import("transformers.integrations.accelerate")
+        modeling_utils = _import("transformers.modeling_utils")
+        if tia is not None and hasattr(tia, "_get_device_map"):  # transformers 5
+            replacement = self._get_device_map(tia._get_device_map)
+            swaps.append(_Swap(tia, "_get_device_map", replacement))
+            if modeling_utils is not None and hasattr(modeling_utils, "_get_device_map"):
+                swaps.append(_Swap(modeling_utils, "_get_device_map", replacement))
+        for module in (modeling_utils, _import("accelerate.big_modeling")):  # transformers 4 / accelerate
+            if all(hasattr(module, name) for name in ("get_balanced_memory", "infer_auto_device_map")):
+                swaps.append(_Swap(module, "get_balanced_memory",
+                                   self._get_balanced_memory(module.get_balanced_memory, module.__name__)))
+                swaps.append(_Swap(module, "infer_auto_device_map",
+                                   self._infer_auto_device_map(module.infer_auto_device_map, module.__name__)))
+        return swaps
+
+
+def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) -> Patch:
+    """Plan the string device maps of ``from_pretrained`` and ``load_checkpoint_and_dispatch`` with the planner.
+
+    The patch is on from this call until :meth:`Patch.unpatch`, :func:`unpatch` or the end of a ``with`` block
+    (also when the block raises). Under it, ``from_pretrained(device_map="auto" | "balanced" | "balanced_low_0" |
+    "sequential", max_memory=...)`` (transformers 5 and 4) and accelerate's ``load_checkpoint_and_dispatch(
+    device_map=...)`` get their map from the planner; dict maps and everything after the map are untouched.
+
+    Parameters
+    ----------
+    strategy : str or callable
+        Plans ``device_map="auto"``: a name in :data:`allocator.STRATEGIES` or ``place(problem) -> Placement``.
+    options : PlanOptions, optional
+        Given to :func:`allocator.plan` for every map (its ``hf_quantizer`` is each call's).
+    **keywords
+        Fields of :class:`allocator.PlanOptions`, one by one (they override those of ``options``):
+        ``offload_buffers`` (pass ``True`` when you pass it to ``from_pretrained``, which does not tell its map
+        builder), ``no_split_module_classes`` (united with the model's), ``dtype``, ``special_dtypes``,
+        ``clean_result``, ``fallback_allocation``, ``tied_parameters``,
+        ``size_fn``, ``infer_no_split``, ``profile``, ``runtime`` and ``prefetch`` (``runtime="allocator"``: the maps
+        reserve the prefetch of :mod:`allocator.offload`, and every model ``dispatch_model`` offloads, from
+        ``from_pretrained`` or ``load_checkpoint_and_dispatch``, runs our offload runtime instead of accelerate's
+        hooks, ``prefetch`` modules ahead), ``generation`` (an :class:`allocator.GenerationBudget`: room for
+        ``generate``'s KV cache, logits and activations), ``objective`` (``"contract"``, the default, or
+        ``"latency"``: see :func:`allocator.plan`), ``strict`` (``True``: raise where no valid plan exists, instead of
+        loading accelerate's own map as transformers would). What accelerate's ``infer_auto_device_map`` is called with
+        (``offload_buffers``, ``clean_result``, ``fallback_allocation``, and ``dtype`` / ``special_dtypes`` when
+        not ``None``) wins over these: it describes how the model will really be loaded.
+
+    Returns
+    -------
+    Patch
+        A handle and context manager.
+
+    Raises
+    ------
+    InvalidOption
+        Unknown strategy or option, or neither transformers nor accelerate is installed. Nothing is patched then.
+
+    Notes
+    -----
+    What the planner is given, per mode and per caller:
+
+    - Modes map to strategies through :data:`MODE_TO_STRATEGY`. ``"balanced"`` and ``"balanced_low_0"`` are planned
+      by the ``balanced`` and ``balanced_low_0`` strategies over the user's ``max_memory``, not over transformers' /
+      accelerate's ``get_balanced_memory`` (which caps every GPU but the last at 1/n of the model plus 1.25× the
+      largest layer, and can spill to RAM a model the GPUs hold together). accelerate and transformers 4 call
+      ``get_balanced_memory(low_zero=False)`` for both ``"auto"`` and ``"balanced"``, so on those routes the two
+      cannot be told apart: both get the patch's ``strategy``; ``low_zero=True`` gets ``balanced_low_0``.
+    - Budgets are the user's ``max_memory`` as the library normalises it (its ``get_max_memory``, so a budget
+      transformers would reject is rejected the same way). Without ``max_memory`` the machine's free memory is
+      used as the library reads it, and, as the library does for every mode but ``"sequential"``, 90% of the only
+      accelerator when there is exactly one. A quantizer's ``adjust_max_memory`` applies inside :func:`plan`.
+    - ``no_split_module_classes`` is ``model._no_split_modules`` (transformers 5) or what the caller passes, united
+      (by :func:`allocator.plan`) with the ``_no_split_modules`` every sub-model declares: a caller of
+      ``load_checkpoint_and_dispatch`` who passes none still gets the declared blocks kept whole, where accelerate
+      would split them (so ``"sequential"`` equals accelerate's map given the same no-split classes);
+      tied parameters come from ``model.all_tied_weights_keys`` / shared tensors (read by the graph builder), and
+      as transformers 5 plans before it ties, a model whose declared ties are not made yet is planned as a copy
+      of its module tree (sharing every tensor) with the ties made, i.e. as it will run;
+      ``hf_quantizer`` sizes tensors by ``param_element_size`` and ``validate_environment(device_map=...)`` is called
+      on the result, as transformers does.
+    - ``_no_placement_params`` (names relative to a no-split block, e.g. ``"ple.ple_embedding.ngram_embedding.weight"``)
+      are matched as transformers matches them: ``f"{block}.{name}"`` for every module of a no-split class. When the
+      budgets hold an accelerator and the plan leaves such a tensor off every accelerator, it is left out of the
+      plan (sized 0, so it takes no budget) and out of the map (keys covering it are split into its siblings);
+      transformers then loads it in RAM (its ``get_device`` falls back to ``"cpu"``) and skips accelerate's
+      ``check_device_map`` for models that declare the attribute; the model's own code moves its inputs to that
+      tensor, as the models declaring it do. Without accelerators, or when the plan puts it on one, it is planned
+      like any tensor. transformers decides differently (it escapes only a no-split block that fits neither the
+      current accelerator nor the next, empty one); here the test is where the plan puts the tensor.
+    - ``_skip_keys_device_placement`` names forward arguments (caches) the hooks must not move; it does not affect
+      placement, and transformers passes it to ``dispatch_model`` itself, which the patch does not touch.
+
+    The patch is process-global and not thread-safe: it rebinds module attributes, so every thread sees it, and
+    two threads patching and unpatching concurrently may interleave. Patches nest: an inner patch's exit
+    restores the outer patch, and unpatching an outer patch first leaves the inner one to restore the originals.
+
+    Examples
+    --------
+    accelerate's ``load_checkpoint_and_dispatch`` looks ``infer_auto_device_map`` up in ``accelerate.big_modeling``:
+
+    >>> import accelerate.big_modeling as big_modeling
+    >>> original = big_modeling.infer_auto_device_map
+    >>> with patch(strategy="reserve") as p:
+    ...     print(big_modeling.infer_auto_device_map is original, p.patched[-1])
+    False accelerate.big_modeling.infer_auto_device_map
+    >>> big_modeling.infer_auto_device_map is original
+    True
+
+    As a plain call:
+
+    >>> handle = patch()
+    >>> handle.active
+    True
+    >>> handle.unpatch()
+    >>> handle.active, big_modeling.infer_auto_device_map is original
+    (False, True)
+    """
+    resolve(strategy)
+    fixed = sorted(set(keywords) & _RESERVED)
+    if fixed:
+        raise InvalidOption(f"patch() got options {fixed}, which come from each call; choose from "
+                            f"{sorted(set(OPTION_NAMES) - _RESERVED)}.")
+    options = PlanOptions.of(options, **keywords)
+    handle = Patch(strategy, options)
+    swaps = handle._swaps_for_installed()
+    if not swaps:
+        raise InvalidOption("nothing to patch: neither transformers nor accelerate is importable; "
+                            "pip install 'allocator[hf]'.")
+    handle._apply(swaps)
+    return handle
+
+
+def unpatch() -> Patch | None:
+    """Undo the most recent live :func:`patch`; return it, or ``None`` when none is live.
+
+    Examples
+    --------
+    >>> p = patch()
+    >>> unpatch() is p, unpatch()
+    (True, None)
+    """
+    if not _ACTIVE:
+        return None
+    handle = _ACTIVE[-1]
+    handle.unpatch()
+    return handle
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _named(replacement: Callable, original: Callable) -> Callable:
+    replacement.__name__ = getattr(original, "__name__", replacement.__name__)
+    replacement.__qualname__ = getattr(original, "__qualname__", replacement.__qualname__)
+    replacement.__doc__ = (f"allocator.integrations.transformers's replacement of "
+                           f"{getattr(original, '__module__', '?')}.{replacement.__name__}: plans string device maps "
+                           "with allocator.plan (see allocator.integrations.transformers).")
+    replacement.__allocator_original__ = original
+    return replacement
+
+
+def _names(classes) -> list[str]:
+    if classes is None:
+        return []
+    if isinstance(classes, str):
+        return [classes]
+    return list(classes)
+
+
+def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:
+    """The library's normalisation of ``max_memory`` (a copy: accelerate converts strings in place), with its 90%
+    rule for a single accelerator when the user set nothing, and without its balancing."""
+    budgets = dict(get_max_memory(dict(max_memory) if max_memory is not None else None))
+    if max_memory is None and mode != "sequential":
+        accelerators = [d for d, size in budgets.items() if is_accelerator(d) and size > 0]
+        if len(accelerators) == 1 and isinstance(accelerators[0], int):
+            budgets[accelerators[0]] = int(budgets[accelerators[0]] * 0.9)
+    return budgets
+
+
+def _no_placement_tensors(model, no_split: Iterable[str]) -> list[str]:
+    """Full names of the tensors named by ``model._no_placement_params`` inside blocks of a no-split class."""
+    relative = _names(getattr(model, "_no_placement_params", None))
+    if not relative:
+        return []
+    tensors = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    tensors |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    no_split = set(no_split)
+    found = {
+        f"{block}.{name}" if block else name
+        for block, module in model.named_modules()
+        if type(module).__name__ in no_split
+        for name in relative
+        if (f"{block}.{name}" if block else name) in tensors
+    }
+    if not found:
+        log.info("%s declares _no_placement_params %s but no no-split block holds them; planned as usual",
+                 type(model).__name__, relative)
+    return sorted(found)
+
+
+def _to_escape(model, result, no_split) -> list[str]:
+    """The no-placement tensors that ``result`` leaves off every accelerator, when the budgets have one."""
+    candidates = _no_placement_tensors(model, no_split)
+    if not candidates or not any(is_accelerator(d) for d in result.problem.budgets.limits):
+        return []
+    graph = result.problem.graph
+    devices = dict(zip(graph.tensors.name, tensor_devices(graph, result.device_map)))
+    return [name for name in candidates if not is_accelerator(devices[name])]
+
+
+def _zero_for(names: Iterable[str], base):
+    names = frozenset(names)
+
+    def size(name, tensor):
+        if name in names:
+            return 0
+        return base(name, tensor) if base is not None else None
+
+    return size
+
+
+def _leave_out(model, device_map: Mapping, tensors: Iterable[str]) -> dict:
+    """``device_map`` with no key covering ``tensors``: each covering key is replaced, in place, by entries for
+    everything under it but the tensor (parameters, sub-modules, buffers: accelerate's order), on the key's device."""
+    items = list(device_map.items())
+    for tensor in tensors:
+        position = device_of(tensor, {k: i for i, (k, _) in enumerate(items)})  # of the longest key covering it
+        if position is not None:
+            key, device = items[position]
+            items[position:position + 1] = [] if key == tensor else _all_but(model, key, device, tensor)
+    return dict(items)
+
+
+def _all_but(model, prefix: str, device, tensor: str) -> list[tuple[str, object]]:
+    module = model.get_submodule(prefix)
+    on_path = (tensor[len(prefix) + 1:] if prefix else tensor).split(".")[0]
+    entries = []
+    for name, _ in [*module.named_parameters(recurse=False), *module.named_children(),
+                    *module.named_buffers(recurse=False)]:
+        full = f"{prefix}.{name}" if prefix else name
+        if name != on_path:
+            entries.append((full, device))
+        elif full != tensor:
+            entries += _all_but(model, full, device, tensor)
+    return entries

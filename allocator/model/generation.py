@@ -1,0 +1,521 @@
+"""Memory that ``generate`` needs beyond the weights: the KV cache, the logits, the activations.
+
+A :class:`GenerationBudget` passed to :func:`allocator.plan` (``generation=``) is turned once, by the problem
+builder, into bytes attached to the model graph (:attr:`ModelGraph.extra`, :attr:`ModelGraph.workspace`,
+:attr:`ModelGraph.main_workspace`). Strategies never see the budget: the bytes enter the units like the buffers of a
+module (they live where the module *executes*: its device when resident, the main device when offloaded), and
+:func:`allocator.evaluate.memory.peaks` — the one place per-device peaks are computed — adds them. So every strategy
+that
+respects the validator's peaks respects the generation budget too.
+
+What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's ``cache_utils`` and
+``GenerationMixin._sample``):
+
+KV cache
+    Per attention module that owns a cache layer (a module with an integer ``layer_idx`` and key/value projections,
+    under the model's ``get_decoder()``), ``batch × tokens × (k width + v width) × bytes``, where the widths are the
+    out features of its key and value projections (``num_key_value_heads × head_dim``, so GQA is exact; for fused
+    projections such as GPT-2's ``c_attn`` or Falcon's ``query_key_value``, the module's or config's key/value heads
+    × head dim) and ``tokens`` is:
+
+    - full attention: ``max_length - 1`` (the last generated token is never fed back);
+    - sliding window ``W`` (layer types from ``DynamicCache(config=...)``, i.e. ``config.layer_types`` /
+      ``sliding_window``): ``max(prefill, min(max_length - 1, W))`` — the layer keeps a view of the last
+      ``W - 1`` tokens of a tensor of up to ``W`` tokens, but right after the prefill it still holds the whole prompt;
+    - cross-attention (encoder-decoder models): the encoder length (``prompt_length``).
+
+    The key bytes are charged to the key projection, the value bytes to the value projection (the cache tensors are
+    their outputs, so they live on the device those modules execute on). Each layer is counted at its own largest,
+    so with sliding and full layers mixed and a prompt longer than the window the sum is an upper bound.
+    Other caches (``cache_implementation="static"``, quantized or offloaded caches) are not modelled.
+Logits
+    The output head's output for the positions generate asks for (``logits_to_keep=1`` when the model supports it,
+    else the whole prefill) on the head's executing device, and on the main device the float32 next-token logits,
+    the processed scores and the sampling probabilities (``3 × batch × vocab × 4`` bytes).
+Activations
+    On every device that executes part of the model, an estimate of the largest forward's working set: the prefill
+    of ``batch × tokens`` (the prompt, or the encoder input of an encoder-decoder model) through one block — four
+    hidden-state copies (the block's input, held by its caller; the embeddings, held while the first block runs; the
+    residual; the normalised input), then the larger of the attention projections (query and key twice, before and
+    after rotary embeddings; value; output) and the MLP's three intermediates — plus the attention scores and their
+    float32 softmax when they are materialised (eager attention, T5-style position bias) or else the boolean 4-D
+    mask, plus one layer's key (or value) tensor copied when the cache grows (``torch.cat`` allocates the new tensor
+    before the old one is freed). Measured on CPU against every allocation ``generate`` makes (torch profiler,
+    ``tests/test_generation.py``): llama 0.84-0.96 of the prediction; T5 about half (its position bias is counted
+    as float32 scores).
+
+Unknown architectures (no attention module with ``layer_idx`` and key/value projections, or cache layers that are
+neither full nor sliding attention, such as state-space or linear-attention layers) raise
+:class:`allocator.InvalidOption` rather than planning with a cache of unknown size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, field
+
+from ..budgets import format_bytes
+from ..errors import InvalidOption, warn_caller
+from .sizes import as_dtype, dtype_bytes
+
+__all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
+
+log = logging.getLogger(__name__)
+
+KEY_NAMES = ("k_proj", "k", "key", "k_lin", "to_k")
+VALUE_NAMES = ("v_proj", "v", "value", "v_lin", "to_v")
+FUSED_NAMES = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv")
+CROSS_NAMES = ("EncDecAttention", "encoder_attn", "crossattention", "cross_attn", "cross_attention")
+SCORE_COPIES = 3  # float32 next-token logits, processed scores, sampling probabilities (GenerationMixin._sample)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationBudget:
+    """The largest ``generate`` call a plan must have room for.
+
+    Give ``max_length``, or ``max_new_tokens`` with ``prompt_length`` as in ``generate(max_new_tokens=...)``.
+
+    Parameters
+    ----------
+    batch_size : int
+        Sequences generated together.
+    max_length : int, optional
+        The longest sequence ``generate`` produces, prompt included (its ``max_length``: prompt length plus
+        ``max_new_tokens``). For encoder-decoder models, the decoder's length, its start token included. Set from
+        ``prompt_length + max_new_tokens`` when omitted.
+    dtype : torch.dtype or str, optional
+        The dtype of the cache and activations; by default the dtype the weights are planned in (``plan(dtype=)``,
+        else the key projection's).
+    prompt_length : int, optional
+        Keyword only. The longest prompt: the prefill length of a decoder-only model (default and at most
+        ``max_length - 1``); for encoder-decoder models the number of encoder positions the cross-attention cache
+        holds (default ``max_length``): the input tokens for T5 or BART, 1500 audio frames for Whisper.
+    max_new_tokens : int, optional
+        Keyword only. Tokens generated after the prompt, as ``generate(max_new_tokens=...)`` takes them; needs
+        ``prompt_length``. Then ``max_length`` is ``prompt_length + max_new_tokens`` as ``generate`` computes it
+        (giving both is allowed only when they agree); for an encoder-decoder model the decoder holds
+        ``max_new_tokens + 1`` tokens (its start token and the new ones) and ``prompt_length`` is the encoder's input.
+
+    Raises
+    ------
+    InvalidOption
+        Non-integer or non-positive sizes, a prompt longer than allowed, a dtype torch does not know, neither
+        ``max_length`` nor ``max_new_tokens``, ``max_new_tokens`` without ``prompt_length``, or a ``max_length``
+        that disagrees with ``prompt_length + max_new_tokens``.
+
+    Notes
+    -----
+    A ``max_length`` above the model's ``max_position_embeddings`` is planned for, with a ``UserWarning`` naming both
+    numbers when the plan is made (the config is known only then).
+
+    Examples
+    --------
+    >>> GenerationBudget(4, 2048, "bfloat16")
+    GenerationBudget(batch_size=4, max_length=2048, dtype=torch.bfloat16, prompt_length=None, max_new_tokens=None)
+    >>> GenerationBudget(batch_size=4, prompt_length=100, max_new_tokens=28).max_length
+    128
+    >>> GenerationBudget(0, 2048)
+    Traceback (most recent call last):
+    ...
+    allocator.errors.InvalidOption: GenerationBudget.batch_size must be a positive int, got 0; pass e.g. batch_size=1.
+    """
+
+    batch_size: int
+    max_length: int | None = None
+    dtype: object = None
+    _: KW_ONLY
+    prompt_length: int | None = None
+    max_new_tokens: int | None = None
+
+    def __post_init__(self):
+        _positive("batch_size", self.batch_size, 1)
+        if self.max_new_tokens is not None:
+            self._from_new_tokens()
+        elif self.max_length is None:
+            raise InvalidOption("GenerationBudget needs max_length, or max_new_tokens with prompt_length (as generate "
+                                "takes them); pass e.g. max_length=2048 or prompt_length=1024, max_new_tokens=256.")
+        _positive("max_length", self.max_length, 2048)
+        if self.max_length < 2:
+            raise InvalidOption(f"GenerationBudget.max_length must be at least 2 (a prompt token and a generated "
+                                f"one), got {self.max_length}.")
+        if self.prompt_length is not None:
+            _positive("prompt_length", self.prompt_length, self.max_length - 1)
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", as_dtype(self.dtype, "GenerationBudget.dtype"))
+
+    def _from_new_tokens(self) -> None:
+        """``max_length = prompt_length + max_new_tokens``, as ``generate`` computes it; checked against a given one."""
+        _positive("max_new_tokens", self.max_new_tokens, 256)
+        if self.prompt_length is None:
+            raise InvalidOption(f"GenerationBudget.max_new_tokens={self.max_new_tokens} needs prompt_length, the "
+                                "longest prompt in tokens (generate's max_length is the prompt's length plus "
+                                "max_new_tokens); pass e.g. prompt_length=1024.")
+        _positive("prompt_length", self.prompt_length, 1024)
+        total = self.prompt_length + self.max_new_tokens
+        if self.max_length is None:
+            object.__setattr__(self, "max_length", total)
+        elif self.max_length != total:
+            raise InvalidOption(
+                f"GenerationBudget got max_length={self.max_length} and max_new_tokens={self.max_new_tokens}, but "
+                f"prompt_length {self.prompt_length} + max_new_tokens {self.max_new_tokens} = {total}; give "
+                f"max_length or max_new_tokens, not both.")
+
+
+def _positive(name: str, value, example: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidOption(f"GenerationBudget.{name} must be a positive int, got {value!r}; pass e.g. "
+                            f"{name}={example}.")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayer:
+    """One cache layer as planned: the attention module, its kind, the tokens it holds, its bytes."""
+
+    module: str
+    index: int         # its ``layer_idx``: the layer of the (self- or cross-attention) cache it fills
+    kind: str          # "full", "sliding", or "cross"
+    tokens: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationNeeds:
+    """The bytes a :class:`GenerationBudget` adds, attributed to graph nodes (built by :func:`generation_needs`)."""
+
+    budget: GenerationBudget
+    cache: Mapping[int, int]        # node -> KV bytes (keys on the key projection, values on the value projection)
+    logits: Mapping[int, int]       # output head node -> bytes of its output
+    scores: int                     # main device: float32 next-token logits, processed scores, probabilities
+    activations: int                # every executing device
+    layers: tuple[CacheLayer, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the whole KV cache."""
+        return sum(self.cache.values())
+
+    def summary(self) -> str:
+        """One line: the budget, the cache by kind of layer, logits, scores and activations."""
+        kinds: dict[str, list[int]] = {}
+        for layer in self.layers:
+            kinds.setdefault(layer.kind, []).append(layer.nbytes)
+        cache = ", ".join(f"{len(v)} {k} layers {format_bytes(sum(v))}" for k, v in kinds.items())
+        return (f"{self.notes[0] if self.notes else 'generate'}: KV cache {format_bytes(self.cache_bytes)} ({cache}), "
+                f"logits {format_bytes(sum(self.logits.values()))} where the head runs, scores "
+                f"{format_bytes(self.scores)} on the main device, activations {format_bytes(self.activations)} on "
+                "every device that runs the model")
+
+    def node_bytes(self) -> dict[int, int]:
+        """Cache and logits bytes per node: what :attr:`ModelGraph.extra` holds."""
+        out = dict(self.cache)
+        for node, nbytes in self.logits.items():
+            out[node] = out.get(node, 0) + nbytes
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- builder
+
+def _child(module, names):
+    for name in names:
+        child = getattr(module, name, None)
+        if child is not None and hasattr(child, "weight") and getattr(child.weight, "ndim", 0) == 2:
+            return name, child
+    return None, None
+
+
+def _out_features(linear) -> int:
+    out = getattr(linear, "out_features", None)
+    return int(out) if isinstance(out, int) else int(linear.weight.shape[0])
+
+
+def _in_features(linear) -> int:
+    inp = getattr(linear, "in_features", None)
+    return int(inp) if isinstance(inp, int) else int(linear.weight.shape[1])
+
+
+def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
+    import torch
+
+    if budget.dtype is not None:
+        return dtype_bytes(budget.dtype)[0]
+    own = weight.dtype if weight.is_floating_point() else as_dtype(getattr(config, "dtype", None) or torch.float32,
+                                                                     "config.dtype")
+    plan_dtype = as_dtype(plan_dtype, "dtype") if plan_dtype is not None else None
+    if plan_dtype is not None and plan_dtype.is_floating_point:  # int8/int4 weights still compute in floating point
+        return min(dtype_bytes(plan_dtype)[0], dtype_bytes(own)[0])
+    return dtype_bytes(own)[0]
+
+
+def _is_cross(name: str, module) -> bool:
+    if getattr(module, "is_cross_attention", None) is True:
+        return True
+    if name.rpartition(".")[2] in CROSS_NAMES:
+        return True
+    return getattr(module, "is_causal", True) is False
+
+
+def _cache_layer_kinds(config, count: int) -> list[tuple[str, int | None]]:
+    """``(kind, window)`` per self-attention layer, as ``DynamicCache(config=...)`` builds them."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception as err:  # a config DynamicCache cannot read: count every layer as full (an upper bound)
+        log.warning("DynamicCache(config=...) failed for %s (%s); counting every cache layer as full attention, "
+                    "which over-counts sliding-window layers", type(config).__name__, err)
+        return [("full", None)] * count
+    kinds = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            kinds.append(("sliding", int(layer.sliding_window)))
+        elif type(layer) is DynamicLayer:
+            kinds.append(("full", None))
+        else:
+            raise InvalidOption(
+                f"cache layer {i} of {type(config).__name__} is a {type(layer).__name__}, whose memory allocator does "
+                "not model (only full and sliding-window attention); plan without generation= and keep headroom.")
+    return kinds + [("full", None)] * (count - len(kinds))
+
+
+def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> GenerationNeeds:
+    """The bytes ``budget`` adds for ``model``, attributed to the nodes of ``graph`` (see the module notes).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A generative transformers model (meta device is fine). Never modified.
+    graph : ModelGraph
+        Its graph, as :func:`allocator.model.build_graph` made it.
+    budget : GenerationBudget
+    dtype : torch.dtype, optional
+        The dtype the plan loads the weights in (``plan(dtype=)``).
+
+    Raises
+    ------
+    InvalidOption
+        When ``budget`` is not a :class:`GenerationBudget`, or the model has no attention module with a
+        ``layer_idx`` and key/value projections, or its cache has layers allocator does not model.
+
+    Notes
+    -----
+    O(number of modules).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from allocator.model import build_graph
+    >>> with torch.device("meta"):
+    ...     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                              num_key_value_heads=2, intermediate_size=128, vocab_size=100))
+    >>> needs = generation_needs(model, build_graph(model), GenerationBudget(2, 16))
+    >>> needs.cache_bytes  # 2 layers x (K + V) x batch 2 x 15 tokens x 2 kv heads x 16 dims x 4 bytes
+    15360
+    """
+    config = _generative_config(model, budget)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    prefill, encoder_tokens = _lengths(budget, encoder_decoder)
+    _check_positions(config, decoder_length(budget, encoder_decoder), encoder_tokens)
+    names: dict[int, str] = {}
+    for name, module in model.named_modules():
+        names.setdefault(id(module), name)
+    attentions = _attention_modules(model, config, encoder_decoder, names)
+    self_layers = [a for a in attentions if not a.cross]
+    if not self_layers:
+        raise InvalidOption(
+            f"{type(model).__name__} has no attention module with a layer_idx and key/value projections, so the size "
+            "of its generation cache is unknown to allocator; plan without generation= and keep headroom on the "
+            "devices instead.")
+    ebytes = _element_bytes(budget, dtype, self_layers[0].key_module.weight, config)
+    kinds = _cache_layer_kinds(config, max(a.index for a in self_layers) + 1)
+    B, L = budget.batch_size, decoder_length(budget, encoder_decoder)
+    cache: dict[int, int] = {}
+    layers: list[CacheLayer] = []
+    for a in attentions:
+        if a.cross:
+            kind, tokens = "cross", encoder_tokens
+        else:
+            kind, window = kinds[a.index]
+            tokens = L - 1 if kind == "full" else max(prefill, min(L - 1, window))
+        for path, width in ((a.key_path, a.key_width), (a.value_path, a.value_width)):
+            node = _leaf_with_tensors(graph, graph.node_index[path])
+            cache[node] = cache.get(node, 0) + B * tokens * width * ebytes
+        layers.append(CacheLayer(a.name, a.index, kind, tokens, B * tokens * (a.key_width + a.value_width) * ebytes))
+    largest_tensor = max(B * layer.tokens * max(a.key_width, a.value_width) * ebytes
+                         for layer, a in zip(layers, attentions))
+    logits, scores = _logits(model, graph, names, B, 1 if encoder_decoder else prefill, ebytes)
+    tokens = max(prefill, encoder_tokens)
+    activations = _activations(model, config, self_layers[0], B * tokens, tokens, ebytes) + largest_tensor
+    notes = (f"generate: batch {B}, max_length {L}, prefill {prefill}"
+             + (f", encoder {encoder_tokens}" if encoder_decoder else "") + f" tokens, {ebytes} bytes per element",)
+    return GenerationNeeds(budget=budget, cache=cache, logits=logits, scores=scores, activations=activations,
+                           layers=tuple(layers), notes=notes)
+
+
+def _generative_config(model, budget):
+    """The model's config, after checking it can generate; typed errors otherwise."""
+    if not isinstance(budget, GenerationBudget):
+        raise InvalidOption(f"generation must be an allocator.GenerationBudget, got {type(budget).__name__}; pass "
+                            "generation=allocator.GenerationBudget(batch_size, max_length).")
+    config = getattr(model, "config", None)
+    if config is None:
+        raise InvalidOption(f"{type(model).__name__} has no transformers config: a generation budget needs a "
+                            "transformers model (PreTrainedModel) to size its cache.")
+    if callable(getattr(model, "can_generate", None)) and not model.can_generate():
+        raise InvalidOption(f"{type(model).__name__} cannot generate (transformers' can_generate() is False); plan "
+                            "without generation=, or load its generative variant (e.g. ...ForCausalLM).")
+    return config
+
+
+#: Config fields bounding the positions of the decoder (or a decoder-only model), then of an encoder, in the order read.
+DECODER_POSITIONS = ("max_target_positions", "max_position_embeddings", "n_positions")
+ENCODER_POSITIONS = ("max_source_positions", "max_position_embeddings", "n_positions")
+
+
+def _check_positions(config, decoder_tokens: int, encoder_tokens: int) -> None:
+    """Warn when the sequences planned for are longer than the model's position embeddings allow."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    checks = [("max_length", decoder_tokens, text, DECODER_POSITIONS)]
+    if encoder_tokens:
+        checks.append(("prompt_length (the encoder's input)", encoder_tokens, config, ENCODER_POSITIONS))
+    for what, tokens, where, fields in checks:
+        name, limit = next(((f, n) for f in fields if (n := _first_int(getattr(where, f, None)))), (None, None))
+        if limit is not None and tokens > limit:
+            warn_caller(f"GenerationBudget {what} {tokens} is above {type(config).__name__}.{name} {limit}: the model "
+                        f"has no positions beyond {limit} (generate may fail or degrade there); planning for {tokens} "
+                        f"tokens anyway.")
+
+
+def decoder_length(budget: GenerationBudget, encoder_decoder: bool) -> int:
+    """The longest sequence the decoder holds: ``max_length``, or for an encoder-decoder model given
+    ``max_new_tokens``, those tokens and the decoder's start token (``generate`` adds them to the decoder's input)."""
+    if encoder_decoder and budget.max_new_tokens is not None:
+        return budget.max_new_tokens + 1
+    return budget.max_length
+
+
+def _lengths(budget: GenerationBudget, encoder_decoder: bool) -> tuple[int, int]:
+    """(tokens of the decoder's prefill, tokens of the encoder input or 0)."""
+    L = decoder_length(budget, encoder_decoder)
+    if encoder_decoder:
+        return 1, budget.prompt_length or L  # the decoder starts from its start token
+    if budget.prompt_length is not None and budget.prompt_length > L - 1:
+        raise InvalidOption(f"GenerationBudget.prompt_length {budget.prompt_length} leaves no token to generate "
+                            f"within max_length {L}; use prompt_length <= {L - 1}.")
+    return budget.prompt_length or L - 1, 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Attention:
+    name: str
+    index: int
+    cross: bool
+    key_path: str
+    value_path: str
+    key_width: int
+    value_width: int
+    key_module: object
+
+
+def _attention_modules(model, config, encoder_decoder: bool, names: Mapping[int, str]) -> list[_Attention]:
+    """Attention modules that fill a cache layer: an integer ``layer_idx`` and key/value projections, under
+    ``get_decoder()`` (not a vision tower), not in the encoder, in model order."""
+    prefixes = {}
+    for role, getter in (("encoder", "get_encoder"), ("decoder", "get_decoder")):
+        if (role == "decoder" or encoder_decoder) and callable(getattr(model, getter, None)):
+            prefixes[role] = names.get(id(getattr(model, getter)()))
+    found = []
+    for name, module in model.named_modules():
+        if names[id(module)] != name or not isinstance(getattr(module, "layer_idx", None), int):
+            continue
+        if prefixes.get("encoder") is not None and _under(name, prefixes["encoder"]):
+            continue  # the encoder runs once and caches nothing
+        if prefixes.get("decoder") is not None and not _under(name, prefixes["decoder"]):
+            continue  # e.g. a vision tower beside the language model
+        k_name, k = _child(module, KEY_NAMES)
+        v_name, v = _child(module, VALUE_NAMES)
+        if k is not None and v is not None:
+            widths = (_out_features(k), _out_features(v))
+        else:
+            k_name, k = _child(module, FUSED_NAMES)
+            v_name = k_name
+            width = _fused_kv_width(module, config) if k is not None else None
+            if width is None:
+                continue  # a block that carries layer_idx (its attention is found on its own), or no attention
+            widths = (width, width)
+        found.append(_Attention(name, module.layer_idx, encoder_decoder and _is_cross(name, module),
+                                f"{name}.{k_name}", f"{name}.{v_name}", *widths, k))
+    return found
+
+
+def _logits(model, graph, names, batch: int, prefill: int, ebytes: int) -> tuple[dict, int]:
+    """Bytes of the output head's output per head node, and of the float32 scores on the main device."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is None or not hasattr(head, "weight") or id(head) not in names:
+        return {}, 0
+    vocab = _out_features(head)
+    keep = 1 if "logits_to_keep" in inspect.signature(model.forward).parameters else prefill
+    node = _leaf_with_tensors(graph, graph.node_index[names[id(head)]])
+    return {node: batch * keep * vocab * ebytes}, SCORE_COPIES * batch * vocab * 4
+
+
+def _under(name: str, prefix: str) -> bool:
+    return not prefix or name == prefix or name.startswith(prefix + ".")
+
+
+def _first_int(*values):
+    return next((int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+
+
+def _fused_kv_width(module, config) -> int | None:
+    """Key (= value) width of an attention module whose projections are fused: key/value heads × head dim, from the
+    module's own attributes first (Falcon's ``num_kv_heads``), then its config; ``None`` when neither says."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = _first_int(getattr(module, "num_heads", None), getattr(text, "num_attention_heads", None))
+    kv = _first_int(getattr(module, "num_key_value_heads", None), getattr(module, "num_kv_heads", None),
+                    getattr(text, "num_key_value_heads", None), getattr(text, "num_kv_heads", None),
+                    1 if getattr(text, "multi_query", False) is True else None, heads)
+    hidden = getattr(text, "hidden_size", None)
+    head_dim = _first_int(getattr(module, "head_dim", None), getattr(text, "head_dim", None),
+                          hidden // heads if isinstance(hidden, int) and heads else None)
+    return kv * head_dim if kv and head_dim else None
+
+
+def _leaf_with_tensors(graph, node: int) -> int:
+    """``node`` itself when it is a leaf, else its first descendant leaf with tensors (extras stay on one unit)."""
+    nodes = graph.nodes
+    while nodes.end[node] > node + 1 and not nodes.tensors_of(node):
+        node += 1  # its first child
+    return node
+
+
+def _activations(model, config, attention: _Attention, tokens: int, length: int, ebytes: int) -> int:
+    """Working set of the largest block forward of ``tokens`` tokens over ``length`` positions (module notes)."""
+    import torch
+
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kw, vw = attention.key_width, attention.value_width
+    hidden = _in_features(attention.key_module)
+    _, q = _child(model.get_submodule(attention.name), ("q_proj", "q", "query", "q_lin", "to_q"))
+    q_width = _out_features(q) if q is not None else hidden
+    vocab = getattr(text_config, "vocab_size", None)
+    intermediate = 0
+    for sub in model.modules():
+        if isinstance(sub, torch.nn.Linear) and sub.out_features != vocab:
+            intermediate = max(intermediate, sub.out_features)
+    for key in ("intermediate_size", "d_ff", "decoder_ffn_dim", "ffn_dim"):
+        value = getattr(text_config, key, None)
+        if isinstance(value, int):
+            intermediate = max(intermediate, value)
+    per_token = 4 * hidden + max(2 * q_width + 2 * kw + vw + hidden, 3 * intermediate)
+    total = tokens * per_token * ebytes
+    heads = getattr(text_config, "num_attention_heads", None) or max(1, q_width // 64)
+    if getattr(config, "_attn_implementation", None) == "eager" or any(
+            hasattr(m, "relative_attention_bias") for m in model.modules()):
+        total += tokens * heads * length * (ebytes + 4)  # materialised scores, and their float32 softmax
+    else:
+        total += tokens * length  # the boolean 4-D attention mask
+    return total

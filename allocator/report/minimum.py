@@ -1,0 +1,131 @@
+"""The smallest budgets that work: what an error says when no plan fits, and what an accelerator left empty would
+need to be the main device. Each is a bisection over one budget, the others unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..budgets import Budgets
+from ..errors import InfeasiblePlacement
+from ..evaluate.memory import workspace
+from ..evaluate.validate import check, format_bytes
+from ..problem import Problem
+from ..strategies import run
+from ..strategies.contract import contract_main
+from ..strategies.first_fit import full_reserve
+
+__all__ = ["main_minimum", "minimum_budget_error", "minimum_ram_error", "with_budget"]
+
+
+def with_budget(problem: Problem, device, nbytes: int) -> Problem:
+    """The problem with ``device``'s budget set to ``nbytes`` (a new problem: what is derived from it is made anew)."""
+    limits = dict(problem.budgets.limits)
+    limits[device] = nbytes
+    named = set(problem.budgets.order) | {device}
+    order = tuple(d for d in problem.budgets.order if d not in ("cpu", "disk")) + \
+        tuple(d for d in ("cpu", "disk") if d in named or d == "disk")
+    return replace(problem, budgets=Budgets(order=order, limits={d: limits[d] for d in order if d in limits}))
+
+
+def _with_ram(problem: Problem, ram: int) -> Problem:
+    return with_budget(problem, "cpu", ram)
+
+
+def _feasible(problem: Problem, strategy) -> bool:
+    try:
+        placement = run(strategy, problem)
+    except InfeasiblePlacement:
+        return False
+    return not check(problem, placement.device_map)[0]
+
+
+def main_minimum(problem: Problem, device) -> int:
+    """The smallest budget on accelerator ``device`` (others unchanged) with which the contract makes it the main
+    device, to 1 % (bisection; the model's size plus its largest streamed chain and, with a generation budget, all
+    that generate needs on the main device suffice: the upper end is doubled until it works)."""
+    g = problem.graph
+    low = problem.budgets.limit(device) or 0
+    high = max(low + 1, g.total + full_reserve(problem) + workspace(g, main=True) + sum(g.extra.values()) + 1)
+    for _ in range(8):
+        if contract_main(with_budget(problem, device, high)) == device:
+            break
+        low, high = high, 2 * high
+    while high - low > max(1, high // 100):
+        middle = (low + high) // 2
+        if contract_main(with_budget(problem, device, middle)) == device:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def minimum_budget_error(problem: Problem, strategy) -> InfeasiblePlacement:
+    """The error for a budget no plan fits, with the smallest budget that works: RAM's (:func:`minimum_ram_error`),
+    or the first accelerator's where ``max_memory`` gives no RAM (nothing can then be offloaded to it)."""
+    if "cpu" in problem.budgets.order or not problem.budgets.accelerators:
+        return minimum_ram_error(problem, strategy)
+    device = problem.budgets.accelerators[0]
+    low, high = problem.budgets.limit(device) or 0, problem.graph.total + full_reserve(problem) + 1
+    g = problem.graph
+    if not _feasible(with_budget(problem, device, high), strategy):
+        return InfeasiblePlacement(
+            f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, even with "
+            f"{format_bytes(high)} on accelerator {device!r}; give max_memory a 'cpu' budget or try strategy='auto'.")
+    while high - low > max(1, high // 100):
+        middle = (low + high) // 2
+        if _feasible(with_budget(problem, device, middle), strategy):
+            high = middle
+        else:
+            low = middle
+    return InfeasiblePlacement(
+        f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: max_memory has no 'cpu' "
+        f"budget, so nothing can be offloaded to RAM; the smallest budget found to work on accelerator {device!r} "
+        f"with the others unchanged is {format_bytes(high)} ({high} B); raise max_memory[{device!r}] to at least that, "
+        "or give RAM a budget.",
+        device=device, minimum=high,
+    )
+
+def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
+    """The error for a budget no plan fits, with the smallest RAM budget (other budgets unchanged) that works.
+
+    Found by bisection between the given RAM and a budget that certainly works (the peak of streaming
+    everything from disk, or the whole model in RAM), to 1 %; the strategy is run at each step, so the
+    stated minimum is one the strategy really plans for while 1 % less fails. Where feasibility is not monotone in
+    the budget (``sequential``, and so ``auto``, can fail at a budget between two that work), the search goes on
+    below any budget found to work 1 % under the answer, so the answer is a local minimum: it works, 1 % less does
+    not, though a much smaller budget may work again.
+    """
+    g = problem.graph
+    low = problem.budgets.limit("cpu") or 0
+    relaxed = _with_ram(problem, 2**62)
+    candidates = [check(relaxed, {"": "disk"})[1].peak.get("cpu", 0), check(relaxed, {"": "cpu"})[1].peak["cpu"]]
+    high, ceiling = min(candidates), 4 * max(candidates) + 1
+    while not _feasible(_with_ram(problem, high), strategy):
+        low, high = high, 2 * high + 1
+        if high > ceiling:
+            return InfeasiblePlacement(
+                f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, and strategy "
+                f"{strategy!r} finds none even with {format_bytes(ceiling)} of RAM; try strategy='auto'.")
+    generation = ", and what generate needs on the devices that run the model" if problem.generation else ""
+    floor = low  # the caller's budget, or the last one the doubling found failing
+    for _ in range(16):
+        while high - low > max(1, high // 100):
+            middle = (low + high) // 2
+            if _feasible(_with_ram(problem, middle), strategy):
+                high = middle
+            else:
+                low = middle
+        # Feasibility need not be monotone in the budget (accelerate's algorithm, inside "auto", is not): search on
+        # below a budget that works 1 % under the one found, so that the stated minimum really has 1 % less failing.
+        below = high - max(1, high // 100)
+        if below <= floor or not _feasible(_with_ram(problem, below), strategy):
+            break
+        high, low = below, floor
+    return InfeasiblePlacement(
+        f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: the smallest RAM budget "
+        f"found to work with the other budgets unchanged is {format_bytes(high)} ({high} B) on 'cpu' (buffers of "
+        f"offloaded modules plus the weights streamed at once{generation} must fit there); raise max_memory['cpu'] to "
+        "at least that"
+        f"{', or give accelerators more room' if problem.budgets.accelerators else ''}.",
+        device="cpu", minimum=high,
+    )

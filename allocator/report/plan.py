@@ -1,0 +1,210 @@
+"""What :func:`allocator.plan` returns: a :class:`Plan`, a placement with what it costs at runtime, made by
+:func:`finish` (check, peaks and price, once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..budgets import ByDevice, Device, canonical
+from ..errors import AllocatorError
+from ..evaluate.cost import Cost
+from ..evaluate.memory import map_runs
+from ..evaluate.runs import columns
+from ..evaluate.validate import Violation, check, format_bytes, peak_parts
+from ..placement import Placement
+from ..problem import Problem, step_problem
+from ..strategies import STRATEGIES, run
+from ..strategies.contract import contract_main, fast_bytes, floor
+from ..strategies.ranking import priced
+from .explain import reasons
+
+__all__ = ["Plan", "finish"]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A placement with what it costs at runtime.
+
+    Attributes
+    ----------
+    device_map : dict
+        Accepted as ``device_map=`` by ``from_pretrained``, ``dispatch_model`` and ``load_checkpoint_and_dispatch``.
+    peak : dict
+        Bytes per device at the peak of a forward (main device: resident + offloaded buffers + streamed chain), and
+        with a generation budget at the peak of ``generate`` (plus KV cache, logits and activations). Keyed by the
+        canonical devices of the map (``0``, ``"cpu"``) and answering to the caller's spelling (``peak["cuda:0"]``,
+        :class:`allocator.budgets.ByDevice`); so do ``parts`` and :meth:`resident`.
+    strategy : str
+        The strategy that produced it.
+    main_device : int or str
+        Where offloaded modules execute.
+    streamed : int
+        Bytes kept free on the main device for offloaded weights streamed at once.
+    parts : dict
+        Per device, what its peak is made of: ``weights`` (with buffers and the streaming reserve), and with a
+        generation budget ``cache``, ``logits`` and ``activations``; the parts sum to ``peak``.
+    violations : tuple of Violation
+        Broken runtime rules (only ``sequential`` may return a map with violations: it reproduces accelerate).
+    cost : Cost
+        The cost model's estimate per forward (seconds, streamed bytes, device changes).
+    prefetch : int
+        Bytes kept free on the main device, beyond ``streamed``, for the offloaded modules the allocator runtime makes
+        ready ahead (``runtime="allocator"``, :mod:`allocator.offload`); 0 under accelerate's hooks.
+    """
+
+    device_map: dict
+    peak: dict
+    strategy: str
+    main_device: Device
+    streamed: int
+    violations: tuple[Violation, ...]
+    problem: Problem
+    placement: Placement
+    cost: Cost
+    parts: dict = field(default_factory=dict)
+    prefetch: int = 0
+
+    @property
+    def optimal(self) -> bool | None:
+        """Whether the strategy proved no valid plan is estimated faster (``ilp``); ``None`` when unknown."""
+        return self.placement.optimal
+
+    @property
+    def valid(self) -> bool:
+        return not self.violations
+
+    @property
+    def costs(self) -> dict:
+        """The estimate of each forward that was counted (``"prefill"``, and with a generation budget ``"decode"``:
+        one decoding step), as :class:`Cost`; ``{"prefill": cost}`` when nothing was counted. :attr:`cost` is the
+        one ``options.optimize`` names."""
+        steps = self.problem.steps or {"prefill": None}
+        return {step: self.cost if step == self.problem.options.optimize else
+                priced(step_problem(self.problem, step), self.device_map) for step in steps}
+
+    @property
+    def inputs(self) -> dict | None:
+        """The shapes of the forward the cost model counted (``PlanOptions.inputs``, or the config's defaults), or
+        ``None`` where nothing was counted."""
+        counted = self.problem.flops
+        return None if counted is None else dict(counted.inputs)
+
+    def compute_term(self) -> str:
+        """One line: whether the estimate's compute term is counted (FLOPs, ops and activations at the inputs) or
+        estimated (``2 * params * tokens``), and why."""
+        counted = self.problem.flops
+        tokens = self.problem.profile.tokens
+        if counted is None:
+            return (f"compute term estimated: 2 x params x {tokens} tokens (no inputs; pass inputs={{'input_ids': "
+                    f"(1, 512)}} or inputs='default' to count FLOPs on the meta device)")
+        shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in counted.inputs.items())
+        source = "the config's defaults" if counted.defaults else "the inputs given"
+        if self.problem.options.optimize == "decode":
+            source = f"one decoding step of {source}, the whole KV cache read"
+        if self.problem.node_flops is None:
+            return (f"compute term estimated: 2 x params x {tokens} tokens; the count at {shapes} ({source}) is "
+                    f"incomplete: {counted.reason()}")
+        return (f"compute term counted at {shapes} ({source}): {counted.total / 1e9:.3g} GFLOP, "
+                f"{sum(counted.ops.values())} ops, activations at each device change")
+
+    def per_step(self) -> str:
+        """``"per step: prefill 1.234 ms, decode 0.123 ms"``: the estimate of each counted forward (:attr:`costs`)."""
+        return "per step: " + ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in self.costs.items())
+
+    def resident(self, device: Device) -> int:
+        """Counted bytes of the model that live on ``device`` (not counting the streaming reserve)."""
+        counted = columns(self.problem.graph).sum_counted
+        device = canonical(device)   # the caller's spelling: "cuda:0" is 0
+        return sum(counted[r.end] - counted[r.start] for r in map_runs(self.problem.graph, self.device_map)
+                   if r.device == device)
+
+    def __repr__(self) -> str:
+        """One line: strategy, main device, estimate, resident and peak bytes per device (the rest: ``explain()``)."""
+        budgets = self.problem.budgets
+        devices = "; ".join(
+            f"{d}: resident {format_bytes(self.resident(d))}, peak {format_bytes(self.peak[d])}"
+            + (f" of {format_bytes(budgets.limit(d))}" if budgets.limit(d) is not None else "")
+            for d in budgets.order if d in self.peak)
+        state = "valid" if self.valid else f"{len(self.violations)} violation(s)"
+        return (f"<Plan {self.strategy} for {self.problem.graph.model_class}: main device {self.main_device!r}, "
+                f"estimated {self.cost.seconds * 1e3:.3f} ms per forward, {state}; {devices}>")
+
+    def explain(self) -> str:
+        """The plan as text: per-device bytes against budgets, which objective decided, then why — the main device,
+        what each device holds and why not more (or why nothing), why units are offloaded, the streaming reserve and
+        the offloaded modules that set it, which candidate won and by what margin — then the strategy's decisions
+        (at most 200)."""
+        g, budgets = self.problem.graph, self.problem.budgets
+        lines = [f"strategy {self.strategy} for {g.model_class} ({format_bytes(g.total)}); main device "
+                 f"{self.main_device!r}",
+                 f"  estimated {self.cost.seconds * 1e3:.3f} ms per forward, {format_bytes(self.cost.streamed_bytes)} "
+                 f"streamed per forward, {self.cost.device_changes} device changes"
+                 + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal")),
+                 f"  {self.compute_term()}"]
+        if len(self.problem.steps) > 1:
+            lines.append(f"  {self.per_step()}; objectives price the {self.problem.options.optimize}")
+        for device in budgets.order:
+            if device not in self.peak:
+                continue
+            limit = budgets.limit(device)
+            share = f" of {format_bytes(limit)} ({self.peak[device] / limit:.0%})" if limit else ""
+            lines.append(f"  {device!s:>5}: resident {format_bytes(self.resident(device))}, peak "
+                         f"{format_bytes(self.peak[device])}{share}")
+            parts = self.parts.get(device, {})
+            if any(parts.get(k) for k in ("cache", "logits", "activations")):
+                lines.append("         = " + " + ".join(f"{k} {format_bytes(parts[k])}" for k in
+                                                        ("weights", "cache", "logits", "activations")))
+        lines.append(f"  {self._objective()}")
+        if self.problem.generation is not None:
+            lines.append(f"  {self.problem.generation.summary()}")
+        lines += [f"  violation {v}" for v in self.violations]
+        why, said = reasons(self)
+        lines.append("why:")
+        lines += [f"  - {sentence}" for sentence in why]
+        notes = [note for note in self.placement.notes if note not in said]
+        if notes:
+            lines.append(f"decisions of {self.strategy.split(':')[-1]}:")
+        lines += [f"  - {note}" for note in notes[:200]]
+        if len(notes) > 200:
+            lines.append(f"  ... {len(notes) - 200} more decisions")
+        return "\n".join(lines)
+
+
+    def _objective(self) -> str:
+        """Which objective decided: under ``"contract"`` its main device and floor (accelerate's bytes on the fastest
+        tier, and this plan's); under ``"latency"`` what the contract would have chosen instead."""
+        problem = self.problem
+        if problem.options.contract:
+            need = floor(problem)
+            have = fast_bytes(problem, map_runs(problem.graph, self.device_map))
+            return ("objective contract: main device the first accelerator that admits a plan "
+                    f"({contract_main(problem)!r}), accelerators in index order, at least accelerate's bytes on "
+                    f"them ({format_bytes(need)}, this plan {format_bytes(have)}); the cost model ranks the plans that "
+                    "keep it")
+        line = "objective latency: the cost model's estimate alone decided"
+        name = self.strategy.split(":")[0]
+        if name not in STRATEGIES:
+            return line
+        options = replace(self.problem.options, objective="contract")
+        try:
+            other = finish(replace(self.problem, options=options), run(name, replace(self.problem, options=options)))
+        except AllocatorError:
+            return line + "; no plan keeps the contract"
+        if other.main_device == self.main_device:
+            return line + f"; the contract gives the same main device ({self.main_device!r})"
+        gain = other.cost.seconds / self.cost.seconds - 1 if self.cost.seconds else 0.0
+        return (line + f"; the contract would make main device {other.main_device!r} "
+                f"(estimated {other.cost.seconds * 1e3:.3f} ms per forward, {gain:+.0%} against this plan)")
+
+
+def finish(problem: Problem, placement: Placement) -> Plan:
+    """The plan of a placement: its map checked against the runtime rules, its peaks and parts per device, and its
+    estimate, each computed once."""
+    violations, memory = check(problem, placement.device_map)
+    parts = peak_parts(problem, placement.device_map, memory)
+    return Plan(
+        device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
+        main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
+        placement=placement, cost=priced(problem, placement.device_map), parts=ByDevice(parts),
+        prefetch=memory.prefetch,
+    )
