@@ -16,6 +16,7 @@ from .model.generation import GenerationBudget, GenerationNeeds, generation_need
 from .gc_pause import gc_paused
 from .model import ModelGraph, build_graph
 from .memo import Derived
+from .placement import clean_device_map
 from .rules.loaders import LOADERS
 
 __all__ = ["OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem",
@@ -214,6 +215,11 @@ class Problem:
         where the CPU is the only device that can be main (no accelerator budget) and ``dtype`` casts some tensor.
         With an accelerator main the copy is made in host RAM or on the accelerator by path; it is not counted."""
         return bool(self.graph.stored) and not self.budgets.accelerators
+
+    def cleaned(self, device_map: Mapping) -> dict:
+        """``device_map`` as the options say to return it: entries whose children share a device merged
+        (:func:`allocator.placement.clean_device_map`) under ``clean_result``, else as it is (a new dict)."""
+        return clean_device_map(device_map) if self.options.clean_result else dict(device_map)
 
 
 def quantizer_size_fn(model, hf_quantizer):

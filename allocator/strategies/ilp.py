@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from ..budgets import is_accelerator
 from ..evaluate.cost import Profile, boundaries, change_seconds, estimate, tensor_seconds
 from ..errors import AllocatorError
-from ..placement import Placement, clean_device_map
+from ..placement import Placement, note
 from ..problem import Problem
 from ..rules.loaders import loads_disk_only
 from ..evaluate.runs import columns
@@ -50,10 +50,9 @@ from ..evaluate.units import Group, disk_loadable, problem_groups
 from ..evaluate.validate import check
 from . import backfill, reserve
 from .ranking import best_valid, infeasible
-from .contract import (
-    accelerate_map, accelerate_placement, contract_violations, fast_bytes, fast_tier, floor, main_candidates,
-    order_violations,
-)
+from ..evaluate.tiers import fast_bytes, fast_tier, order_violations
+from .contract import contract_violations
+from .witness import accelerate_map, accelerate_placement, floor, main_candidates
 
 __all__ = ["place"]
 
@@ -211,7 +210,7 @@ def _solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int
             _hint_levels(model, hint, found, executing, level)
     if need:   # never below accelerate: at least its bytes on the fastest tier
         counted = columns(g).counted
-        fast = [d for d in devices if d in fast_tier(problem)]
+        fast = [d for d in devices if d in fast_tier(problem.budgets)]
         model.Add(sum(sum(counted[t] for t in tensors[k]) * x[k, d] for k in range(len(found)) for d in fast) >= need)
 
     # Objective: the estimate, tensor by tensor (reads, copies, per-tensor latencies), and the changes of executing
@@ -453,7 +452,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if homed != placed:   # from disk to RAM costs no more (a zero-size parameter still pays its hook): price it again
         objective = estimate(problem, homed, profile).seconds
     placed = homed
-    device_map = clean_device_map(placed) if problem.options.clean_result else placed
+    device_map = problem.cleaned(placed)
     violations = check(problem, device_map)[0]
     if violations:
         raise AllocatorError(f"ilp produced an invalid plan (a modelling bug, please report): {violations[:3]}")
@@ -462,12 +461,13 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
              f"{'proven optimal' if proven else 'not proven optimal'}{kept}"]
     if merged:
         notes.append(f"coarsened: {merged} merges of consecutive units to stay under {max_units} groups")
-    return Placement(device_map=device_map, strategy="ilp", notes=tuple(notes), optimal=proven and not merged)
+    return Placement(device_map=device_map, strategy="ilp", decisions=tuple(note(n, "solver") for n in notes),
+                     optimal=proven and not merged)
 
 
 def _breaks_order_or_main(problem: Problem, device_map) -> bool:
     """Whether a map breaks the contract's main device or index order (the floor is :func:`_floor_to_keep`'s)."""
-    return any(v.kind != "contract-floor" for v in contract_violations(problem, device_map, strategy="ilp"))
+    return any(v.kind != "contract-floor" for v in contract_violations(problem, device_map))
 
 
 def _floor_to_keep(problem: Problem, incumbent) -> int:

@@ -6,24 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..evaluate.cost import Cost, estimate, estimate_runs
+from ..evaluate.cost import Cost, estimate_runs, priced
 from ..errors import AllocatorError, InfeasiblePlacement
-from ..placement import Placement, clean_device_map
+from ..placement import Placement, note
 from ..problem import Problem
 from ..evaluate.memory import main_device
 from ..budgets import format_bytes
 from ..evaluate.validate import check
-from .contract import accelerate_map, contract_main, contract_violations, fast_bytes, floor, order_violations
+from ..evaluate.tiers import fast_bytes, order_violations
+from .contract import contract_violations
+from .witness import accelerate_map, contract_main, floor
 
-__all__ = ["Best", "Tried", "score", "priced", "best_of", "best_valid", "infeasible", "keeping_contract"]
+__all__ = ["Best", "Tried", "score", "best_of", "best_valid", "infeasible", "keeping_contract"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8
-
-
-def priced(problem: Problem, device_map) -> Cost:
-    """``estimate(problem, device_map)`` under the problem's profile; the last few results are remembered."""
-    return problem.derived.recent("priced", device_map, lambda: estimate(problem, device_map))
 
 
 def score(problem: Problem, device_map) -> tuple[float, int, int]:
@@ -83,18 +80,19 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
         fallback = accelerate_map(problem) if problem.options.contract else None
         if fallback is None:
             raise infeasible(problem)
-        return Placement(device_map=fallback, strategy=strategy,
-                         notes=(f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, "
-                                "accelerators in index order, at least accelerate's bytes on them): accelerate's own "
-                                "map is kept",))
-    key, device_map, note = best
+        return Placement(device_map=fallback, strategy=strategy, decisions=(note(
+            f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, accelerators in index "
+            "order, at least accelerate's bytes on them): accelerate's own map is kept", "fallback",
+            bound="contract"),))
+    key, device_map, said = best
     count = len({id(c) for c in candidates})
     kept = "its only candidate plan" if count == 1 else f"the fastest of {count} candidate plans"
     if problem.options.contract:
         kept += " that keeps the contract" if count == 1 else " that keep the contract"
-    return Placement(device_map=device_map, strategy=strategy,
-                     notes=(f"{strategy} kept {kept} ({note}): estimated {-key[0] * 1e3:.3f} ms per forward, "
-                            f"{format_bytes(key[1])} on the fastest tier, {-key[2]} device changes",))
+    return Placement(device_map=device_map, strategy=strategy, decisions=(note(
+        f"{strategy} kept {kept} ({said}): estimated {-key[0] * 1e3:.3f} ms per forward, {format_bytes(key[1])} on "
+        f"the fastest tier, {-key[2]} device changes", "kept", devices=(main_device(device_map.values()),),
+        bytes=key[1], bound="estimate"),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +182,7 @@ def _price(problem: Problem, candidate) -> tuple[float, int, int]:
 def _final(problem: Problem, candidate) -> dict:
     """The device map a candidate is returned as (cleaned unless the options say not to)."""
     placed = candidate.device_map()
-    return clean_device_map(placed) if problem.options.clean_result else placed
+    return problem.cleaned(placed)
 
 
 def infeasible(problem: Problem) -> InfeasiblePlacement:
