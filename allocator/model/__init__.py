@@ -14,7 +14,8 @@ those above it in this list):
 
 Beside it: :mod:`~allocator.model.blocks` (no-split classes, repeated blocks and stacks),
 :mod:`~allocator.model.unwrap` (the model under its wrappers), :mod:`~allocator.model.flops` (FLOPs at the input
-shapes), :mod:`~allocator.model.generation` (what ``generate`` needs: KV cache, logits, activations),
+shapes), :mod:`~allocator.model.generation` (what ``generate`` needs: KV cache, logits, activations; the attention
+modules that fill the cache in :mod:`~allocator.model.attention`),
 :mod:`~allocator.model.quantization` (sizes of quantized weights), :mod:`~allocator.model.safetensors` and
 :mod:`~allocator.model.checkpoint` (what a saved folder loads as), and :mod:`~allocator.model.zoo` (real transformers
 architectures built on the meta device, from the catalogue in :mod:`~allocator.model.zoo_specs`).
