@@ -95,8 +95,10 @@ class Attached:
 
     Attributes
     ----------
-    units : list
+    units : list of OffloadedModule
         The offloaded modules, in module order.
+    files : MappedFiles
+        Every checkpoint file read, mapped once.
     prefetch : int
         How many units ahead the weights are made ready.
     held, peak_held : int
