@@ -98,14 +98,12 @@ class PlanOptions:
     inputs: Mapping | str | None = "auto"
     """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
     tensors, or ``"default"`` for :func:`allocator.model.flops.default_inputs` of the model's config. The problem
-    builder
-    then counts FLOPs per module on the meta device (:func:`allocator.model.flops.count_flops`) and the cost model's
-    compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails on
-    meta, an op has no FLOP formula, more than :data:`allocator.model.flops.MAX_OPS` ops) it keeps that rule, and logs
-    why.
-    ``None``: nothing is counted. ``"auto"`` (the default): ``"default"`` where the estimate alone decides
-    (``objective="latency"``) and the config gives defaults, else ``None`` (under the contract the estimate only
-    ranks plans that keep it, and counting adds 0.1-1 s to a plan)."""
+    builder then counts FLOPs per module on the meta device (:func:`allocator.model.flops.count_flops`) and the cost
+    model's compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails
+    on meta, an op has no FLOP formula, more than :data:`allocator.model.flops.MAX_OPS` ops) it keeps that rule, and
+    logs why. ``None``: nothing is counted. ``"auto"`` (the default): ``"default"`` where the estimate alone decides
+    (``objective="latency"``) and the config gives defaults, else ``None`` (under the contract the estimate only ranks
+    plans that keep it, and counting adds 0.1-1 s to a plan)."""
     # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
@@ -259,8 +257,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
     ``options`` (a :class:`PlanOptions`) says how the model is read and the plan run; ``keywords`` are its fields,
     given one by one (they override those of ``options``). With a ``generation`` budget the graph also holds the KV
     cache, logits and activations of ``generate`` (:mod:`allocator.model.generation`). An ``hf_quantizer`` supplies
-    sizes
-    (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is
+    sizes (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is
     modified.
 
     Examples

@@ -5,8 +5,7 @@ builder, into bytes attached to the model graph (:attr:`ModelGraph.extra`, :attr
 :attr:`ModelGraph.main_workspace`). Strategies never see the budget: the bytes enter the units like the buffers of a
 module (they live where the module *executes*: its device when resident, the main device when offloaded), and
 :func:`allocator.evaluate.memory.peaks` — the one place per-device peaks are computed — adds them. So every strategy
-that
-respects the validator's peaks respects the generation budget too.
+that respects the validator's peaks respects the generation budget too.
 
 What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's ``cache_utils`` and
 ``GenerationMixin._sample``):

@@ -42,11 +42,10 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
 
     A candidate (:class:`allocator.strategies.first_fit.Filled`) gives its ``runs()``, its ``main`` device, its
     ``device_map()`` and a ``note``. Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED`
-    valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only
-    the maps
-    that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
-    checked from the best price down and the first valid one wins (usually one map and one check); with more, each
-    is checked on the way, in ranked order.
+    valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only the
+    maps that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
+    checked from the best price down and the first valid one wins (usually one map and one check); with more, each is
+    checked on the way, in ranked order.
     """
     candidates = keeping_contract(problem, candidates)
     ranked = sorted(((_quick(problem, c.runs()), k) for k, c in enumerate(candidates)), reverse=True)
