@@ -19,8 +19,8 @@ from .memo import Derived
 from .placement import clean_device_map
 from .rules.loaders import LOADERS
 
-__all__ = ["OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem",
-           "step_problem", "decode_inputs"]
+__all__ = ["accelerators_up_to", "OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem",
+           "RUNTIMES", "build_problem", "step_problem", "decode_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +322,24 @@ def _with_cache_reads(written: Mapping[str, int], graph: ModelGraph, needs: Gene
         name = graph.nodes.name[node]
         out[name] = out.get(name, 0) + nbytes
     return out
+
+
+def accelerators_up_to(problem: Problem, last) -> Problem:
+    """``problem`` with the accelerators after ``last`` (in index order) left out of its budgets: the plans of the
+    result are plans of ``problem`` that leave those accelerators empty. What follows from the graph is kept.
+
+    >>> import torch.nn as nn
+    >>> problem = build_problem(nn.Linear(4, 4), {0: 100, 1: 100, "cpu": 1000})
+    >>> accelerators_up_to(problem, 0).budgets.order
+    (0, 'cpu', 'disk')
+    """
+    accelerators = problem.budgets.accelerators
+    dropped = set(accelerators[accelerators.index(last) + 1:])
+    if not dropped:
+        return problem
+    order = tuple(d for d in problem.budgets.order if d not in dropped)
+    limits = {d: n for d, n in problem.budgets.limits.items() if d not in dropped}
+    return dataclasses.replace(problem, budgets=Budgets(order=order, limits=limits))
 
 
 def step_problem(problem: Problem, step: str) -> Problem:

@@ -24,7 +24,7 @@ from ..problem import Problem
 from ..evaluate.units import problem_groups
 from . import backfill, ilp, reserve
 from .witness import accelerate_placement
-from .ranking import Tried, best_valid, infeasible
+from .ranking import Tried, best_valid, estimate_decides, infeasible, ranked_by
 
 __all__ = ["place", "choice_note"]
 
@@ -55,7 +55,8 @@ def place(problem: Problem) -> Placement:
     used = set(placement.device_map.values())
     if problem.budgets.accelerators and not used - {"cpu", "disk"}:
         log.info("no accelerator plan is valid or faster; running everything from RAM (cpu as main device)")
-    choice = note(choice_note(found.name, found.tried), "choice", bound="estimate")
+    choice = note(choice_note(found.name, found.tried, ranked_by(problem)), "choice",
+                  bound="estimate" if estimate_decides(problem) else "bytes")
     return Placement(device_map=placement.device_map, strategy=f"auto:{placement.strategy}", base=placement.algorithm,
                      decisions=(choice,) + placement.decisions, optimal=placement.optimal)
 
@@ -71,9 +72,9 @@ def _against(seconds: float, other: float) -> str:
     return f"{number} % {'faster' if change > 0 else 'slower'} than"
 
 
-def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
+def choice_note(winner: str, tried: tuple[Tried, ...], ranking: str = "") -> str:
     """One sentence: the candidate kept, its estimate, the margin over accelerate's map (``sequential``) and over the
-    runner-up, and what became of the others."""
+    runner-up (the next by rank), what became of the others, and what ranked them (``ranking``)."""
     chosen = next(t for t in tried if t.name == winner)
     text = f"auto chose {winner}: estimated {format_ms(chosen.seconds)} per forward"
     if chosen.why:
@@ -87,10 +88,13 @@ def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
     elif theirs is not None:
         text += f"; accelerate's map (sequential) {theirs.why}"
     others = [t for t in tried if t.name not in (winner, "sequential" if winner != "sequential" else "")]
-    rivals = sorted((t for t in others if t.eligible and t.seconds is not None), key=lambda t: t.seconds)
+    rivals = sorted((t for t in others if t.eligible and t.key is not None), key=lambda t: t.key, reverse=True)
     if rivals:
         runner = rivals[0]
-        if _against(chosen.seconds, runner.seconds) == "as fast as":
+        if runner.key == chosen.key:
+            text += (f"; {runner.name} ranks the same, and {winner} comes first on the ties (the order of the "
+                     "candidates)")
+        elif _against(chosen.seconds, runner.seconds) == "as fast as":
             text += (f"; {runner.name} is estimated the same, and {winner} comes first on the ties (more bytes on "
                      "the fastest tier, fewer device changes, then the order of the candidates)")
         else:
@@ -100,4 +104,4 @@ def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
             for t in others if not rivals or t is not rivals[0]]
     if rest:
         text += "; the others: " + ", ".join(rest)
-    return text
+    return text + (f"; {ranking}" if ranking else "")

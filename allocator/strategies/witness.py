@@ -27,12 +27,17 @@ from ..evaluate.tiers import fast_bytes, order_violations
 from ..evaluate.units import problem_groups
 from ..evaluate.validate import check
 from ..placement import Placement
-from ..problem import Problem
+from ..problem import Problem, accelerators_up_to
 from . import sequential
+from .cpsat import MAX_UNITS, coarsen, model_inputs, solve_for_main
 from .first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
 
-__all__ = ["Witness", "accelerate_map", "accelerate_placement", "contract_main", "fill_memo", "floor",
-           "main_candidates", "witness"]
+__all__ = ["EXACT_SECONDS", "Witness", "accelerate_map", "accelerate_placement", "admits", "contract_main",
+           "exact_admits", "fill_memo", "floor", "main_candidates", "witness"]
+
+EXACT_SECONDS = 0.5
+"""Deterministic seconds CP-SAT gets to decide whether an accelerator can be the main device, where no fill found a
+plan for it (:func:`exact_admits`)."""
 
 
 class Witness:
@@ -102,12 +107,26 @@ def _first_main(problem: Problem, valid: dict | None) -> Device:
     theirs = main_device(valid.values()) if valid is not None else None
     for device in problem.budgets.accelerators:
         if device == theirs or ((problem.budgets.limit(device) or 0) > 0 or not problem.graph.total) \
-                and _admits(problem, device):
+                and admits(problem, device):
             return device
     return "cpu"
 
 
-def _admits(problem: Problem, main: Device) -> bool:
+def admits(problem: Problem, main: Device) -> bool:
+    """Whether a valid plan that keeps the contract's index order has ``main`` as its main device.
+
+    First by ``reserve``'s fills — over every accelerator the budgets offer, then over ``main`` and the accelerators
+    up to each later one (a plan that leaves the later ones empty is a plan here too, so offering one more
+    accelerator never loses a main device the fills found without it); then, where no fill finds one, exactly, by the
+    CP-SAT model with ``main`` as main device (:func:`exact_admits`)."""
+    later = problem.budgets.accelerators[problem.budgets.accelerators.index(main):]
+    for last in [later[-1], *later[:-1]]:
+        if _fills_admit(accelerators_up_to(problem, last), main):
+            return True
+    return exact_admits(problem, main) is True
+
+
+def _fills_admit(problem: Problem, main: Device) -> bool:
     found = problem_groups(problem)
     streams, memo = Streams(problem, found), fill_memo(problem)
     tried = set()
@@ -122,6 +141,25 @@ def _admits(problem: Problem, main: Device) -> bool:
         if not check(problem, problem.cleaned(candidate.device_map()))[0]:
             return True
     return False
+
+
+def exact_admits(problem: Problem, main: Device, seconds: float = EXACT_SECONDS) -> bool | None:
+    """Whether some valid plan that keeps the contract's index order has ``main`` as its main device, decided by the
+    CP-SAT model (:func:`allocator.strategies.cpsat.solve_for_main` with no bound on its objective): ``True`` with a
+    plan found (and checked by :func:`allocator.evaluate.validate.check`), ``False`` when CP-SAT proves none exists,
+    ``None`` when it cannot tell within ``seconds`` of deterministic time, OR-Tools is not installed, or the groups had
+    to be merged to stay under :data:`allocator.strategies.cpsat.MAX_UNITS` and the merged model has no plan."""
+    try:
+        import ortools.sat.python.cp_model  # noqa: F401
+    except ImportError:
+        return None
+    found, merged = coarsen(list(problem_groups(problem).records()), MAX_UNITS)
+    tensors, sequence, ends = model_inputs(problem, found)
+    solved = solve_for_main(problem, found, tensors, sequence, main, problem.profile, seconds, None, None, 0, ends)
+    if solved.placed is None:
+        return False if solved.proven and not merged else None
+    placed = problem.cleaned(solved.placed)
+    return main_device(placed.values()) == main and not check(problem, placed)[0]
 
 
 def accelerate_placement(problem: Problem) -> Placement:
