@@ -106,12 +106,13 @@ def _placement(problem: Problem, strategy, builtin: bool) -> Placement:
 
 def _prefetched(problem: Problem, place) -> tuple[Problem, Placement]:
     """Under our runtime (``runtime="allocator"``) the prefetch depth is part of the plan: the plan without prefetch
-    is always made, and the deepest depth up to ``options.prefetch`` whose plan keeps as many bytes on the fastest
-    tier and streams no more than it is kept (0 on a CPU main device unless a measured profile is given: prefetch
-    there competes with the forward for the same cores and memory bandwidth). Asking for our runtime never gives a
-    worse placement than not asking. Under accelerate's hooks, one plan."""
+    is always made, and the deepest depth up to :data:`allocator.evaluate.memory.PLANNED_PREFETCH` whose plan keeps
+    as many bytes on the fastest tier and streams no more than it is kept; 0 on a CPU main device unless a measured
+    profile is given (prefetch there competes with the forward for the same cores and memory bandwidth). Asking for
+    our runtime never gives a worse placement than not asking. A depth the caller gives (``prefetch=k``) is planned
+    as given; under accelerate's hooks, one plan."""
     asked = prefetch_of(problem.options)
-    if not asked:
+    if not asked or problem.options.prefetch is not None:   # accelerate's hooks, or the depth the caller chose
         return problem, place(problem)
     at = {depth: replace(problem, options=replace(problem.options, prefetch=depth))
           for depth in range(asked + 1)}

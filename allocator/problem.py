@@ -91,10 +91,13 @@ class PlanOptions:
     """What streams the offloaded weights at each forward, one of :data:`RUNTIMES`: ``"accelerate"`` (its hooks, one
     module's weights at a time) or ``"allocator"`` (:func:`allocator.offload.attach`, which makes the next
     ``prefetch`` offloaded modules' weights ready while one runs). The plan reserves what the runtime holds."""
-    prefetch: int = 1
+    prefetch: int | None = None
     """With ``runtime="allocator"``: offloaded modules made ready ahead of the running one (0: none). The main device
     then keeps room for the streamed chain plus the ``prefetch`` largest offloaded modules
-    (:func:`allocator.evaluate.memory.prefetch_reserve`); ignored with ``runtime="accelerate"``."""
+    (:func:`allocator.evaluate.memory.prefetch_reserve`); ignored with ``runtime="accelerate"``. ``None`` (the
+    default): :func:`allocator.plan` chooses the depth, up to :data:`allocator.evaluate.memory.PLANNED_PREFETCH`:
+    the deepest that keeps the placement of the plan without prefetch, and 0 on a CPU main device unless a measured
+    ``profile`` is given. A depth given here is planned as given."""
     inputs: Mapping | str | None = "auto"
     """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
     tensors, or ``"default"`` for :func:`allocator.model.flops.default_inputs` of the model's config. The problem
@@ -137,7 +140,8 @@ class PlanOptions:
             object.__setattr__(self, "baseline", normalize_map(self.baseline))
         if self.runtime not in RUNTIMES:
             raise InvalidOption(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}.")
-        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+        if self.prefetch is not None and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
+                                          or self.prefetch < 0):
             raise InvalidOption(f"prefetch must be a non-negative integer (offloaded modules made ready ahead), got "
                                 f"{self.prefetch!r}.")
         if self.objective not in OBJECTIVES:

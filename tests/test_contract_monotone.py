@@ -112,15 +112,13 @@ def test_our_runtime_never_plans_a_worse_placement_than_accelerates_hooks():
     total = total_of(model)
     for budget in ({"cpu": int(total * 0.4)}, {0: int(total * 0.4), "cpu": 2 * total}):
         plain = allocator.plan(model, budget)
-        for prefetch in (1, 2):
-            ours = allocator.plan(model, budget, runtime="allocator", prefetch=prefetch)
-            assert ours.valid and not ours.strategy.startswith("sequential (no valid")
-            cost, base = ours.cost, plain.cost
-            assert (cost.resident_fast, -cost.streamed_bytes) >= (base.resident_fast, -base.streamed_bytes)
-            said = ours.placement.of_kind("runtime")
-            assert said and ours.problem.options.prefetch <= prefetch
-            if ours.main_device == "cpu":
-                assert ours.problem.options.prefetch == 0   # no measured profile: no prefetch on the CPU
+        ours = allocator.plan(model, budget, runtime="allocator")   # the depth left to the plan
+        assert ours.valid and not ours.strategy.startswith("sequential (no valid")
+        cost, base = ours.cost, plain.cost
+        assert (cost.resident_fast, -cost.streamed_bytes) >= (base.resident_fast, -base.streamed_bytes)
+        assert ours.placement.of_kind("runtime") and ours.problem.options.prefetch is not None
+        if ours.main_device == "cpu":
+            assert ours.problem.options.prefetch == 0   # no measured profile: no prefetch on the CPU
 
 
 def test_warnings_point_at_the_callers_line():

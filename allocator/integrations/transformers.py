@@ -37,6 +37,7 @@ from ..api import plan
 from ..budgets import is_accelerator
 from ..errors import InvalidOption
 from ..logs import shown
+from ..evaluate.memory import prefetch_of
 from ..offload import attach, has_offload_hooks
 from ..problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
 from ..strategies import resolve
@@ -249,7 +250,7 @@ class Patch:
         def dispatch_model(model, *args, **kwargs):
             result = original(model, *args, **kwargs)
             if has_offload_hooks(model) and getattr(model, "_allocator_runtime", None) is None:
-                depth = self._prefetch.get(model, self.options.prefetch)   # what its plan reserved room for
+                depth = self._prefetch.get(model, prefetch_of(replace(self.options, runtime="allocator")))
                 attach(model, prefetch=depth)
                 log.info("%s runs the allocator offload runtime (prefetch=%d)", type(model).__name__, depth)
             return result
