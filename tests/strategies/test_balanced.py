@@ -240,7 +240,7 @@ def test_zoo_offloading_cells_valid_and_never_less_resident_than_reserve(name):
 
 
 def test_idle_accelerators_are_explained():
-    model = zoo.build("gemma3-4b")  # 15 % per GPU: no GPU can be main (tests/test_strategies.py), all runs from RAM
+    model = zoo.build("gemma3-4b")  # 15 % per GPU: no GPU can be main (test_strategies.py), all runs from RAM
     total = total_of(model)
     plan = allocator.plan(model, {0: int(.15 * total), 1: int(.15 * total), "cpu": 2 * total}, strategy="balanced")
     assert plan.valid and plan.main_device == "cpu"

@@ -142,7 +142,7 @@ def test_infeasible_states_a_minimum_that_works():
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
-    """Every strategy but ``sequential`` (whose property is parity with accelerate, tests/test_parity_random.py).
+    """Every strategy but ``sequential`` (whose property is parity with accelerate, test_parity_random.py).
 
     The strategies that run CP-SAT get shallower trees so that 200 examples each fit the suite's time."""
     heavy = strategy in ("auto", "ilp")
