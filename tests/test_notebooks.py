@@ -64,6 +64,8 @@ def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 3
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     for key, value in kernel_env(tmp_path).items():

@@ -146,6 +146,8 @@ print(json.dumps({s: sorted(m.items(), key=str) for s, m in out.items()}, defaul
 """
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_same_plan_across_processes_and_hash_seeds():
     outputs = []
     for seed in ("1", "2"):
