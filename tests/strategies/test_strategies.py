@@ -17,6 +17,7 @@ from allocator.placement import clean_device_map
 from allocator.rules.loaders import loads_disk_only
 from allocator.rules.dispatch import nested_keys
 from allocator.evaluate.validate import check
+from infeasible import assert_true_minimum
 from trees import budgets, module_trees
 
 from kit_strategy import decreasing   # examples/kit_strategy.py: a strategy built from allocator.strategies.kit alone
@@ -155,7 +156,7 @@ def test_infeasible_states_a_minimum_that_works():
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
-    """Every strategy but ``sequential`` (whose property is parity with accelerate, tests/test_parity_random.py).
+    """Every strategy but ``sequential`` (whose property is parity with accelerate, test_parity_random.py).
 
     The strategies that run CP-SAT get shallower trees so that 200 examples each fit the suite's time."""
     heavy = strategy in ("auto", "ilp")
@@ -166,12 +167,7 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
     try:
         ours = strict_plan(model, budget, strategy=strategy, offload_buffers=offload_buffers)
     except allocator.InfeasiblePlacement as err:
-        if set(budget) == {"cpu"}:
-            kwargs = dict(strategy=strategy, offload_buffers=offload_buffers)
-            assert strict_plan(model, {"cpu": err.minimum}, **kwargs).valid
-            if err.minimum > 0:  # 1 % less (at least a byte) is not enough
-                with pytest.raises(allocator.InfeasiblePlacement):
-                    strict_plan(model, {"cpu": err.minimum - max(1, err.minimum // 100)}, **kwargs)
+        assert_true_minimum(err, model, budget, strategy=strategy, offload_buffers=offload_buffers)
         return
     assert ours.valid, ours.violations
     assert clean_device_map(ours.device_map) == ours.device_map   # returned clean: plan() does not walk it again
@@ -210,7 +206,8 @@ def _plan_random_tree_for_accelerate(strategy, release, data):
     offload_buffers = data.draw(st.booleans())
     try:
         ours = strict_plan(model, budget, strategy=strategy, offload_buffers=offload_buffers, loader="accelerate")
-    except allocator.InfeasiblePlacement:
+    except allocator.InfeasiblePlacement as err:
+        assert_true_minimum(err, model, budget, strategy=strategy, offload_buffers=offload_buffers, loader="accelerate")
         return
     assert ours.valid, ours.violations
     assert ours.problem.options.loader == "accelerate"

@@ -97,6 +97,7 @@ def measure(loader: str, path: str, dtype: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("loader", ["transformers", "accelerate"])
 def test_streamed_peak_fits_what_validate_predicts(saved, loader, dtype):
@@ -116,6 +117,7 @@ def test_streamed_peak_fits_what_validate_predicts(saved, loader, dtype):
         assert measured > kept + mapped + MiB, (measured / MiB, kept / MiB)
 
 
+@pytest.mark.subprocess
 def test_inv_freq_keeps_float32_under_float16(saved):
     path, meta = saved
     graph = allocator.build_problem(meta, {"cpu": 10**12}, dtype=torch.float16).graph
