@@ -83,7 +83,11 @@ def parse_max_memory(text: str) -> dict:
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or not key or not value:
             raise InvalidBudget(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB.")
-        out[int(key) if key.isdigit() else key] = int(value) if value.isdigit() else value  # bytes, as in a dict
+        device = int(key) if key.isdigit() else key
+        if device in out:
+            raise InvalidBudget(f"--max-memory gives device {key!r} twice ({device}={out[device]} and {part}); give "
+                                "each device once.")
+        out[device] = int(value) if value.isdigit() else value  # bytes, as in a dict
     for key, value in out.items():
         small_bare_number(key, value)
     if not out:

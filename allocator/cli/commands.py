@@ -13,12 +13,16 @@ from ..errors import AllocatorError, InvalidModel, InvalidOption, one_line
 from ..model import as_dtype, zoo
 from ..model.checkpoint import kept_in_float32
 from ..model.load import did_you_mean, load_model
+from ..report.plan import Plan
+from ..report.schema import SCHEMA, read
 from ..problem import build_problem
 from ..profile import Profile
 from ..strategies import resolve
 from .arguments import check_writable, load_profile, parse_generation, parse_inputs, parse_max_memory
+from .status import Status
 from .render import (
-    align, align_left, budget_spec, compare_text, device_table, dtype_line, dtype_name, format_size,
+    align, align_left, budget_spec, compare_text, device_table, dtype_line, dtype_name, empty_accelerators,
+    format_size,
     generation_table, plot_plans, quantity, quantization_line, side_by_side,
 )
 
@@ -44,54 +48,59 @@ def list_examples() -> int:
     return 0
 
 
+def planned_model(args, status: Status):
+    """The model ``args.source`` built on the meta device, and the options its plans are made with: the dtype
+    (``--dtype``, else the one ``from_pretrained`` would load), the tensors ``from_pretrained`` keeps in float32,
+    the quantization's sizes, and ``--profile``, ``--inputs`` and ``--optimize`` where the command has them."""
+    dtype = as_dtype(args.dtype, "--dtype") if args.dtype is not None else None
+    profile = load_profile(args.profile) if getattr(args, "profile", None) else None
+    inputs = parse_inputs(args.inputs) if getattr(args, "inputs", None) is not None else "auto"  # PlanOptions' default
+    status.say(f"building {args.source} on the meta device (nothing is downloaded)...")
+    loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
+    dtype = dtype or loaded.dtype
+    kept, patterns = kept_in_float32(loaded.model, dtype)  # from_pretrained's _keep_in_fp32_modules(_strict)
+    options = dict(dtype=dtype, profile=profile, special_dtypes=kept or None, inputs=inputs,
+                   optimize=getattr(args, "optimize", "prefill"))
+    if loaded.quantization is not None:
+        options.update(size_fn=loaded.quantization.size_fn, hf_quantizer=loaded.quantization.hf_quantizer)
+    return loaded, options, patterns
+
+
 def cmd_plan(args) -> int:
     if args.list:
         return list_examples()
     if args.source is None:
         raise InvalidOption("plan needs a SOURCE: a model folder, a config.json or a built-in example "
                             "(see 'allocator plan --list').")
+    if args.from_json is not None and args.max_memory is not None:
+        raise InvalidOption("--from-json checks a saved plan under the budgets it was made with; drop --max-memory "
+                            "(or plan again without --from-json).")
+    saved = read_saved(args.from_json) if args.from_json is not None else None
     max_memory = parse_max_memory(args.max_memory) if args.max_memory is not None else None
     resolve(args.strategy)
-    if args.dtype is not None:
-        as_dtype(args.dtype, "--dtype")
-    profile = load_profile(args.profile) if args.profile else None
     generation = parse_generation(args.generation) if args.generation is not None else None
-    inputs = parse_inputs(args.inputs) if args.inputs is not None else "auto"   # PlanOptions' default
-    check_writable(args.json, "--json")
+    if args.json != "-":
+        check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")
-    loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
-    dtype = args.dtype or loaded.dtype
-    kept, patterns = kept_in_float32(loaded.model, dtype)  # from_pretrained's _keep_in_fp32_modules(_strict)
-    options = dict(dtype=dtype, profile=profile, generation=generation, special_dtypes=kept or None, inputs=inputs,
-                   optimize=args.optimize)
-    if loaded.quantization is not None:
-        options.update(size_fn=loaded.quantization.size_fn, hf_quantizer=loaded.quantization.hf_quantizer)
-    ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True, **options)
-    print(f"{loaded.source}")
-    print(f"{ours.problem.graph.model_class}: {format_size(ours.problem.graph.total)}"
-          f"{f' in {dtype_name(dtype)}' if dtype else ''}{f'; bandwidths from {args.profile}' if profile else ''}")
-    print(dtype_line(args.dtype, loaded) + (f"; {len(kept)} tensors kept in float32, as from_pretrained keeps "
-                                             f"{', '.join(patterns)}" if kept else ""))
-    if loaded.quantization is not None:
-        print(quantization_line(loaded.quantization, dtype, ours))
-    if ours.problem.flops is not None:
-        print(ours.compute_term())
-        if len(ours.problem.steps) > 1:
-            print(f"{ours.per_step()}; the plan minimises the {args.optimize}")
-    if max_memory is None:
-        print(f"budgets: the default, this machine's free memory now ({budget_spec(ours.problem.budgets)}); "
-              f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
-    print()
-    print(device_table(ours))
-    if generation is not None:
-        print()
-        print(generation_table(ours))
-    if args.explain:
-        print()
-        print(ours.explain())
+    status = Status(enabled=not args.quiet)
+    loaded, options, patterns = planned_model(args, status)
+    options["generation"] = generation
+    if saved is not None:
+        status.say(f"checking the plan of {args.from_json} against the model...")
+        keep = {k: v for k, v in options.items() if k in ("size_fn", "hf_quantizer")}
+        ours = Plan.from_dict(saved, loaded.model, **keep)
+    else:
+        status.say(f"planning {args.source}...")
+        ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True,
+                    **options)
+    theirs = _baseline(loaded.model, max_memory, options) if args.compare and saved is None else None
+    status.clear()
+    if args.json == "-":
+        print(json.dumps(ours.to_dict(), indent=1))
+        return 0
+    _report(args, loaded, ours, patterns, max_memory is None and saved is None)
     plans = {f"allocator ({ours.strategy})": ours}
-    if args.compare:
-        theirs = _baseline(loaded.model, max_memory, options)
+    if theirs is not None:
         print()
         if isinstance(theirs, AllocatorError):
             print(f"accelerate (strategy {BASELINE}) finds no map: {one_line(theirs)}")
@@ -106,12 +115,63 @@ def cmd_plan(args) -> int:
             plans = {"accelerate": theirs, **plans}
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(ours.device_map, fh, indent=1)
-        print(f"\ndevice map written to {args.json} (pass it as device_map= to from_pretrained or dispatch_model)")
+            json.dump(ours.to_dict(), fh, indent=1)
+        print(f"\nplan written to {args.json} (schema {SCHEMA}; its \"device_map\" is what from_pretrained and "
+              f"dispatch_model take as device_map=)")
     if args.plot:
         plot_plans(plans, args.plot)
         print(f"plot written to {args.plot}")
+    if saved is not None and ours.violations:
+        print(f"\nthe saved plan breaks {len(ours.violations)} runtime rule(s) on this model (listed above)")
+        return 1
     return 0
+
+
+def read_saved(path: str) -> dict:
+    """The JSON object in ``path`` (``--from-json``), checked against the plan schema."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except ValueError as err:
+        raise InvalidOption(f"--from-json {path} is not a JSON file ({one_line(err)}); write one with "
+                            f"'allocator plan MODEL --json FILE'.") from None
+    read(data)
+    return data
+
+
+def _report(args, loaded, ours, patterns, default_budgets: bool) -> None:
+    """The report of ``allocator plan``: where the model came from, its size and dtype, the device table, why each
+    empty accelerator holds nothing, the generation table and (``--explain``) the plan's story."""
+    options = ours.problem.options
+    dtype, kept = options.dtype, options.special_dtypes or {}
+    print(f"{loaded.source}")
+    print(f"{ours.problem.graph.model_class}: {format_size(ours.problem.graph.total)}"
+          f"{f' in {dtype_name(dtype)}' if dtype else ''}"
+          f"{f'; bandwidths from {args.profile}' if options.profile is not None and args.profile else ''}")
+    print(dtype_line(args.dtype, loaded) + (f"; {len(kept)} tensors kept in float32, as from_pretrained keeps "
+                                             f"{', '.join(patterns)}" if kept else ""))
+    if loaded.quantization is not None:
+        print(quantization_line(loaded.quantization, dtype, ours))
+    if ours.problem.flops is not None:
+        print(ours.compute_term())
+        if len(ours.problem.steps) > 1:
+            print(f"{ours.per_step()}; the plan minimises the {options.optimize}")
+    if default_budgets:
+        print(f"budgets: the default, this machine's free memory now ({budget_spec(ours.problem.budgets)}); "
+              f"plan for another machine with --max-memory, e.g. 0=24GiB,cpu=64GiB")
+    if args.from_json is not None:
+        print(f"plan read from {args.from_json} and checked against this model under its budgets "
+              f"({budget_spec(ours.problem.budgets)})")
+    print()
+    print(device_table(ours))
+    for line in empty_accelerators(ours):
+        print(line)
+    if ours.problem.generation is not None:
+        print()
+        print(generation_table(ours))
+    if args.explain:
+        print()
+        print(ours.explain())
 
 
 def _baseline(model, max_memory, options):

@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the built-in examples and exit")
     p.add_argument("--max-memory", metavar="DEV=SIZE,...",
                    help="budgets, e.g. 0=20GiB,1=20GiB,cpu=64GiB (default: what this machine has)")
-    p.add_argument("--dtype", help="dtype the weights will be loaded in, e.g. bfloat16 (default: the config's)")
+    p.add_argument("--dtype", help="dtype the weights will be loaded in: bfloat16 (bf16), float16 (fp16), float32 "
+                   "(fp32), ... (default: the config's)")
     p.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
     p.add_argument("--objective", default="contract", choices=["contract", "latency"],
                    help="contract (default): GPU 0 first, accelerators in index order, never below accelerate; "
@@ -68,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true",
                    help="print why: the main device, what each device holds and why not more, the budget that bound, "
                         "the streaming reserve, the candidate kept and its margin; then the strategy's decisions")
-    p.add_argument("--json", metavar="FILE", help="write the device map as JSON")
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON (schema allocator.plan/1: device map, main "
+                   "device, budgets, peaks, estimate, decisions) to FILE, or with '-' to stdout instead of the report")
+    p.add_argument("--from-json", metavar="FILE",
+                   help="check and show a plan saved with --json against the model, under its saved budgets")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of bytes per device")
     p.add_argument("--profile", metavar="FILE", help="bandwidths written by 'allocator profile --out FILE'")
     p.add_argument("--inputs", metavar="NAME=DIMxDIM,...",
@@ -81,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep room for generate: KV cache, logits and activations (allocator.GenerationBudget)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model folder's own code, for a config whose auto_map names it")
+    p.add_argument("--quiet", action="store_true", help="no status line on stderr while the model is built and planned")
     d = sub.add_parser("demo", help="accelerate vs allocator on a built-in example under three budgets")
     d.add_argument("--model", default="t5-base", help="a built-in example (default: t5-base)")
     d.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")

@@ -10,10 +10,11 @@ from ..budgets import format_bytes
 from ..errors import InvalidOption
 from ..model import as_dtype
 from ..model.load import LoadedModel
+from ..report.explain import reasons
 
-__all__ = ["format_size", "format_time", "dtype_name", "device_table", "generation_table", "align", "align_left",
-           "compare_text", "side_by_side", "dtype_line", "quantization_line", "budget_spec", "quantity",
-           "plot_plans"]
+__all__ = ["format_size", "format_time", "dtype_name", "empty_accelerators", "device_table", "generation_table",
+           "align", "align_left", "compare_text", "side_by_side", "dtype_line", "quantization_line", "budget_spec",
+           "quantity", "plot_plans"]
 
 
 def format_size(n: int | None) -> str:
@@ -30,7 +31,25 @@ def dtype_name(dtype) -> str:
 
 
 def format_time(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds * 1e3:,.0f} ms"
+    """Seconds as milliseconds with three decimals, the one format of every estimate the package prints
+    (``Plan.explain``, ``repr(plan)``, the CLI).
+
+    >>> format_time(4.5754), format_time(0.870315), format_time(2.5e-6)
+    ('4575.400 ms', '870.315 ms', '0.003 ms')
+    """
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def empty_accelerators(result) -> list[str]:
+    """One line per accelerator with a budget that holds nothing, saying why: the sentence of the plan's own
+    explanation (:func:`allocator.report.explain.reasons`), not derived again."""
+    accelerators = [d for d in result.problem.budgets.accelerators if not result.resident(d)]
+    if not accelerators:
+        return []
+    why = reasons(result)[0]
+    return [f"{d!r} is empty: " + next((s.partition(" holds nothing: ")[2] or s for s in why
+                                        if s.startswith(f"{d!r} holds nothing")), "nothing was placed on it")
+            for d in accelerators]
 
 
 def _devices(*plans) -> list:

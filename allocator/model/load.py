@@ -98,6 +98,11 @@ def _config_json(path: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _is_config(data: dict) -> bool:
+    """Whether a JSON object reads as a transformers config (it names a ``model_type`` or ``architectures``)."""
+    return "model_type" in data or "architectures" in data
+
+
 def _auto_map(path: str) -> dict:
     """The ``auto_map`` of the config at ``path`` (folder or file): auto class -> custom code; ``{}`` when none."""
     found = _config_json(path).get("auto_map")
@@ -120,6 +125,11 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise InvalidModel(f"folder {path} has no config.json; pass a model folder saved by save_pretrained, "
                            f"a config.json, or a built-in example.")
+    if os.path.isfile(path) and os.path.basename(path) != "config.json" and not _is_config(_config_json(path)):
+        folder = os.path.dirname(os.path.abspath(path))
+        where = (f"pass the folder instead: {folder}" if os.path.isfile(os.path.join(folder, "config.json")) else
+                 "pass the model folder that holds its config.json")
+        raise InvalidModel(f"{path} is not a model config (a file of a model folder, such as its weights?); {where}.")
     try:
         import transformers
     except ImportError:
