@@ -9,7 +9,8 @@ import json
 import os
 
 from ..api import plan
-from ..errors import AllocatorError, InvalidModel, InvalidOption, one_line
+from ..fit import fit
+from ..errors import AllocatorError, InfeasiblePlacement, InvalidModel, InvalidOption, one_line
 from ..model import as_dtype, zoo
 from ..model.checkpoint import kept_in_float32
 from ..model.load import did_you_mean, load_model
@@ -26,7 +27,7 @@ from .render import (
     generation_table, plot_plans, quantity, quantization_line, side_by_side,
 )
 
-__all__ = ["BASELINE", "DEMO_SCENARIOS", "cmd_plan", "cmd_demo", "cmd_profile", "list_examples"]
+__all__ = ["BASELINE", "DEMO_SCENARIOS", "cmd_plan", "cmd_fit", "cmd_demo", "cmd_profile", "list_examples"]
 
 
 BASELINE = "sequential"
@@ -91,8 +92,11 @@ def cmd_plan(args) -> int:
         ours = Plan.from_dict(saved, loaded.model, **keep)
     else:
         status.say(f"planning {args.source}...")
-        ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True,
-                    **options)
+        try:
+            ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True,
+                        **options)
+        except InfeasiblePlacement as err:
+            raise _with_tokens(err, loaded.model, max_memory, options, args.strategy) from None
     theirs = _baseline(loaded.model, max_memory, options) if args.compare and saved is None else None
     status.clear()
     if args.json == "-":
@@ -125,6 +129,76 @@ def cmd_plan(args) -> int:
         print(f"\nthe saved plan breaks {len(ours.violations)} runtime rule(s) on this model (listed above)")
         return 1
     return 0
+
+
+def cmd_fit(args) -> int:
+    """``allocator fit``: the longest context (``--batch``: the largest batch at ``--context``) with the whole model on
+    the accelerators, what bounds it, its plan, and with ``--target`` the plan that offloads for a longer one."""
+    if args.batch and args.context is None:
+        raise InvalidOption("--batch searches the largest batch for a given context: add --context TOKENS, e.g. "
+                            "--context 8192.")
+    if args.context is not None and not args.batch:
+        raise InvalidOption("--context fixes the context for --batch; without --batch, fit searches the context "
+                            "itself (use --batch-size for its batch).")
+    if not 0 <= args.margin < 1:
+        raise InvalidOption(f"--margin is the fraction of each budget kept free, in [0, 1), got {args.margin}; "
+                            "e.g. --margin 0.1.")
+    max_memory = parse_max_memory(args.max_memory)
+    resolve(args.strategy)
+    status = Status(enabled=not args.quiet)
+    loaded, options, _ = planned_model(args, status)
+    status.say(f"searching the longest context of {args.source}...")
+    try:
+        found = fit(loaded.model, max_memory, batch_size=args.batch_size, max_length=args.context,
+                    target=args.target, margin=args.margin, limit_positions=args.limit_positions,
+                    strategy=args.strategy, **options)
+    finally:
+        status.clear()
+    if args.json == "-":
+        print(json.dumps(_fit_dict(found), indent=1))
+        return 0
+    print(loaded.source)
+    print(f"{loaded.model.__class__.__name__} in {dtype_name(options['dtype']) if options['dtype'] else 'its dtype'}; "
+          f"budgets {args.max_memory}; {found.tries} budgets checked")
+    print(found.summary())
+    for title, shown in ((f"plan at {found.max_length:,} tokens, batch {found.batch_size}", found.plan),
+                         (f"plan for --target {args.target:,}" if args.target else "", found.longer)):
+        if shown is not None:
+            print(f"\n{title}:")
+            print(device_table(shown))
+            print(generation_table(shown))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(_fit_dict(found), fh, indent=1)
+        print(f"\nwritten to {args.json}")
+    return 0
+
+
+def _fit_dict(found) -> dict:
+    """The fit as JSON: the answer, its bound, and the plans (schema of :meth:`allocator.Plan.to_dict`)."""
+    return {"max_length": found.max_length, "batch_size": found.batch_size, "searched": found.searched,
+            "device": found.device, "term": found.term, "reason": found.reason, "margin": found.margin,
+            "positions": dict(zip(("name", "value"), found.positions)), "target": found.target,
+            "plan": found.plan.to_dict() if found.plan is not None else None,
+            "longer": found.longer.to_dict() if found.longer is not None else None}
+
+
+def _with_tokens(err: InfeasiblePlacement, model, max_memory, options: dict, strategy) -> InfeasiblePlacement:
+    """A plan with a generation budget that fails says how many tokens fit on the accelerators at that batch."""
+    generation = options["generation"]
+    if generation is None:
+        return err
+    try:
+        found = fit(model, max_memory, batch_size=generation.batch_size, strategy=strategy,
+                    **{k: v for k, v in options.items() if k != "generation"})
+    except AllocatorError:   # no accelerator budget, or a cache allocator does not model: the error as it was
+        return err
+    if not found.max_length:
+        return err
+    return InfeasiblePlacement(f"{err} With the whole model on the accelerators at most {found.max_length:,} tokens "
+                               f"fit at batch {generation.batch_size} (--generation {generation.batch_size},"
+                               f"{found.max_length}); 'allocator fit' says more.", device=err.device,
+                               minimum=err.minimum)
 
 
 def read_saved(path: str) -> dict:

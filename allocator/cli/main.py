@@ -30,7 +30,7 @@ import warnings
 from .. import __version__
 from ..errors import MAX_MESSAGE, AllocatorError, one_line
 from ..strategies import STRATEGIES
-from .commands import cmd_demo, cmd_plan, cmd_profile
+from .commands import cmd_demo, cmd_fit, cmd_plan, cmd_profile
 
 __all__ = ["main"]
 
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     strategies = ", ".join(STRATEGIES)
     parser = _Parser(prog="allocator", description="Plan where each part of a model lives: accelerators, RAM, disk.")
     parser.add_argument("--version", action="version", version=f"allocator {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo,profile}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,fit,demo,profile}")
     p = sub.add_parser("plan", help="plan a model folder, a config.json or a built-in example",
                        description="Plan a model built on the meta device from its config (nothing is downloaded).")
     p.add_argument("source", nargs="?", help="a folder with config.json, a config.json, or a built-in example name")
@@ -86,6 +86,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model folder's own code, for a config whose auto_map names it")
     p.add_argument("--quiet", action="store_true", help="no status line on stderr while the model is built and planned")
+    t = sub.add_parser("fit", help="the longest context (or largest batch) with the whole model on the accelerators",
+                       description="The longest context that keeps the whole model, its KV cache, logits and "
+                                   "activations on the accelerators; then, with --target, the plan that offloads for "
+                                   "a longer one.")
+    t.add_argument("source", help="a folder with config.json, a config.json, or a built-in example name")
+    t.add_argument("--max-memory", metavar="DEV=SIZE,...", required=True, help="budgets, e.g. 0=24GiB,cpu=64GiB")
+    t.add_argument("--dtype", help="dtype the weights will be loaded in: bfloat16 (bf16), float16 (fp16), ... "
+                   "(default: the config's)")
+    t.add_argument("--batch-size", type=int, default=1, metavar="N", help="sequences generated together (default 1)")
+    t.add_argument("--batch", action="store_true", help="search the largest batch at --context instead")
+    t.add_argument("--context", type=int, metavar="TOKENS", help="the context (max_length) --batch searches at")
+    t.add_argument("--target", type=int, metavar="N", help="a longer context (a larger batch with --batch) wanted "
+                   "anyway: show the plan that offloads for it")
+    t.add_argument("--margin", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of each budget kept free (default 0), e.g. 0.1")
+    t.add_argument("--limit-positions", action="store_true",
+                   help="stop at the model's positions (config max_position_embeddings)")
+    t.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
+    t.add_argument("--json", metavar="FILE", help="write the answer and its plans as JSON to FILE, or '-' for stdout")
+    t.add_argument("--trust-remote-code", action="store_true", help="let transformers run the folder's own code")
+    t.add_argument("--quiet", action="store_true", help="no status line on stderr")
     d = sub.add_parser("demo", help="accelerate vs allocator on a built-in example under three budgets")
     d.add_argument("--model", default="t5-base", help="a built-in example (default: t5-base)")
     d.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
@@ -104,7 +125,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    commands = {"plan": cmd_plan, "demo": cmd_demo, "profile": cmd_profile}
+    commands = {"plan": cmd_plan, "fit": cmd_fit, "demo": cmd_demo, "profile": cmd_profile}
     # The report states violations itself: keep the library's warnings about them off stderr, without touching
     # the caller's logging configuration (main also runs inside notebooks and tests).
     library = logging.getLogger("allocator")
