@@ -1,18 +1,22 @@
-"""Command line: ``allocator plan``, ``allocator demo`` and ``allocator profile``.
+"""Command line: ``allocator plan``, ``allocator fit``, ``allocator demo`` and ``allocator profile``.
 
 ::
 
-    allocator plan SOURCE [--max-memory 0=20GiB,1=20GiB,cpu=64GiB] [--dtype bfloat16] [--strategy auto]
-                          [--compare] [--explain] [--json FILE] [--plot FILE] [--profile FILE]
-                          [--inputs input_ids=1x512] [--optimize prefill|decode] [--trust-remote-code]
+    allocator plan SOURCE [--max-memory 0=20GiB,1=20GiB,cpu=64GiB] [--dtype bf16] [--strategy auto]
+                          [--compare] [--explain] [--json FILE|-] [--from-json FILE] [--plot FILE] [--profile FILE]
+                          [--inputs input_ids=1x512] [--generation 1,4096] [--optimize prefill|decode]
+                          [--trust-remote-code] [--quiet]
     allocator plan --list
+    allocator fit SOURCE --max-memory 0=24GiB [--batch-size 1 | --batch --context 8192] [--target 65536]
+                         [--margin 0.1] [--limit-positions] [--json FILE|-] [--quiet]
     allocator demo [--model t5-base] [--strategy auto]
     allocator profile [--out FILE] [--folder DIR]
     allocator --version
 
 ``SOURCE`` is a local model folder holding a ``config.json``, a ``config.json`` path, or a built-in example
 (``allocator plan --list``). Models are built from their config on the meta device: nothing is downloaded and no
-weights are read.
+weights are read. While they are built and planned, a status line on stderr says so when stderr is a terminal
+(``--quiet`` silences it).
 
 Bad input exits with status 2 and one line on stderr starting with ``allocator: error:``, never a traceback. A reader
 that stops early (``allocator plan ... | head -3``) ends the command quietly, with status 0.
