@@ -23,7 +23,7 @@ from .problem import PlanOptions, Problem, build_problem
 from .report.plan import Plan
 from .strategies import resolve, run
 
-__all__ = ["Fit", "fit", "TERMS"]
+__all__ = ["Fit", "fit", "positions", "TERMS"]
 
 TERMS = ("cache", "activations", "logits", "weights")
 """The parts of a device's peak (:attr:`allocator.Plan.parts`), as :class:`Fit` names what bounds the answer."""
