@@ -8,17 +8,16 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .errors import AllocatorError, BrokenContract, InfeasiblePlacement, InvalidPlacement
-from .evaluate.memory import main_device
-from .evaluate.validate import check, format_bytes
+from .errors import BrokenContract, InfeasiblePlacement, InvalidPlacement
+from .evaluate.validate import check
 from .gc_pause import gc_paused
-from .placement import Placement, clean_device_map
+from .placement import Decision, Placement
 from .problem import PlanOptions, Problem, build_problem
-from .report.minimum import main_minimum, minimum_budget_error
+from .report.minimum import empty_before_main, minimum_budget_error
 from .report.plan import Plan, finish
 from .strategies import STRATEGIES, resolve, run
-from .strategies.contract import contract_violations, why_empty
-from .strategies.sequential import insufficient_memory
+from .strategies.contract import contract_violations
+from .strategies.witness import witness
 
 __all__ = ["plan"]
 
@@ -83,60 +82,52 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
     True
     """
     options = PlanOptions.of(options, **keywords)
-    resolve(strategy)
+    name, place = resolve(strategy)
+    builtin = any(place is known for known in STRATEGIES.values())
     with gc_paused():  # planning makes many acyclic objects; each collection would walk the model and graph too
-        problem = build_problem(model, max_memory, options=options)
-        placement, accelerates = _placed(problem, strategy)
-        placement = _cleaned(problem, strategy, placement)
-        if not accelerates:
-            _check_rules_and_contract(problem, placement, _builtin_name(strategy))
-        result = finish(problem, _with_empty_notes(problem, placement))
+        problem = build_problem(model, max_memory, options=options)   # 1. the model, read once
+        witness(problem)             # 2. accelerate's map, the contract's main device and floor: each made once
+        placement = _placed(problem, strategy, builtin)              # 3. the strategy's placement, or accelerate's
+        _check_rules_and_contract(problem, placement)                # 4. the runtime rules and the contract, once
+        result = finish(problem, empty_before_main(problem, placement), asked=name)   # 5. checked, priced once
     for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
         log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
     _report(result.placement)
     return result
 
 
-def _placed(problem: Problem, strategy) -> tuple[Placement, bool]:
-    """The strategy's placement and whether it is accelerate's (``sequential``, whose maps are accelerate's,
-    violations included); where the strategy finds none, accelerate's own map, flagged (unless ``strict``)."""
+def _placed(problem: Problem, strategy, builtin: bool) -> Placement:
+    """The strategy's placement — a caller's cleaned as the options say, and exempt from nothing (a caller lifts the
+    contract with ``objective="latency"``) — or, where the strategy finds none, accelerate's own map, flagged
+    (unless ``strict``)."""
     try:
-        return run(strategy, problem), resolve(strategy)[1] is STRATEGIES["sequential"]
+        placement = run(strategy, problem)
     except InfeasiblePlacement as err:
         error = err if err.minimum is not None else minimum_budget_error(problem, strategy)
-        placement = None if problem.options.strict else _accelerate_instead(problem, strategy, error)
+        placement = None if problem.options.strict else _accelerate_instead(problem, resolve(strategy)[0], error)
         if placement is None:
             raise error from None
-        return placement, True
-
-
-def _cleaned(problem: Problem, strategy, placement: Placement) -> Placement:
-    """A caller's strategy's map cleaned as the options say (``clean_result``: entries whose children share a device
-    merged). The built-in strategies return their maps cleaned already (the invariant tests check it), so they are
-    not walked again."""
-    if not problem.options.clean_result or _builtin_name(strategy):
         return placement
-    return replace(placement, device_map=clean_device_map(placement.device_map))
+    if builtin:   # the built-in strategies return their maps cleaned already (the invariant tests check it)
+        return placement
+    return replace(placement, device_map=problem.cleaned(placement.device_map), exempt=frozenset())
 
 
-def _builtin_name(strategy) -> str:
-    """The name of a built-in strategy (the contract exempts ``balanced_low_0`` from rule 1); ``""`` for a caller's."""
-    name, fn = resolve(strategy)
-    return name if STRATEGIES.get(name) is fn else ""
-
-
-def _check_rules_and_contract(problem: Problem, placement: Placement, name: str) -> None:
+def _check_rules_and_contract(problem: Problem, placement: Placement) -> None:
     """Raise a typed error naming what ``placement`` breaks: a runtime rule (:class:`InvalidPlacement`) or the contract
-    (:class:`BrokenContract`). A map short of the contract's floor is logged, not refused: rules 1 and 2 come first,
-    and the strategies fall short of the floor only where they must."""
+    (:class:`BrokenContract`). accelerate's own map is returned as it is (its violations flagged in the plan). A map
+    short of the contract's floor is logged, not refused: rules 1 and 2 come first, and the strategies fall short of
+    the floor only where they must."""
+    if placement.accelerates:
+        return
     violations = check(problem, placement.device_map)[0]
     if violations:
         raise InvalidPlacement(
             f"strategy {placement.strategy!r} returned a map that breaks the runtime rules: "
             f"{'; '.join(map(str, violations[:3]))}{' ...' if len(violations) > 3 else ''} "
-            "A strategy must return a valid map or raise InfeasiblePlacement; allocator.evaluate.validate and "
+            "A strategy must return a valid map or raise InfeasiblePlacement; allocator.validate and "
             "allocator.strategies.kit.check say what is wrong with a map.", violations=violations)
-    broken = contract_violations(problem, placement.device_map, strategy=name)
+    broken = contract_violations(problem, placement.device_map, exempt=placement.exempt)
     for v in broken:
         if v.kind == "contract-floor":
             log.warning("plan by %s: %s", placement.strategy, v.message)
@@ -147,21 +138,18 @@ def _check_rules_and_contract(problem: Problem, placement: Placement, name: str)
             f"{'; '.join(map(str, broken))} Pass objective='latency' to accept such plans.")
 
 
-def _accelerate_instead(problem: Problem, strategy, error: InfeasiblePlacement) -> Placement | None:
-    """Where no valid plan exists, accelerate's own map (``sequential``), flagged, as accelerate and transformers
-    would load it: ``from_pretrained(device_map="auto")`` keeps working where it did. ``None`` where accelerate has
-    no map either, or the caller asked for ``sequential`` itself."""
-    name = resolve(strategy)[0]
-    if name == "sequential":
-        return None
-    try:
-        theirs = run("sequential", problem)
-    except AllocatorError:
+def _accelerate_instead(problem: Problem, name: str, error: InfeasiblePlacement) -> Placement | None:
+    """Where no valid plan exists, accelerate's own map (the witness's ``sequential`` placement), flagged, as
+    accelerate and transformers would load it: ``from_pretrained(device_map="auto")`` keeps working where it did.
+    ``None`` where accelerate has no map either, or the caller asked for ``sequential`` itself."""
+    theirs = witness(problem).accelerate
+    if name == "sequential" or theirs is None:
         return None
     message = (f"{error} No valid plan exists, so accelerate's own map is returned, as device_map='auto' would "
                "return it: it breaks these budgets at runtime (Plan.valid is False, Plan.violations says how); "
                "pass strict=True to raise instead.")
-    return replace(theirs, strategy=f"sequential (no valid {name} plan)", notes=(message,) + theirs.notes,
+    return replace(theirs, strategy=f"sequential (no valid {name} plan)",
+                   decisions=(Decision("fallback", message, bound="budget"),) + theirs.decisions,
                    diagnostics=theirs.diagnostics + (("warning", message),))
 
 
@@ -172,19 +160,3 @@ def _report(placement: Placement) -> None:
             warnings.warn(message, UserWarning, stacklevel=3)
         else:
             log.info("%s", message)
-
-
-def _with_empty_notes(problem: Problem, placement: Placement) -> Placement:
-    """Under the contract, say why accelerators before the main device hold nothing: a note, and accelerate's
-    "insufficient memory" log line with the budget that would let each hold a unit."""
-    if not problem.options.contract or placement.strategy.startswith(("sequential", "balanced_low_0")):
-        return placement
-    main = main_device(placement.device_map.values())
-    accelerators = problem.budgets.accelerators
-    empty = accelerators[:accelerators.index(main)] if main in accelerators else accelerators
-    if not empty:
-        return placement
-    minimum = {d: main_minimum(problem, d) for d in empty}
-    notes = tuple(f"{why_empty(problem, d)}; it needs at least {format_bytes(minimum[d])}" for d in empty)
-    return replace(placement, notes=placement.notes + notes,
-                   diagnostics=placement.diagnostics + (("info", insufficient_memory(minimum)),))

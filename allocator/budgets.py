@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidBudget, InvalidDeviceMap, InvalidOption, warn_caller
 
-__all__ = ["Device", "Budgets", "ByDevice", "canonical", "parse_size", "format_bytes", "normalize_device",
+__all__ = ["Device", "Budgets", "ByDevice", "canonical", "parse_size", "format_bytes", "format_ms", "normalize_device",
            "normalize_map", "parse_budgets", "is_accelerator", "small_bare_number", "warn_misread"]
 
 Device = int | str
@@ -112,6 +112,15 @@ def _human(n: int) -> str:
 
 
 _BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_ms(seconds: float) -> str:
+    """A time in milliseconds, as every plan says it: ``format_ms(0.0123456)`` is ``'12.346 ms'``.
+
+    >>> format_ms(0.0123456)
+    '12.346 ms'
+    """
+    return f"{seconds * 1e3:.3f} ms"
 
 
 def format_bytes(n: float, *, decimals: int = 2, largest: str = "GiB") -> str:

@@ -1,4 +1,4 @@
-"""A strategy's answer: a device map, with the notes that explain it."""
+"""A strategy's answer: a device map, with the decisions that explain it, as data."""
 
 from __future__ import annotations
 
@@ -7,7 +7,60 @@ from dataclasses import dataclass
 
 from .budgets import Device
 
-__all__ = ["Placement", "clean_device_map"]
+__all__ = ["CONTRACT_RULES", "DECISION_KINDS", "Decision", "Placement", "clean_device_map", "note"]
+
+DECISION_KINDS = {
+    "assign": "units placed on a device, in the order the strategy placed them (accelerate's algorithm)",
+    "full": "a device the strategy left because the next unit did not fit; ``bytes`` it kept free, ``bound`` why",
+    "empty": "accelerators that get nothing, and why (``devices``)",
+    "not-main": "an accelerator before the main device that admits no plan as main; ``bytes`` the budget it needs",
+    "split": "how the strategy cut the model over the devices",
+    "peaks": "the peak of each accelerator against its budget",
+    "kept": "which of a strategy's candidate plans it kept, and its estimate",
+    "choice": "which candidate strategy ``auto`` kept, against accelerate's map and the runner-up",
+    "fallback": "where no plan of the strategy keeps the rules or the contract: accelerate's own map instead",
+    "solver": "what the solver did (groups, main devices, whether it proved optimality)",
+}
+"""The kinds of :class:`Decision`, each with what it says. Code reads the fields, never the text."""
+
+CONTRACT_RULES = frozenset({"main", "order", "floor"})
+"""The rules of the contract of ``device_map="auto"`` a placement may be exempt from
+(:attr:`Placement.exempt`): rule 1 (the main device), rule 2 (accelerators in index order), rule 3 (never below
+accelerate's bytes on the fastest tier)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One decision of a strategy, as data: what it is (``kind``, one of :data:`DECISION_KINDS`), the devices and
+    units it is about, the bytes involved and what bound it; ``text`` says it in a sentence for ``explain()``.
+
+    >>> Decision("full", "0 full at layers.3", devices=(0,), units=("layers.3",), bytes=1024, bound="reserve").lines()
+    ['0 full at layers.3']
+    >>> Decision("assign", devices=("cpu",), units=("a", "b")).lines()
+    ['a -> cpu', 'b -> cpu']
+    """
+
+    kind: str
+    text: str = ""
+    devices: tuple = ()
+    units: tuple[str, ...] = ()
+    bytes: int | None = None
+    bound: str = ""
+    """What bound the decision: a budget (``"budget"``), the streaming reserve (``"reserve"``), a runtime rule or a
+    rule of the contract (``"main"``, ``"order"``, ``"floor"``), the estimate (``"estimate"``); empty when nothing
+    did."""
+
+    @property
+    def device(self) -> Device | None:
+        """The one device the decision is about, or ``None``."""
+        return self.devices[0] if len(self.devices) == 1 else None
+
+    def lines(self) -> list[str]:
+        """The decision as ``explain()`` lists it: its text, or for an ``"assign"`` without text one line per unit
+        (``"name -> device"``)."""
+        if self.text or self.kind != "assign":
+            return [self.text]
+        return [f"{unit} -> {self.devices[0]}" for unit in self.units]
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,17 +68,48 @@ class Placement:
     """Where each entry of the model goes.
 
     ``device_map`` maps module or tensor names (``""`` for the whole model) to a device: an accelerator index,
-    ``"mps"``, ``"cpu"`` or ``"disk"``. ``notes`` are the strategy's decisions in order, for ``explain()``.
+    ``"mps"``, ``"cpu"`` or ``"disk"``. ``decisions`` are the strategy's decisions in order, as data
+    (:class:`Decision`); ``notes`` says them as sentences.
     """
 
     device_map: Mapping[str, Device]
     strategy: str
-    notes: tuple[str, ...] = ()
+    decisions: tuple[Decision, ...] = ()
     optimal: bool | None = None
     """``True`` when the strategy proved no valid plan has a lower estimated cost (``ilp``); ``None`` if unknown."""
     diagnostics: tuple[tuple[str, str], ...] = ()
     """``(level, message)`` pairs that :func:`allocator.plan` reports for the plan it returns: ``"warning"``
     (``warnings.warn``, as accelerate warns) or ``"info"`` (a log line at INFO, as accelerate logs)."""
+    base: str = ""
+    """The strategy whose algorithm made the map (``"reserve"`` for ``auto``'s pick of it); :attr:`strategy` when
+    empty."""
+    exempt: frozenset = frozenset()
+    """The rules of the contract (:data:`CONTRACT_RULES`) this placement is exempt from by its meaning: all of them
+    for accelerate's own map, ``{"main"}`` for ``balanced_low_0`` (it keeps GPU 0 light on purpose)."""
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """The decisions as sentences, in order (:meth:`Decision.lines`)."""
+        return tuple(line for decision in self.decisions for line in decision.lines())
+
+    @property
+    def algorithm(self) -> str:
+        """:attr:`base`, or :attr:`strategy` where no base is named."""
+        return self.base or self.strategy
+
+    @property
+    def accelerates(self) -> bool:
+        """Whether this is accelerate's own map (exempt from every rule of the contract)."""
+        return self.exempt >= CONTRACT_RULES
+
+    def of_kind(self, kind: str, device: Device | None = None) -> list[Decision]:
+        """The decisions of ``kind`` (about ``device`` when given), in order."""
+        return [d for d in self.decisions if d.kind == kind and (device is None or device in d.devices)]
+
+
+def note(text: str, kind: str = "split", **fields) -> Decision:
+    """A :class:`Decision` of ``kind`` that ``text`` says (a shorthand for strategies)."""
+    return Decision(kind, text, **fields)
 
 
 def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") -> dict:

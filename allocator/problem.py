@@ -16,10 +16,11 @@ from .model.generation import GenerationBudget, GenerationNeeds, generation_need
 from .gc_pause import gc_paused
 from .model import ModelGraph, build_graph
 from .memo import Derived
+from .placement import clean_device_map
 from .rules.loaders import LOADERS
 
-__all__ = ["OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem",
-           "step_problem", "decode_inputs"]
+__all__ = ["accelerators_up_to", "OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem",
+           "RUNTIMES", "build_problem", "step_problem", "decode_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +98,12 @@ class PlanOptions:
     inputs: Mapping | str | None = "auto"
     """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
     tensors, or ``"default"`` for :func:`allocator.model.flops.default_inputs` of the model's config. The problem
-    builder
-    then counts FLOPs per module on the meta device (:func:`allocator.model.flops.count_flops`) and the cost model's
-    compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails on
-    meta, an op has no FLOP formula, more than :data:`allocator.model.flops.MAX_OPS` ops) it keeps that rule, and logs
-    why.
-    ``None``: nothing is counted. ``"auto"`` (the default): ``"default"`` where the estimate alone decides
-    (``objective="latency"``) and the config gives defaults, else ``None`` (under the contract the estimate only
-    ranks plans that keep it, and counting adds 0.1-1 s to a plan)."""
+    builder then counts FLOPs per module on the meta device (:func:`allocator.model.flops.count_flops`) and the cost
+    model's compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails
+    on meta, an op has no FLOP formula, more than :data:`allocator.model.flops.MAX_OPS` ops) it keeps that rule, and
+    logs why. ``None``: nothing is counted. ``"auto"`` (the default): ``"default"`` where the estimate alone decides
+    (``objective="latency"``) and the config gives defaults, else ``None`` (under the contract the estimate only ranks
+    plans that keep it, and counting adds 0.1-1 s to a plan)."""
     # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
@@ -215,6 +214,11 @@ class Problem:
         With an accelerator main the copy is made in host RAM or on the accelerator by path; it is not counted."""
         return bool(self.graph.stored) and not self.budgets.accelerators
 
+    def cleaned(self, device_map: Mapping) -> dict:
+        """``device_map`` as the options say to return it: entries whose children share a device merged
+        (:func:`allocator.placement.clean_device_map`) under ``clean_result``, else as it is (a new dict)."""
+        return clean_device_map(device_map) if self.options.clean_result else dict(device_map)
+
 
 def quantizer_size_fn(model, hf_quantizer):
     """A ``size_fn`` from a transformers ``HfQuantizer`` (its ``param_element_size``), or ``None``."""
@@ -253,8 +257,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
     ``options`` (a :class:`PlanOptions`) says how the model is read and the plan run; ``keywords`` are its fields,
     given one by one (they override those of ``options``). With a ``generation`` budget the graph also holds the KV
     cache, logits and activations of ``generate`` (:mod:`allocator.model.generation`). An ``hf_quantizer`` supplies
-    sizes
-    (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is
+    sizes (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is
     modified.
 
     Examples
@@ -319,6 +322,24 @@ def _with_cache_reads(written: Mapping[str, int], graph: ModelGraph, needs: Gene
         name = graph.nodes.name[node]
         out[name] = out.get(name, 0) + nbytes
     return out
+
+
+def accelerators_up_to(problem: Problem, last) -> Problem:
+    """``problem`` with the accelerators after ``last`` (in index order) left out of its budgets: the plans of the
+    result are plans of ``problem`` that leave those accelerators empty. What follows from the graph is kept.
+
+    >>> import torch.nn as nn
+    >>> problem = build_problem(nn.Linear(4, 4), {0: 100, 1: 100, "cpu": 1000})
+    >>> accelerators_up_to(problem, 0).budgets.order
+    (0, 'cpu', 'disk')
+    """
+    accelerators = problem.budgets.accelerators
+    dropped = set(accelerators[accelerators.index(last) + 1:])
+    if not dropped:
+        return problem
+    order = tuple(d for d in problem.budgets.order if d not in dropped)
+    limits = {d: n for d, n in problem.budgets.limits.items() if d not in dropped}
+    return dataclasses.replace(problem, budgets=Budgets(order=order, limits=limits))
 
 
 def step_problem(problem: Problem, step: str) -> Problem:

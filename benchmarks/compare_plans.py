@@ -206,11 +206,48 @@ def _close(a, b) -> bool:
     return a == b
 
 
+#: Modules of the package before the re-layout into folders (2026-12-03), and where their classes are now: a dump
+#: made before it loads with the code after it.
+MOVED = {
+    "allocator.checkpoint": "allocator.model.checkpoint",
+    "allocator.cost": "allocator.evaluate.cost",
+    "allocator.cost_profile": "allocator.profile",
+    "allocator.distributed": "allocator.parallel",
+    "allocator.explain": "allocator.report.explain",
+    "allocator.flops": "allocator.model.flops",
+    "allocator.generation": "allocator.model.generation",
+    "allocator.graph": "allocator.model",
+    "allocator.graph.model": "allocator.model.graph",
+    "allocator.graph.no_split": "allocator.model.no_split",
+    "allocator.graph.read": "allocator.model.read",
+    "allocator.graph.sizes": "allocator.model.sizes",
+    "allocator.graph.table": "allocator.model.table",
+    "allocator.graph.ties": "allocator.model.ties",
+    "allocator.hf": "allocator.integrations.transformers",
+    "allocator.introspect": "allocator.model.blocks",
+    "allocator.kernels": "allocator.evaluate.kernels",
+    "allocator.kit": "allocator.strategies.kit",
+    "allocator.partition": "allocator.strategies.partition",
+    "allocator.quantization": "allocator.model.quantization",
+    "allocator.rules": "allocator.rules.dispatch",
+    "allocator.runs": "allocator.evaluate.runs",
+    "allocator.runtime": "allocator.evaluate.memory",
+    "allocator.units": "allocator.evaluate.units",
+    "allocator.validate": "allocator.evaluate.validate",
+    "allocator.zoo": "allocator.model.zoo",
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        return super().find_class(MOVED.get(module, module), name)
+
+
 def compare(a_path: str, b_path: str) -> int:
     with open(a_path, "rb") as fh:
-        a = pickle.load(fh)
+        a = _Unpickler(fh).load()
     with open(b_path, "rb") as fh:
-        b = pickle.load(fh)
+        b = _Unpickler(fh).load()
     keys = sorted(set(a) | set(b), key=str)
     exact = [k for k in keys if a.get(k, "<missing>") != b.get(k, "<missing>")]
     differ = [k for k in exact if not _close(a.get(k, "<missing>"), b.get(k, "<missing>"))]

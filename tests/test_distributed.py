@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from allocator.model import zoo
-from allocator.parallel import _shard_order, block_classes, contiguous_min_max, fsdp_wrap_policy, pipeline_split_spec
+from allocator.parallel import block_classes, contiguous_min_max, fsdp_wrap_policy, pipeline_split_spec
+from allocator.parallel.fsdp import _shard_order
 from allocator.errors import InfeasiblePlacement, InvalidBudget, InvalidModel, InvalidOption
 from allocator.model import build_graph
 from allocator.model.blocks import find_layers, infer_blocks

@@ -12,7 +12,8 @@ from torch import nn
 from allocator import model as graph
 from allocator.model import zoo
 from allocator.errors import InvalidModel
-from allocator.model.blocks import find_layers, infer_blocks, no_split_classes, unwrap
+from allocator.model.blocks import find_layers, infer_blocks, no_split_classes
+from allocator.model.unwrap import unwrap
 
 
 @functools.cache
@@ -470,7 +471,7 @@ def test_unwrap_fsdp_flat_param_warns(caplog):
                 module.get_submodule(name.rpartition(".")[0])._parameters.pop(name.rpartition(".")[2])
             module._flat_param = nn.Parameter(flat)
 
-    with caplog.at_level(logging.WARNING, logger="allocator.model.blocks"):
+    with caplog.at_level(logging.WARNING, logger="allocator.model.unwrap"):
         unwrap(FullyShardedDataParallel(Block()))
     assert "use_orig_params=True" in caplog.text
 
@@ -583,7 +584,7 @@ def test_unwrap_real_peft():
 
 def test_unwrap_peft_prompt_owned_parameters_warn(caplog):
     net = Net()
-    with caplog.at_level(logging.WARNING, logger="allocator.model.blocks"):
+    with caplog.at_level(logging.WARNING, logger="allocator.model.unwrap"):
         assert unwrap(PeftModel(net, prompt=True)) is net
     assert "prompt_encoder.weight" in caplog.text
 

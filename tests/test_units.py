@@ -32,7 +32,7 @@ from allocator.evaluate.memory import map_runs, moves_with_weights, offloaded_de
 from allocator.evaluate import kernels
 from allocator.strategies.first_fit import Filled, Streams, _seat_all, fill, unit_map
 from allocator.strategies.room import Room
-from allocator.strategies.contract import main_candidates
+from allocator.strategies.witness import main_candidates
 from allocator.evaluate.units import Group, Groups, Unit, Units, groups, units
 from trees import module_trees
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..budgets import format_bytes
+from ..budgets import format_bytes, format_ms
 from ..errors import InvalidOption
 from ..model import as_dtype
 from ..model.load import LoadedModel
@@ -30,14 +30,9 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def format_time(seconds: float) -> str:
-    """Seconds as milliseconds with three decimals, the one format of every estimate the package prints
-    (``Plan.explain``, ``repr(plan)``, the CLI).
-
-    >>> format_time(4.5754), format_time(0.870315), format_time(2.5e-6)
-    ('4575.400 ms', '870.315 ms', '0.003 ms')
-    """
-    return f"{seconds * 1e3:.3f} ms"
+format_time = format_ms
+"""Seconds as milliseconds with three decimals (:func:`allocator.budgets.format_ms`), the one format of every estimate
+the package prints (``Plan.explain``, ``repr(plan)``, the CLI): ``format_time(4.5754)`` is ``'4575.400 ms'``."""
 
 
 def empty_accelerators(result) -> list[str]:

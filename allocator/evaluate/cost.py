@@ -8,8 +8,7 @@ pays an activation transfer plus a fixed latency. The first-order effect: bytes 
 bytes not copied at every forward.
 
 Where FLOPs were counted at the user's inputs (:mod:`allocator.model.flops`, ``PlanOptions.inputs``), the compute term
-is
-the counted FLOPs of each unit, plus the work of :data:`allocator.profile.COUNTED` at
+is the counted FLOPs of each unit, plus the work of :data:`allocator.profile.COUNTED` at
 :func:`allocator.profile.counted_rates`: each op it dispatches a fixed cost on the executing device, the bytes
 its ops without a FLOP formula write memory traffic at the executing device's memory rate (functions per element,
 :data:`allocator.model.flops.POINTWISE`, at the CPU's ``cpu_pointwise``; interpolations across memory layouts at
@@ -32,6 +31,7 @@ from ..model.flops import node_values
 from ..problem import Problem
 from .runs import FEMTO, Run, columns
 from .memory import main_device, map_runs, moves_with_weights, offloaded_devices
+from .tiers import fast_tier
 from .units import boundary_bytes, tensor_flops
 
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
@@ -120,8 +120,7 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
 
 def counted_flops(problem: Problem):
     """The counted FLOPs per tensor (:func:`allocator.evaluate.units.tensor_flops` of ``problem.node_flops``), or
-    ``None``
-    where nothing was counted: the compute term is then ``2 * tokens`` FLOP per parameter element."""
+    ``None`` where nothing was counted: the compute term is then ``2 * tokens`` FLOP per parameter element."""
     if problem.node_flops is None:
         return None
     return problem.derived.once("tensor flops", lambda: tensor_flops(problem.graph, problem.node_flops))
@@ -181,6 +180,12 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
     return estimate_runs(problem, map_runs(problem.graph, device_map), main_device(set(device_map.values())), profile)
 
 
+def priced(problem: Problem, device_map) -> Cost:
+    """``estimate(problem, device_map)`` under the problem's profile; the last few results are remembered on the
+    problem (:meth:`allocator.memo.Derived.recent`)."""
+    return problem.derived.recent("priced", device_map, lambda: estimate(problem, device_map))
+
+
 def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Profile | None = None) -> Cost:
     """:func:`estimate` of a map given by its runs (:func:`allocator.evaluate.memory.map_runs`) and its main device
     (:func:`allocator.evaluate.memory.main_device` of its values): strategies price candidate plans without building
@@ -196,7 +201,7 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
     mov = cols.moving(problem.options.offload_buffers)
     cpu_reads, accelerator_reads = _reads(problem, profile)
     offloaded = offloaded_devices(main)
-    fast_tier = set(problem.budgets.accelerators) or {"cpu"}
+    tier = fast_tier(problem.budgets)
     reads = 0          # femtoseconds, exact: the same whichever runs a map is cut into
     moved: dict = {}   # offloaded device -> [bytes, tensors] streamed from it
     streamed = disk = fast = changes = 0
@@ -216,7 +221,7 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
             totals[1] += mov.sum_count[b] - mov.sum_count[a]
             streamed += nbytes
             disk += nbytes if d == "disk" else 0
-        if d in fast_tier and not (d == "cpu" and main != "cpu"):
+        if d in tier and not (d == "cpu" and main != "cpu"):
             fast += cols.sum_counted[b] - cols.sum_counted[a]
         if cols.sum_weighted[b] > cols.sum_weighted[a]:  # tensors without bytes do not change the device
             run_on = main if d in offloaded or not is_accelerator(d) else d

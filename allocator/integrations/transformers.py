@@ -19,7 +19,8 @@ transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)`
 mode and the user's ``max_memory``. In the other namespaces a mode reaches the planner in two calls: the
 replacement ``get_balanced_memory`` returns the user's budgets untouched and records the mode; the next
 replacement ``infer_auto_device_map`` in that namespace plans for it (no recorded mode: the caller skipped
-balancing, which is what ``device_map="sequential"`` does).
+balancing, which is what ``device_map="sequential"`` does). A model's ``_no_placement_params`` are honoured as
+:mod:`allocator.integrations.placement_params` says.
 
 The patch rebinds module attributes, so it is process-global: every thread sees it, and it is not locked.
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from ..api import plan
@@ -37,8 +38,8 @@ from ..errors import InvalidOption
 from ..logs import shown
 from ..offload import attach, has_offload_hooks
 from ..problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
-from ..evaluate.memory import device_of, tensor_devices
 from ..strategies import resolve
+from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
 __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
 
@@ -165,16 +166,16 @@ class Patch:
                     runtime: Mapping | None = None, verbose: bool = False) -> dict:
         """Plan ``model`` for ``mode`` over ``budgets``; honour transformers' ``_no_placement_params``."""
         strategy = MODE_TO_STRATEGY[mode] or self.strategy
-        no_split = sorted(set(_names(no_split)) | set(_names(self.options.no_split_module_classes)))
+        no_split = sorted(set(name_list(no_split)) | set(name_list(self.options.no_split_module_classes)))
         options = replace(self.options, **{k: v for k, v in (runtime or {}).items() if v is not None},
                           no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
         result = plan(model, dict(budgets), strategy=strategy, options=options)
-        escaped = _to_escape(model, result, no_split)
+        escaped = tensors_to_escape(model, result, no_split)
         if escaped:
             base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)
-            result = plan(model, dict(budgets), strategy=strategy, options=replace(options, size_fn=_zero_for(escaped,
-                                                                                                            base)))
-            device_map = _leave_out(model, result.device_map, escaped)
+            result = plan(model, dict(budgets), strategy=strategy,
+                          options=replace(options, size_fn=zero_size_for(escaped, base)))
+            device_map = leave_out(model, result.device_map, escaped)
             log.info("%s: left %s out of the device map (_no_placement_params: they do not fit an accelerator); "
                      "transformers loads them in RAM", type(model).__name__, escaped)
         else:
@@ -427,14 +428,6 @@ def _named(replacement: Callable, original: Callable) -> Callable:
     return replacement
 
 
-def _names(classes) -> list[str]:
-    if classes is None:
-        return []
-    if isinstance(classes, str):
-        return [classes]
-    return list(classes)
-
-
 def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:
     """The library's normalisation of ``max_memory`` (a copy: accelerate converts strings in place), with its 90%
     rule for a single accelerator when the user set nothing, and without its balancing. The caller's strings are
@@ -446,71 +439,3 @@ def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:
         if len(accelerators) == 1 and isinstance(accelerators[0], int):
             budgets[accelerators[0]] = int(budgets[accelerators[0]] * 0.9)
     return budgets
-
-
-def _no_placement_tensors(model, no_split: Iterable[str]) -> list[str]:
-    """Full names of the tensors named by ``model._no_placement_params`` inside blocks of a no-split class."""
-    relative = _names(getattr(model, "_no_placement_params", None))
-    if not relative:
-        return []
-    tensors = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    tensors |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    no_split = set(no_split)
-    found = {
-        f"{block}.{name}" if block else name
-        for block, module in model.named_modules()
-        if type(module).__name__ in no_split
-        for name in relative
-        if (f"{block}.{name}" if block else name) in tensors
-    }
-    if not found:
-        log.info("%s declares _no_placement_params %s but no no-split block holds them; planned as usual",
-                 type(model).__name__, relative)
-    return sorted(found)
-
-
-def _to_escape(model, result, no_split) -> list[str]:
-    """The no-placement tensors that ``result`` leaves off every accelerator, when the budgets have one."""
-    candidates = _no_placement_tensors(model, no_split)
-    if not candidates or not any(is_accelerator(d) for d in result.problem.budgets.limits):
-        return []
-    graph = result.problem.graph
-    devices = dict(zip(graph.tensors.name, tensor_devices(graph, result.device_map)))
-    return [name for name in candidates if not is_accelerator(devices[name])]
-
-
-def _zero_for(names: Iterable[str], base):
-    names = frozenset(names)
-
-    def size(name, tensor):
-        if name in names:
-            return 0
-        return base(name, tensor) if base is not None else None
-
-    return size
-
-
-def _leave_out(model, device_map: Mapping, tensors: Iterable[str]) -> dict:
-    """``device_map`` with no key covering ``tensors``: each covering key is replaced, in place, by entries for
-    everything under it but the tensor (parameters, sub-modules, buffers: accelerate's order), on the key's device."""
-    items = list(device_map.items())
-    for tensor in tensors:
-        position = device_of(tensor, {k: i for i, (k, _) in enumerate(items)})  # of the longest key covering it
-        if position is not None:
-            key, device = items[position]
-            items[position:position + 1] = [] if key == tensor else _all_but(model, key, device, tensor)
-    return dict(items)
-
-
-def _all_but(model, prefix: str, device, tensor: str) -> list[tuple[str, object]]:
-    module = model.get_submodule(prefix)
-    on_path = (tensor[len(prefix) + 1:] if prefix else tensor).split(".")[0]
-    entries = []
-    for name, _ in [*module.named_parameters(recurse=False), *module.named_children(),
-                    *module.named_buffers(recurse=False)]:
-        full = f"{prefix}.{name}" if prefix else name
-        if name != on_path:
-            entries.append((full, device))
-        elif full != tensor:
-            entries += _all_but(model, full, device, tensor)
-    return entries

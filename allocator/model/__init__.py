@@ -12,11 +12,13 @@ those above it in this list):
 - :mod:`~allocator.model.no_split`: which classes plans keep whole (given, declared by sub-models, or inferred);
 - :mod:`~allocator.model.read`: the walk of the model and :func:`build_graph`, which applies the three rules above.
 
-Beside it: :mod:`~allocator.model.blocks` (no-split classes, repeated blocks and stacks, the model under its
-wrappers), :mod:`~allocator.model.flops` (FLOPs at the input shapes), :mod:`~allocator.model.generation` (what
-``generate`` needs: KV cache, logits, activations), :mod:`~allocator.model.quantization` (sizes of quantized weights),
-:mod:`~allocator.model.safetensors` and :mod:`~allocator.model.checkpoint` (what a saved folder loads as), and
-:mod:`~allocator.model.zoo` (real transformers architectures built on the meta device).
+Beside it: :mod:`~allocator.model.blocks` (no-split classes, repeated blocks and stacks),
+:mod:`~allocator.model.unwrap` (the model under its wrappers), :mod:`~allocator.model.flops` (FLOPs at the input
+shapes), :mod:`~allocator.model.generation` (what ``generate`` needs: KV cache, logits, activations; the attention
+modules that fill the cache in :mod:`~allocator.model.attention`),
+:mod:`~allocator.model.quantization` (sizes of quantized weights), :mod:`~allocator.model.safetensors` and
+:mod:`~allocator.model.checkpoint` (what a saved folder loads as), and :mod:`~allocator.model.zoo` (real transformers
+architectures built on the meta device, from the catalogue in :mod:`~allocator.model.zoo_specs`).
 
 Glossary
 --------

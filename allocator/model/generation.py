@@ -5,8 +5,7 @@ builder, into bytes attached to the model graph (:attr:`ModelGraph.extra`, :attr
 :attr:`ModelGraph.main_workspace`). Strategies never see the budget: the bytes enter the units like the buffers of a
 module (they live where the module *executes*: its device when resident, the main device when offloaded), and
 :func:`allocator.evaluate.memory.peaks` — the one place per-device peaks are computed — adds them. So every strategy
-that
-respects the validator's peaks respects the generation budget too.
+that respects the validator's peaks respects the generation budget too.
 
 What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's ``cache_utils`` and
 ``GenerationMixin._sample``):
@@ -44,9 +43,10 @@ Activations
     ``tests/test_generation.py``): llama 0.84-0.96 of the prediction; T5 about half (its position bias is counted
     as float32 scores).
 
-Unknown architectures (no attention module with ``layer_idx`` and key/value projections, or cache layers that are
-neither full nor sliding attention, such as state-space or linear-attention layers) raise
-:class:`allocator.InvalidOption` rather than planning with a cache of unknown size.
+The attention modules that fill cache layers, and their key/value widths, are found by
+:mod:`allocator.model.attention`. Unknown architectures (no attention module with ``layer_idx`` and key/value
+projections, or cache layers that are neither full nor sliding attention, such as state-space or linear-attention
+layers) raise :class:`allocator.InvalidOption` rather than planning with a cache of unknown size.
 """
 
 from __future__ import annotations
@@ -58,16 +58,13 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from ..budgets import format_bytes
 from ..errors import InvalidOption, warn_caller
+from .attention import CacheAttention, cache_attentions, first_positive_int, in_features, out_features, projection
 from .sizes import as_dtype, dtype_bytes
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
 
 log = logging.getLogger(__name__)
 
-KEY_NAMES = ("k_proj", "k", "key", "k_lin", "to_k")
-VALUE_NAMES = ("v_proj", "v", "value", "v_lin", "to_v")
-FUSED_NAMES = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv")
-CROSS_NAMES = ("EncDecAttention", "encoder_attn", "crossattention", "cross_attn", "cross_attention")
 SCORE_COPIES = 3  # float32 next-token logits, processed scores, sampling probabilities (GenerationMixin._sample)
 
 
@@ -218,23 +215,6 @@ class GenerationNeeds:
 
 # ----------------------------------------------------------------------------------------------- builder
 
-def _child(module, names):
-    for name in names:
-        child = getattr(module, name, None)
-        if child is not None and hasattr(child, "weight") and getattr(child.weight, "ndim", 0) == 2:
-            return name, child
-    return None, None
-
-
-def _out_features(linear) -> int:
-    out = getattr(linear, "out_features", None)
-    return int(out) if isinstance(out, int) else int(linear.weight.shape[0])
-
-
-def _in_features(linear) -> int:
-    inp = getattr(linear, "in_features", None)
-    return int(inp) if isinstance(inp, int) else int(linear.weight.shape[1])
-
 
 def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
     import torch
@@ -247,14 +227,6 @@ def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
     if plan_dtype is not None and plan_dtype.is_floating_point:  # int8/int4 weights still compute in floating point
         return min(dtype_bytes(plan_dtype)[0], dtype_bytes(own)[0])
     return dtype_bytes(own)[0]
-
-
-def _is_cross(name: str, module) -> bool:
-    if getattr(module, "is_cross_attention", None) is True:
-        return True
-    if name.rpartition(".")[2] in CROSS_NAMES:
-        return True
-    return getattr(module, "is_causal", True) is False
 
 
 def _cache_layer_kinds(config, count: int) -> list[tuple[str, int | None]]:
@@ -322,7 +294,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
     names: dict[int, str] = {}
     for name, module in model.named_modules():
         names.setdefault(id(module), name)
-    attentions = _attention_modules(model, config, encoder_decoder, names)
+    attentions = cache_attentions(model, config, encoder_decoder, names)
     self_layers = [a for a in attentions if not a.cross]
     if not self_layers:
         raise InvalidOption(
@@ -382,7 +354,7 @@ def _check_positions(config, decoder_tokens: int, encoder_tokens: int) -> None:
     if encoder_tokens:
         checks.append(("prompt_length (the encoder's input)", encoder_tokens, config, ENCODER_POSITIONS))
     for what, tokens, where, fields in checks:
-        name, limit = next(((f, n) for f in fields if (n := _first_int(getattr(where, f, None)))), (None, None))
+        name, limit = next(((f, n) for f in fields if (n := first_positive_int(getattr(where, f, None)))), (None, None))
         if limit is not None and tokens > limit:
             warn_caller(f"GenerationBudget {what} {tokens} is above {type(config).__name__}.{name} {limit}: the model "
                         f"has no positions beyond {limit} (generate may fail or degrade there); planning for {tokens} "
@@ -408,80 +380,15 @@ def _lengths(budget: GenerationBudget, encoder_decoder: bool) -> tuple[int, int]
     return budget.prompt_length or L - 1, 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Attention:
-    name: str
-    index: int
-    cross: bool
-    key_path: str
-    value_path: str
-    key_width: int
-    value_width: int
-    key_module: object
-
-
-def _attention_modules(model, config, encoder_decoder: bool, names: Mapping[int, str]) -> list[_Attention]:
-    """Attention modules that fill a cache layer: an integer ``layer_idx`` and key/value projections, under
-    ``get_decoder()`` (not a vision tower), not in the encoder, in model order."""
-    prefixes = {}
-    for role, getter in (("encoder", "get_encoder"), ("decoder", "get_decoder")):
-        if (role == "decoder" or encoder_decoder) and callable(getattr(model, getter, None)):
-            prefixes[role] = names.get(id(getattr(model, getter)()))
-    found = []
-    for name, module in model.named_modules():
-        if names[id(module)] != name or not isinstance(getattr(module, "layer_idx", None), int):
-            continue
-        if prefixes.get("encoder") is not None and _under(name, prefixes["encoder"]):
-            continue  # the encoder runs once and caches nothing
-        if prefixes.get("decoder") is not None and not _under(name, prefixes["decoder"]):
-            continue  # e.g. a vision tower beside the language model
-        k_name, k = _child(module, KEY_NAMES)
-        v_name, v = _child(module, VALUE_NAMES)
-        if k is not None and v is not None:
-            widths = (_out_features(k), _out_features(v))
-        else:
-            k_name, k = _child(module, FUSED_NAMES)
-            v_name = k_name
-            width = _fused_kv_width(module, config) if k is not None else None
-            if width is None:
-                continue  # a block that carries layer_idx (its attention is found on its own), or no attention
-            widths = (width, width)
-        found.append(_Attention(name, module.layer_idx, encoder_decoder and _is_cross(name, module),
-                                f"{name}.{k_name}", f"{name}.{v_name}", *widths, k))
-    return found
-
-
 def _logits(model, graph, names, batch: int, prefill: int, ebytes: int) -> tuple[dict, int]:
     """Bytes of the output head's output per head node, and of the float32 scores on the main device."""
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if head is None or not hasattr(head, "weight") or id(head) not in names:
         return {}, 0
-    vocab = _out_features(head)
+    vocab = out_features(head)
     keep = 1 if "logits_to_keep" in inspect.signature(model.forward).parameters else prefill
     node = _leaf_with_tensors(graph, graph.node_index[names[id(head)]])
     return {node: batch * keep * vocab * ebytes}, SCORE_COPIES * batch * vocab * 4
-
-
-def _under(name: str, prefix: str) -> bool:
-    return not prefix or name == prefix or name.startswith(prefix + ".")
-
-
-def _first_int(*values):
-    return next((int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
-
-
-def _fused_kv_width(module, config) -> int | None:
-    """Key (= value) width of an attention module whose projections are fused: key/value heads × head dim, from the
-    module's own attributes first (Falcon's ``num_kv_heads``), then its config; ``None`` when neither says."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = _first_int(getattr(module, "num_heads", None), getattr(text, "num_attention_heads", None))
-    kv = _first_int(getattr(module, "num_key_value_heads", None), getattr(module, "num_kv_heads", None),
-                    getattr(text, "num_key_value_heads", None), getattr(text, "num_kv_heads", None),
-                    1 if getattr(text, "multi_query", False) is True else None, heads)
-    hidden = getattr(text, "hidden_size", None)
-    head_dim = _first_int(getattr(module, "head_dim", None), getattr(text, "head_dim", None),
-                          hidden // heads if isinstance(hidden, int) and heads else None)
-    return kv * head_dim if kv and head_dim else None
 
 
 def _leaf_with_tensors(graph, node: int) -> int:
@@ -492,15 +399,15 @@ def _leaf_with_tensors(graph, node: int) -> int:
     return node
 
 
-def _activations(model, config, attention: _Attention, tokens: int, length: int, ebytes: int) -> int:
+def _activations(model, config, attention: CacheAttention, tokens: int, length: int, ebytes: int) -> int:
     """Working set of the largest block forward of ``tokens`` tokens over ``length`` positions (module notes)."""
     import torch
 
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     kw, vw = attention.key_width, attention.value_width
-    hidden = _in_features(attention.key_module)
-    _, q = _child(model.get_submodule(attention.name), ("q_proj", "q", "query", "q_lin", "to_q"))
-    q_width = _out_features(q) if q is not None else hidden
+    hidden = in_features(attention.key_module)
+    _, q = projection(model.get_submodule(attention.name), ("q_proj", "q", "query", "q_lin", "to_q"))
+    q_width = out_features(q) if q is not None else hidden
     vocab = getattr(text_config, "vocab_size", None)
     intermediate = 0
     for sub in model.modules():

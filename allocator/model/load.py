@@ -35,8 +35,7 @@ class LoadedModel:
     """What was built, for the report: ``"t5-base (built-in example: ...)"`` or ``"LlamaForCausalLM from DIR"``."""
     dtype: object = None
     """The dtype ``from_pretrained`` would load the model in by default (:func:`allocator.model.checkpoint.load_dtype`;
-    a
-    built-in example's published dtype, :func:`allocator.model.zoo.dtype`), used when ``--dtype`` is not given."""
+    a built-in example's published dtype, :func:`allocator.model.zoo.dtype`), used when ``--dtype`` is not given."""
     dtype_reason: str = ""
     """Why that dtype: ``"the config's dtype, as from_pretrained loads it"``."""
     quantization: object = None

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..budgets import is_accelerator
+from ..budgets import format_ms, is_accelerator
 from ..rules.dispatch import hooks_attach
 from ..evaluate.memory import map_runs, offloaded_devices
-from ..strategies.ranking import priced
-from ..strategies.contract import contract_violations, why_empty
+from ..evaluate.cost import priced
+from ..report.minimum import why_empty
+from ..strategies.contract import contract_violations
 from ..evaluate.units import problem_groups
 from ..evaluate.validate import check, format_bytes
 
@@ -103,9 +104,6 @@ class _Layout:
         return self._unit_map
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
-
 
 def _share(nbytes: int, total: int) -> str:
     return f"{nbytes / total * 100:.1f} % of the model" if total else "none of the model"
@@ -116,18 +114,18 @@ def _units(n: int) -> str:
 
 
 def _strategy(plan) -> str:
-    return plan.strategy.split(":")[-1]
+    return plan.placement.algorithm
 
 
 def _main_sentence(plan, layout: _Layout) -> str:
     p, main = plan.problem, plan.main_device
     budgets = p.budgets
-    if plan.strategy.startswith("sequential"):
+    if plan.placement.accelerates:
         return (f"main device {main!r}: accelerate's rule, the lowest accelerator index in its map"
                 if is_accelerator(main) else
                 "main device 'cpu': accelerate's map puts nothing on an accelerator, so the CPU runs the model")
-    if plan.strategy.startswith("balanced_low_0"):
-        return (f"main device {main!r}: balanced_low_0 keeps the first accelerator as light as possible on purpose "
+    if "main" in plan.placement.exempt:
+        return (f"main device {main!r}: {_strategy(plan)} keeps the first accelerator as light as possible on purpose "
                 "(the contract's rule 1 does not apply to it)")
     if not p.options.contract:
         return f"main device {main!r}: under objective latency the cost model's estimate alone chose it"
@@ -154,7 +152,8 @@ def _moved(plan, layout: _Layout, k: int, device) -> str:
     violations = check(problem, moved)[0]
     if violations:
         return f"moving it there breaks a runtime rule ({violations[0].kind}: {violations[0].message.split(';')[0]})"
-    broken = [v for v in contract_violations(problem, moved, strategy=plan.strategy) if v.kind != "contract-floor"]
+    broken = [v for v in contract_violations(problem, moved, exempt=plan.placement.exempt)
+              if v.kind != "contract-floor"]
     if broken:
         if broken[0].kind == "contract-order":
             return ("it runs after units on a higher accelerator index, and the contract keeps accelerators in index "
@@ -162,14 +161,14 @@ def _moved(plan, layout: _Layout, k: int, device) -> str:
         return "moving it there would change the main device, which the contract fixes"
     seconds = priced(problem, moved).seconds
     if seconds >= plan.cost.seconds * (1 - 1e-9):
-        text = (f"moving it there is estimated {_ms(seconds)} per forward, no faster than this plan "
-                f"({_ms(plan.cost.seconds)})")
-        if plan.strategy.startswith("balanced"):
+        text = (f"moving it there is estimated {format_ms(seconds)} per forward, no faster than this plan "
+                f"({format_ms(plan.cost.seconds)})")
+        if _strategy(plan) in ("balanced", "balanced_low_0"):
             text += "; balanced evens out the accelerators' peak / budget instead of filling them in order"
         return text
     why = {"sequential": "accelerate's algorithm keeps room for the largest layer and never returns to a device it "
            "has left"}.get(_strategy(plan), f"{_strategy(plan)} did not find that plan")
-    return f"moving it there is valid and estimated faster ({_ms(seconds)} per forward): {why}"
+    return f"moving it there is valid and estimated faster ({format_ms(seconds)} per forward): {why}"
 
 
 def _room(plan, layout: _Layout, device, full: set) -> str:
@@ -224,22 +223,30 @@ def _holding(plan, layout: _Layout, device, full: set) -> str:
     return text if whole else text + _room(plan, layout, device, full)
 
 
-def _empty(plan, layout: _Layout, device, full: set, notes: list[str], used: set) -> str | None:
+def _said(plan, kind: str, device, used: set) -> str | None:
+    """The text of the first decision of ``kind`` about ``device``, marked as said (left out of the list of decisions
+    that follows the "why"); ``None`` where the strategy made none."""
+    found = plan.placement.of_kind(kind, device)
+    if not found:
+        return None
+    used.add(found[0].text)
+    return found[0].text
+
+
+def _empty(plan, layout: _Layout, device, full: set, used: set) -> str | None:
     p = plan.problem
     main = layout.main
     accelerators = p.budgets.accelerators
     if device in accelerators and (main not in accelerators or accelerators.index(device) < accelerators.index(main)):
-        prefix = f"accelerator {device!r} "
-        note = next((n for n in notes if n.startswith(prefix)), None)
-        if note is not None:
-            used.add(note)
-            return f"{device!r} holds nothing: {note}"
-        if plan.strategy.startswith("sequential"):
-            note = next((n for n in notes if n.startswith(f"{device} full at ")), None)
+        said = _said(plan, "not-main", device, used)
+        if said is not None:
+            return f"{device!r} holds nothing: {said}"
+        if plan.placement.accelerates:
+            full_at = plan.placement.of_kind("full", device)
             return (f"{device!r} holds nothing: accelerate's algorithm moved past it"
-                    + (f" ({note})" if note else ""))
-        if plan.strategy.startswith("balanced_low_0"):
-            return f"{device!r} holds nothing: balanced_low_0 keeps the first accelerator free for generate()"
+                    + (f" ({full_at[0].text})" if full_at else ""))
+        if "main" in plan.placement.exempt:
+            return f"{device!r} holds nothing: {_strategy(plan)} keeps the first accelerator free for generate()"
         if not p.options.contract:
             return (f"{device!r} holds nothing: under objective latency the estimate chose main device {main!r}, and "
                     f"anything on {device!r} would make it the main device")
@@ -252,18 +259,10 @@ def _empty(plan, layout: _Layout, device, full: set, notes: list[str], used: set
     if not layout.after(device):
         return f"{device!r} holds nothing: the model fits on the devices before it"
     room = _room(plan, layout, device, full).replace("; it is full: ", ": ", 1)
-    note = next((n for n in notes if n.startswith(f"device {device!r} gets nothing") or _names(n, device)), None)
-    if note is not None:
-        used.add(note)
-        return f"{device!r} holds nothing{room}; {note}"
+    said = _said(plan, "empty", device, used)
+    if said is not None:
+        return f"{device!r} holds nothing{room}; {said}"
     return f"{device!r} holds nothing{room}"
-
-
-def _names(note: str, device) -> bool:
-    """Whether a note "accelerators [1, 2] get nothing: ..." (``balanced``) names ``device``."""
-    if not note.startswith("accelerators [") or "] get nothing" not in note:
-        return False
-    return repr(device) in note[len("accelerators ["):note.index("]")].split(", ")
 
 
 def _offloaded(plan, layout: _Layout, full: set) -> str | None:
@@ -318,7 +317,6 @@ def reasons(plan) -> tuple[list[str], set[str]]:
     """The sentences of the "why" section of ``plan.explain()``, and the strategy notes they already say (left out of
     the list of decisions that follows)."""
     layout = _Layout(plan)
-    notes = list(plan.placement.notes)
     used: set[str] = set()
     full: set = set()
     out = [_main_sentence(plan, layout)]
@@ -331,12 +329,12 @@ def reasons(plan) -> tuple[list[str], set[str]]:
         if layout.on(device) and plan.resident(device):
             out.append(_holding(plan, layout, device, full))
         else:
-            line = _empty(plan, layout, device, full, notes, used)
+            line = _empty(plan, layout, device, full, used)
             if line:
                 out.append(line)
     out += [s for s in (_offloaded(plan, layout, full), _reserve(plan)) if s]
-    choice = next((n for n in notes if n.startswith("auto chose ")), None)
-    if choice is not None:
-        out.append(choice)
-        used.add(choice)
+    choice = plan.placement.of_kind("choice")
+    if choice:
+        out.append(choice[0].text)
+        used.add(choice[0].text)
     return out, used

@@ -1,20 +1,25 @@
 """The smallest budgets that work: what an error says when no plan fits, and what an accelerator left empty would
-need to be the main device. Each is a bisection over one budget, the others unchanged."""
+need to be the main device (:func:`empty_before_main`, :func:`why_empty`). Each is a bisection over one budget, the
+others unchanged."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..budgets import Budgets
+from ..budgets import Budgets, Device
 from ..errors import InfeasiblePlacement
-from ..evaluate.memory import workspace
+from ..evaluate.memory import main_device, streams_held, workspace
+from ..evaluate.units import problem_groups
 from ..evaluate.validate import check, format_bytes
+from ..placement import Decision, Placement
 from ..problem import Problem
 from ..strategies import run
-from ..strategies.contract import contract_main
 from ..strategies.first_fit import full_reserve
+from ..strategies.sequential import insufficient_memory
+from ..strategies.witness import contract_main
 
-__all__ = ["main_minimum", "minimum_budget_error", "minimum_ram_error", "with_budget"]
+__all__ = ["empty_before_main", "main_minimum", "minimum_budget_error", "minimum_ram_error", "smallest", "why_empty",
+           "with_budget"]
 
 
 def with_budget(problem: Problem, device, nbytes: int) -> Problem:
@@ -29,6 +34,18 @@ def with_budget(problem: Problem, device, nbytes: int) -> Problem:
 
 def _with_ram(problem: Problem, ram: int) -> Problem:
     return with_budget(problem, "cpu", ram)
+
+
+def smallest(works, low: int, high: int) -> int:
+    """The smallest budget in ``(low, high]`` for which ``works(budget)`` holds, to 1 % (bisection; ``works(high)``
+    is known to hold, ``works(low)`` not). The one bisection of this module: every minimum below is found by it."""
+    while high - low > max(1, high // 100):
+        middle = (low + high) // 2
+        if works(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def _feasible(problem: Problem, strategy) -> bool:
@@ -46,17 +63,14 @@ def main_minimum(problem: Problem, device) -> int:
     g = problem.graph
     low = problem.budgets.limit(device) or 0
     high = max(low + 1, g.total + full_reserve(problem) + workspace(g, main=True) + sum(g.extra.values()) + 1)
+    def works(nbytes: int) -> bool:
+        return contract_main(with_budget(problem, device, nbytes)) == device
+
     for _ in range(8):
-        if contract_main(with_budget(problem, device, high)) == device:
+        if works(high):
             break
         low, high = high, 2 * high
-    while high - low > max(1, high // 100):
-        middle = (low + high) // 2
-        if contract_main(with_budget(problem, device, middle)) == device:
-            high = middle
-        else:
-            low = middle
-    return high
+    return smallest(works, low, high)
 
 
 def minimum_budget_error(problem: Problem, strategy) -> InfeasiblePlacement:
@@ -71,12 +85,7 @@ def minimum_budget_error(problem: Problem, strategy) -> InfeasiblePlacement:
         return InfeasiblePlacement(
             f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}, even with "
             f"{format_bytes(high)} on accelerator {device!r}; give max_memory a 'cpu' budget or try strategy='auto'.")
-    while high - low > max(1, high // 100):
-        middle = (low + high) // 2
-        if _feasible(with_budget(problem, device, middle), strategy):
-            high = middle
-        else:
-            low = middle
+    high = smallest(lambda nbytes: _feasible(with_budget(problem, device, nbytes), strategy), low, high)
     return InfeasiblePlacement(
         f"no placement of {g.model_class} fits the budgets {dict(problem.budgets.limits)}: max_memory has no 'cpu' "
         f"budget, so nothing can be offloaded to RAM; the smallest budget found to work on accelerator {device!r} "
@@ -109,12 +118,7 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     generation = ", and what generate needs on the devices that run the model" if problem.generation else ""
     floor = low  # the caller's budget, or the last one the doubling found failing
     for _ in range(16):
-        while high - low > max(1, high // 100):
-            middle = (low + high) // 2
-            if _feasible(_with_ram(problem, middle), strategy):
-                high = middle
-            else:
-                low = middle
+        high = smallest(lambda ram: _feasible(_with_ram(problem, ram), strategy), low, high)
         # Feasibility need not be monotone in the budget (accelerate's algorithm, inside "auto", is not): search on
         # below a budget that works 1 % under the one found, so that the stated minimum really has 1 % less failing.
         below = high - max(1, high // 100)
@@ -129,3 +133,39 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
         f"{', or give accelerators more room' if problem.budgets.accelerators else ''}.",
         device="cpu", minimum=high,
     )
+
+
+def why_empty(problem: Problem, device: Device) -> str:
+    """A sentence saying why an accelerator before the contract's main device holds nothing."""
+    b = problem.budgets
+    limit = b.limit(device) or 0
+    if limit == 0:
+        return f"accelerator {device!r} has a budget of 0"
+    need = streams_held(problem.options, full_reserve(problem))
+    smallest = min((s for s in problem_groups(problem).size if s), default=0)
+    g = problem.graph
+    generate = g.workspace + g.main_workspace
+    return (f"accelerator {device!r} ({format_bytes(limit)}) admits no valid plan as the main device: it would hold "
+            f"at least one unit (the smallest is {format_bytes(smallest)}) plus the weights streamed through it at "
+            f"once (up to {format_bytes(need)}) and the buffers of offloaded modules"
+            + (f", and what generate needs on the main device ({format_bytes(generate)} of activations and "
+               "next-token scores, plus the KV cache of the layers it runs)" if generate else ""))
+
+
+def empty_before_main(problem: Problem, placement: Placement) -> Placement:
+    """Under the contract, say why accelerators before the main device hold nothing: a ``"not-main"``
+    :class:`~allocator.placement.Decision` each, with the budget that would make it the main device
+    (:func:`main_minimum`), and accelerate's "insufficient memory" log line. A placement exempt from rule 1 is
+    returned as it is."""
+    if not problem.options.contract or "main" in placement.exempt:
+        return placement
+    main = main_device(placement.device_map.values())
+    accelerators = problem.budgets.accelerators
+    empty = accelerators[:accelerators.index(main)] if main in accelerators else accelerators
+    if not empty:
+        return placement
+    minimum = {d: main_minimum(problem, d) for d in empty}
+    said = tuple(Decision("not-main", f"{why_empty(problem, d)}; it needs at least {format_bytes(minimum[d])}",
+                          devices=(d,), bytes=minimum[d], bound="main") for d in empty)
+    return replace(placement, decisions=placement.decisions + said,
+                   diagnostics=placement.diagnostics + (("info", insufficient_memory(minimum)),))

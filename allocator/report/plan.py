@@ -14,8 +14,9 @@ from ..evaluate.validate import Violation, check, format_bytes, peak_parts
 from ..placement import Placement
 from ..problem import Problem, step_problem
 from ..strategies import STRATEGIES, run
-from ..strategies.contract import contract_main, fast_bytes, floor
-from ..strategies.ranking import priced
+from ..evaluate.cost import priced
+from ..evaluate.tiers import fast_bytes
+from ..strategies.witness import contract_main, floor
 from .explain import reasons
 from .schema import plan_to_dict, read, rebuild
 
@@ -51,6 +52,9 @@ class Plan:
     prefetch : int
         Bytes kept free on the main device, beyond ``streamed``, for the offloaded modules the allocator runtime makes
         ready ahead (``runtime="allocator"``, :mod:`allocator.offload`); 0 under accelerate's hooks.
+    asked : str
+        The strategy the caller asked for (``"auto"``, where :attr:`strategy` says ``"auto:reserve"``); the name of a
+        caller's function.
     """
 
     device_map: dict
@@ -64,6 +68,7 @@ class Plan:
     cost: Cost
     parts: dict = field(default_factory=dict)
     prefetch: int = 0
+    asked: str = ""
 
     @property
     def optimal(self) -> bool | None:
@@ -164,7 +169,7 @@ class Plan:
         lines += [f"  - {sentence}" for sentence in why]
         notes = [note for note in self.placement.notes if note not in said]
         if notes:
-            lines.append(f"decisions of {self.strategy.split(':')[-1]}:")
+            lines.append(f"decisions of {self.placement.algorithm}:")
         lines += [f"  - {note}" for note in notes[:200]]
         if len(notes) > 200:
             lines.append(f"  ... {len(notes) - 200} more decisions")
@@ -183,12 +188,12 @@ class Plan:
                     f"them ({format_bytes(need)}, this plan {format_bytes(have)}); the cost model ranks the plans that "
                     "keep it")
         line = "objective latency: the cost model's estimate alone decided"
-        name = self.strategy.split(":")[0]
-        if name not in STRATEGIES:
+        fell_back = self.placement.accelerates and self.asked != "sequential"   # accelerate's map, as no plan fits
+        if self.asked not in STRATEGIES or fell_back:
             return line
-        options = replace(self.problem.options, objective="contract")
+        contract = replace(self.problem, options=replace(self.problem.options, objective="contract"))
         try:
-            other = finish(replace(self.problem, options=options), run(name, replace(self.problem, options=options)))
+            other = finish(contract, run(self.asked, contract))
         except AllocatorError:
             return line + "; no plan keeps the contract"
         if other.main_device == self.main_device:
@@ -225,17 +230,19 @@ class Plan:
             Not a plan of this schema version.
         """
         saved = read(data)
-        return saved if model is None else finish(*rebuild(saved, model, **keywords))
+        if model is None:
+            return saved
+        return finish(*rebuild(saved, model, **keywords), asked=str(saved.data.get("asked", "")))
 
 
-def finish(problem: Problem, placement: Placement) -> Plan:
+def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
     """The plan of a placement: its map checked against the runtime rules, its peaks and parts per device, and its
-    estimate, each computed once."""
+    estimate, each computed once; ``asked`` names the strategy the caller asked for."""
     violations, memory = check(problem, placement.device_map)
     parts = peak_parts(problem, placement.device_map, memory)
     return Plan(
         device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
         placement=placement, cost=priced(problem, placement.device_map), parts=ByDevice(parts),
-        prefetch=memory.prefetch,
+        prefetch=memory.prefetch, asked=asked,
     )

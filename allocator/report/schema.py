@@ -8,14 +8,16 @@ against a model before anything is loaded::
      "model": {"class": "LlamaForCausalLM", "bytes": 16060522496},
      "device_map": {"model.embed_tokens": 0, ..., "lm_head": "cpu"},
      "main_device": 0,
-     "strategy": "first_fit", "optimal": null, "valid": true,
+     "strategy": "auto:reserve", "asked": "auto", "base": "reserve", "exempt": [], "optimal": null,
+     "valid": true,
      "budgets": {"0": 25769803776, "cpu": 68719476736, "disk": null},
      "resident": {"0": ...}, "peak": {"0": ...}, "parts": {"0": {"weights": ..., "cache": ...}},
      "streamed": ..., "prefetch": 0,
      "estimate": {"seconds": ..., "streamed_bytes": ..., "disk_bytes": ..., "device_changes": ...,
                   "resident_fast": ..., "steps": {"prefill": ...}},
      "options": {"objective": "contract", "dtype": "bfloat16", "generation": {...}, ...},
-     "decisions": ["..."], "violations": [{"kind": "budget", "message": "..."}],
+     "decisions": [{"kind": "kept", "text": "...", "devices": [0], "units": [], "bytes": null, "bound": ""}],
+     "violations": [{"kind": "budget", "message": "..."}],
      "experts": null}
 
 Devices are written as JSON allows keys: accelerator indices as strings (``"0"``); as map *values* they stay integers
@@ -33,7 +35,7 @@ from collections.abc import Mapping
 from ..errors import InvalidOption
 from ..model import as_dtype
 from ..model.generation import GenerationBudget
-from ..placement import Placement
+from ..placement import Decision, Placement
 from ..problem import PlanOptions, Problem, build_problem
 from ..profile import Profile
 
@@ -102,6 +104,9 @@ def plan_to_dict(plan) -> dict:
         "device_map": dict(plan.device_map),
         "main_device": plan.main_device,
         "strategy": plan.strategy,
+        "asked": plan.asked,
+        "base": plan.placement.base,
+        "exempt": sorted(plan.placement.exempt),
         "optimal": plan.optimal,
         "valid": plan.valid,
         "budgets": {device_key(d): budgets.limit(d) for d in budgets.order},
@@ -114,10 +119,21 @@ def plan_to_dict(plan) -> dict:
                      "steps": {step: cost.seconds for step, cost in plan.costs.items()}},
         "generation": None if problem.generation is None else problem.generation.summary(),
         "options": _options(problem.options),
-        "decisions": list(plan.placement.notes),
+        "decisions": [_decision(d) for d in plan.placement.decisions],
         "violations": [{"kind": v.kind, "message": v.message} for v in plan.violations],
         "experts": None,
     }
+
+
+def _decision(decision: Decision) -> dict:
+    """A :class:`allocator.placement.Decision` as JSON: its fields, devices and units as lists."""
+    return {"kind": decision.kind, "text": decision.text, "devices": list(decision.devices),
+            "units": list(decision.units), "bytes": decision.bytes, "bound": decision.bound}
+
+
+def _decision_of(data: Mapping) -> Decision:
+    return Decision(str(data.get("kind", "split")), str(data.get("text", "")), devices=tuple(data.get("devices", ())),
+                    units=tuple(data.get("units", ())), bytes=data.get("bytes"), bound=str(data.get("bound", "")))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -206,7 +222,9 @@ def rebuild(saved: SavedPlan, model, **keywords) -> tuple[Problem, Placement]:
     fields.update(keywords)
     max_memory = {d: v for d, v in saved.budgets.items() if v is not None}
     problem = build_problem(model, max_memory, options=PlanOptions.of(None, **fields))
-    notes = tuple(saved.data.get("decisions") or ())
+    decisions = tuple(_decision_of(d) if isinstance(d, Mapping) else Decision("split", str(d))
+                      for d in saved.data.get("decisions") or ())
     placement = Placement(device_map=saved.device_map, strategy=str(saved.data.get("strategy", "saved")),
-                          notes=notes, optimal=saved.data.get("optimal"))
+                          decisions=decisions, optimal=saved.data.get("optimal"), base=str(saved.data.get("base", "")),
+                          exempt=frozenset(saved.data.get("exempt", ())))
     return problem, placement

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 
-from ..placement import Placement
+from ..budgets import format_ms
+from ..placement import Placement, note
 from ..problem import Problem
 from ..evaluate.units import problem_groups
 from . import backfill, ilp, reserve
-from .contract import accelerate_placement
-from .ranking import Tried, best_valid, infeasible
+from .witness import accelerate_placement
+from .ranking import Tried, best_valid, estimate_decides, infeasible, ranked_by
 
 __all__ = ["place", "choice_note"]
 
@@ -54,12 +55,11 @@ def place(problem: Problem) -> Placement:
     used = set(placement.device_map.values())
     if problem.budgets.accelerators and not used - {"cpu", "disk"}:
         log.info("no accelerator plan is valid or faster; running everything from RAM (cpu as main device)")
-    return Placement(device_map=placement.device_map, strategy=f"auto:{placement.strategy}",
-                     notes=(choice_note(found.name, found.tried),) + placement.notes, optimal=placement.optimal)
+    choice = note(choice_note(found.name, found.tried, ranked_by(problem)), "choice",
+                  bound="estimate" if estimate_decides(problem) else "bytes")
+    return Placement(device_map=placement.device_map, strategy=f"auto:{placement.strategy}", base=placement.algorithm,
+                     decisions=(choice,) + placement.decisions, optimal=placement.optimal)
 
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
 
 
 def _against(seconds: float, other: float) -> str:
@@ -72,11 +72,11 @@ def _against(seconds: float, other: float) -> str:
     return f"{number} % {'faster' if change > 0 else 'slower'} than"
 
 
-def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
+def choice_note(winner: str, tried: tuple[Tried, ...], ranking: str = "") -> str:
     """One sentence: the candidate kept, its estimate, the margin over accelerate's map (``sequential``) and over the
-    runner-up, and what became of the others."""
+    runner-up (the next by rank), what became of the others, and what ranked them (``ranking``)."""
     chosen = next(t for t in tried if t.name == winner)
-    text = f"auto chose {winner}: estimated {_ms(chosen.seconds)} per forward"
+    text = f"auto chose {winner}: estimated {format_ms(chosen.seconds)} per forward"
     if chosen.why:
         text += f" (it {chosen.why}, and no candidate keeps as many)"
     theirs = next((t for t in tried if t.name == "sequential"), None)
@@ -84,21 +84,24 @@ def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
         text += ", accelerate's own map"
     elif theirs is not None and theirs.seconds is not None:
         text += (f", {_against(chosen.seconds, theirs.seconds)} accelerate's map (sequential, "
-                 f"{_ms(theirs.seconds)})" + (f", which {theirs.why}" if theirs.why else ""))
+                 f"{format_ms(theirs.seconds)})" + (f", which {theirs.why}" if theirs.why else ""))
     elif theirs is not None:
         text += f"; accelerate's map (sequential) {theirs.why}"
     others = [t for t in tried if t.name not in (winner, "sequential" if winner != "sequential" else "")]
-    rivals = sorted((t for t in others if t.eligible and t.seconds is not None), key=lambda t: t.seconds)
+    rivals = sorted((t for t in others if t.eligible and t.key is not None), key=lambda t: t.key, reverse=True)
     if rivals:
         runner = rivals[0]
-        if _against(chosen.seconds, runner.seconds) == "as fast as":
+        if runner.key == chosen.key:
+            text += (f"; {runner.name} ranks the same, and {winner} comes first on the ties (the order of the "
+                     "candidates)")
+        elif _against(chosen.seconds, runner.seconds) == "as fast as":
             text += (f"; {runner.name} is estimated the same, and {winner} comes first on the ties (more bytes on "
                      "the fastest tier, fewer device changes, then the order of the candidates)")
         else:
-            text += f"; the runner-up, {runner.name}, is estimated {_ms(runner.seconds)} ({winner} " \
+            text += f"; the runner-up, {runner.name}, is estimated {format_ms(runner.seconds)} ({winner} " \
                     f"{_against(chosen.seconds, runner.seconds)} it)"
-    rest = [f"{t.name} {_ms(t.seconds)}" + (f" ({t.why})" if t.why else "") if t.eligible else f"{t.name} {t.why}"
+    rest = [f"{t.name} {format_ms(t.seconds)}" + (f" ({t.why})" if t.why else "") if t.eligible else f"{t.name} {t.why}"
             for t in others if not rivals or t is not rivals[0]]
     if rest:
         text += "; the others: " + ", ".join(rest)
-    return text
+    return text + (f"; {ranking}" if ranking else "")

@@ -7,9 +7,8 @@ together can spill to RAM (huggingface/transformers#46823, accelerate#1888). Her
 
 What is balanced
 ----------------
-The tie groups of :func:`allocator.evaluate.units.groups`, in model order (a group sits at its first unit), are cut
-into one
-contiguous run per accelerator, in the budgets' order. A tied head that is defined last but tied to the embeddings
+The tie groups of :func:`allocator.evaluate.units.groups`, in model order (a group sits at its first unit), are cut into
+one contiguous run per accelerator, in the budgets' order. A tied head that is defined last but tied to the embeddings
 travels with the embeddings' group: "contiguous" is over groups, so the partition is contiguous in model order except
 for units pulled by a tie. The objective is the largest *fill*, ``peak / budget``, over the accelerators, and it is
 minimised exactly over all contiguous splits that fit the budgets:
@@ -33,15 +32,14 @@ run is the shortest prefix with which the rest of the model fits the other accel
 above. When the others hold the whole model it gets nothing.
 
 Peaks are the validator's (:func:`allocator.evaluate.validate.check`): with everything on accelerators, a device's peak
-is the
-bytes resident there (with a generation budget, the groups' sizes include the KV cache of the layers they hold, and
-each device also keeps the activations' workspace, the first one the next-token scores too). When the accelerators
-together cannot hold the model, the plan with the most bytes resident is
-``reserve``'s (size-aware streaming reserve, every possible main device); the groups it keeps on accelerators are then
-re-split by the same rule over the main device and the ones after it, with the main device charged what the validator
-charges it beyond its own groups (the buffers of offloaded groups and the streaming reserve) and kept non-empty so that
-it stays the main device. The same groups stay resident, so no resident byte is lost; the re-split is kept only if it
-is valid and not less balanced (for ``balanced_low_0``: not heavier on the main device) than ``reserve``'s own split.
+is the bytes resident there (with a generation budget, the groups' sizes include the KV cache of the layers they hold,
+and each device also keeps the activations' workspace, the first one the next-token scores too). When the accelerators
+together cannot hold the model, the plan with the most bytes resident is ``reserve``'s (size-aware streaming reserve,
+every possible main device); the groups it keeps on accelerators are then re-split by the same rule over the main device
+and the ones after it, with the main device charged what the validator charges it beyond its own groups (the buffers of
+offloaded groups and the streaming reserve) and kept non-empty so that it stays the main device. The same groups stay
+resident, so no resident byte is lost; the re-split is kept only if it is valid and not less balanced (for
+``balanced_low_0``: not heavier on the main device) than ``reserve``'s own split.
 
 Notes
 -----
@@ -69,14 +67,14 @@ from fractions import Fraction
 
 from ..budgets import Device
 from .partition import least_feasible, parts, prefix_sums, reachable, split
-from ..placement import Placement, clean_device_map
+from ..placement import Decision, Placement, note
 from ..problem import Problem
 from ..evaluate.memory import device_of, main_device, workspace
 from ..evaluate.units import Group, problem_groups
 from ..budgets import format_bytes
 from ..evaluate.validate import check
 from . import reserve
-from .contract import contract_main
+from .witness import contract_main
 
 __all__ = ["place", "place_low_0"]
 
@@ -212,26 +210,29 @@ def _all_resident(problem: Problem, found: list[Group], devices: list[Device], l
     for device, run in zip(devices, parts(cuts, len(found))):
         for k in run:
             placed.update(dict.fromkeys(found[k].names, device))
-    notes = [f"all {len(found)} tie groups resident on the accelerators: contiguous split in model order"
-             + (", the first accelerator as light as possible, the others balanced" if low_0 else
-                ", the largest peak / budget minimised")]
+    notes = [note(f"all {len(found)} tie groups resident on the accelerators: contiguous split in model order"
+                  + (", the first accelerator as light as possible, the others balanced" if low_0 else
+                     ", the largest peak / budget minimised"), devices=tuple(devices))]
     notes += _empty_notes(devices, cuts, len(found), low_0)
     return _checked(problem, placed, name, notes)
 
 
-def _empty_notes(devices: list[Device], cuts: Sequence[int], count: int, low_0: bool) -> list[str]:
+def _empty_notes(devices: list[Device], cuts: Sequence[int], count: int, low_0: bool) -> list[Decision]:
     out = []
     for j, (device, run) in enumerate(zip(devices, parts(cuts, count))):
         if len(run):
             continue
         if j == 0 and low_0:
-            out.append(f"device {device!r} gets nothing: the other accelerators hold the rest of the model "
-                       "(balanced_low_0 keeps the first accelerator free for generate())")
+            text, bound = (f"device {device!r} gets nothing: the other accelerators hold the rest of the model "
+                           "(balanced_low_0 keeps the first accelerator free for generate())"), "main"
         elif count < len(devices):
-            out.append(f"device {device!r} gets nothing: there are {count} tie groups for {len(devices)} accelerators")
+            text, bound = (f"device {device!r} gets nothing: there are {count} tie groups for {len(devices)} "
+                           "accelerators"), ""
         else:
-            out.append(f"device {device!r} gets nothing: no split that gives every accelerator a group is as "
-                       "balanced within the budgets (a budget is too small for the groups at its position)")
+            text, bound = (f"device {device!r} gets nothing: no split that gives every accelerator a group is as "
+                           "balanced within the budgets (a budget is too small for the groups at its position)"), \
+                "budget"
+        out.append(note(text, "empty", devices=(device,), bound=bound))
     return out
 
 
@@ -263,18 +264,24 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     for device, run in zip(devices, parts(cuts, len(resident))):
         for i in run:
             placed.update(dict.fromkeys(found[resident[i]].names, device))
-    note = (f"{lead}; its {len(resident)} resident groups re-split contiguously over {devices}, main device {main!r} "
-            f"charged {format_bytes(extra)} for offloaded buffers and streaming")
-    balanced = _checked(problem, placed, name, [note])
+    said = note(f"{lead}; its {len(resident)} resident groups re-split contiguously over {devices}, main device "
+                f"{main!r} charged {format_bytes(extra)} for offloaded buffers and streaming", devices=tuple(devices))
+    balanced = _checked(problem, placed, name, [said])
     if balanced is None or not _no_worse(problem, balanced, base, main, low_0):
         return _relabel(problem, base, name,
                         f"{lead}; re-splitting its resident groups is not more balanced: kept as is")
-    return Placement(device_map=balanced.device_map, strategy=name,
-                     notes=balanced.notes + _idle(problem, balanced.device_map, "no contiguous split of the resident "
-                                                  "groups that gives them one is as balanced within the budgets"))
+    return Placement(device_map=balanced.device_map, strategy=name, exempt=_exempt(name),
+                     decisions=balanced.decisions + _idle(problem, balanced.device_map, "no contiguous split of the "
+                                                          "resident groups that gives them one is as balanced within "
+                                                          "the budgets"))
 
 
-def _idle(problem: Problem, device_map, why_after: str) -> tuple[str, ...]:
+def _exempt(name: str) -> frozenset:
+    """``balanced_low_0`` keeps GPU 0 light on purpose: rule 1 of the contract does not apply to it."""
+    return frozenset({"main"}) if name == "balanced_low_0" else frozenset()
+
+
+def _idle(problem: Problem, device_map, why_after: str) -> tuple[Decision, ...]:
     """A note naming the accelerators that get nothing in a plan with offloaded groups, and why."""
     used = set(device_map.values())
     idle = [d for d in problem.budgets.accelerators if d not in used]
@@ -282,16 +289,18 @@ def _idle(problem: Problem, device_map, why_after: str) -> tuple[str, ...]:
     if not idle:
         return ()
     if main in ("cpu", "disk"):
-        return (f"accelerators {idle} get nothing: no plan with one of them as the main device fits, or none is "
-                "estimated faster than running everything from RAM",)
+        return (note(f"accelerators {idle} get nothing: no plan with one of them as the main device fits, or none "
+                     "is estimated faster than running everything from RAM", "empty", devices=tuple(idle),
+                     bound="main"),)
     before = [d for d in idle if isinstance(d, int) and isinstance(main, int) and d < main]
     after = [d for d in idle if d not in before]
     out = []
     if before:
-        out.append(f"accelerators {before} get nothing: holding anything would make one of them the main device, "
-                   f"which keeps room for the streaming reserve; the plan with {main!r} as main keeps more resident")
+        out.append(note(f"accelerators {before} get nothing: holding anything would make one of them the main "
+                        f"device, which keeps room for the streaming reserve; the plan with {main!r} as main keeps "
+                        "more resident", "empty", devices=tuple(before), bound="main"))
     if after:
-        out.append(f"accelerators {after} get nothing: {why_after}")
+        out.append(note(f"accelerators {after} get nothing: {why_after}", "empty", devices=tuple(after)))
     return tuple(out)
 
 
@@ -308,14 +317,15 @@ def _no_worse(problem: Problem, new: Placement, old: Placement, main: Device, lo
     return _fill(problem, new.device_map, focus) <= _fill(problem, old.device_map, focus)
 
 
-def _relabel(problem: Problem, base: Placement, name: str, note: str) -> Placement:
-    return Placement(device_map=base.device_map, strategy=name, optimal=None,
-                     notes=(note,) + base.notes + _idle(problem, base.device_map, "reserve's plan fits before them"))
+def _relabel(problem: Problem, base: Placement, name: str, said: str) -> Placement:
+    return Placement(device_map=base.device_map, strategy=name, optimal=None, exempt=_exempt(name),
+                     decisions=(note(said, devices=tuple(problem.budgets.accelerators)),) + base.decisions
+                     + _idle(problem, base.device_map, "reserve's plan fits before them"))
 
 
-def _checked(problem: Problem, placed: dict, name: str, notes: list[str]) -> Placement | None:
+def _checked(problem: Problem, placed: dict, name: str, notes: list[Decision]) -> Placement | None:
     """The placement of a unit map if the validator accepts it, with each accelerator's peak in the notes."""
-    device_map = clean_device_map(placed) if problem.options.clean_result else dict(placed)
+    device_map = problem.cleaned(placed)
     violations, memory = check(problem, device_map)
     if violations:  # the split's loads disagree with the validator's peaks: fall back rather than return it
         log.debug("balanced split rejected by the validator: %s", violations[:3])
@@ -324,4 +334,7 @@ def _checked(problem: Problem, placed: dict, name: str, notes: list[str]) -> Pla
                       f" ({memory.peak[d] / problem.budgets.limit(d):.0%})" if problem.budgets.limit(d) else
                       f"{d!r} {format_bytes(memory.peak[d])}"
                       for d in problem.budgets.accelerators if d in memory.peak)
-    return Placement(device_map=device_map, strategy=name, notes=tuple(notes) + (f"accelerator peaks: {peaks}",))
+    return Placement(device_map=device_map, strategy=name, exempt=_exempt(name),
+                     decisions=tuple(notes) + (note(f"accelerator peaks: {peaks}", "peaks",
+                                                    devices=tuple(d for d in problem.budgets.accelerators
+                                                                  if d in memory.peak)),))

@@ -3,8 +3,12 @@
 A strategy is a function ``place(problem) -> Placement`` (:func:`allocator.plan` takes it as ``strategy=``). It
 reads the frozen :class:`Problem` — never the model — and returns an assignment; :func:`allocator.plan` then cleans
 the map, checks it against the runtime rules and the contract of ``device_map="auto"`` (raising
-:class:`allocator.InvalidPlacement` or :class:`allocator.BrokenContract` when it breaks them) and prices it. The
-pieces, bottom up:
+:class:`allocator.InvalidPlacement` or :class:`allocator.BrokenContract` when it breaks them) and prices it.
+
+The shortest way: **a strategy is an ordering.** :func:`fill` seats the tie groups in the order a strategy gives
+(its priority: what should stay on the fastest tier first), under every main device the contract allows, keeping the
+contract's index order and raising or shrinking the streaming reserve to its fixed point; it returns the best valid
+plan of those fills and accelerate's own map. The pieces it is made of, for a strategy that needs more:
 
 - :func:`tie_groups`: what gets placed — the model's units (modules that are not split, lone tensors of split ones)
   united by ties into groups, in model order, each with its ``size``, ``offload`` and ``pinned`` bytes and its
@@ -20,24 +24,16 @@ pieces, bottom up:
 
 Examples
 --------
-A complete strategy: first fit in model order under each main device, accelerate's map as a fallback candidate.
+A complete strategy: the largest groups first (first-fit decreasing).
 
 >>> import torch.nn as nn
 >>> import allocator
 >>> from allocator.strategies import kit
->>> def first_fit(problem):
+>>> def largest_first(problem):
 ...     groups = kit.tie_groups(problem)
-...     reserve = max((g.stream for g in groups), default=0)
-...     candidates = [("accelerate", lambda: kit.accelerate_placement(problem))]
-...     for main in kit.main_candidates(problem):
-...         room = kit.Room.of(problem, main, reserve, groups)
-...         seats = [room.seat_group(g) for g in groups] if room else [-1]
-...         if -1 not in seats:
-...             placed = kit.device_map(problem, groups, [room.devices[j] for j in seats])
-...             candidates.append((f"main {main!r}", lambda placed=placed: kit.Placement(placed, "first_fit")))
-...     return kit.best_valid(problem, candidates)
+...     return kit.fill(problem, sorted(range(len(groups)), key=lambda k: -groups[k].size), name="largest_first")
 >>> model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])   # 16.25 KiB per layer
->>> allocator.plan(model, {0: 40_000, "cpu": 10**6}, strategy=first_fit).device_map
+>>> allocator.plan(model, {0: 40_000, "cpu": 10**6}, strategy=largest_first).device_map
 {'0': 0, '1': 'cpu', '2': 'cpu', '3': 'cpu'}
 """
 
@@ -45,19 +41,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from ..budgets import Device
+from ..evaluate.memory import offloaded_devices
 from ..evaluate.cost import Cost, estimate
 from ..errors import InfeasiblePlacement
-from ..placement import Placement, clean_device_map
+from ..placement import Placement
 from ..problem import Problem
-from .contract import accelerate_placement, main_candidates
+from .witness import accelerate_placement, main_candidates
 from .ranking import best_valid as rank
+from .first_fit import Streams
 from .room import Room
-from ..evaluate.units import Group, Groups, problem_groups
+from ..evaluate.units import Group, Groups, disk_loadable, problem_groups
 from ..evaluate.validate import Violation, check as check_map
 
 __all__ = ["Cost", "Group", "Groups", "InfeasiblePlacement", "Placement", "Problem", "Room", "Violation",
-           "accelerate_placement", "best_valid", "check", "device_map", "estimate", "main_candidates", "tie_groups"]
+           "accelerate_placement", "best_valid", "check", "device_map", "estimate", "fill", "main_candidates", "seat",
+           "tie_groups"]
+
+#: How many times :func:`fill` redoes a fill with the streaming reserve of the one before (its fixed point).
+ROUNDS = 8
 
 
 def tie_groups(problem: Problem) -> Groups:
@@ -73,7 +77,7 @@ def device_map(problem: Problem, found: Groups, devices: Sequence[Device]) -> di
     if len(devices) != len(found):
         raise ValueError(f"device_map needs one device per group: {len(found)} groups, {len(devices)} devices.")
     placed = {name: device for group, device in zip(found, devices) for name in group.names}
-    return clean_device_map(placed) if problem.options.clean_result else placed
+    return problem.cleaned(placed)
 
 
 def check(problem: Problem, placed) -> list[Violation]:
@@ -97,3 +101,116 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
         raise InfeasiblePlacement(f"no candidate plan of {problem.graph.model_class} is valid under these budgets: "
                                   + "; ".join(f"{t.name} {t.why}" for t in found.tried))
     return found.placement
+
+
+def fill(problem: Problem, order: Sequence[int], *, name: str = "custom") -> Placement:
+    """The best valid plan that seats the tie groups (:func:`tie_groups`) in ``order``, and accelerate's own map.
+
+    Under each main device the contract allows (:func:`main_candidates`), the groups are seated by :func:`seat` with
+    the streaming reserve first set to the largest stream of a group that may be offloaded, then to what the
+    offloaded groups of the last fill really stream together (a parent's hook stays active while its children run)
+    until it holds (at most :data:`ROUNDS` fills). Every fill that streams no more than its reserve is a candidate;
+    :func:`best_valid` keeps the best of them and of accelerate's map, so the plan never keeps fewer bytes on the
+    fastest tier than accelerate's where that map keeps the contract.
+
+    Parameters
+    ----------
+    problem : Problem
+    order : sequence of int
+        Every group index once: the strategy's priority (earlier groups get the fastest devices with room).
+    name : str
+        The strategy's name, for the placement and the decisions.
+
+    Raises
+    ------
+    ValueError
+        ``order`` is not a permutation of the group indices.
+    InfeasiblePlacement
+        No fill and no accelerate map is valid (:func:`allocator.plan` adds the smallest budget that works).
+    """
+    groups = tie_groups(problem)
+    order = [int(k) for k in order]
+    if sorted(order) != list(range(len(groups))):
+        raise ValueError(f"fill needs every group index once: {len(groups)} groups, got {len(order)} indices.")
+    streams = Streams(problem, groups)
+    offloadable = groups.array("stream")[~groups.array("resident_only")]
+    candidates = [("accelerate", lambda: accelerate_placement(problem))]
+    for main in main_candidates(problem):
+        reserve, tried = int(offloadable.max()) if len(offloadable) else 0, set()
+        for _ in range(ROUNDS):
+            seats = seat(problem, groups, order, main, reserve)
+            if seats is None or reserve in tried:
+                break
+            tried.add(reserve)
+            actual = streams.reserve(seats, offloaded_devices(main))
+            if actual <= reserve:
+                placed = device_map(problem, groups, seats)
+                candidates.append((f"{name}, main {main!r}, reserve {reserve} B",
+                                   lambda placed=placed: Placement(placed, name)))
+            reserve = actual
+    return best_valid(problem, candidates)
+
+
+def seat(problem: Problem, found: Groups, order: Sequence[int], main: Device, reserve: int) -> list | None:
+    """The device of each group (in group order) when seated one by one in ``order`` by :meth:`Room.seat` under
+    ``main`` and ``reserve``, or ``None`` when one fits nowhere. Groups that must stay resident (:meth:`Room.must_stay`)
+    are seated first, then the others, each part in ``order``. Under the contract, the devices that execute are used
+    in index order along the model: a group never goes to an executing device before one that a group earlier in the
+    model went to, nor after one that a later group went to.
+
+    Notes
+    -----
+    O(g log g) for g groups: the bounds come from two Fenwick trees over model positions.
+    """
+    room = Room.of(problem, main, reserve, found)
+    if room is None:
+        return None
+    n = len(found)
+    stays = Room.must_stay(found.array("stream"), found.array("resident_only"), reserve)
+    disk_ok = disk_loadable(problem) if n else np.ones(0, dtype=bool)
+    if room.targets.count(True) == 1 and room.disk >= 0:   # disk is the only offload target: they stay instead
+        stays, disk_ok = stays | ~disk_ok, np.ones(n, dtype=bool)
+    size, offload, pinned = (found.array(c).tolist() for c in ("size", "offload", "pinned"))
+    stays, disk_ok = stays.tolist(), disk_ok.tolist()
+    ordered = problem.options.contract and room.targets.count(False) > 1
+    below, above = _Bound(n, max, -1), _Bound(n, min, n)   # executing device index by model position
+    seats: list = [None] * n
+    for k in [k for k in order if stays[k]] + [k for k in order if not stays[k]]:
+        low, high = (below.before(k), above.after(k)) if ordered else (-1, n)
+        j = room.seat(size[k], offload[k], pinned[k], stays[k], low=max(low, 0), high=None if high == n else high,
+                      disk_ok=disk_ok[k])
+        if j < 0:
+            return None
+        if ordered and not room.targets[j]:
+            below.set(k, j)
+            above.set(k, j)
+        seats[k] = room.devices[j]
+    return seats
+
+
+class _Bound:
+    """The largest (``max``) or smallest (``min``) value set at the model positions before (or after) a position:
+    a Fenwick tree over positions (over reversed positions for "after")."""
+
+    def __init__(self, n: int, pick, empty: int):
+        self.n, self.pick, self.empty = n, pick, empty
+        self.tree = [empty] * (n + 1)
+
+    def set(self, position: int, value: int) -> None:
+        i = (position if self.pick is max else self.n - 1 - position) + 1
+        while i <= self.n:
+            self.tree[i] = self.pick(self.tree[i], value)
+            i += i & -i
+
+    def _prefix(self, count: int) -> int:
+        out, i = self.empty, count
+        while i > 0:
+            out = self.pick(out, self.tree[i])
+            i -= i & -i
+        return out
+
+    def before(self, position: int) -> int:
+        return self._prefix(position)
+
+    def after(self, position: int) -> int:
+        return self._prefix(self.n - 1 - position)

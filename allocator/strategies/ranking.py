@@ -1,34 +1,59 @@
-"""Ranking plans by the cost model: the lowest estimated seconds per forward, then the most bytes on the fastest
-tier, then the fewest changes of executing device."""
+"""Ranking plans, and choosing among a strategy's candidates: the selection helpers every strategy uses.
+
+Which plan is better (:func:`rank_key`, one rule): where the cost model's rates were measured on the machine the plan
+is for (``PlanOptions.profile``), or the estimate alone decides (``objective="latency"``), the lowest estimated
+seconds per forward, then the most bytes on the fastest tier, then the fewest changes of executing device. Otherwise
+the estimate rests on constants never measured on that device, so what a user sees as plainly better comes first:
+the most bytes on the fastest tier, then the fewest bytes streamed per forward, and the estimate breaks ties.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..evaluate.cost import Cost, estimate, estimate_runs
+from ..evaluate.cost import Cost, estimate_runs, priced
 from ..errors import AllocatorError, InfeasiblePlacement
-from ..placement import Placement, clean_device_map
+from ..placement import Placement, note
 from ..problem import Problem
 from ..evaluate.memory import main_device
 from ..budgets import format_bytes
 from ..evaluate.validate import check
-from .contract import accelerate_map, contract_main, contract_violations, fast_bytes, floor, order_violations
+from ..evaluate.tiers import fast_bytes, order_violations
+from .contract import contract_violations
+from .witness import accelerate_map, contract_main, floor
 
-__all__ = ["Best", "Tried", "score", "priced", "best_of", "best_valid", "infeasible", "keeping_contract"]
+__all__ = ["Best", "Tried", "best_of", "best_valid", "estimate_decides", "infeasible", "keeping_contract", "rank_key",
+           "ranked_by", "score"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8
 
 
-def priced(problem: Problem, device_map) -> Cost:
-    """``estimate(problem, device_map)`` under the problem's profile; the last few results are remembered."""
-    return problem.derived.recent("priced", device_map, lambda: estimate(problem, device_map))
+def estimate_decides(problem: Problem) -> bool:
+    """Whether the estimate ranks plans first: its rates were measured (``PlanOptions.profile``), or the caller asked
+    for it (``objective="latency"``)."""
+    return problem.options.profile is not None or not problem.options.contract
 
 
-def score(problem: Problem, device_map) -> tuple[float, int, int]:
-    """Ranking key of a valid device map; higher is better: (-seconds, resident fast bytes, -device changes)."""
-    return _key(priced(problem, device_map))
+def rank_key(problem: Problem, cost: Cost) -> tuple:
+    """The ranking key of a plan's estimate; higher is better (the module's docstring says which order)."""
+    if estimate_decides(problem):
+        return -cost.seconds, cost.resident_fast, -cost.device_changes
+    return cost.resident_fast, -cost.streamed_bytes, -cost.seconds, -cost.device_changes
+
+
+def ranked_by(problem: Problem) -> str:
+    """What ranks plans, in words, for the decisions."""
+    if estimate_decides(problem):
+        return "the estimate decides (measured rates)" if problem.options.contract else "the estimate decides"
+    return ("bytes on the fastest tier, then bytes streamed per forward, decide (no measured profile: the estimate "
+            "only breaks ties)")
+
+
+def score(problem: Problem, device_map) -> tuple:
+    """Ranking key of a valid device map (:func:`rank_key` of its estimate); higher is better."""
+    return rank_key(problem, priced(problem, device_map))
 
 
 def _quick(problem: Problem, found) -> int:
@@ -36,20 +61,15 @@ def _quick(problem: Problem, found) -> int:
     return fast_bytes(problem, found)
 
 
-def _key(cost: Cost) -> tuple[float, int, int]:
-    return -cost.seconds, cost.resident_fast, -cost.device_changes
-
-
 def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     """The best valid candidate by the cost model; raises when none is valid.
 
     A candidate (:class:`allocator.strategies.first_fit.Filled`) gives its ``runs()``, its ``main`` device, its
     ``device_map()`` and a ``note``. Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED`
-    valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only
-    the maps
-    that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
-    checked from the best price down and the first valid one wins (usually one map and one check); with more, each
-    is checked on the way, in ranked order.
+    valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only the
+    maps that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
+    checked from the best price down and the first valid one wins (usually one map and one check); with more, each is
+    checked on the way, in ranked order.
     """
     candidates = keeping_contract(problem, candidates)
     ranked = sorted(((_quick(problem, c.runs()), k) for k, c in enumerate(candidates)), reverse=True)
@@ -57,14 +77,15 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     if len(candidates) <= PRICED:
         # every valid candidate is priced: check them from the best price down (on a tie, in ranked order); the
         # first valid one is the best
-        keys = [(_price(problem, candidates[k]), -i, k) for i, (_, k) in enumerate(ranked)]
+        costs = {k: _cost(problem, candidates[k]) for _, k in ranked}
+        keys = [(rank_key(problem, costs[k]), -i, k) for i, (_, k) in enumerate(ranked)]
         failed: set[int] = set()   # a candidate listed twice (reserve: two starts, one fixed point) is checked once
         for key, _, k in sorted(keys, reverse=True):
             if id(candidates[k]) in failed:
                 continue
             device_map = _final(problem, candidates[k])
             if not check(problem, device_map)[0]:
-                best = (key, device_map, candidates[k].note)
+                best = (key, device_map, candidates[k].note, costs[k])
                 break
             failed.add(id(candidates[k]))
     else:
@@ -76,25 +97,31 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             if check(problem, device_map)[0]:
                 continue
             priced += 1
-            key = _price(problem, candidates[k])
+            cost = _cost(problem, candidates[k])
+            key = rank_key(problem, cost)
             if best is None or key > best[0]:
-                best = (key, device_map, candidates[k].note)
+                best = (key, device_map, candidates[k].note, cost)
     if best is None:
         fallback = accelerate_map(problem) if problem.options.contract else None
         if fallback is None:
             raise infeasible(problem)
-        return Placement(device_map=fallback, strategy=strategy,
-                         notes=(f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, "
-                                "accelerators in index order, at least accelerate's bytes on them): accelerate's own "
-                                "map is kept",))
-    key, device_map, note = best
+        return Placement(device_map=fallback, strategy=strategy, decisions=(note(
+            f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, accelerators in index "
+            "order, at least accelerate's bytes on them): accelerate's own map is kept", "fallback",
+            bound="contract"),))
+    key, device_map, said, cost = best
     count = len({id(c) for c in candidates})
-    kept = "its only candidate plan" if count == 1 else f"the fastest of {count} candidate plans"
+    first = "the fastest" if estimate_decides(problem) else "the best"
+    kept = "its only candidate plan" if count == 1 else f"{first} of {count} candidate plans"
     if problem.options.contract:
         kept += " that keeps the contract" if count == 1 else " that keep the contract"
-    return Placement(device_map=device_map, strategy=strategy,
-                     notes=(f"{strategy} kept {kept} ({note}): estimated {-key[0] * 1e3:.3f} ms per forward, "
-                            f"{format_bytes(key[1])} on the fastest tier, {-key[2]} device changes",))
+    if count > 1 and not estimate_decides(problem):
+        kept += " by bytes on the fastest tier, then bytes streamed"
+    return Placement(device_map=device_map, strategy=strategy, decisions=(note(
+        f"{strategy} kept {kept} ({said}): estimated {cost.seconds * 1e3:.3f} ms per forward, "
+        f"{format_bytes(cost.resident_fast)} on the fastest tier, {cost.device_changes} device changes", "kept",
+        devices=(main_device(device_map.values()),), bytes=cost.resident_fast,
+        bound="estimate" if estimate_decides(problem) else "bytes"),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +134,7 @@ class Tried:
     seconds: float | None = None
     eligible: bool = False  # valid and keeps rules 1 and 2 of the contract
     kinds: frozenset = frozenset()  # the contract rules it breaks ("contract-main", "contract-order", ...)
+    key: tuple | None = None  # its ranking key (eligible candidates)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +154,9 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
     :class:`allocator.AllocatorError`) that keeps the runtime rules and rules 1 and 2 of the contract.
 
     Ranked first by reaching the contract's floor (accelerate's bytes on the fastest tier), then by :func:`score`
-    (the lowest estimated seconds, the most bytes on the fastest tier, the fewest device changes); on a tie the
-    earlier candidate wins. ``than`` continues an earlier call: its winner is kept unless a candidate beats it.
-    Under ``objective="latency"`` every valid map is eligible and only :func:`score` ranks.
+    (:func:`rank_key`); on a tie the earlier candidate wins. ``than`` continues an earlier call: its winner is kept
+    unless a candidate beats it. Under ``objective="latency"`` every valid map is eligible and only :func:`score`
+    ranks.
     """
     best = than or Best()
     tried = list(best.tried)
@@ -144,13 +172,13 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
             continue
         kinds = frozenset(v.kind for v in contract_violations(problem, placement.device_map))
         if kinds - {"contract-floor"}:
-            seconds = -score(problem, placement.device_map)[0]
+            seconds = priced(problem, placement.device_map).seconds
             tried.append(Tried(name, f"breaks the contract: {_broken_rule(problem, placement.device_map, kinds)}",
                                seconds, kinds=kinds))
             continue
         key = (not kinds, *score(problem, placement.device_map))
         tried.append(Tried(name, "keeps fewer bytes on the fastest tier than accelerate's map" if kinds else "",
-                           -key[1], eligible=True, kinds=kinds))
+                           priced(problem, placement.device_map).seconds, eligible=True, kinds=kinds, key=key))
         if best.key is None or key > best.key:
             best = Best(placement, name, key)
     return Best(best.placement, best.name, best.key, tuple(tried))
@@ -176,15 +204,15 @@ def keeping_contract(problem: Problem, candidates: list) -> list:
     return above if above or accelerate_map(problem) is not None else keep
 
 
-def _price(problem: Problem, candidate) -> tuple[float, int, int]:
-    """The ranking key of a candidate (as :func:`score` of its map), from its runs."""
-    return _key(estimate_runs(problem, candidate.runs(), candidate.main))
+def _cost(problem: Problem, candidate) -> Cost:
+    """The estimate of a candidate (as :func:`allocator.evaluate.cost.estimate` of its map), from its runs."""
+    return estimate_runs(problem, candidate.runs(), candidate.main)
 
 
 def _final(problem: Problem, candidate) -> dict:
     """The device map a candidate is returned as (cleaned unless the options say not to)."""
     placed = candidate.device_map()
-    return clean_device_map(placed) if problem.options.clean_result else placed
+    return problem.cleaned(placed)
 
 
 def infeasible(problem: Problem) -> InfeasiblePlacement:

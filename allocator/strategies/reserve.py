@@ -20,7 +20,7 @@ from ..evaluate.units import problem_groups
 from ..evaluate.validate import format_bytes
 from .first_fit import Filled, Streams, fill_to_fixed_point, reserve_sizes
 from .ranking import best_of
-from .contract import fill_memo, main_candidates
+from .witness import fill_memo, main_candidates
 
 __all__ = ["place"]
 

@@ -1,0 +1,160 @@
+"""Where an offloaded module's weights are made ready: the main device of the offload runtime.
+
+:class:`HostDevice` (a CPU main device: views into the mapped files, read ahead by the kernel or a thread),
+:class:`StreamDevice` (a GPU: copies from pinned host memory on a side stream, an event per module, over the CUDA
+backend) and :class:`StandInDevice` (the same stream logic over a CPU stand-in backend that logs what it is asked to
+do, so that the scheduling is tested without a GPU). Each has ``stage(slots, ahead=)`` and ``ready(handle)``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["HostDevice", "StandInDevice", "StreamDevice"]
+
+
+def _convert(value, meta):
+    """The value as accelerate's ``set_module_tensor_to_device`` makes it: cast to the placeholder's dtype."""
+    return value if value.dtype == meta.dtype else value.to(meta.dtype)
+
+
+class HostDevice:
+    """CPU main device: a module's weights are views into the mapped files.
+
+    Ahead of a module (``prefetch``), by default the kernel is asked to read its byte ranges in
+    (``madvise(MADV_WILLNEED)``, asynchronous read-ahead, no thread and nothing materialised early); with
+    ``thread=True`` a background thread reads the pages in and makes the views ahead (the runtime then holds them).
+    """
+
+    kind = "cpu"
+
+    def __init__(self, *, thread: bool = False):
+        self.threaded = thread
+
+    def advise(self, slots) -> None:
+        """Start the kernel's read-ahead of ``slots``' bytes."""
+        for s in slots:
+            s.source.advise()
+
+    def stage(self, slots, *, ahead: bool):
+        """Make ``slots``' tensors ready; on the prefetch thread (``ahead``) also read their pages in."""
+        if ahead:
+            for s in slots:
+                s.source.page_in()
+        return {s.source.key: _convert(s.source.host(), s.meta) for s in slots}
+
+    def ready(self, handle):
+        return handle
+
+
+class _StandInStream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_event(self, event):
+        assert event.recorded, f"wait on an event never recorded ({event.label})"
+        self.log.append(("wait", self.name, event.label))
+
+
+class _StandInEvent:
+    def __init__(self, log, label):
+        self.log, self.label, self.recorded = log, label, False
+
+    def record(self, stream):
+        self.recorded = True
+        self.log.append(("record", stream.name, self.label))
+
+    def synchronize(self):
+        pass
+
+
+class _CudaBackend:
+    """CUDA streams and events for :class:`StreamDevice`."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+        self.side = torch.cuda.Stream(self.device)
+
+    def event(self, label):
+        return self.torch.cuda.Event()
+
+    def current(self):
+        return self.torch.cuda.current_stream(self.device)
+
+    def copy(self, host):
+        torch = self.torch
+        pinned = host if host.is_pinned() else host.pin_memory()
+        with torch.cuda.stream(self.side):
+            return pinned.to(self.device, non_blocking=True)
+
+    def used_on(self, tensor, stream):
+        tensor.record_stream(stream)
+
+
+class _StandInBackend:
+    """A CPU stand-in for a GPU: 'copies' are clones, streams and events log what they are asked to do."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.side = _StandInStream(self.log, "side")
+        self.compute = _StandInStream(self.log, "compute")
+
+    def event(self, label):
+        return _StandInEvent(self.log, label)
+
+    def current(self):
+        return self.compute
+
+    def copy(self, host):
+        return host.clone()
+
+    def used_on(self, tensor, stream):
+        pass
+
+
+class StreamDevice:
+    """A GPU main device: weights copied from pinned host memory on a side stream, an event per module.
+
+    ``stage`` (on the prefetch thread, or inline without prefetch) issues the module's copies on the side stream and
+    records an event after them; ``ready`` (on the compute thread, before the module runs) makes the compute stream
+    wait for that event only, and marks the tensors used there so the allocator does not reuse them early.
+    """
+
+    kind = "stream"
+    threaded = True
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    @classmethod
+    def cuda(cls, device) -> StreamDevice:
+        return cls(_CudaBackend(device))
+
+    def stage(self, slots, *, ahead: bool):
+        b = self.backend
+        label = slots[0].source.key if slots else ()
+        out = {}
+        for s in slots:   # cast on the host: a cast on the device would run outside the side stream
+            out[s.source.key] = b.copy(_convert(s.source.host(), s.meta))
+        event = b.event(label)
+        event.record(b.side)
+        return out, event
+
+    def ready(self, handle):
+        tensors, event = handle
+        stream = self.backend.current()
+        stream.wait_event(event)
+        for t in tensors.values():
+            self.backend.used_on(t, stream)
+        return tensors
+
+
+class StandInDevice(StreamDevice):
+    """:class:`StreamDevice` over a CPU stand-in: its ``log`` lists the copies, records and waits in order."""
+
+    def __init__(self):
+        super().__init__(_StandInBackend())
+
+    @property
+    def log(self) -> list[tuple]:
+        return self.backend.log

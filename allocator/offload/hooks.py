@@ -1,0 +1,334 @@
+"""The offload runtime on a model: :class:`OffloadHook` in place of accelerate's offloading hooks, the
+:class:`Attached` runtime they call, and :func:`attach` / :func:`detach` / :func:`dispatch` that put it on and take
+it off.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..errors import InvalidOption, InvalidRuntime, warn_caller
+from ..evaluate.memory import prefetch_of
+from .devices import HostDevice, StandInDevice, StreamDevice
+from .files import MappedFiles, source_of
+from .scheduler import OffloadedModule, Scheduler, Slot
+
+__all__ = ["Attached", "OffloadHook", "attach", "detach", "dispatch", "has_offload_hooks"]
+
+
+class OffloadHook:
+    """Replaces one offloading ``AlignDevicesHook``: its module's weights fetched together, possibly ahead."""
+
+    no_grad = False
+
+    def __init__(self, runtime: Attached, unit: OffloadedModule):
+        self.runtime, self.unit = runtime, unit
+        h = unit.original
+        self.execution_device, self.io_same_device, self.skip_keys = h.execution_device, h.io_same_device, h.skip_keys
+        self.input_device = None
+
+    def init_hook(self, module):
+        return module
+
+    def detach_hook(self, module):
+        return self.unit.original.detach_hook(module)
+
+    def pre_forward(self, module, *args, **kwargs):
+        from accelerate.utils import find_device, send_to_device
+
+        if self.io_same_device:
+            self.input_device = find_device([args, kwargs])
+        self.runtime.load(self.unit)
+        return send_to_device(args, self.execution_device), send_to_device(
+            kwargs, self.execution_device, skip_keys=self.skip_keys)
+
+    def post_forward(self, module, output):
+        from accelerate.utils import send_to_device
+
+        self.runtime.drop(self.unit)
+        if self.io_same_device and self.input_device is not None:
+            output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
+        return output
+
+
+def _offload_hooks(model):
+    """(module name, module, the hook's container, its index there or None, accelerate's offloading hook)."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+    for name, module in model.named_modules():
+        top = getattr(module, "_hf_hook", None)
+        hooks = top.hooks if isinstance(top, SequentialHook) else [top]
+        for i, h in enumerate(hooks):
+            if isinstance(h, AlignDevicesHook) and h.offload and h.weights_map is not None:
+                yield name, module, top, (i if isinstance(top, SequentialHook) else None), h
+
+
+def has_offload_hooks(model) -> bool:
+    """Whether ``model`` runs offloaded modules through accelerate's hooks (that :func:`attach` would replace)."""
+    return any(True for _ in _offload_hooks(model))
+
+
+def _slots(module, hook, files: MappedFiles) -> list[Slot]:
+    import torch
+    from accelerate.utils import named_module_tensors
+
+    slots = []
+    for name, tensor in named_module_tensors(module, include_buffers=hook.offload_buffers,
+                                             recurse=hook.place_submodules, remove_non_persistent=True):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        is_param = attr in owner._parameters
+        if is_param and type(owner._parameters[attr]) is not torch.nn.Parameter:
+            raise InvalidRuntime(
+                f"{name!r} is a {type(owner._parameters[attr]).__name__}: the allocator runtime streams plain "
+                f"parameters only; keep accelerate's hooks (runtime='accelerate') for quantized models.")
+        if tensor.device.type != "meta":
+            raise InvalidRuntime(f"{name!r} of an offloaded module is on {tensor.device}, not meta: the model's "
+                                 f"hooks are not accelerate's offloading hooks at rest; attach after loading.")
+        slots.append(Slot(owner, attr, is_param, tensor, source_of(hook.weights_map, name, files)))
+    return slots
+
+
+class Attached:
+    """The runtime attached to one model: its units, the mapped files, the device and the prefetch thread.
+
+    Attributes
+    ----------
+    units : list of OffloadedModule
+        The offloaded modules, in module order.
+    files : MappedFiles
+        Every checkpoint file read, mapped once.
+    prefetch : int
+        How many units ahead the weights are made ready.
+    held, peak_held : int
+        Bytes of offloaded weights materialised now (running or prefetched), and the most at once.
+    fetches : int
+        Units staged (inline or ahead).
+    """
+
+    def __init__(self, model, *, prefetch: int, device):
+        self.model = model
+        self.prefetch = prefetch
+        self.files = MappedFiles()
+        self.units: list[OffloadedModule] = []
+        for name, module, _, _, h in _offload_hooks(model):
+            unit = OffloadedModule(len(self.units), name, module, h)
+            unit.slots = _slots(module, h, self.files)
+            self.units.append(unit)
+        self.device = device
+        self.scheduler = Scheduler(len(self.units))
+        self.live: dict[tuple, list] = {}        # source key -> [tensor, users]
+        self.pending: dict[int, Future] = {}     # unit -> staged handle (prefetched)
+        self.held = self.peak_held = self.fetches = 0
+        self.lock = threading.Lock()
+        self.threaded = getattr(device, "threaded", True)
+        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="allocator-prefetch")
+                         if prefetch and self.threaded else None)
+
+    # --- accounting -------------------------------------------------------------------------------------------
+    def _count(self, nbytes: int) -> None:
+        with self.lock:
+            self.held += nbytes
+            self.peak_held = max(self.peak_held, self.held)
+
+    def _stage(self, unit: OffloadedModule, ahead: bool):
+        slots = [s for s in unit.slots if s.source.key not in self.live] if not ahead else unit.slots
+        handle = self.device.stage(slots, ahead=ahead)
+        counted = sum({s.source.key: s.nbytes for s in slots}.values())
+        self._count(counted)
+        with self.lock:
+            self.fetches += 1
+        return handle, counted
+
+    # --- what the hooks call ----------------------------------------------------------------------------------
+    def load(self, unit: OffloadedModule) -> None:
+        """Set ``unit``'s tensors on its module (prefetched or fetched now), then prefetch what follows."""
+        import torch
+
+        self.scheduler.arrive(unit.index)
+        future = self.pending.pop(unit.index, None)
+        handle, counted = future.result() if future is not None else self._stage(unit, ahead=False)
+        tensors = self.device.ready(handle)
+        duplicate, seen = 0, set()
+        for s in unit.slots:
+            key = s.source.key
+            entry = self.live.get(key)
+            if entry is None:
+                entry = self.live[key] = [tensors[key], 0]
+            elif key in tensors and key not in seen:
+                duplicate += s.nbytes      # fetched while a tied user already holds it: keep the one in use
+            seen.add(key)
+            entry[1] += 1
+            if s.is_param:
+                s.owner._parameters[s.attr] = torch.nn.Parameter(entry[0], requires_grad=s.meta.requires_grad)
+            else:
+                s.owner._buffers[s.attr] = entry[0]
+        self._count(-duplicate)
+        if self.executor is not None:
+            self._prefetch(unit.index)
+        elif self.prefetch:    # read-ahead only: the kernel fetches the pages, nothing is held early
+            for u in self.scheduler.ahead(unit.index, self.prefetch):
+                self.device.advise(self.units[u].slots)
+
+    def _prefetch(self, index: int) -> None:
+        ahead = self.scheduler.ahead(index, self.prefetch)
+        for u in [u for u in self.pending if u not in ahead]:      # a wrong guess: drop what it staged
+            _, counted = self.pending.pop(u).result()
+            self._count(-counted)
+        for u in ahead:
+            if u not in self.pending and not self._is_live(self.units[u]):
+                self.pending[u] = self.executor.submit(self._stage, self.units[u], True)
+
+    def _is_live(self, unit: OffloadedModule) -> bool:
+        return bool(unit.slots) and all(s.source.key in self.live for s in unit.slots)
+
+    def drop(self, unit: OffloadedModule) -> None:
+        """Put ``unit``'s meta placeholders back; a tensor goes when its last user is done."""
+        freed = 0
+        for s in unit.slots:
+            if s.is_param:
+                s.owner._parameters[s.attr] = s.meta
+            else:
+                s.owner._buffers[s.attr] = s.meta
+            entry = self.live[s.source.key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.live[s.source.key]
+                freed += s.nbytes
+        self._count(-freed)
+
+    def evict(self) -> None:
+        """Drop the pages of every mapped file from this process (:meth:`MappedFile.evict`)."""
+        for f in list(self.files.open.values()):
+            f.evict()
+
+    def close(self) -> None:
+        """Wait for the prefetch thread, release what it staged."""
+        for u in list(self.pending):
+            try:
+                _, counted = self.pending.pop(u).result()
+                self._count(-counted)
+            except Exception:   # noqa: BLE001 - closing: the error already reached a forward or never matters
+                pass
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+
+
+def _device_for(model, device):
+    if device is not None and not isinstance(device, str):
+        return device
+    if device == "stand-in":
+        return StandInDevice()
+    execution = {str(h.execution_device) for *_, h in _offload_hooks(model)}
+    main = device or (execution.pop() if len(execution) == 1 else None)
+    if main is None:
+        raise InvalidRuntime(f"offloaded modules execute on several devices {sorted(execution)}; pass device=.")
+    main = str(main)
+    if main == "cpu":
+        return HostDevice()
+    if main.isdigit() or main.startswith("cuda"):
+        return StreamDevice.cuda(int(main) if main.isdigit() else main)
+    raise InvalidRuntime(f"the allocator runtime streams to 'cpu' or CUDA devices, not {main!r}; "
+                         f"keep runtime='accelerate' there.")
+
+
+def _plan_map(plan):
+    return getattr(plan, "device_map", plan)
+
+
+def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Attached:
+    """Replace accelerate's offloading hooks on ``model`` with the allocator runtime.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model loaded with offloading by ``from_pretrained(device_map=...)``, ``dispatch_model`` or
+        ``load_checkpoint_and_dispatch`` (its offloaded modules have accelerate's ``AlignDevicesHook``).
+    plan : allocator.Plan or dict, optional
+        The plan (or device map) it was loaded with; when given, ``model.hf_device_map`` must be that map, and the
+        plan's runtime decides the default prefetch.
+    prefetch : int, optional
+        Offloaded units made ready ahead of the one running (0: none). Default: what the plan reserved
+        (``prefetch`` with ``runtime="allocator"``, 0 for a plan made for accelerate's hooks), else 1.
+    device : optional
+        ``None`` (from the hooks' execution device: :class:`HostDevice` for ``cpu``, CUDA streams for a GPU),
+        ``"stand-in"`` (:class:`StandInDevice`) or a device object with ``stage`` / ``ready``.
+
+    Returns
+    -------
+    Attached
+        The runtime; :func:`detach` (or ``Attached.close``) ends it.
+
+    Warns
+    -----
+    UserWarning
+        ``prefetch`` is more than the plan reserved for and the device holds modules ahead (a thread or a GPU).
+
+    Raises
+    ------
+    InvalidRuntime
+        The model has no offloading hooks, is already attached, was loaded with another map than ``plan``'s, or
+        streams tensors this runtime does not (quantized parameters).
+    InvalidOption
+        ``prefetch`` is not a non-negative integer.
+    """
+    if getattr(model, "_allocator_runtime", None) is not None:
+        raise InvalidRuntime("this model already runs the allocator runtime; detach(model) first.")
+    if plan is not None:
+        expected, loaded = dict(_plan_map(plan)), getattr(model, "hf_device_map", None)
+        if loaded is not None and dict(loaded) != expected:
+            raise InvalidRuntime(f"the model was loaded with device_map {loaded}, not the plan's {expected}; "
+                                 f"load it with plan.device_map.")
+    options = getattr(getattr(plan, "problem", None), "options", None)
+    if prefetch is None:   # what the plan reserved for: none under accelerate's hooks
+        prefetch = 1 if options is None else prefetch_of(options)
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise InvalidOption(f"prefetch must be a non-negative integer, got {prefetch!r}.")
+    if not has_offload_hooks(model):
+        raise InvalidRuntime("the model has no offloaded modules (no accelerate AlignDevicesHook with offload=True):"
+                             " load it with a device_map that puts something on 'disk' (or 'cpu' with a GPU).")
+    device = _device_for(model, device)
+    if options is not None and prefetch > prefetch_of(options) and getattr(device, "threaded", True):
+        warn_caller(f"attach(prefetch={prefetch}) holds up to {prefetch} offloaded modules ahead on the main device, "
+                    f"beyond what the plan reserved (prefetch={prefetch_of(options)}); plan with "
+                    f"runtime='allocator', prefetch={prefetch} so that its budget counts them.")
+    runtime = Attached(model, prefetch=prefetch, device=device)
+    hooks = {id(u.original): OffloadHook(runtime, u) for u in runtime.units}
+    for _, module, top, i, h in list(_offload_hooks(model)):
+        if i is None:
+            module._hf_hook = hooks[id(h)]
+        else:
+            top.hooks = type(top.hooks)(hooks[id(x)] if x is h else x for x in top.hooks)   # tuple or list
+    model._allocator_runtime = runtime
+    return runtime
+
+
+def detach(model) -> None:
+    """Put accelerate's offloading hooks back where :func:`attach` replaced them, and stop the prefetch thread."""
+    from accelerate.hooks import SequentialHook
+
+    runtime = getattr(model, "_allocator_runtime", None)
+    if runtime is None:
+        raise InvalidRuntime("this model does not run the allocator runtime (attach(model, plan) first).")
+    runtime.close()
+    for unit in runtime.units:
+        top = unit.module._hf_hook
+        if isinstance(top, SequentialHook):
+            top.hooks = type(top.hooks)(unit.original if isinstance(x, OffloadHook) and x.unit is unit else x
+                                        for x in top.hooks)   # tuple or list, as accelerate made it
+        elif isinstance(top, OffloadHook):
+            unit.module._hf_hook = unit.original
+    del model._allocator_runtime
+
+
+def dispatch(model, plan, checkpoint, *, offload_folder=None, offload_buffers: bool = False,
+             prefetch: int | None = None, device=None, **kwargs):
+    """``accelerate.load_checkpoint_and_dispatch`` with ``plan``'s map, then :func:`attach`: for plain ``nn.Module``
+    users. ``kwargs`` go to accelerate. Returns the model (its runtime is ``model._allocator_runtime``)."""
+    from accelerate import load_checkpoint_and_dispatch
+
+    model = load_checkpoint_and_dispatch(model, checkpoint, device_map=dict(_plan_map(plan)),
+                                         offload_folder=offload_folder, offload_buffers=offload_buffers, **kwargs)
+    attach(model, plan, prefetch=prefetch, device=device)
+    return model

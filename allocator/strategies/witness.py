@@ -1,0 +1,196 @@
+"""The witness: what the contract of ``device_map="auto"`` needs to know before any strategy runs, computed once
+per problem by :func:`witness` — accelerate's own placement (``sequential``), whether its map is valid, the contract's
+main device (rule 1) and its floor (rule 3).
+
+:func:`allocator.plan` computes it as the step between building the problem and running the strategy; the strategies
+and the checker (:mod:`allocator.strategies.contract`) read it and never compute it again (it is kept on the problem,
+:attr:`allocator.problem.Problem.derived`).
+
+Each part is computed when first asked for (a ``sequential`` plan never asks for the main device). The main device is
+the first accelerator, by index, on which a valid plan executes: accelerate's own valid map has
+it as main, or one of ``reserve``'s fills with it as the main device (every streaming reserve that some unit's offload
+would need, each raised to its fixed point) gives a valid map that uses it; else ``"cpu"``.
+
+Notes
+-----
+O(a · s · g) for the main device (a accelerators, s candidate reserves, g groups), one run of ``sequential``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from ..budgets import Device
+from ..errors import AllocatorError
+from ..evaluate.memory import main_device, map_runs
+from ..evaluate.tiers import fast_bytes, order_violations
+from ..evaluate.units import problem_groups
+from ..evaluate.validate import check
+from ..placement import Placement
+from ..problem import Problem, accelerators_up_to
+from . import sequential
+from .cpsat import MAX_UNITS, coarsen, model_inputs, solve_for_main
+from .first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
+
+__all__ = ["EXACT_SECONDS", "Witness", "accelerate_map", "accelerate_placement", "admits", "contract_main",
+           "exact_admits", "fill_memo", "floor", "main_candidates", "witness"]
+
+EXACT_SECONDS = 0.5
+"""Deterministic seconds CP-SAT gets to decide whether an accelerator can be the main device, where no fill found a
+plan for it (:func:`exact_admits`)."""
+
+
+class Witness:
+    """What every contract plan is judged against (:func:`witness`). Each part is computed the first time it is
+    asked for, and once: ``sequential`` strategies never pay for the main device's search, and a plan under
+    ``objective="latency"`` never asks for it."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+
+    @cached_property
+    def _sequential(self) -> tuple[Placement | None, AllocatorError | None]:
+        try:
+            return sequential.place(self.problem), None
+        except AllocatorError as err:
+            return None, err
+
+    @property
+    def accelerate(self) -> Placement | None:
+        """``sequential``'s placement (accelerate's algorithm), or ``None`` where it fails (:attr:`error`)."""
+        return self._sequential[0]
+
+    @property
+    def error(self) -> AllocatorError | None:
+        """What ``sequential`` raised, where it failed."""
+        return self._sequential[1]
+
+    @cached_property
+    def valid_map(self) -> dict | None:
+        """accelerate's map where it keeps the runtime rules, else ``None``."""
+        theirs = self.accelerate
+        if theirs is None or check(self.problem, theirs.device_map)[0]:
+            return None
+        return dict(theirs.device_map)
+
+    @cached_property
+    def main(self) -> Device:
+        """Rule 1: the first accelerator that admits a valid plan as the main device, else ``"cpu"``."""
+        return _first_main(self.problem, self.valid_map)
+
+    @cached_property
+    def _floor(self) -> tuple[int, dict | None]:
+        valid = self.valid_map
+        if valid is None:
+            return 0, None
+        found = map_runs(self.problem.graph, valid)
+        keeps = main_device(valid.values()) == self.main and not order_violations(self.problem, found)
+        return fast_bytes(self.problem, found), valid if keeps else None
+
+    @property
+    def floor(self) -> int:
+        """Rule 3: the bytes accelerate's valid map keeps on the fastest tier (0 where it is not valid)."""
+        return self._floor[0]
+
+    @property
+    def fallback(self) -> dict | None:
+        """accelerate's valid map where it also keeps rules 1 and 2: a plan every strategy may fall back to."""
+        return self._floor[1]
+
+
+def witness(problem: Problem) -> Witness:
+    """The witness of ``problem``, made once (the problem is frozen, so it does not change)."""
+    return problem.derived.once("witness", lambda: Witness(problem))
+
+
+def _first_main(problem: Problem, valid: dict | None) -> Device:
+    theirs = main_device(valid.values()) if valid is not None else None
+    for device in problem.budgets.accelerators:
+        if device == theirs or ((problem.budgets.limit(device) or 0) > 0 or not problem.graph.total) \
+                and admits(problem, device):
+            return device
+    return "cpu"
+
+
+def admits(problem: Problem, main: Device) -> bool:
+    """Whether a valid plan that keeps the contract's index order has ``main`` as its main device.
+
+    First by ``reserve``'s fills — over every accelerator the budgets offer, then over ``main`` and the accelerators
+    up to each later one (a plan that leaves the later ones empty is a plan here too, so offering one more
+    accelerator never loses a main device the fills found without it); then, where no fill finds one, exactly, by the
+    CP-SAT model with ``main`` as main device (:func:`exact_admits`)."""
+    later = problem.budgets.accelerators[problem.budgets.accelerators.index(main):]
+    for last in [later[-1], *later[:-1]]:
+        if _fills_admit(accelerators_up_to(problem, last), main):
+            return True
+    return exact_admits(problem, main) is True
+
+
+def _fills_admit(problem: Problem, main: Device) -> bool:
+    found = problem_groups(problem)
+    streams, memo = Streams(problem, found), fill_memo(problem)
+    tried = set()
+    for start in [full_reserve(problem), *reserve_sizes(problem, found)]:
+        where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
+        if where is None or (main, reserve) in tried:
+            continue
+        tried.add((main, reserve))
+        candidate = Filled(problem, found, where, reserve, "")
+        if candidate.main != main:
+            continue
+        if not check(problem, problem.cleaned(candidate.device_map()))[0]:
+            return True
+    return False
+
+
+def exact_admits(problem: Problem, main: Device, seconds: float = EXACT_SECONDS) -> bool | None:
+    """Whether some valid plan that keeps the contract's index order has ``main`` as its main device, decided by the
+    CP-SAT model (:func:`allocator.strategies.cpsat.solve_for_main` with no bound on its objective): ``True`` with a
+    plan found (and checked by :func:`allocator.evaluate.validate.check`), ``False`` when CP-SAT proves none exists,
+    ``None`` when it cannot tell within ``seconds`` of deterministic time, OR-Tools is not installed, or the groups had
+    to be merged to stay under :data:`allocator.strategies.cpsat.MAX_UNITS` and the merged model has no plan."""
+    try:
+        import ortools.sat.python.cp_model  # noqa: F401
+    except ImportError:
+        return None
+    found, merged = coarsen(list(problem_groups(problem).records()), MAX_UNITS)
+    tensors, sequence, ends = model_inputs(problem, found)
+    solved = solve_for_main(problem, found, tensors, sequence, main, problem.profile, seconds, None, None, 0, ends)
+    if solved.placed is None:
+        return False if solved.proven and not merged else None
+    placed = problem.cleaned(solved.placed)
+    return main_device(placed.values()) == main and not check(problem, placed)[0]
+
+
+def accelerate_placement(problem: Problem) -> Placement:
+    """``sequential``'s placement of this problem (the witness's); raises what ``sequential`` raises."""
+    found = witness(problem)
+    if found.error is not None:
+        raise found.error
+    return found.accelerate
+
+
+def contract_main(problem: Problem) -> Device:
+    """Rule 1's main device (:attr:`Witness.main`)."""
+    return witness(problem).main
+
+
+def floor(problem: Problem) -> int:
+    """Rule 3's bytes on the fastest tier (:attr:`Witness.floor`)."""
+    return witness(problem).floor
+
+
+def accelerate_map(problem: Problem) -> dict | None:
+    """accelerate's map where it is valid and keeps rules 1 and 2 (:attr:`Witness.fallback`)."""
+    return witness(problem).fallback
+
+
+def main_candidates(problem: Problem) -> list[Device]:
+    """The devices a strategy tries as main: :func:`contract_main` alone under the contract; every device that could
+    be main (:func:`allocator.strategies.first_fit.every_main`) under ``objective="latency"``."""
+    return [contract_main(problem)] if problem.options.contract else every_main(problem)
+
+
+def fill_memo(problem: Problem) -> dict:
+    """The fills already made for this problem, by (main, reserve), shared by the witness and the fill strategies."""
+    return problem.derived.once("fill_memo", dict)
