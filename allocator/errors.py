@@ -93,11 +93,27 @@ class BrokenContract(AllocatorError):
     index order, never below accelerate: :mod:`allocator.strategies.contract`); ``objective="latency"`` accepts it."""
 
 
+#: Libraries between a user's line and this package (``from_pretrained`` calls the planner through transformers'
+#: and accelerate's code): a warning points past their frames too.
+BETWEEN = ("transformers", "accelerate", "torch")
+
+
+def _library_dirs() -> list[str]:
+    dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    for name in BETWEEN:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return dirs
+
+
 def warn_caller(message: str) -> None:
-    """A ``UserWarning`` attributed to the first caller outside this package (the line that passed the input)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """A ``UserWarning`` attributed to the first caller outside this package and the libraries that call it
+    (:data:`BETWEEN`): the user's line that passed the input, also through ``from_pretrained``."""
+    dirs = _library_dirs()
     frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(dirs)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level)
 

@@ -20,6 +20,7 @@ DECISION_KINDS = {
     "choice": "which candidate strategy ``auto`` kept, against accelerate's map and the runner-up",
     "fallback": "where no plan of the strategy keeps the rules or the contract: accelerate's own map instead",
     "solver": "what the solver did (groups, main devices, whether it proved optimality)",
+    "runtime": "what the plan reserves for our offload runtime (its prefetch depth), and why",
 }
 """The kinds of :class:`Decision`, each with what it says. Code reads the fields, never the text."""
 

@@ -208,7 +208,9 @@ def test_plan_compare_against_accelerate(capsys, seg):
     assert theirs.cost.resident_fast < 0.1 * total < 0.4 * total < ours.cost.resident_fast  # the Segformer imbalance
     assert f"accelerate {cli._size(theirs.cost.resident_fast)} ({theirs.cost.resident_fast / total:.1%}) -> " \
            f"allocator {cli._size(ours.cost.resident_fast)} ({ours.cost.resident_fast / total:.1%})" in out
-    assert f"({theirs.cost.seconds / ours.cost.seconds:.2f}x faster)" in out
+    ratio = theirs.cost.seconds / ours.cost.seconds   # bytes rank first: the estimate may say the same or slower
+    verdict = f"{ratio:.2f}x faster" if ratio > 1.005 else f"{1 / ratio:.2f}x slower" if ratio < 0.995 else "the same"
+    assert f"({verdict})" in out
     assert "accelerate's map is valid." in out
     assert out.count("\ndevice ") == 2  # our table and accelerate's
 

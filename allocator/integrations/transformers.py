@@ -28,6 +28,7 @@ The patch rebinds module attributes, so it is process-global: every thread sees 
 from __future__ import annotations
 
 import importlib
+import weakref
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -96,6 +97,7 @@ class Patch:
         self.strategy = strategy
         self.options = options
         self._pending: dict[str, str] = {}
+        self._prefetch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> the depth its plan chose
         self._swaps: list[_Swap] = []
         self._saved: list[object] = []
 
@@ -170,6 +172,7 @@ class Patch:
         options = replace(self.options, **{k: v for k, v in (runtime or {}).items() if v is not None},
                           no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
         result = plan(model, dict(budgets), strategy=strategy, options=options)
+        self._prefetch[model] = result.problem.options.prefetch   # the depth the plan reserved for (runtime)
         escaped = tensors_to_escape(model, result, no_split)
         if escaped:
             base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)
@@ -244,9 +247,9 @@ class Patch:
         def dispatch_model(model, *args, **kwargs):
             result = original(model, *args, **kwargs)
             if has_offload_hooks(model) and getattr(model, "_allocator_runtime", None) is None:
-                attach(model, prefetch=self.options.prefetch)
-                log.info("%s runs the allocator offload runtime (prefetch=%d)", type(model).__name__,
-                         self.options.prefetch)
+                depth = self._prefetch.get(model, self.options.prefetch)   # what its plan reserved room for
+                attach(model, prefetch=depth)
+                log.info("%s runs the allocator offload runtime (prefetch=%d)", type(model).__name__, depth)
             return result
 
         replacement = _named(dispatch_model, original)

@@ -17,10 +17,11 @@ default, so that from the same warm start it returns the same plan. Deterministi
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from ..budgets import format_ms
 from ..placement import Placement, note
-from ..problem import Problem
+from ..problem import Problem, accelerators_up_to
 from ..evaluate.units import problem_groups
 from . import backfill, ilp, reserve
 from .witness import accelerate_placement
@@ -33,6 +34,12 @@ CANDIDATES = {"sequential": accelerate_placement, "reserve": reserve.place, "bac
 ILP_SECONDS = ilp.TIME_LIMIT
 
 
+def _without_last(problem: Problem) -> Placement:
+    """``auto``'s plan of the problem without its last accelerator: a plan of this problem that leaves it empty."""
+    fewer = place(accelerators_up_to(problem, problem.budgets.accelerators[-2]))
+    return replace(fewer, strategy=fewer.algorithm)
+
+
 def _ilp_available(problem: Problem) -> bool:
     try:
         import ortools.sat.python.cp_model  # noqa: F401
@@ -42,9 +49,14 @@ def _ilp_available(problem: Problem) -> bool:
 
 
 def place(problem: Problem) -> Placement:
-    """The best valid plan of ``sequential``, ``reserve``, ``backfill`` and a time-boxed ``ilp``."""
-    found = best_valid(problem, [(name, lambda strategy=strategy: strategy(problem))
-                                 for name, strategy in CANDIDATES.items()])
+    """The best valid plan of ``sequential``, ``reserve``, ``backfill``, ``auto``'s plan without the last accelerator
+    (under the contract, with two or more: offering one more accelerator never makes the plan rank lower) and a
+    time-boxed ``ilp``."""
+    candidates = [(name, lambda strategy=strategy: strategy(problem)) for name, strategy in CANDIDATES.items()]
+    accelerators = problem.budgets.accelerators
+    if problem.options.contract and len(accelerators) > 1:
+        candidates.append((f"auto without accelerator {accelerators[-1]!r}", lambda: _without_last(problem)))
+    found = best_valid(problem, candidates)
     if _ilp_available(problem):
         hint = found.placement.device_map if found.placement else None
         found = best_valid(problem, [("ilp", lambda: ilp.place(problem, time_limit=ILP_SECONDS, hint=hint))],

@@ -21,7 +21,7 @@ from ..budgets import format_bytes
 from ..evaluate.validate import check
 from ..evaluate.tiers import fast_bytes, order_violations
 from .contract import contract_violations
-from .witness import accelerate_map, contract_main, floor
+from .witness import accelerate_map, contract_main, floor, witness
 
 __all__ = ["Best", "Tried", "best_of", "best_valid", "estimate_decides", "infeasible", "keeping_contract", "rank_key",
            "ranked_by", "score"]
@@ -102,13 +102,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             if best is None or key > best[0]:
                 best = (key, device_map, candidates[k].note, cost)
     if best is None:
-        fallback = accelerate_map(problem) if problem.options.contract else None
-        if fallback is None:
-            raise infeasible(problem)
-        return Placement(device_map=fallback, strategy=strategy, decisions=(note(
-            f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, accelerators in index "
-            "order, at least accelerate's bytes on them): accelerate's own map is kept", "fallback",
-            bound="contract"),))
+        return _witness_instead(problem, strategy)
     key, device_map, said, cost = best
     count = len({id(c) for c in candidates})
     first = "the fastest" if estimate_decides(problem) else "the best"
@@ -213,6 +207,23 @@ def _final(problem: Problem, candidate) -> dict:
     """The device map a candidate is returned as (cleaned unless the options say not to)."""
     placed = candidate.device_map()
     return problem.cleaned(placed)
+
+
+def _witness_instead(problem: Problem, strategy: str) -> Placement:
+    """Where no candidate of a strategy keeps the contract: accelerate's own map where it keeps it, else the plan that
+    proved the contract's main device (:attr:`allocator.strategies.witness.Witness.main_plan`); raises where there is
+    neither."""
+    if problem.options.contract and accelerate_map(problem) is not None:
+        return Placement(device_map=accelerate_map(problem), strategy=strategy, decisions=(note(
+            f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, accelerators in index "
+            "order, at least accelerate's bytes on them): accelerate's own map is kept", "fallback",
+            bound="contract"),))
+    found = witness(problem).main_plan if problem.options.contract else None
+    if found is None:
+        raise infeasible(problem)
+    return Placement(device_map=found, strategy=strategy, decisions=(note(
+        f"no {strategy} plan has the contract's main device {contract_main(problem)!r}: the plan that proved it the "
+        "first accelerator that admits a plan is kept", "fallback", bound="main"),))
 
 
 def infeasible(problem: Problem) -> InfeasiblePlacement:
