@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .budgets import Budgets, parse_budgets
+from .budgets import Budgets, normalize_map, parse_budgets
 from .profile import Profile
 from .errors import InvalidOption
 from .model.flops import FlopCount, count_flops, default_inputs, node_flops
@@ -119,6 +119,12 @@ class PlanOptions:
     strict: bool = False
     """Where no valid plan exists: ``False`` returns accelerate's own map, flagged, as ``device_map="auto"`` would;
     ``True`` raises :class:`allocator.InfeasiblePlacement` with the smallest budget that works."""
+    baseline: Mapping | None = None
+    """The device map the user gets today on the loading path the plan is for, where it is not accelerate's
+    ``infer_auto_device_map`` on this model: on ``from_pretrained``, the map transformers' own ``_get_device_map``
+    returns (:func:`allocator.patch` passes it). Where it is valid, rule 3 of the contract keeps at least its bytes on
+    the fastest tier and streams no more per forward, and it is a candidate plan. ``None``: accelerate's map
+    (``sequential``) is the baseline."""
 
     def __post_init__(self):
         for name in ("discover_no_split", "infer_no_split", "offload_buffers", "fallback_allocation", "clean_result",
@@ -127,6 +133,8 @@ class PlanOptions:
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.loader not in LOADERS:
             raise InvalidOption(f"loader must be one of {list(LOADERS)}, got {self.loader!r}.")
+        if self.baseline is not None:   # a copy in canonical devices: the caller's dict is never changed
+            object.__setattr__(self, "baseline", normalize_map(self.baseline))
         if self.runtime not in RUNTIMES:
             raise InvalidOption(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}.")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
@@ -274,6 +282,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
             model, dtype=options.dtype, special_dtypes=options.special_dtypes,
             no_split_module_classes=options.no_split_module_classes, discover_no_split=options.discover_no_split,
             infer_no_split=options.infer_no_split, tied_parameters=options.tied_parameters, size_fn=size_fn,
+            declared_as_shared=options.loader == "transformers",   # from_pretrained ties them after it plans
         )
         needs = None
         if options.generation is not None:

@@ -199,9 +199,11 @@ class Patch:
             if not (isinstance(device_map, str) and device_map in MODE_TO_STRATEGY):
                 return original(model, device_map, max_memory, hf_quantizer, *args, **kwargs)
             budgets = _user_budgets(get_max_memory, max_memory, device_map)
+            given = dict(max_memory) if isinstance(max_memory, Mapping) else max_memory   # theirs converts in place
+            theirs = _their_map(original, model, device_map, given, hf_quantizer, *args, **kwargs)
             result = self._device_map(model, budgets, device_map, hf_quantizer=hf_quantizer,
                                       no_split=getattr(model, "_no_split_modules", None),
-                                      runtime={"loader": "transformers"})
+                                      runtime={"loader": "transformers", "baseline": theirs})
             if hf_quantizer is not None:
                 hf_quantizer.validate_environment(device_map=result)
             return result
@@ -413,6 +415,34 @@ def unpatch() -> Patch | None:
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------
+
+class _Unchecked:
+    """A quantizer as transformers' own planner sees it, without its ``validate_environment``: the baseline map is
+    computed, never loaded, so only the plan returned is validated (once)."""
+
+    def __init__(self, quantizer):
+        self._quantizer = quantizer
+
+    def __getattr__(self, name):
+        return getattr(self._quantizer, name)
+
+    def validate_environment(self, *args, **kwargs) -> None:
+        return None
+
+
+def _their_map(original, model, device_map, max_memory, hf_quantizer, *args, **kwargs) -> dict | None:
+    """The map transformers' own ``_get_device_map`` returns for this call: what the user gets unpatched, the floor of
+    the contract's rule 3 on this path (``PlanOptions.baseline``). ``None`` where transformers' planner fails (said
+    at INFO): the plan then keeps accelerate's floor, and the user gets a plan where unpatched they got an error."""
+    quantizer = None if hf_quantizer is None else _Unchecked(hf_quantizer)
+    try:
+        found = original(model, device_map, max_memory, quantizer, *args, **kwargs)
+    except Exception as err:   # noqa: BLE001 - any failure of their planner only drops the baseline, and is said
+        log.info("transformers' own _get_device_map fails for %s (%s: %s): planning without its map as the floor",
+                 type(model).__name__, type(err).__name__, err)
+        return None
+    return dict(found) if isinstance(found, Mapping) else None
+
 
 def _import(name: str):
     try:

@@ -53,6 +53,9 @@ def place(problem: Problem) -> Placement:
     (under the contract, with two or more: offering one more accelerator never makes the plan rank lower) and a
     time-boxed ``ilp``."""
     candidates = [(name, lambda strategy=strategy: strategy(problem)) for name, strategy in CANDIDATES.items()]
+    if problem.options.baseline is not None:   # the map the user gets today on this path: a plan too
+        candidates.append(("transformers", lambda: Placement(problem.cleaned(problem.options.baseline),
+                                                             "transformers")))
     accelerators = problem.budgets.accelerators
     if problem.options.contract and len(accelerators) > 1:
         candidates.append((f"auto without accelerator {accelerators[-1]!r}", lambda: _without_last(problem)))

@@ -78,7 +78,8 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
         # every valid candidate is priced: check them from the best price down (on a tie, in ranked order); the
         # first valid one is the best
         costs = {k: _cost(problem, candidates[k]) for _, k in ranked}
-        keys = [(rank_key(problem, costs[k]), -i, k) for i, (_, k) in enumerate(ranked)]
+        keys = [((_streams_no_more(problem, costs[k]), *rank_key(problem, costs[k])), -i, k)
+                for i, (_, k) in enumerate(ranked)]
         failed: set[int] = set()   # a candidate listed twice (reserve: two starts, one fixed point) is checked once
         for key, _, k in sorted(keys, reverse=True):
             if id(candidates[k]) in failed:
@@ -98,7 +99,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
                 continue
             priced += 1
             cost = _cost(problem, candidates[k])
-            key = rank_key(problem, cost)
+            key = (_streams_no_more(problem, cost), *rank_key(problem, cost))
             if best is None or key > best[0]:
                 best = (key, device_map, candidates[k].note, cost)
     if best is None:
@@ -196,6 +197,13 @@ def keeping_contract(problem: Problem, candidates: list) -> list:
     need = floor(problem)
     above = [c for c in keep if _quick(problem, c.runs()) >= need]
     return above if above or accelerate_map(problem) is not None else keep
+
+
+def _streams_no_more(problem: Problem, cost: Cost) -> bool:
+    """Rule 3's second half: streams no more per forward than the valid baseline (always, where there is none or the
+    contract is lifted)."""
+    seen = witness(problem) if problem.options.contract else None
+    return seen is None or seen.fallback is None or cost.streamed_bytes <= seen.streamed
 
 
 def _cost(problem: Problem, candidate) -> Cost:

@@ -22,6 +22,7 @@ from functools import cached_property
 
 from ..budgets import Device
 from ..errors import AllocatorError
+from ..evaluate.cost import priced
 from ..evaluate.memory import main_device, map_runs
 from ..evaluate.tiers import fast_bytes, order_violations
 from ..evaluate.units import problem_groups
@@ -65,13 +66,26 @@ class Witness:
         """What ``sequential`` raised, where it failed."""
         return self._sequential[1]
 
+    @property
+    def baseline(self) -> dict | None:
+        """The map the user gets today on this path: ``PlanOptions.baseline`` where given (transformers' own map on
+        ``from_pretrained``), else accelerate's (``sequential``'s); ``None`` where that fails."""
+        if self.problem.options.baseline is not None:
+            return dict(self.problem.options.baseline)
+        return None if self.accelerate is None else dict(self.accelerate.device_map)
+
     @cached_property
     def valid_map(self) -> dict | None:
-        """accelerate's map where it keeps the runtime rules, else ``None``."""
-        theirs = self.accelerate
-        if theirs is None or check(self.problem, theirs.device_map)[0]:
+        """The baseline where it keeps the runtime rules, else ``None``."""
+        theirs = self.baseline
+        if theirs is None or check(self.problem, theirs)[0]:
             return None
-        return dict(theirs.device_map)
+        return theirs
+
+    @cached_property
+    def streamed(self) -> int | None:
+        """Rule 3: the bytes the valid baseline streams per forward (``None`` where it is not valid)."""
+        return None if self.valid_map is None else priced(self.problem, self.valid_map).streamed_bytes
 
     @cached_property
     def _main(self) -> tuple[Device, dict | None]:
@@ -100,12 +114,12 @@ class Witness:
 
     @property
     def floor(self) -> int:
-        """Rule 3: the bytes accelerate's valid map keeps on the fastest tier (0 where it is not valid)."""
+        """Rule 3: the bytes the valid baseline keeps on the fastest tier (0 where it is not valid)."""
         return self._floor[0]
 
     @property
     def fallback(self) -> dict | None:
-        """accelerate's valid map where it also keeps rules 1 and 2: a plan every strategy may fall back to."""
+        """The valid baseline where it also keeps rules 1 and 2: a plan every strategy may fall back to."""
         return self._floor[1]
 
 
