@@ -135,6 +135,7 @@ def test_cli_fit(capsys, built):
     (["--context", "100"], "without --batch"),
     (["--margin", "2"], "in [0, 1)"),
     (["--batch-size", "x"], "invalid int value"),
+    (["--json", "/no/such/folder/fit.json"], "does not exist"),
 ])
 def test_cli_fit_bad_input_is_one_line(capsys, argv, words):
     code = cli.main(["fit", "qwen2-0.5b", "--max-memory", "0=2GiB", *argv])

@@ -145,6 +145,8 @@ def cmd_fit(args) -> int:
                             "e.g. --margin 0.1.")
     max_memory = parse_max_memory(args.max_memory)
     resolve(args.strategy)
+    if args.json != "-":
+        check_writable(args.json, "--json")
     status = Status(enabled=not args.quiet)
     loaded, options, _ = planned_model(args, status)
     status.say(f"searching the longest context of {args.source}...")
