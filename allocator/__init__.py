@@ -6,6 +6,7 @@
 """
 
 from .api import plan
+from .fit import Fit, fit
 from .integrations.accelerate import infer_auto_device_map
 from .report.plan import Plan
 from .budgets import parse_budgets, parse_size
@@ -28,7 +29,8 @@ __all__ = [
     "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",
     "InvalidOption", "InvalidPlacement", "InvalidRuntime", "UnsupportedByAccelerate", "Cost", "GenerationBudget",
     "Profile",
-    "estimate", "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
+    "estimate", "Fit", "fit",
+    "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
     "contract_violations",
     "infer_auto_device_map", "offload", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]

@@ -22,6 +22,8 @@ __all__ = [
     "InfeasiblePlacement",
     "UnsupportedByAccelerate",
     "warn_caller",
+    "MAX_MESSAGE",
+    "one_line",
 ]
 
 
@@ -114,3 +116,20 @@ def warn_caller(message: str) -> None:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(dirs)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level)
+
+
+MAX_MESSAGE = 400
+"""The longest text :func:`one_line` keeps by default (characters)."""
+
+
+def one_line(text, limit: int = MAX_MESSAGE) -> str:
+    """``text`` (an error, a message) on one line, cut to ``limit`` characters: how a message from another library
+    is quoted inside ours, and how the command line prints an error.
+
+    >>> one_line("a\\n  b")
+    'a b'
+    >>> len(one_line("x" * 1000))
+    400
+    """
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

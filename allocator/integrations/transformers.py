@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from ..api import plan
-from ..budgets import is_accelerator
+from ..budgets import is_accelerator, warn_misread
 from ..errors import InvalidOption
 from ..logs import shown
 from ..evaluate.memory import prefetch_of
@@ -464,7 +464,9 @@ def _named(replacement: Callable, original: Callable) -> Callable:
 
 def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:
     """The library's normalisation of ``max_memory`` (a copy: accelerate converts strings in place), with its 90%
-    rule for a single accelerator when the user set nothing, and without its balancing."""
+    rule for a single accelerator when the user set nothing, and without its balancing. The caller's strings are
+    read first, for the warnings the library's conversion does not give (a lower-case "b" is bits)."""
+    warn_misread(max_memory)
     budgets = dict(get_max_memory(dict(max_memory) if max_memory is not None else None))
     if max_memory is None and mode != "sequential":
         accelerators = [d for d, size in budgets.items() if is_accelerator(d) and size > 0]

@@ -238,7 +238,7 @@ def test_plan_json_is_a_valid_device_map(capsys, seg, tmp_path):
     path = tmp_path / "map.json"
     code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget), "--json", path)
     assert code == 0 and err == "" and f"written to {path}" in out
-    device_map = json.loads(path.read_text())
+    device_map = json.loads(path.read_text())["device_map"]
     assert device_map == allocator.plan(model, budget).device_map
     assert 0 in device_map.values()  # indices stay integers, as dispatch_model needs
     assert allocator.validate(model, device_map, budget) == []
