@@ -79,7 +79,8 @@ def minimum_budget_error(problem: Problem, strategy) -> InfeasiblePlacement:
     if "cpu" in problem.budgets.order or not problem.budgets.accelerators:
         return minimum_ram_error(problem, strategy)
     device = problem.budgets.accelerators[0]
-    low, high = problem.budgets.limit(device) or 0, problem.graph.total + full_reserve(problem) + 1
+    low = problem.budgets.limit(device) or 0
+    high = max(low + 1, problem.graph.total + full_reserve(problem) + 1)   # above the budget that failed
     g = problem.graph
     if not _feasible(with_budget(problem, device, high), strategy):
         return InfeasiblePlacement(
@@ -108,7 +109,9 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     low = problem.budgets.limit("cpu") or 0
     relaxed = _with_ram(problem, 2**62)
     candidates = [check(relaxed, {"": "disk"})[1].peak.get("cpu", 0), check(relaxed, {"": "cpu"})[1].peak["cpu"]]
-    high, ceiling = min(candidates), 4 * max(candidates) + 1
+    # above the budget that failed: a strategy whose feasibility is not monotone (auto, ilp) may plan at a smaller
+    # one, but the advice is a budget that works from the one given
+    high, ceiling = max(min(candidates), low + 1), max(4 * max(candidates), 2 * low) + 1
     while not _feasible(_with_ram(problem, high), strategy):
         low, high = high, 2 * high + 1
         if high > ceiling:

@@ -260,7 +260,8 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
                         f"{lead}; no contiguous split of its {len(resident)} resident groups fits: kept as is")
     placed = {}
     for k, device in enumerate(where):
-        placed.update(dict.fromkeys(found[k].names, device))
+        if device is not None:   # a group the base map leaves out (a non-persistent buffer) stays out
+            placed.update(dict.fromkeys(found[k].names, device))
     for device, run in zip(devices, parts(cuts, len(resident))):
         for i in run:
             placed.update(dict.fromkeys(found[resident[i]].names, device))

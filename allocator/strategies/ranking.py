@@ -102,7 +102,8 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             key = (_streams_no_more(problem, cost), *rank_key(problem, cost))
             if best is None or key > best[0]:
                 best = (key, device_map, candidates[k].note, cost)
-    if best is None:
+    if best is None or (not best[0][0] and accelerate_map(problem) is not None):
+        # none valid, or none streams no more than the baseline that keeps the contract (rule 3): the baseline
         return _witness_instead(problem, strategy)
     key, device_map, said, cost = best
     count = len({id(c) for c in candidates})
