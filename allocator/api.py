@@ -17,6 +17,7 @@ from .report.minimum import empty_before_main, minimum_budget_error
 from .report.plan import Plan, finish
 from .strategies import STRATEGIES, resolve, run
 from .strategies.contract import contract_violations
+from .strategies.experts import place_experts
 from .strategies.witness import witness
 
 __all__ = ["plan"]
@@ -88,6 +89,7 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
         problem = build_problem(model, max_memory, options=options)   # 1. the model, read once
         witness(problem)             # 2. accelerate's map, the contract's main device and floor: each made once
         placement = _placed(problem, strategy, builtin)              # 3. the strategy's placement, or accelerate's
+        placement = place_experts(problem, placement)                # 3b. routed experts as units (our runtime only)
         _check_rules_and_contract(problem, placement)                # 4. the runtime rules and the contract, once
         result = finish(problem, empty_before_main(problem, placement), asked=name)   # 5. checked, priced once
     for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them

@@ -23,7 +23,7 @@ from .memory import (
     Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks, prefetch_of,
 )
 
-__all__ = ["Violation", "check", "peak_parts", "validate", "normalize_map", "format_bytes"]
+__all__ = ["Violation", "check", "experts_apart", "peak_parts", "validate", "normalize_map", "format_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     found += _coverage(problem, runs)
     found += _nested(device_map, set(unknown))
     found += _loader_rules(problem, device_map, runs)
-    found += _no_split(problem, runs)
+    found += _no_split(problem, runs, main_device(set(device_map.values())))
     found += _unhooked(problem, device_map, lone)
     found += _ties(problem, device_map, runs)
     memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers,
@@ -233,11 +233,13 @@ def _unhooked(problem: Problem, device_map: dict, lone) -> list[Violation]:
                       "hooks only modules named in the map, so they would never be loaded; map their module instead.")]
 
 
-def _no_split(problem: Problem, runs: list) -> list[Violation]:
+def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:
     """No-split modules whose tensors are on more than one device (the outermost of nested ones).
 
     Only a module that straddles a boundary between runs can be split, so the candidates are the no-split
-    ancestors of the modules at each boundary: O(runs x depth), not O(no-split modules)."""
+    ancestors of the modules at each boundary: O(runs x depth), not O(no-split modules). A plan for the allocator
+    runtime may offload the routed experts of a layer whose other parts are resident on the main device
+    (:func:`experts_apart`): all of it still executes there, so that layer is not split."""
     g = problem.graph
     cols = columns(g)
     no_split = g.no_split
@@ -250,7 +252,8 @@ def _no_split(problem: Problem, runs: list) -> list[Violation]:
             if g.nodes.cls[node] in no_split:
                 candidates.add(node)
             node = cols.parent[node]
-    mixed = sorted(i for i in candidates if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1)
+    mixed = sorted(i for i in candidates if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1
+                   and not experts_apart(problem, runs, cols.first[i], cols.last[i], main))
     out, split = [], set(mixed)
     for i in mixed:
         parent = cols.parent[i]
@@ -263,6 +266,27 @@ def _no_split(problem: Problem, runs: list) -> list[Violation]:
                 "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, devices))}."
             ))
     return out
+
+
+def experts_apart(problem: Problem, runs: list, start: int, end: int, main) -> bool:
+    """Whether tensors ``start:end`` execute on ``main`` alone, apart from routed experts modules
+    (``problem.moe``, read with ``runtime="allocator"``) offloaded from it: resident tensors on ``main``, offloaded
+    ones (:func:`allocator.rules.dispatch.offloaded_devices`) only inside experts modules. accelerate's hooks run an
+    offloaded module on the main device, so such a module is not split across devices."""
+    if not problem.moe or main is None:
+        return False
+    g = problem.graph
+    cols = columns(g)
+    inside = [(cols.first[g.node_index[m.experts]], cols.last[g.node_index[m.experts]]) for m in problem.moe
+              if m.experts in g.node_index]
+    away = offloaded_devices(main)
+    for run in runs:
+        a, b = max(run.start, start), min(run.end, end)
+        if a >= b or run.device == main:
+            continue
+        if run.device not in away or not any(lo <= a and b <= hi for lo, hi in inside):
+            return False
+    return True
 
 
 def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:

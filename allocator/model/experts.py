@@ -48,6 +48,9 @@ class MoELayer:
         Bytes of one expert's parameters, in the dtypes the model holds them.
     common : tuple of str
         ``"fused"``: parameters of the experts module's children (a norm shared by the experts), not per expert.
+    hidden : int
+        The width of what an expert reads and writes (the router's input width where it is a dimension of the
+        experts' weights, else their largest dimension).
     """
 
     block: str
@@ -60,6 +63,7 @@ class MoELayer:
     params: tuple[str, ...]
     expert_bytes: int
     common: tuple[str, ...] = ()
+    hidden: int = 0
 
     def tensor_names(self, expert: int) -> tuple[str, ...]:
         """The full names of the parameters that hold ``expert`` (fused: the shared 3D tensors, sliced)."""
@@ -211,9 +215,13 @@ def find_experts(model) -> tuple[MoELayer, ...]:
         else:
             params, common = tuple(n for n, _ in list(module)[0].named_parameters()), ()
             nbytes = sum(p.numel() * p.element_size() for p in list(module)[0].parameters())
+        sizes = _hidden_sizes(module, kind)
+        widths = [int(p.shape[1]) for p in router_module.parameters() if p.dim() == 2
+                  and count <= p.shape[0] <= 2 * count and int(p.shape[1]) in sizes]
         found.append(MoELayer(block=parent_name, experts=name, router=_join(parent_name, router), shared=shared,
                               kind=kind, num_experts=count, top_k=top_k_of(router_module, config),
-                              params=params, expert_bytes=int(nbytes), common=common))
+                              params=params, expert_bytes=int(nbytes), common=common,
+                              hidden=widths[0] if widths else max(sizes)))
         inside.append(name)
     return tuple(found)
 
