@@ -269,10 +269,11 @@ def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:
 
 
 def experts_apart(problem: Problem, runs: list, start: int, end: int, main) -> bool:
-    """Whether tensors ``start:end`` execute on ``main`` alone, apart from routed experts modules
-    (``problem.moe``, read with ``runtime="allocator"``) offloaded from it: resident tensors on ``main``, offloaded
-    ones (:func:`allocator.rules.dispatch.offloaded_devices`) only inside experts modules. accelerate's hooks run an
-    offloaded module on the main device, so such a module is not split across devices."""
+    """Whether tensors ``start:end`` all execute on ``main``, with routed experts modules (``problem.moe``, read with
+    ``runtime="allocator"``) apart from the rest: the tensors outside experts modules on one device, ``main`` or
+    offloaded (:func:`allocator.rules.dispatch.offloaded_devices`), those inside on ``main`` or offloaded.
+    accelerate's hooks run an offloaded module on the main device, so such a module is not split across the
+    devices it executes on."""
     if not problem.moe or main is None:
         return False
     g = problem.graph
@@ -280,13 +281,17 @@ def experts_apart(problem: Problem, runs: list, start: int, end: int, main) -> b
     inside = [(cols.first[g.node_index[m.experts]], cols.last[g.node_index[m.experts]]) for m in problem.moe
               if m.experts in g.node_index]
     away = offloaded_devices(main)
+    rest = set()
     for run in runs:
         a, b = max(run.start, start), min(run.end, end)
-        if a >= b or run.device == main:
+        if a >= b:
             continue
-        if run.device not in away or not any(lo <= a and b <= hi for lo, hi in inside):
-            return False
-    return True
+        if any(lo <= a and b <= hi for lo, hi in inside):
+            if run.device != main and run.device not in away:
+                return False
+        else:
+            rest.add(run.device)
+    return len(rest) <= 1 and rest <= {main} | away
 
 
 def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:

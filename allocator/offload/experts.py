@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRuntime
@@ -70,12 +71,12 @@ def register() -> None:
 
 
 class _One:
-    """The experts module as its eager forward sees it, holding one expert: each fused parameter a ``[1, ...]`` view,
-    ``num_experts`` 1; everything else read from the module."""
+    """The experts module as its eager forward sees it, with the given tensors for its fused parameters (one
+    expert's ``[1, ...]`` views by default, ``num_experts`` 1); everything else read from the module."""
 
-    def __init__(self, module, tensors: dict):
+    def __init__(self, module, tensors: dict, experts: int = 1):
         self.__dict__.update(tensors)
-        self.__dict__["num_experts"] = 1
+        self.__dict__["num_experts"] = experts
         self.__dict__["_module"] = module
 
     def __getattr__(self, name):
@@ -156,20 +157,53 @@ class RoutedExperts:
         """Parameter ``name`` as a ``[E, ...]`` host tensor: a view into the mapped file, or accelerate's RAM copy."""
         return self.sources[name].host()
 
+    def random_access(self) -> None:
+        """Tell the kernel the experts' files are read at random (``MADV_RANDOM``): no read-ahead around a routed
+        expert's slices, which would read its neighbours too; each fetch asks for its own slices
+        (:meth:`_advise`)."""
+        for source in self.sources.values():
+            mm = source.file.mm if source.file is not None else None
+            if mm is not None and hasattr(mmap, "MADV_RANDOM"):
+                mm.madvise(mmap.MADV_RANDOM)
+
+    def _advise(self, experts: list[int]) -> None:
+        """Start reading ``experts``' slices of every file-backed tensor (``MADV_WILLNEED``, asynchronous)."""
+        for name, source in self.sources.items():
+            if source.file is None:
+                continue
+            per = (source.end - source.start) // self.layer.num_experts
+            for e in experts:
+                source.file.advise(source.start + e * per, source.start + (e + 1) * per)
+
     def _cast(self, tensor, name: str):
         meta = self.metas[name]
         return tensor if tensor.dtype == meta.dtype else tensor.to(meta.dtype)
 
+    @property
+    def in_place(self) -> bool:
+        """Whether every expert runs from views of its tensors' files, in one eager call: a CPU main device, every
+        tensor file-backed in the dtype the module runs in. Resident experts are then held in place
+        (:meth:`allocator.offload.files.MappedFile.keep`)."""
+        return not self.accelerator and all(
+            s.file is not None and s.dtype == self.metas[n].dtype for n, s in self.sources.items())
+
     def keep(self, experts: list[int]) -> None:
-        """Copy ``experts``' slices to the main device once (the resident ones)."""
+        """Hold ``experts``' slices on the main device (the resident ones): in place in the private mapping of their
+        files where :attr:`in_place`, else copied there once."""
         import torch
 
         if not experts:
             return
+        self.rows = {e: i for i, e in enumerate(experts)}
+        if self.in_place:
+            for source in self.sources.values():
+                per = (source.end - source.start) // self.layer.num_experts
+                for e in experts:
+                    source.file.keep(source.start + e * per, source.start + (e + 1) * per)
+            return
         index = torch.tensor(experts, dtype=torch.long)
         for name in self.sources:
             self.resident[name] = self._cast(self.host(name).index_select(0, index), name).to(self.main)
-        self.rows = {e: i for i, e in enumerate(experts)}
 
     def _fetch(self, experts: list[int]) -> dict:
         """The slices of ``experts`` on the main device: one gather per tensor into a reused buffer (views into the
@@ -178,6 +212,7 @@ class RoutedExperts:
 
         out = {}
         index = torch.tensor(experts, dtype=torch.long)
+        self._advise(experts)
         for name in self.sources:
             host = self.host(name)
             per = host[0].numel() * self.metas[name].element_size()
@@ -216,10 +251,20 @@ class RoutedExperts:
 
         eager = eager_forward(module)
         self.traffic.calls += 1
-        final = torch.zeros_like(hidden_states)
         count = self.layer.num_experts
         with torch.no_grad():
             hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < count]
+        if self.in_place:   # one eager call over views of the whole tensors: only the routed slices are read
+            away = [e for e in hit if e not in self.rows]
+            self._advise(away)
+            self.traffic.routed += len(hit)
+            self.traffic.resident += len(hit) - len(away)
+            self.traffic.fetched += len(away)
+            self.traffic.read += len(away) * bytes_per_expert(self)
+            return eager(_One(module, {n: self.host(n) for n in self.sources}, count), hidden_states, top_k_index,
+                         top_k_weights)
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
             positions = {e: torch.where(top_k_index == e) for e in hit}
         here = [e for e in hit if e not in self.rows and self._computes_here(e, int(positions[e][0].numel()))]
         fetched = self._fetch([e for e in hit if e not in self.rows and e not in here]) if len(here) < len(
@@ -314,6 +359,7 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
             where = placed.get(name, ("offloaded",) * layer.num_experts)
             routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic, mode)
             routed.keep([e for e, d in enumerate(where) if resident_on is not None and d == resident_on])
+            routed.random_access()
             out[id(module)] = routed
     if out:
         log.info("allocator runtime: %d experts modules run expert by expert (%s resident experts)", len(out),
