@@ -53,6 +53,27 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     -----
     O(k log k · log m) for k map entries and m modules moved (a bisection of :func:`allocator.evaluate.validate.check`
     calls), plus O(E log E) over all experts for the resident ones.
+
+    Examples
+    --------
+    >>> import torch, torch.nn as nn
+    >>> from allocator.problem import build_problem
+    >>> from allocator.strategies import run
+    >>> class Experts(nn.Module):       # 8 experts fused in 3D parameters, 16 KiB each
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.up, self.down = nn.Parameter(torch.empty(8, 64, 32)), nn.Parameter(torch.empty(8, 32, 64))
+    >>> class Layer(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.attn, self.gate, self.experts = nn.Linear(32, 32), nn.Linear(32, 8, bias=False), Experts()
+    >>> model = nn.Sequential(*[Layer() for _ in range(8)])
+    >>> problem = build_problem(model, {"cpu": 450_000}, runtime="allocator")
+    >>> placed = place_experts(problem, run("reserve", problem))
+    >>> placed.device_map["0.attn"], placed.device_map["0.experts"], placed.experts["0.experts"][:3]
+    ('cpu', 'disk', ('cpu', 'disk', 'disk'))
+    >>> sum(row.count("cpu") for row in placed.experts.values())    # one resident expert per layer
+    8
     """
     if not problem.moe or problem.options.runtime != "allocator" or placement.accelerates:
         return placement
