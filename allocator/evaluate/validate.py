@@ -23,7 +23,8 @@ from .memory import (
     Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks, prefetch_of,
 )
 
-__all__ = ["Violation", "check", "experts_apart", "peak_parts", "validate", "normalize_map", "format_bytes"]
+__all__ = ["Violation", "check", "experts_apart", "peak_parts", "routed_spans", "validate", "normalize_map",
+           "format_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     found += _unhooked(problem, device_map, lone)
     found += _ties(problem, device_map, runs)
     memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers,
-                   prefetch=prefetch_of(problem.options))
+                   prefetch=prefetch_of(problem.options), skip=routed_spans(problem))
     placed = set(device_map.values())
     for device, used in memory.peak.items():
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
@@ -266,6 +267,18 @@ def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:
                 "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, devices))}."
             ))
     return out
+
+
+def routed_spans(problem: Problem) -> tuple:
+    """The tensor ranges of the experts modules the allocator runtime runs expert by expert
+    (:func:`allocator.offload.experts.routed_layers`: fused, no tensors shared between experts), which it never
+    makes ready ahead; empty unless ``problem.moe`` (``runtime="allocator"``)."""
+    if not problem.moe:
+        return ()
+    g = problem.graph
+    cols = columns(g)
+    return tuple((cols.first[g.node_index[m.experts]], cols.last[g.node_index[m.experts]]) for m in problem.moe
+                 if m.kind == "fused" and not m.common and m.experts in g.node_index)
 
 
 def experts_apart(problem: Problem, runs: list, start: int, end: int, main) -> bool:

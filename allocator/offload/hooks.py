@@ -324,6 +324,10 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
         raise InvalidRuntime("the model has no offloaded modules (no accelerate AlignDevicesHook with offload=True):"
                              " load it with a device_map that puts something on 'disk' (or 'cpu' with a GPU).")
     device = _device_for(model, device)
+    if experts is False and getattr(plan, "experts", None) and prefetch and getattr(device, "threaded", True):
+        warn_caller(f"attach(experts=False, prefetch={prefetch}) streams experts modules whole and may hold them "
+                    "ahead, but the plan (runtime='allocator') reserved no prefetch for them; attach with experts "
+                    "awareness (the default) or prefetch=0.")
     if options is not None and prefetch > prefetch_of(options) and getattr(device, "threaded", True):
         warn_caller(f"attach(prefetch={prefetch}) holds up to {prefetch} offloaded modules ahead on the main device, "
                     f"beyond what the plan reserved (prefetch={prefetch_of(options)}); plan with "
