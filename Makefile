@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.allocator-installed
 # The CPU build of torch where no CUDA driver exists (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2
+
+# The in-process tests only: leaves out those marked slow (about 5 s or more each) or subprocess (they start another
+# process: a CLI run, a notebook kernel, distributed ranks); markers registered in pyproject.toml.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not slow and not subprocess"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -6,6 +6,7 @@
 """
 
 from .api import plan
+from .fit import Fit, fit
 from .integrations.accelerate import infer_auto_device_map
 from .report.plan import Plan
 from .budgets import parse_budgets, parse_size
@@ -30,7 +31,8 @@ __all__ = [
     "InvalidOption", "InvalidPlacement", "InvalidRuntime", "UnsupportedByAccelerate", "Cost", "ExpertProfile",
     "GenerationBudget", "profile_experts",
     "Profile",
-    "estimate", "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
+    "estimate", "Fit", "fit",
+    "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
     "contract_violations",
     "infer_auto_device_map", "offload", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]

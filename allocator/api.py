@@ -4,11 +4,12 @@ placement once (:func:`allocator.report.plan.finish`)."""
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .errors import BrokenContract, InfeasiblePlacement, InvalidPlacement
+from .errors import AllocatorError, BrokenContract, InfeasiblePlacement, InvalidPlacement, warn_caller
+from .evaluate.cost import priced
+from .evaluate.memory import main_device, prefetch_of
 from .evaluate.validate import check
 from .gc_pause import gc_paused
 from .placement import Decision, Placement
@@ -87,15 +88,59 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
     builtin = any(place is known for known in STRATEGIES.values())
     with gc_paused():  # planning makes many acyclic objects; each collection would walk the model and graph too
         problem = build_problem(model, max_memory, options=options)   # 1. the model, read once
-        witness(problem)             # 2. accelerate's map, the contract's main device and floor: each made once
-        placement = _placed(problem, strategy, builtin)              # 3. the strategy's placement, or accelerate's
-        placement = place_experts(problem, placement)                # 3b. routed experts as units (our runtime only)
-        _check_rules_and_contract(problem, placement)                # 4. the runtime rules and the contract, once
-        result = finish(problem, empty_before_main(problem, placement), asked=name)   # 5. checked, priced once
+        problem, placement = _prefetched(problem, lambda at: _placement(at, strategy, builtin))   # 2.-4.
+        result = finish(problem, placement, asked=name)              # 5. checked, priced once
     for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them
         log.info("plan by %s breaks a runtime rule: %s", result.strategy, v)
     _report(result.placement)
     return result
+
+
+def _placement(problem: Problem, strategy, builtin: bool) -> Placement:
+    """Steps 2-4 of :func:`plan` for one problem: the witness, the strategy's placement (or accelerate's), the rules
+    and the contract checked, and why accelerators before the main device hold nothing."""
+    witness(problem)             # 2. accelerate's map, the contract's main device and floor: each made once
+    placement = _placed(problem, strategy, builtin)              # 3. the strategy's placement, or accelerate's
+    placement = place_experts(problem, placement)                # 3b. routed experts as units (our runtime only)
+    _check_rules_and_contract(problem, placement)                # 4. the runtime rules and the contract, once
+    return empty_before_main(problem, placement)
+
+
+def _prefetched(problem: Problem, place) -> tuple[Problem, Placement]:
+    """Under our runtime (``runtime="allocator"``) the prefetch depth is part of the plan: the plan without prefetch
+    is always made, and the deepest depth up to :data:`allocator.evaluate.memory.PLANNED_PREFETCH` whose plan keeps
+    as many bytes on the fastest tier and streams no more than it is kept; 0 on a CPU main device unless a measured
+    profile is given (prefetch there competes with the forward for the same cores and memory bandwidth). Asking for
+    our runtime never gives a worse placement than not asking. A depth the caller gives (``prefetch=k``) is planned
+    as given; under accelerate's hooks, one plan."""
+    asked = prefetch_of(problem.options)
+    if not asked or problem.options.prefetch is not None:   # accelerate's hooks, or the depth the caller chose
+        return problem, place(problem)
+    at = {depth: replace(problem, options=replace(problem.options, prefetch=depth))
+          for depth in range(asked + 1)}
+    plain = place(at[0])
+    base = priced(at[0], plain.device_map)
+    if main_device(plain.device_map.values()) == "cpu" and problem.options.profile is None:
+        return at[0], _said(plain, f"prefetch 0 of the {asked} asked for: the main device is the CPU, where making "
+                            "weights ready ahead competes with the forward for the same cores (pass a measured "
+                            "profile to plan with it)")
+    for depth in range(asked, 0, -1):
+        try:
+            deeper = place(at[depth])
+        except AllocatorError as err:   # no plan at this depth: a shallower one is tried, and said
+            log.debug("no plan with prefetch %d: %s", depth, err)
+            continue
+        cost = priced(at[depth], deeper.device_map)
+        if (cost.resident_fast, -cost.streamed_bytes) >= (base.resident_fast, -base.streamed_bytes) \
+                and not check(at[depth], deeper.device_map)[0]:
+            return at[depth], _said(deeper, f"prefetch {depth} of the {asked} asked for: the deepest that keeps as "
+                                    "many bytes on the fastest tier, streaming no more, as the plan without prefetch")
+    return at[0], _said(plain, f"prefetch 0 of the {asked} asked for: every deeper prefetch keeps fewer bytes on the "
+                        "fastest tier or streams more than the plan without it")
+
+
+def _said(placement: Placement, text: str) -> Placement:
+    return replace(placement, decisions=placement.decisions + (Decision("runtime", text, bound="budget"),))
 
 
 def _placed(problem: Problem, strategy, builtin: bool) -> Placement:
@@ -159,6 +204,6 @@ def _report(placement: Placement) -> None:
     """accelerate's warnings and log lines for the plan returned (the strategy's diagnostics)."""
     for level, message in placement.diagnostics:
         if level == "warning":
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warn_caller(message)
         else:
             log.info("%s", message)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .errors import InvalidBudget, InvalidDeviceMap, InvalidOption, warn_caller
 
 __all__ = ["Device", "Budgets", "ByDevice", "canonical", "parse_size", "format_bytes", "format_ms", "normalize_device",
-           "normalize_map", "parse_budgets", "is_accelerator", "small_bare_number"]
+           "normalize_map", "parse_budgets", "is_accelerator", "small_bare_number", "warn_misread"]
 
 Device = int | str
 
@@ -290,6 +290,27 @@ def small_bare_number(key, value) -> None:
         guess = f"{value}{'GiB' if value < 2**10 else 'MiB'}"  # 64 -> GiB, 40000 -> MiB
         warn_caller(f"max_memory[{key!r}] = {value!r} is read as {value} bytes, as accelerate reads a bare number; "
                     f"write a string with a unit, e.g. '{guess}', if you meant more.")
+
+
+def warn_misread(max_memory: Mapping | None) -> None:
+    """The warnings :func:`parse_budgets` gives about likely mistakes (a lower-case ``b`` read as bits, a bare number
+    under 1 MiB read as bytes), for a ``max_memory`` that another library then normalises (transformers'
+    ``get_max_memory`` converts the strings without a word); what it rejects is left to it.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_misread({0: "8Gb", "cpu": "bad"})
+    >>> [str(w.message)[:50] for w in caught]
+    ["max_memory[0] '8Gb' is read as 8 Gbit = 1000000000"]
+    """
+    for key, value in (max_memory or {}).items():
+        small_bare_number(key, value)
+        if isinstance(value, str):
+            try:
+                parse_size(value, what=f"max_memory[{key!r}]")
+            except InvalidBudget:
+                pass   # rejected by the library that reads it, with its own message
 
 
 def parse_budgets(max_memory: Mapping | None) -> Budgets:

@@ -22,6 +22,8 @@ __all__ = [
     "InfeasiblePlacement",
     "UnsupportedByAccelerate",
     "warn_caller",
+    "MAX_MESSAGE",
+    "one_line",
 ]
 
 
@@ -91,10 +93,43 @@ class BrokenContract(AllocatorError):
     index order, never below accelerate: :mod:`allocator.strategies.contract`); ``objective="latency"`` accepts it."""
 
 
+#: Libraries between a user's line and this package (``from_pretrained`` calls the planner through transformers'
+#: and accelerate's code): a warning points past their frames too.
+BETWEEN = ("transformers", "accelerate", "torch")
+
+
+def _library_dirs() -> list[str]:
+    dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    for name in BETWEEN:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return dirs
+
+
 def warn_caller(message: str) -> None:
-    """A ``UserWarning`` attributed to the first caller outside this package (the line that passed the input)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """A ``UserWarning`` attributed to the first caller outside this package and the libraries that call it
+    (:data:`BETWEEN`): the user's line that passed the input, also through ``from_pretrained``."""
+    dirs = _library_dirs()
     frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(dirs)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level)
+
+
+MAX_MESSAGE = 400
+"""The longest text :func:`one_line` keeps by default (characters)."""
+
+
+def one_line(text, limit: int = MAX_MESSAGE) -> str:
+    """``text`` (an error, a message) on one line, cut to ``limit`` characters: how a message from another library
+    is quoted inside ours, and how the command line prints an error.
+
+    >>> one_line("a\\n  b")
+    'a b'
+    >>> len(one_line("x" * 1000))
+    400
+    """
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -22,6 +22,7 @@ DECISION_KINDS = {
     "solver": "what the solver did (groups, main devices, whether it proved optimality)",
     "experts": "where the routed experts of the mixture-of-experts layers live (``units``: the experts modules; "
                "``devices``: where the resident ones are; ``bytes``: theirs), and why (``bound``)",
+    "runtime": "what the plan reserves for our offload runtime (its prefetch depth), and why",
 }
 """The kinds of :class:`Decision`, each with what it says. Code reads the fields, never the text."""
 

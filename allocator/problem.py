@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .budgets import Budgets, parse_budgets
+from .budgets import Budgets, normalize_map, parse_budgets
 from .profile import Profile
 from .errors import InvalidOption
 from .model.flops import FlopCount, count_flops, default_inputs, node_flops
@@ -21,8 +21,8 @@ from .memo import Derived
 from .placement import clean_device_map
 from .rules.loaders import LOADERS
 
-__all__ = ["OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem",
-           "step_problem", "decode_inputs"]
+__all__ = ["accelerators_up_to", "OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem",
+           "RUNTIMES", "build_problem", "step_problem", "decode_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,13 @@ class PlanOptions:
     """What streams the offloaded weights at each forward, one of :data:`RUNTIMES`: ``"accelerate"`` (its hooks, one
     module's weights at a time) or ``"allocator"`` (:func:`allocator.offload.attach`, which makes the next
     ``prefetch`` offloaded modules' weights ready while one runs). The plan reserves what the runtime holds."""
-    prefetch: int = 1
+    prefetch: int | None = None
     """With ``runtime="allocator"``: offloaded modules made ready ahead of the running one (0: none). The main device
     then keeps room for the streamed chain plus the ``prefetch`` largest offloaded modules
-    (:func:`allocator.evaluate.memory.prefetch_reserve`); ignored with ``runtime="accelerate"``."""
+    (:func:`allocator.evaluate.memory.prefetch_reserve`); ignored with ``runtime="accelerate"``. ``None`` (the
+    default): :func:`allocator.plan` chooses the depth, up to :data:`allocator.evaluate.memory.PLANNED_PREFETCH`:
+    the deepest that keeps the placement of the plan without prefetch, and 0 on a CPU main device unless a measured
+    ``profile`` is given. A depth given here is planned as given."""
     expert_profile: ExpertProfile | str | os.PathLike | None = None
     """With ``runtime="allocator"`` on a mixture of experts: how often each expert is routed on the user's data
     (:func:`allocator.profile_experts`, or the path of a profile it saved); the most used experts per byte stay
@@ -104,14 +107,12 @@ class PlanOptions:
     inputs: Mapping | str | None = "auto"
     """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
     tensors, or ``"default"`` for :func:`allocator.model.flops.default_inputs` of the model's config. The problem
-    builder
-    then counts FLOPs per module on the meta device (:func:`allocator.model.flops.count_flops`) and the cost model's
-    compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails on
-    meta, an op has no FLOP formula, more than :data:`allocator.model.flops.MAX_OPS` ops) it keeps that rule, and logs
-    why.
-    ``None``: nothing is counted. ``"auto"`` (the default): ``"default"`` where the estimate alone decides
-    (``objective="latency"``) and the config gives defaults, else ``None`` (under the contract the estimate only
-    ranks plans that keep it, and counting adds 0.1-1 s to a plan)."""
+    builder then counts FLOPs per module on the meta device (:func:`allocator.model.flops.count_flops`) and the cost
+    model's compute term uses them instead of ``2 · params · tokens``; where the count is incomplete (the forward fails
+    on meta, an op has no FLOP formula, more than :data:`allocator.model.flops.MAX_OPS` ops) it keeps that rule, and
+    logs why. ``None``: nothing is counted. ``"auto"`` (the default): ``"default"`` where the estimate alone decides
+    (``objective="latency"``) and the config gives defaults, else ``None`` (under the contract the estimate only ranks
+    plans that keep it, and counting adds 0.1-1 s to a plan)."""
     # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
@@ -127,6 +128,12 @@ class PlanOptions:
     strict: bool = False
     """Where no valid plan exists: ``False`` returns accelerate's own map, flagged, as ``device_map="auto"`` would;
     ``True`` raises :class:`allocator.InfeasiblePlacement` with the smallest budget that works."""
+    baseline: Mapping | None = None
+    """The device map the user gets today on the loading path the plan is for, where it is not accelerate's
+    ``infer_auto_device_map`` on this model: on ``from_pretrained``, the map transformers' own ``_get_device_map``
+    returns (:func:`allocator.patch` passes it). Where it is valid, rule 3 of the contract keeps at least its bytes on
+    the fastest tier and streams no more per forward, and it is a candidate plan. ``None``: accelerate's map
+    (``sequential``) is the baseline."""
 
     def __post_init__(self):
         for name in ("discover_no_split", "infer_no_split", "offload_buffers", "fallback_allocation", "clean_result",
@@ -135,12 +142,15 @@ class PlanOptions:
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.loader not in LOADERS:
             raise InvalidOption(f"loader must be one of {list(LOADERS)}, got {self.loader!r}.")
+        if self.baseline is not None:   # a copy in canonical devices: the caller's dict is never changed
+            object.__setattr__(self, "baseline", normalize_map(self.baseline))
         if self.runtime not in RUNTIMES:
             raise InvalidOption(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}.")
         if self.expert_profile is not None and not isinstance(self.expert_profile, (ExpertProfile, str, os.PathLike)):
             raise InvalidOption(f"expert_profile must be an allocator.ExpertProfile or the path of one it saved, got "
                                 f"{type(self.expert_profile).__name__}.")
-        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+        if self.prefetch is not None and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
+                                          or self.prefetch < 0):
             raise InvalidOption(f"prefetch must be a non-negative integer (offloaded modules made ready ahead), got "
                                 f"{self.prefetch!r}.")
         if self.objective not in OBJECTIVES:
@@ -273,8 +283,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
     ``options`` (a :class:`PlanOptions`) says how the model is read and the plan run; ``keywords`` are its fields,
     given one by one (they override those of ``options``). With a ``generation`` budget the graph also holds the KV
     cache, logits and activations of ``generate`` (:mod:`allocator.model.generation`). An ``hf_quantizer`` supplies
-    sizes
-    (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is
+    sizes (``param_element_size``) and may shrink budgets (``adjust_max_memory``) as transformers does. Nothing given is
     modified.
 
     Examples
@@ -291,6 +300,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
             model, dtype=options.dtype, special_dtypes=options.special_dtypes,
             no_split_module_classes=options.no_split_module_classes, discover_no_split=options.discover_no_split,
             infer_no_split=options.infer_no_split, tied_parameters=options.tied_parameters, size_fn=size_fn,
+            declared_as_shared=options.loader == "transformers",   # from_pretrained ties them after it plans
         )
         needs = None
         if options.generation is not None:
@@ -344,6 +354,24 @@ def _with_cache_reads(written: Mapping[str, int], graph: ModelGraph, needs: Gene
         name = graph.nodes.name[node]
         out[name] = out.get(name, 0) + nbytes
     return out
+
+
+def accelerators_up_to(problem: Problem, last) -> Problem:
+    """``problem`` with the accelerators after ``last`` (in index order) left out of its budgets: the plans of the
+    result are plans of ``problem`` that leave those accelerators empty. What follows from the graph is kept.
+
+    >>> import torch.nn as nn
+    >>> problem = build_problem(nn.Linear(4, 4), {0: 100, 1: 100, "cpu": 1000})
+    >>> accelerators_up_to(problem, 0).budgets.order
+    (0, 'cpu', 'disk')
+    """
+    accelerators = problem.budgets.accelerators
+    dropped = set(accelerators[accelerators.index(last) + 1:])
+    if not dropped:
+        return problem
+    order = tuple(d for d in problem.budgets.order if d not in dropped)
+    limits = {d: n for d, n in problem.budgets.limits.items() if d not in dropped}
+    return dataclasses.replace(problem, budgets=Budgets(order=order, limits=limits))
 
 
 def step_problem(problem: Problem, step: str) -> Problem:

@@ -326,9 +326,8 @@ def flop_seconds(profile: Profile, run_on) -> float:
 
 COUNTED = ("ops", "written", "pointwise", "strided")
 """The work a complete FLOP count adds to a unit's compute term, by :class:`allocator.model.flops.FlopCount` field, in
-the
-order the cost model sums it: ops dispatched, bytes written by ops without a FLOP formula, bytes written by functions
-per element, bytes written by interpolations across memory layouts (:func:`counted_rates`)."""
+the order the cost model sums it: ops dispatched, bytes written by ops without a FLOP formula, bytes written by
+functions per element, bytes written by interpolations across memory layouts (:func:`counted_rates`)."""
 
 
 def counted_rates(profile: Profile, run_on) -> tuple[float, float, float, float]:

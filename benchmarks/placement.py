@@ -2,9 +2,8 @@
 
 For every cell it records, per method: the share of the model resident on the fastest tier (accelerators, or RAM
 when there are none), the estimated time per forward, whether the map is valid under accelerate's runtime rules
-(``allocator.evaluate.validate``), the violations, the planning time (wall and CPU) and, for our strategies, whether
-the plan
-is proven optimal (``Plan.optimal``; ``ilp``). Writes ``benchmarks/results/placement.csv``, ``placement.md`` and
+(``allocator.evaluate.validate``), the violations, the planning time (wall and CPU) and, for our strategies, whether the
+plan is proven optimal (``Plan.optimal``; ``ilp``). Writes ``benchmarks/results/placement.csv``, ``placement.md`` and
 ``placement.png``.
 
     python benchmarks/placement.py           # all 41 architectures x 13 budgets

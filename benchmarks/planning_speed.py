@@ -14,8 +14,7 @@ For each model it times, from one run:
   ``allocator.build_problem`` (the model read once), the strategy alone
   (``allocator.strategies.STRATEGIES[s](problem)`` on a problem just built, so that what the first evaluation of the
   graph costs, :class:`allocator.evaluate.runs.Columns`, counts), and the whole ``allocator.plan(model, budget,
-  strategy=s)``
-  (build, strategy, validation, cost estimate), plus the peak Python memory of ``plan`` (``tracemalloc``).
+  strategy=s)`` (build, strategy, validation, cost estimate), plus the peak Python memory of ``plan`` (``tracemalloc``).
 
 Every timed call runs in a forked child with a time cap (``--cap``): a call past the cap is stopped and reported as
 ``> cap``; a larger size whose time extrapolated from the two previous sizes (power law) would exceed 1.5x the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 
+import pytest
+
 import allocator
 from allocator.model import zoo
 from allocator.evaluate.validate import format_bytes
@@ -58,6 +60,7 @@ def _run(setup=""):
                           timeout=120)
 
 
+@pytest.mark.subprocess
 def test_verbose_prints_the_decisions_on_stderr_like_accelerate():
     """accelerate prints with verbose=True; ours log at INFO on a logger nobody configured, which showed nothing."""
     done = _run()
@@ -68,6 +71,7 @@ def test_verbose_prints_the_decisions_on_stderr_like_accelerate():
     assert "strategy auto" in verbose and "main device" in verbose and "- 0 -> " in verbose
 
 
+@pytest.mark.subprocess
 def test_verbose_uses_the_callers_logging_configuration_and_restores_it():
     setup = 'logging.basicConfig(stream=sys.stdout, format="LOG %(name)s %(message)s")'  # root at WARNING
     done = _run(setup)

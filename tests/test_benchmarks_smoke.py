@@ -43,6 +43,8 @@ def _table_rows(markdown: str) -> list[str]:
             and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))]
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(CASES))
 def test_benchmark_script_writes_results(script, tmp_path):
     args, stem = CASES[script]

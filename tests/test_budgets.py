@@ -33,7 +33,7 @@ def test_a_string_without_a_unit_is_rejected_as_accelerate_rejects_it(text, fix)
         parse_size(text)
 
 
-#: Where allocator reads more than accelerate's convert_file_size_to_int (documented in the README).
+#: Where allocator reads more than accelerate's convert_file_size_to_int (documented in docs/api.md).
 EXTENSIONS = ("10TB", "1TiB", "100B", "0B")
 
 

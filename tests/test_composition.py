@@ -180,12 +180,12 @@ def test_a_callers_map_is_cleaned_as_the_options_say():
         {str(i): "cpu" for i in range(4)}
 
 
-def test_the_readme_shows_the_kit_example_as_it_is_tested():
+def test_the_docs_show_the_kit_example_as_it_is_tested():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     example = (root / "examples" / "kit_strategy.py").read_text().rstrip()
-    assert f"```python\n{example}\n```" in (root / "README.md").read_text()
+    assert f"```python\n{example}\n```" in (root / "docs" / "strategies.md").read_text()
     body = example.split('"""', 2)[2].splitlines()
     code = [line for line in body if line.strip() and not line.strip().startswith("#")]
     assert len(code) <= 30, f"examples/kit_strategy.py has {len(code)} lines of code; a strategy is an ordering"

@@ -1,5 +1,5 @@
 """Hostile inputs: each gets a typed error that says the fix (or a documented, logged behaviour), and the model
-(parameters, devices, hooks) and the caller's dicts are unchanged afterwards. Rows mirror README's table."""
+(parameters, devices, hooks) and the caller's dicts are unchanged afterwards. Rows mirror docs/contract.md."""
 
 import copy
 import logging

@@ -8,8 +8,7 @@ pays an activation transfer plus a fixed latency. The first-order effect: bytes 
 bytes not copied at every forward.
 
 Where FLOPs were counted at the user's inputs (:mod:`allocator.model.flops`, ``PlanOptions.inputs``), the compute term
-is
-the counted FLOPs of each unit, plus the work of :data:`allocator.profile.COUNTED` at
+is the counted FLOPs of each unit, plus the work of :data:`allocator.profile.COUNTED` at
 :func:`allocator.profile.counted_rates`: each op it dispatches a fixed cost on the executing device, the bytes
 its ops without a FLOP formula write memory traffic at the executing device's memory rate (functions per element,
 :data:`allocator.model.flops.POINTWISE`, at the CPU's ``cpu_pointwise``; interpolations across memory layouts at
@@ -121,8 +120,7 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
 
 def counted_flops(problem: Problem):
     """The counted FLOPs per tensor (:func:`allocator.evaluate.units.tensor_flops` of ``problem.node_flops``), or
-    ``None``
-    where nothing was counted: the compute term is then ``2 * tokens`` FLOP per parameter element."""
+    ``None`` where nothing was counted: the compute term is then ``2 * tokens`` FLOP per parameter element."""
     if problem.node_flops is None:
         return None
     return problem.derived.once("tensor flops", lambda: tensor_flops(problem.graph, problem.node_flops))

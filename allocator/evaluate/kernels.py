@@ -1,7 +1,7 @@
 """The vectorised kernels of the planner, each next to the plain-Python loop it must agree with.
 
 Readable modules say what they compute and call these; a kernel says how fast. Every kernel ``k`` has a reference
-``k_reference`` written as the obvious loop, and ``tests/test_kernels.py`` checks that the two agree on random inputs.
+``k_reference`` written as the obvious loop; ``tests/evaluate/test_kernels.py`` checks they agree on random inputs.
 Where numpy's fixed cost per call loses to the loop on small inputs, the function readable modules call (``k``)
 picks one or the other, here and only here (:func:`vectorised`).
 

@@ -153,10 +153,18 @@ def streamed_chain(graph: ModelGraph, found: list[Run], offloaded, *, offload_bu
     return best, chain
 
 
+PLANNED_PREFETCH = 1
+"""The depth :func:`allocator.plan` tries first when ``PlanOptions.prefetch`` is left to it (``None``), and the depth
+a problem built with ``prefetch=None`` reserves for."""
+
+
 def prefetch_of(options) -> int:
     """How many offloaded modules the runtime of ``options`` (a :class:`allocator.PlanOptions`) makes ready ahead:
-    its ``prefetch`` with ``runtime="allocator"``, 0 with accelerate's hooks."""
-    return options.prefetch if options.runtime == "allocator" else 0
+    its ``prefetch`` with ``runtime="allocator"`` (:data:`PLANNED_PREFETCH` where it is left to the plan), 0 with
+    accelerate's hooks."""
+    if options.runtime != "allocator":
+        return 0
+    return PLANNED_PREFETCH if options.prefetch is None else options.prefetch
 
 
 def streams_held(options, reserve: int) -> int:

@@ -5,8 +5,7 @@ the subtree of a node owns one contiguous range of tensor indices. A device map 
 the longest prefix winning) therefore cuts the tensors into at most ``2k + 1`` runs for ``k`` keys, and sums over a
 run come from prefix sums over the tensors. :class:`Columns` holds those prefix sums, built once per graph;
 evaluating a map (:mod:`allocator.evaluate.validate`, :mod:`allocator.evaluate.cost`) then costs O(k log k) plus the
-work proportional
-to what is offloaded, instead of O(nodes + tensors) for every candidate map of every strategy.
+work proportional to what is offloaded, instead of O(nodes + tensors) for every candidate map of every strategy.
 """
 
 from __future__ import annotations
@@ -107,8 +106,7 @@ class Columns:
         not depend on how a map cuts it into runs; Python ints where a time passes an int64 (9,223 s).
 
         ``flops`` (FLOPs per tensor, float64, :func:`allocator.evaluate.units.tensor_flops`) replaces the parameter
-        rule's
-        compute term, and ``counted`` (per tensor, spread the same way, one array per kind of
+        rule's compute term, and ``counted`` (per tensor, spread the same way, one array per kind of
         :data:`allocator.profile.COUNTED`) adds that work at :func:`allocator.profile.counted_rates`; those
         sums are not kept here (the problem keeps them)."""
         if flops is not None:

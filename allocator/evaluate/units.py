@@ -99,8 +99,8 @@ class Units(_Arrays):
     def spans(self, graph: ModelGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The units that hold tensors, in model order, as ``(positions, lo, hi, order)``: each one's tensors are
         ``lo`` to ``hi - 1``, and ``order`` is its order as a key of :func:`allocator.evaluate.runs.runs` (a module
-        unit's
-        node; the node count plus a tensor unit's tensor). ``graph`` is the one the units were made from; made once.
+        unit's node; the node count plus a tensor unit's tensor). ``graph`` is the one the units were made from; made
+        once.
         """
         if "spans" not in self._arrays:
             node = self.array("node")
@@ -179,8 +179,7 @@ def units(g: ModelGraph, offload_buffers: bool = False, read_copies: bool = Fals
 
     A module unit's sizes are sums over its subtree, read from the graph's prefix sums
     (:class:`allocator.evaluate.runs.Columns`): ``extra`` generation bytes (:attr:`ModelGraph.extra`) live where the
-    unit
-    executes, so they count in its size and, like its buffers, stay on the main device when it is offloaded
+    unit executes, so they count in its size and, like its buffers, stay on the main device when it is offloaded
     (``pinned``). ``read_copies``: the streamed chains count the copies hooks read cast tensors into
     (:func:`allocator.rules.dispatch.read_copy`; :attr:`allocator.problem.Problem.read_copies`).
 
@@ -344,9 +343,8 @@ def _tie_roots(found: Units, tie_groups) -> np.ndarray:
 def unit_flops(g: ModelGraph, node_flops) -> np.ndarray:
     """FLOPs per unit of :func:`units` (in its order), from exclusive FLOPs per node (``node_flops``, one entry per
     graph node, as :func:`allocator.model.flops.node_flops` gives them): each node's are charged to the unit that
-    executes
-    them. A node inside a module unit (a parameterless one too: attention scores, activations) charges that unit;
-    a split node's own ops charge the unit of its first direct tensor, or else its first child's unit. They sum to
+    executes them. A node inside a module unit (a parameterless one too: attention scores, activations) charges that
+    unit; a split node's own ops charge the unit of its first direct tensor, or else its first child's unit. They sum to
     the total.
 
     Notes

@@ -234,8 +234,18 @@ def _unhooked(problem: Problem, device_map: dict, lone) -> list[Violation]:
                       "hooks only modules named in the map, so they would never be loaded; map their module instead.")]
 
 
+def executing_devices(devices, main) -> set:
+    """The devices that execute the modules mapped to ``devices`` under ``main``: an offloaded module executes on the
+    main device (:func:`allocator.rules.dispatch.executes_on`)."""
+    offloaded = offloaded_devices(main) if hooks_attach(set(devices)) else frozenset()
+    return {main if d in offloaded else d for d in devices}
+
+
 def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:
-    """No-split modules whose tensors are on more than one device (the outermost of nested ones).
+    """No-split modules whose tensors are on more than one device (the outermost of nested ones). A block kept whole
+    only because the model declares nothing (an inferred block, :func:`allocator.model.blocks.infer_blocks`) may be
+    split where the runtime allows it: between the device that executes it and offload (accelerate's hooks stream
+    the offloaded children's weights to that device), never across two devices that execute.
 
     Only a module that straddles a boundary between runs can be split, so the candidates are the no-split
     ancestors of the modules at each boundary: O(runs x depth), not O(no-split modules). A plan for the allocator
@@ -255,6 +265,10 @@ def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:
             node = cols.parent[node]
     mixed = sorted(i for i in candidates if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1
                    and not experts_apart(problem, runs, cols.first[i], cols.last[i], main))
+    if mixed and g.no_split != g.no_split_declared:   # inferred blocks: split where the runtime allows
+        main = main_device({r.device for r in runs if r.device is not None})
+        mixed = [i for i in mixed if g.nodes.cls[i] in g.no_split_declared
+                 or len(executing_devices(devices_in(runs, cols.first[i], cols.last[i]), main)) > 1]
     out, split = [], set(mixed)
     for i in mixed:
         parent = cols.parent[i]

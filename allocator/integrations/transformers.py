@@ -28,14 +28,16 @@ The patch rebinds module attributes, so it is process-global: every thread sees 
 from __future__ import annotations
 
 import importlib
+import weakref
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from ..api import plan
-from ..budgets import is_accelerator
+from ..budgets import is_accelerator, warn_misread
 from ..errors import InvalidOption
 from ..logs import shown
+from ..evaluate.memory import prefetch_of
 from ..offload import attach, has_offload_hooks
 from ..problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
 from ..strategies import resolve
@@ -96,6 +98,7 @@ class Patch:
         self.strategy = strategy
         self.options = options
         self._pending: dict[str, str] = {}
+        self._prefetch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> the depth its plan chose
         self._swaps: list[_Swap] = []
         self._saved: list[object] = []
 
@@ -170,6 +173,7 @@ class Patch:
         options = replace(self.options, **{k: v for k, v in (runtime or {}).items() if v is not None},
                           no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
         result = plan(model, dict(budgets), strategy=strategy, options=options)
+        self._prefetch[model] = result.problem.options.prefetch   # the depth the plan reserved for (runtime)
         escaped = tensors_to_escape(model, result, no_split)
         if escaped:
             base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)
@@ -196,9 +200,11 @@ class Patch:
             if not (isinstance(device_map, str) and device_map in MODE_TO_STRATEGY):
                 return original(model, device_map, max_memory, hf_quantizer, *args, **kwargs)
             budgets = _user_budgets(get_max_memory, max_memory, device_map)
+            given = dict(max_memory) if isinstance(max_memory, Mapping) else max_memory   # theirs converts in place
+            theirs = _their_map(original, model, device_map, given, hf_quantizer, *args, **kwargs)
             result = self._device_map(model, budgets, device_map, hf_quantizer=hf_quantizer,
                                       no_split=getattr(model, "_no_split_modules", None),
-                                      runtime={"loader": "transformers"})
+                                      runtime={"loader": "transformers", "baseline": theirs})
             if hf_quantizer is not None:
                 hf_quantizer.validate_environment(device_map=result)
             return result
@@ -244,9 +250,9 @@ class Patch:
         def dispatch_model(model, *args, **kwargs):
             result = original(model, *args, **kwargs)
             if has_offload_hooks(model) and getattr(model, "_allocator_runtime", None) is None:
-                attach(model, prefetch=self.options.prefetch)
-                log.info("%s runs the allocator offload runtime (prefetch=%d)", type(model).__name__,
-                         self.options.prefetch)
+                depth = self._prefetch.get(model, prefetch_of(replace(self.options, runtime="allocator")))
+                attach(model, prefetch=depth)
+                log.info("%s runs the allocator offload runtime (prefetch=%d)", type(model).__name__, depth)
             return result
 
         replacement = _named(dispatch_model, original)
@@ -411,6 +417,34 @@ def unpatch() -> Patch | None:
 
 # -- helpers ------------------------------------------------------------------------------------------------------
 
+class _Unchecked:
+    """A quantizer as transformers' own planner sees it, without its ``validate_environment``: the baseline map is
+    computed, never loaded, so only the plan returned is validated (once)."""
+
+    def __init__(self, quantizer):
+        self._quantizer = quantizer
+
+    def __getattr__(self, name):
+        return getattr(self._quantizer, name)
+
+    def validate_environment(self, *args, **kwargs) -> None:
+        return None
+
+
+def _their_map(original, model, device_map, max_memory, hf_quantizer, *args, **kwargs) -> dict | None:
+    """The map transformers' own ``_get_device_map`` returns for this call: what the user gets unpatched, the floor of
+    the contract's rule 3 on this path (``PlanOptions.baseline``). ``None`` where transformers' planner fails (said
+    at INFO): the plan then keeps accelerate's floor, and the user gets a plan where unpatched they got an error."""
+    quantizer = None if hf_quantizer is None else _Unchecked(hf_quantizer)
+    try:
+        found = original(model, device_map, max_memory, quantizer, *args, **kwargs)
+    except Exception as err:   # noqa: BLE001 - any failure of their planner only drops the baseline, and is said
+        log.info("transformers' own _get_device_map fails for %s (%s: %s): planning without its map as the floor",
+                 type(model).__name__, type(err).__name__, err)
+        return None
+    return dict(found) if isinstance(found, Mapping) else None
+
+
 def _import(name: str):
     try:
         return importlib.import_module(name)
@@ -430,7 +464,9 @@ def _named(replacement: Callable, original: Callable) -> Callable:
 
 def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:
     """The library's normalisation of ``max_memory`` (a copy: accelerate converts strings in place), with its 90%
-    rule for a single accelerator when the user set nothing, and without its balancing."""
+    rule for a single accelerator when the user set nothing, and without its balancing. The caller's strings are
+    read first, for the warnings the library's conversion does not give (a lower-case "b" is bits)."""
+    warn_misread(max_memory)
     budgets = dict(get_max_memory(dict(max_memory) if max_memory is not None else None))
     if max_memory is None and mode != "sequential":
         accelerators = [d for d, size in budgets.items() if is_accelerator(d) and size > 0]

@@ -5,8 +5,7 @@ builder, into bytes attached to the model graph (:attr:`ModelGraph.extra`, :attr
 :attr:`ModelGraph.main_workspace`). Strategies never see the budget: the bytes enter the units like the buffers of a
 module (they live where the module *executes*: its device when resident, the main device when offloaded), and
 :func:`allocator.evaluate.memory.peaks` — the one place per-device peaks are computed — adds them. So every strategy
-that
-respects the validator's peaks respects the generation budget too.
+that respects the validator's peaks respects the generation budget too.
 
 What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's ``cache_utils`` and
 ``GenerationMixin._sample``):
@@ -41,7 +40,7 @@ Activations
     float32 softmax when they are materialised (eager attention, T5-style position bias) or else the boolean 4-D
     mask, plus one layer's key (or value) tensor copied when the cache grows (``torch.cat`` allocates the new tensor
     before the old one is freed). Measured on CPU against every allocation ``generate`` makes (torch profiler,
-    ``tests/test_generation.py``): llama 0.84-0.96 of the prediction; T5 about half (its position bias is counted
+    ``tests/model/test_generation.py``): llama 0.84-0.96 of the prediction; T5 about half (its position bias is counted
     as float32 scores).
 
 The attention modules that fill cache layers, and their key/value widths, are found by

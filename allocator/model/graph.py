@@ -212,8 +212,7 @@ class ModelGraph:
     """Tensor -> its bytes at the dtype the model holds it in, for the checkpoint tensors ``dtype`` makes smaller: what
     a checkpoint saved from the model as given stores, and what a loader reads before it casts
     (:func:`allocator.rules.dispatch.read_copy`). Empty without ``dtype``. Non-persistent buffers are in no checkpoint
-    and no
-    loader casts them: they keep their own dtype's bytes in ``tensors.nbytes`` (llama's float32 ``inv_freq``)."""
+    and no loader casts them: they keep their own dtype's bytes in ``tensors.nbytes`` (llama's float32 ``inv_freq``)."""
     derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
     """What follows from the graph alone, made once (its columns, the units' groups, the runs of the last maps):
     :class:`allocator.memo.Derived`."""

@@ -286,6 +286,7 @@ def build_graph(
     infer_no_split: bool = True,
     tied_parameters: Sequence[Sequence[str]] | None = None,
     size_fn: SizeFn | None = None,
+    declared_as_shared: bool = False,
 ) -> ModelGraph:
     """Extract a :class:`~allocator.model.graph.ModelGraph` from ``model`` (any ``nn.Module``, meta device included).
 
@@ -307,6 +308,10 @@ def build_graph(
         Replaces the tie groups found from shared tensors.
     size_fn : callable, optional
         ``size_fn(name, tensor) -> bytes or None`` for quantized weights; ``None`` falls back to the dtype rule.
+    declared_as_shared : bool
+        Read transformers' declared tied keys (``all_tied_weights_keys``) as shared tensors, as the model will be
+        once ``from_pretrained`` has tied them (it plans before it ties): the graph of a model with its ties only
+        declared is then the graph of the same model tied.
 
     Raises
     ------
@@ -351,15 +356,21 @@ def build_graph(
                 f"special_dtypes names tensors the model does not have: {sorted(unknown_special)[:5]}; "
                 "use full parameter names as in model.named_parameters()."
             )
+        canonical = read.t_canonical[:] if declared_as_shared and moved else read.t_canonical
         for k, root in moved.items():  # a declared tie's target is counted no more: it uses its source's memory
             read.size[read.t_module[k]] -= read.t_nbytes[k]  # int bytes: exact whatever the order
             storage[k] = root
+            if canonical is not read.t_canonical:   # and, read as shared, it is the same tensor as its source
+                canonical[k] = root
+                read.size_accelerate[read.t_module[k]] -= read.t_nbytes_accelerate[k]
         size, size_acc = subtree_sizes(read.size, read.size_accelerate, read.parents)
         tensors = Tensors(names, module, local, read.t_is_param, read.t_persistent, read.t_numel,
-                          read.t_nbytes, read.t_nbytes_accelerate, read.t_canonical, storage)
+                          read.t_nbytes, read.t_nbytes_accelerate, canonical, storage)
         tied = _tie_groups(model, read, names, tensor_index, tied_parameters)
         already = {n for g in tied for n in g}
         declared_ties = [g for g in declared_tied_groups(declared, tensor_index) if not set(g) <= already]
+        if declared_as_shared and tied_parameters is None:
+            tied, declared_ties = _united(tied + declared_ties), []
         if given:
             warn_unmatched(given, read.classes, type(model).__name__)
         graph = ModelGraph(
@@ -370,6 +381,16 @@ def build_graph(
         )
         del read  # free the walk's lists now: the collection that resuming the collector starts skips them
         return graph
+
+
+def _united(groups: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Tie groups that share a name merged into one (in the order of their first group)."""
+    out: list[list[str]] = []
+    for group in groups:
+        hits = [g for g in out if set(g) & set(group)]
+        merged = [n for g in hits for n in g] + [n for n in group if not any(n in g for g in hits)]
+        out = [g for g in out if g not in hits] + [merged]
+    return [tuple(dict.fromkeys(g)) for g in out]
 
 
 def _tie_groups(model, read: _Reader, names: Sequence[str], tensor_index: Mapping[str, int],

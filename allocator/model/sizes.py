@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import InvalidOption
 
-__all__ = ["SizeFn", "SizeOf", "as_dtype", "dtype_bytes", "is_packed", "PerElement", "size_rule", "subtree_sizes"]
+__all__ = ["SizeFn", "SizeOf", "DTYPE_ALIASES", "as_dtype", "dtype_bytes", "is_packed", "PerElement", "size_rule",
+           "subtree_sizes"]
 
 SizeFn = Callable[[str, object], "int | None"]
 """A caller's ``size_fn(name, tensor) -> bytes or None`` (quantized weights; ``None``: the dtype rule decides)."""
@@ -28,20 +29,27 @@ _SUB_BYTE = {f"torch.{sign}int{bits}": bits for sign in ("", "u") for bits in ra
 element size of 1 byte for them; stored, they are packed (``int4``: two per byte)."""
 
 
-def as_dtype(dtype, what: str):
-    """``dtype`` as a ``torch.dtype``: a dtype, or its name (``"float16"``, ``"torch.bfloat16"``); ``what`` names it in
-    the :class:`~allocator.errors.InvalidOption` raised for anything else.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+"""Short names people type for dtypes (``--dtype bf16``), read as the torch names."""
 
-    >>> as_dtype("bfloat16", "dtype")
-    torch.bfloat16
+
+def as_dtype(dtype, what: str):
+    """``dtype`` as a ``torch.dtype``: a dtype, or its name (``"float16"``, ``"torch.bfloat16"``, or an alias of
+    :data:`DTYPE_ALIASES` such as ``"bf16"``); ``what`` names it in the :class:`~allocator.errors.InvalidOption` raised
+    for anything else.
+
+    >>> as_dtype("bfloat16", "dtype"), as_dtype("bf16", "dtype"), as_dtype("FP32", "dtype")
+    (torch.bfloat16, torch.bfloat16, torch.float32)
     """
     import torch
 
     if isinstance(dtype, str):
-        name = dtype.replace("torch.", "")
+        name = dtype.strip().replace("torch.", "")
+        name = DTYPE_ALIASES.get(name.lower(), name)
         value = getattr(torch, name, None)
         if not isinstance(value, torch.dtype):
-            raise InvalidOption(f"{what}: {dtype!r} is not a torch dtype; use e.g. 'float16' or torch.bfloat16.")
+            raise InvalidOption(f"{what}: {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'bf16', "
+                                f"'float16', 'fp16' or torch.bfloat16.")
         return value
     if not isinstance(dtype, torch.dtype):
         raise InvalidOption(f"{what}: expected a torch.dtype or its name, got {type(dtype).__name__} {dtype!r}.")

@@ -71,8 +71,8 @@ def contiguous_min_max(sizes: Sequence[int], n: int, *, capacities: Sequence[int
     given ``B`` the positions reachable by ``j`` parts, each within ``min(B, capacities[j])``, are computed
     from those reachable by ``j - 1`` with a two-pointer sweep over the prefix sums; ``B`` is feasible iff
     ``len(sizes)`` is reachable by ``n`` parts (:func:`allocator.strategies.partition.split`, shared with the
-    ``balanced``
-    strategy). This is exact where a greedy fill is not (with capacities, or when a part must be left an item).
+    ``balanced`` strategy). This is exact where a greedy fill is not (with capacities, or when a part must be left an
+    item).
 
     Complexity: O(n · N · log S) time and O(n · N) memory, for ``N = len(sizes)`` and ``S = sum(sizes)``.
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..budgets import format_ms, is_accelerator
 from ..rules.dispatch import hooks_attach
-from ..evaluate.memory import map_runs, offloaded_devices
+from ..evaluate.memory import map_runs, offloaded_devices, prefetch_of
 from ..evaluate.cost import priced
 from ..evaluate.experts import expert_bytes, resident_bytes
 from ..report.minimum import why_empty
@@ -310,7 +310,7 @@ def _reserve(plan) -> str | None:
         who = f", set by {', '.join(repr(c) for c in chain)} together (nested hooks are active at once)"
     ahead = ""
     if plan.prefetch:
-        k = plan.problem.options.prefetch
+        k = prefetch_of(plan.problem.options)
         ahead = (f"; and {format_bytes(plan.prefetch)} for the allocator runtime's prefetch (the {k} largest "
                  f"offloaded module{'s' if k > 1 else ''}, made ready while another runs)")
     return (f"streaming reserve on {plan.main_device!r}: {format_bytes(plan.streamed)}, kept free there for the "

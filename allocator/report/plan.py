@@ -19,6 +19,7 @@ from ..evaluate.experts import resident_bytes, routed_cost
 from ..evaluate.tiers import fast_bytes
 from ..strategies.witness import contract_main, floor
 from .explain import reasons
+from .schema import plan_to_dict, read, rebuild
 
 __all__ = ["Plan", "finish"]
 
@@ -210,6 +211,38 @@ class Plan:
         gain = other.cost.seconds / self.cost.seconds - 1 if self.cost.seconds else 0.0
         return (line + f"; the contract would make main device {other.main_device!r} "
                 f"(estimated {other.cost.seconds * 1e3:.3f} ms per forward, {gain:+.0%} against this plan)")
+
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready data of a stable schema (:mod:`allocator.report.schema`): device map, main device,
+        budgets, peaks and their parts per device, the options (dtype, objective, generation budget), the estimate
+        with its terms, the decisions and violations.
+
+        >>> import json, torch.nn as nn, allocator
+        >>> p = allocator.plan(nn.Linear(4, 4), {0: 1000})
+        >>> data = p.to_dict()
+        >>> data["schema"], data["device_map"], data["main_device"], data["peak"]
+        ('allocator.plan/1', {'': 0}, 0, {'0': 80})
+        >>> allocator.Plan.from_dict(json.loads(json.dumps(data))).to_dict() == data
+        True
+        """
+        return plan_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data, model=None, **keywords):
+        """A plan saved by :meth:`to_dict`. Without ``model``, the data checked against the schema
+        (:class:`allocator.report.schema.SavedPlan`); with it, a :class:`Plan` of the saved map re-validated against
+        that model under the saved budgets and options (``keywords``: :class:`allocator.PlanOptions` fields that
+        override them): its ``violations`` say what no longer holds.
+
+        Raises
+        ------
+        InvalidOption
+            Not a plan of this schema version.
+        """
+        saved = read(data)
+        if model is None:
+            return saved
+        return finish(*rebuild(saved, model, **keywords), asked=str(saved.data.get("asked", "")))
 
 
 def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:

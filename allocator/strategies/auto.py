@@ -17,20 +17,27 @@ default, so that from the same warm start it returns the same plan. Deterministi
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from ..budgets import format_ms
 from ..placement import Placement, note
-from ..problem import Problem
+from ..problem import Problem, accelerators_up_to
 from ..evaluate.units import problem_groups
 from . import backfill, ilp, reserve
 from .witness import accelerate_placement
-from .ranking import Tried, best_valid, infeasible
+from .ranking import Tried, best_valid, estimate_decides, infeasible, ranked_by
 
 __all__ = ["place", "choice_note"]
 
 log = logging.getLogger(__name__)
 CANDIDATES = {"sequential": accelerate_placement, "reserve": reserve.place, "backfill": backfill.place}
 ILP_SECONDS = ilp.TIME_LIMIT
+
+
+def _without_last(problem: Problem) -> Placement:
+    """``auto``'s plan of the problem without its last accelerator: a plan of this problem that leaves it empty."""
+    fewer = place(accelerators_up_to(problem, problem.budgets.accelerators[-2]))
+    return replace(fewer, strategy=fewer.algorithm)
 
 
 def _ilp_available(problem: Problem) -> bool:
@@ -42,9 +49,17 @@ def _ilp_available(problem: Problem) -> bool:
 
 
 def place(problem: Problem) -> Placement:
-    """The best valid plan of ``sequential``, ``reserve``, ``backfill`` and a time-boxed ``ilp``."""
-    found = best_valid(problem, [(name, lambda strategy=strategy: strategy(problem))
-                                 for name, strategy in CANDIDATES.items()])
+    """The best valid plan of ``sequential``, ``reserve``, ``backfill``, ``auto``'s plan without the last accelerator
+    (under the contract, with two or more: offering one more accelerator never makes the plan rank lower) and a
+    time-boxed ``ilp``."""
+    candidates = [(name, lambda strategy=strategy: strategy(problem)) for name, strategy in CANDIDATES.items()]
+    if problem.options.baseline is not None:   # the map the user gets today on this path: a plan too
+        candidates.append(("transformers", lambda: Placement(problem.cleaned(problem.options.baseline),
+                                                             "transformers")))
+    accelerators = problem.budgets.accelerators
+    if problem.options.contract and len(accelerators) > 1:
+        candidates.append((f"auto without accelerator {accelerators[-1]!r}", lambda: _without_last(problem)))
+    found = best_valid(problem, candidates)
     if _ilp_available(problem):
         hint = found.placement.device_map if found.placement else None
         found = best_valid(problem, [("ilp", lambda: ilp.place(problem, time_limit=ILP_SECONDS, hint=hint))],
@@ -55,7 +70,8 @@ def place(problem: Problem) -> Placement:
     used = set(placement.device_map.values())
     if problem.budgets.accelerators and not used - {"cpu", "disk"}:
         log.info("no accelerator plan is valid or faster; running everything from RAM (cpu as main device)")
-    choice = note(choice_note(found.name, found.tried), "choice", bound="estimate")
+    choice = note(choice_note(found.name, found.tried, ranked_by(problem)), "choice",
+                  bound="estimate" if estimate_decides(problem) else "bytes")
     return Placement(device_map=placement.device_map, strategy=f"auto:{placement.strategy}", base=placement.algorithm,
                      decisions=(choice,) + placement.decisions, optimal=placement.optimal)
 
@@ -71,9 +87,9 @@ def _against(seconds: float, other: float) -> str:
     return f"{number} % {'faster' if change > 0 else 'slower'} than"
 
 
-def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
+def choice_note(winner: str, tried: tuple[Tried, ...], ranking: str = "") -> str:
     """One sentence: the candidate kept, its estimate, the margin over accelerate's map (``sequential``) and over the
-    runner-up, and what became of the others."""
+    runner-up (the next by rank), what became of the others, and what ranked them (``ranking``)."""
     chosen = next(t for t in tried if t.name == winner)
     text = f"auto chose {winner}: estimated {format_ms(chosen.seconds)} per forward"
     if chosen.why:
@@ -87,10 +103,13 @@ def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
     elif theirs is not None:
         text += f"; accelerate's map (sequential) {theirs.why}"
     others = [t for t in tried if t.name not in (winner, "sequential" if winner != "sequential" else "")]
-    rivals = sorted((t for t in others if t.eligible and t.seconds is not None), key=lambda t: t.seconds)
+    rivals = sorted((t for t in others if t.eligible and t.key is not None), key=lambda t: t.key, reverse=True)
     if rivals:
         runner = rivals[0]
-        if _against(chosen.seconds, runner.seconds) == "as fast as":
+        if runner.key == chosen.key:
+            text += (f"; {runner.name} ranks the same, and {winner} comes first on the ties (the order of the "
+                     "candidates)")
+        elif _against(chosen.seconds, runner.seconds) == "as fast as":
             text += (f"; {runner.name} is estimated the same, and {winner} comes first on the ties (more bytes on "
                      "the fastest tier, fewer device changes, then the order of the candidates)")
         else:
@@ -100,4 +119,4 @@ def choice_note(winner: str, tried: tuple[Tried, ...]) -> str:
             for t in others if not rivals or t is not rivals[0]]
     if rest:
         text += "; the others: " + ", ".join(rest)
-    return text
+    return text + (f"; {ranking}" if ranking else "")

@@ -7,9 +7,8 @@ together can spill to RAM (huggingface/transformers#46823, accelerate#1888). Her
 
 What is balanced
 ----------------
-The tie groups of :func:`allocator.evaluate.units.groups`, in model order (a group sits at its first unit), are cut
-into one
-contiguous run per accelerator, in the budgets' order. A tied head that is defined last but tied to the embeddings
+The tie groups of :func:`allocator.evaluate.units.groups`, in model order (a group sits at its first unit), are cut into
+one contiguous run per accelerator, in the budgets' order. A tied head that is defined last but tied to the embeddings
 travels with the embeddings' group: "contiguous" is over groups, so the partition is contiguous in model order except
 for units pulled by a tie. The objective is the largest *fill*, ``peak / budget``, over the accelerators, and it is
 minimised exactly over all contiguous splits that fit the budgets:
@@ -33,15 +32,14 @@ run is the shortest prefix with which the rest of the model fits the other accel
 above. When the others hold the whole model it gets nothing.
 
 Peaks are the validator's (:func:`allocator.evaluate.validate.check`): with everything on accelerators, a device's peak
-is the
-bytes resident there (with a generation budget, the groups' sizes include the KV cache of the layers they hold, and
-each device also keeps the activations' workspace, the first one the next-token scores too). When the accelerators
-together cannot hold the model, the plan with the most bytes resident is
-``reserve``'s (size-aware streaming reserve, every possible main device); the groups it keeps on accelerators are then
-re-split by the same rule over the main device and the ones after it, with the main device charged what the validator
-charges it beyond its own groups (the buffers of offloaded groups and the streaming reserve) and kept non-empty so that
-it stays the main device. The same groups stay resident, so no resident byte is lost; the re-split is kept only if it
-is valid and not less balanced (for ``balanced_low_0``: not heavier on the main device) than ``reserve``'s own split.
+is the bytes resident there (with a generation budget, the groups' sizes include the KV cache of the layers they hold,
+and each device also keeps the activations' workspace, the first one the next-token scores too). When the accelerators
+together cannot hold the model, the plan with the most bytes resident is ``reserve``'s (size-aware streaming reserve,
+every possible main device); the groups it keeps on accelerators are then re-split by the same rule over the main device
+and the ones after it, with the main device charged what the validator charges it beyond its own groups (the buffers of
+offloaded groups and the streaming reserve) and kept non-empty so that it stays the main device. The same groups stay
+resident, so no resident byte is lost; the re-split is kept only if it is valid and not less balanced (for
+``balanced_low_0``: not heavier on the main device) than ``reserve``'s own split.
 
 Notes
 -----

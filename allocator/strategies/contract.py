@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..budgets import Device
+from ..evaluate.cost import priced
 from ..evaluate.memory import main_device, map_runs
 from ..evaluate.tiers import fast_bytes, order_violations
 from ..evaluate.validate import Violation, format_bytes
@@ -42,7 +43,7 @@ from ..placement import CONTRACT_RULES
 from ..problem import Problem
 from .witness import witness
 
-__all__ = ["contract_violations", "main_violations"]
+__all__ = ["contract_violations", "floor_violations", "main_violations"]
 
 
 def main_violations(problem: Problem, device_map: Mapping[str, Device]) -> list[Violation]:
@@ -80,8 +81,25 @@ def contract_violations(problem: Problem, device_map: Mapping, *, exempt: frozen
     found = map_runs(problem.graph, device_map)
     out = [] if "main" in exempt else main_violations(problem, device_map)
     out += [] if "order" in exempt else order_violations(problem, found)
-    have, need = fast_bytes(problem, found), witness(problem).floor
-    if have < need and "floor" not in exempt:
-        out.append(Violation("contract-floor", f"the plan keeps {format_bytes(have)} on the fastest tier, less than "
-                             f"accelerate's valid map ({format_bytes(need)}); objective='latency' lifts this."))
+    if "floor" not in exempt:
+        out += floor_violations(problem, device_map, found)
     return out
+
+
+def floor_violations(problem: Problem, device_map: Mapping, found) -> list[Violation]:
+    """Rule 3: fewer bytes on the fastest tier than the valid baseline (the map the user gets today on this path:
+    :attr:`allocator.strategies.witness.Witness.baseline`), or, where the baseline also keeps rules 1 and 2, more bytes
+    streamed per forward."""
+    seen = witness(problem)
+    have, need = fast_bytes(problem, found), seen.floor
+    theirs = "transformers' map" if problem.options.baseline is not None else "accelerate's valid map"
+    if have < need:
+        return [Violation("contract-floor", f"the plan keeps {format_bytes(have)} on the fastest tier, less than "
+                          f"{theirs} ({format_bytes(need)}); objective='latency' lifts this.")]
+    if seen.fallback is None:   # the baseline breaks rule 1 or 2 (it runs on the CPU with a GPU offered): those first
+        return []
+    streamed, mine = seen.streamed, priced(problem, device_map).streamed_bytes
+    if streamed is not None and mine > streamed:
+        return [Violation("contract-floor", f"the plan streams {format_bytes(mine)} per forward, more than {theirs} "
+                          f"({format_bytes(streamed)}); objective='latency' lifts this.")]
+    return []

@@ -89,8 +89,7 @@ def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray
     Long stretches of groups that all go to one device are seated at once
     (:func:`allocator.evaluate.kernels.fit_stretch`,
     tried as :class:`allocator.evaluate.kernels.Stretches` says): assuming the next groups go where the last one went,
-    the
-    stretch ends at the first group that does not, which a single step then seats.
+    the stretch ends at the first group that does not, which a single step then seats.
     """
     n = len(stay)
     stays, pinneds, sizes, offloads = stay.tolist(), pinned.tolist(), size.tolist(), offload.tolist()
@@ -245,8 +244,7 @@ class Streams:
     """What the offloaded units of a fill stream at once on the main device, from the units alone.
 
     Equal to :func:`allocator.evaluate.memory.streamed_chain` of the unit map, without building it: an offloaded module
-    unit
-    adds its own chain below its (split) parent, an offloaded tensor unit adds its bytes to its module; chains are
+    unit adds its own chain below its (split) parent, an offloaded tensor unit adds its bytes to its module; chains are
     then folded up the split nodes, a level of the tree at a time.
     """
 

@@ -1,5 +1,11 @@
-"""Ranking plans by the cost model: the lowest estimated seconds per forward, then the most bytes on the fastest
-tier, then the fewest changes of executing device."""
+"""Ranking plans, and choosing among a strategy's candidates: the selection helpers every strategy uses.
+
+Which plan is better (:func:`rank_key`, one rule): where the cost model's rates were measured on the machine the plan
+is for (``PlanOptions.profile``), or the estimate alone decides (``objective="latency"``), the lowest estimated
+seconds per forward, then the most bytes on the fastest tier, then the fewest changes of executing device. Otherwise
+the estimate rests on constants never measured on that device, so what a user sees as plainly better comes first:
+the most bytes on the fastest tier, then the fewest bytes streamed per forward, and the estimate breaks ties.
+"""
 
 from __future__ import annotations
 
@@ -15,17 +21,39 @@ from ..budgets import format_bytes
 from ..evaluate.validate import check
 from ..evaluate.tiers import fast_bytes, order_violations
 from .contract import contract_violations
-from .witness import accelerate_map, contract_main, floor
+from .witness import accelerate_map, contract_main, floor, witness
 
-__all__ = ["Best", "Tried", "score", "best_of", "best_valid", "infeasible", "keeping_contract"]
+__all__ = ["Best", "Tried", "best_of", "best_valid", "estimate_decides", "infeasible", "keeping_contract", "rank_key",
+           "ranked_by", "score"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8
 
 
-def score(problem: Problem, device_map) -> tuple[float, int, int]:
-    """Ranking key of a valid device map; higher is better: (-seconds, resident fast bytes, -device changes)."""
-    return _key(priced(problem, device_map))
+def estimate_decides(problem: Problem) -> bool:
+    """Whether the estimate ranks plans first: its rates were measured (``PlanOptions.profile``), or the caller asked
+    for it (``objective="latency"``)."""
+    return problem.options.profile is not None or not problem.options.contract
+
+
+def rank_key(problem: Problem, cost: Cost) -> tuple:
+    """The ranking key of a plan's estimate; higher is better (the module's docstring says which order)."""
+    if estimate_decides(problem):
+        return -cost.seconds, cost.resident_fast, -cost.device_changes
+    return cost.resident_fast, -cost.streamed_bytes, -cost.seconds, -cost.device_changes
+
+
+def ranked_by(problem: Problem) -> str:
+    """What ranks plans, in words, for the decisions."""
+    if estimate_decides(problem):
+        return "the estimate decides (measured rates)" if problem.options.contract else "the estimate decides"
+    return ("bytes on the fastest tier, then bytes streamed per forward, decide (no measured profile: the estimate "
+            "only breaks ties)")
+
+
+def score(problem: Problem, device_map) -> tuple:
+    """Ranking key of a valid device map (:func:`rank_key` of its estimate); higher is better."""
+    return rank_key(problem, priced(problem, device_map))
 
 
 def _quick(problem: Problem, found) -> int:
@@ -33,20 +61,15 @@ def _quick(problem: Problem, found) -> int:
     return fast_bytes(problem, found)
 
 
-def _key(cost: Cost) -> tuple[float, int, int]:
-    return -cost.seconds, cost.resident_fast, -cost.device_changes
-
-
 def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     """The best valid candidate by the cost model; raises when none is valid.
 
     A candidate (:class:`allocator.strategies.first_fit.Filled`) gives its ``runs()``, its ``main`` device, its
     ``device_map()`` and a ``note``. Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED`
-    valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only
-    the maps
-    that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
-    checked from the best price down and the first valid one wins (usually one map and one check); with more, each
-    is checked on the way, in ranked order.
+    valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only the
+    maps that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
+    checked from the best price down and the first valid one wins (usually one map and one check); with more, each is
+    checked on the way, in ranked order.
     """
     candidates = keeping_contract(problem, candidates)
     ranked = sorted(((_quick(problem, c.runs()), k) for k, c in enumerate(candidates)), reverse=True)
@@ -54,14 +77,16 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     if len(candidates) <= PRICED:
         # every valid candidate is priced: check them from the best price down (on a tie, in ranked order); the
         # first valid one is the best
-        keys = [(_price(problem, candidates[k]), -i, k) for i, (_, k) in enumerate(ranked)]
+        costs = {k: _cost(problem, candidates[k]) for _, k in ranked}
+        keys = [((_streams_no_more(problem, costs[k]), *rank_key(problem, costs[k])), -i, k)
+                for i, (_, k) in enumerate(ranked)]
         failed: set[int] = set()   # a candidate listed twice (reserve: two starts, one fixed point) is checked once
         for key, _, k in sorted(keys, reverse=True):
             if id(candidates[k]) in failed:
                 continue
             device_map = _final(problem, candidates[k])
             if not check(problem, device_map)[0]:
-                best = (key, device_map, candidates[k].note)
+                best = (key, device_map, candidates[k].note, costs[k])
                 break
             failed.add(id(candidates[k]))
     else:
@@ -73,26 +98,25 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             if check(problem, device_map)[0]:
                 continue
             priced += 1
-            key = _price(problem, candidates[k])
+            cost = _cost(problem, candidates[k])
+            key = (_streams_no_more(problem, cost), *rank_key(problem, cost))
             if best is None or key > best[0]:
-                best = (key, device_map, candidates[k].note)
+                best = (key, device_map, candidates[k].note, cost)
     if best is None:
-        fallback = accelerate_map(problem) if problem.options.contract else None
-        if fallback is None:
-            raise infeasible(problem)
-        return Placement(device_map=fallback, strategy=strategy, decisions=(note(
-            f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, accelerators in index "
-            "order, at least accelerate's bytes on them): accelerate's own map is kept", "fallback",
-            bound="contract"),))
-    key, device_map, said = best
+        return _witness_instead(problem, strategy)
+    key, device_map, said, cost = best
     count = len({id(c) for c in candidates})
-    kept = "its only candidate plan" if count == 1 else f"the fastest of {count} candidate plans"
+    first = "the fastest" if estimate_decides(problem) else "the best"
+    kept = "its only candidate plan" if count == 1 else f"{first} of {count} candidate plans"
     if problem.options.contract:
         kept += " that keeps the contract" if count == 1 else " that keep the contract"
+    if count > 1 and not estimate_decides(problem):
+        kept += " by bytes on the fastest tier, then bytes streamed"
     return Placement(device_map=device_map, strategy=strategy, decisions=(note(
-        f"{strategy} kept {kept} ({said}): estimated {-key[0] * 1e3:.3f} ms per forward, {format_bytes(key[1])} on "
-        f"the fastest tier, {-key[2]} device changes", "kept", devices=(main_device(device_map.values()),),
-        bytes=key[1], bound="estimate"),))
+        f"{strategy} kept {kept} ({said}): estimated {cost.seconds * 1e3:.3f} ms per forward, "
+        f"{format_bytes(cost.resident_fast)} on the fastest tier, {cost.device_changes} device changes", "kept",
+        devices=(main_device(device_map.values()),), bytes=cost.resident_fast,
+        bound="estimate" if estimate_decides(problem) else "bytes"),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +129,7 @@ class Tried:
     seconds: float | None = None
     eligible: bool = False  # valid and keeps rules 1 and 2 of the contract
     kinds: frozenset = frozenset()  # the contract rules it breaks ("contract-main", "contract-order", ...)
+    key: tuple | None = None  # its ranking key (eligible candidates)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +149,9 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
     :class:`allocator.AllocatorError`) that keeps the runtime rules and rules 1 and 2 of the contract.
 
     Ranked first by reaching the contract's floor (accelerate's bytes on the fastest tier), then by :func:`score`
-    (the lowest estimated seconds, the most bytes on the fastest tier, the fewest device changes); on a tie the
-    earlier candidate wins. ``than`` continues an earlier call: its winner is kept unless a candidate beats it.
-    Under ``objective="latency"`` every valid map is eligible and only :func:`score` ranks.
+    (:func:`rank_key`); on a tie the earlier candidate wins. ``than`` continues an earlier call: its winner is kept
+    unless a candidate beats it. Under ``objective="latency"`` every valid map is eligible and only :func:`score`
+    ranks.
     """
     best = than or Best()
     tried = list(best.tried)
@@ -142,13 +167,13 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
             continue
         kinds = frozenset(v.kind for v in contract_violations(problem, placement.device_map))
         if kinds - {"contract-floor"}:
-            seconds = -score(problem, placement.device_map)[0]
+            seconds = priced(problem, placement.device_map).seconds
             tried.append(Tried(name, f"breaks the contract: {_broken_rule(problem, placement.device_map, kinds)}",
                                seconds, kinds=kinds))
             continue
         key = (not kinds, *score(problem, placement.device_map))
         tried.append(Tried(name, "keeps fewer bytes on the fastest tier than accelerate's map" if kinds else "",
-                           -key[1], eligible=True, kinds=kinds))
+                           priced(problem, placement.device_map).seconds, eligible=True, kinds=kinds, key=key))
         if best.key is None or key > best.key:
             best = Best(placement, name, key)
     return Best(best.placement, best.name, best.key, tuple(tried))
@@ -174,15 +199,39 @@ def keeping_contract(problem: Problem, candidates: list) -> list:
     return above if above or accelerate_map(problem) is not None else keep
 
 
-def _price(problem: Problem, candidate) -> tuple[float, int, int]:
-    """The ranking key of a candidate (as :func:`score` of its map), from its runs."""
-    return _key(estimate_runs(problem, candidate.runs(), candidate.main))
+def _streams_no_more(problem: Problem, cost: Cost) -> bool:
+    """Rule 3's second half: streams no more per forward than the valid baseline (always, where there is none or the
+    contract is lifted)."""
+    seen = witness(problem) if problem.options.contract else None
+    return seen is None or seen.fallback is None or cost.streamed_bytes <= seen.streamed
+
+
+def _cost(problem: Problem, candidate) -> Cost:
+    """The estimate of a candidate (as :func:`allocator.evaluate.cost.estimate` of its map), from its runs."""
+    return estimate_runs(problem, candidate.runs(), candidate.main)
 
 
 def _final(problem: Problem, candidate) -> dict:
     """The device map a candidate is returned as (cleaned unless the options say not to)."""
     placed = candidate.device_map()
     return problem.cleaned(placed)
+
+
+def _witness_instead(problem: Problem, strategy: str) -> Placement:
+    """Where no candidate of a strategy keeps the contract: accelerate's own map where it keeps it, else the plan that
+    proved the contract's main device (:attr:`allocator.strategies.witness.Witness.main_plan`); raises where there is
+    neither."""
+    if problem.options.contract and accelerate_map(problem) is not None:
+        return Placement(device_map=accelerate_map(problem), strategy=strategy, decisions=(note(
+            f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, accelerators in index "
+            "order, at least accelerate's bytes on them): accelerate's own map is kept", "fallback",
+            bound="contract"),))
+    found = witness(problem).main_plan if problem.options.contract else None
+    if found is None:
+        raise infeasible(problem)
+    return Placement(device_map=found, strategy=strategy, decisions=(note(
+        f"no {strategy} plan has the contract's main device {contract_main(problem)!r}: the plan that proved it the "
+        "first accelerator that admits a plan is kept", "fallback", bound="main"),))
 
 
 def infeasible(problem: Problem) -> InfeasiblePlacement:

@@ -22,17 +22,23 @@ from functools import cached_property
 
 from ..budgets import Device
 from ..errors import AllocatorError
+from ..evaluate.cost import priced
 from ..evaluate.memory import main_device, map_runs
 from ..evaluate.tiers import fast_bytes, order_violations
 from ..evaluate.units import problem_groups
 from ..evaluate.validate import check
 from ..placement import Placement
-from ..problem import Problem
+from ..problem import Problem, accelerators_up_to
 from . import sequential
+from .cpsat import MAX_UNITS, coarsen, model_inputs, solve_for_main
 from .first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
 
-__all__ = ["Witness", "accelerate_map", "accelerate_placement", "contract_main", "fill_memo", "floor",
-           "main_candidates", "witness"]
+__all__ = ["EXACT_SECONDS", "Witness", "accelerate_map", "accelerate_placement", "admits", "contract_main",
+           "admission", "exact_admits", "fill_memo", "floor", "main_candidates", "witness"]
+
+EXACT_SECONDS = 0.5
+"""Deterministic seconds CP-SAT gets to decide whether an accelerator can be the main device, where no fill found a
+plan for it (:func:`exact_admits`)."""
 
 
 class Witness:
@@ -60,18 +66,42 @@ class Witness:
         """What ``sequential`` raised, where it failed."""
         return self._sequential[1]
 
-    @cached_property
-    def valid_map(self) -> dict | None:
-        """accelerate's map where it keeps the runtime rules, else ``None``."""
-        theirs = self.accelerate
-        if theirs is None or check(self.problem, theirs.device_map)[0]:
-            return None
-        return dict(theirs.device_map)
+    @property
+    def baseline(self) -> dict | None:
+        """The map the user gets today on this path: ``PlanOptions.baseline`` where given (transformers' own map on
+        ``from_pretrained``), else accelerate's (``sequential``'s); ``None`` where that fails."""
+        if self.problem.options.baseline is not None:
+            return dict(self.problem.options.baseline)
+        return None if self.accelerate is None else dict(self.accelerate.device_map)
 
     @cached_property
+    def valid_map(self) -> dict | None:
+        """The baseline where it keeps the runtime rules, else ``None``."""
+        theirs = self.baseline
+        if theirs is None or check(self.problem, theirs)[0]:
+            return None
+        return theirs
+
+    @cached_property
+    def streamed(self) -> int | None:
+        """Rule 3: the bytes the valid baseline streams per forward (``None`` where it is not valid)."""
+        return None if self.valid_map is None else priced(self.problem, self.valid_map).streamed_bytes
+
+    @cached_property
+    def _main(self) -> tuple[Device, dict | None]:
+        return _first_main(self.problem, self.valid_map)
+
+    @property
     def main(self) -> Device:
         """Rule 1: the first accelerator that admits a valid plan as the main device, else ``"cpu"``."""
-        return _first_main(self.problem, self.valid_map)
+        return self._main[0]
+
+    @property
+    def main_plan(self) -> dict | None:
+        """A valid map with :attr:`main` as its main device that keeps the contract's index order, where the search
+        for the main device found one (accelerate's own, a fill's or CP-SAT's); ``None`` for ``"cpu"``. Every
+        strategy may fall back to it: the main device the contract requires is never one no strategy can use."""
+        return self._main[1]
 
     @cached_property
     def _floor(self) -> tuple[int, dict | None]:
@@ -84,12 +114,12 @@ class Witness:
 
     @property
     def floor(self) -> int:
-        """Rule 3: the bytes accelerate's valid map keeps on the fastest tier (0 where it is not valid)."""
+        """Rule 3: the bytes the valid baseline keeps on the fastest tier (0 where it is not valid)."""
         return self._floor[0]
 
     @property
     def fallback(self) -> dict | None:
-        """accelerate's valid map where it also keeps rules 1 and 2: a plan every strategy may fall back to."""
+        """The valid baseline where it also keeps rules 1 and 2: a plan every strategy may fall back to."""
         return self._floor[1]
 
 
@@ -98,16 +128,40 @@ def witness(problem: Problem) -> Witness:
     return problem.derived.once("witness", lambda: Witness(problem))
 
 
-def _first_main(problem: Problem, valid: dict | None) -> Device:
+def _first_main(problem: Problem, valid: dict | None) -> tuple[Device, dict | None]:
     theirs = main_device(valid.values()) if valid is not None else None
     for device in problem.budgets.accelerators:
-        if device == theirs or ((problem.budgets.limit(device) or 0) > 0 or not problem.graph.total) \
-                and _admits(problem, device):
-            return device
-    return "cpu"
+        if device == theirs:
+            return device, valid
+        if (problem.budgets.limit(device) or 0) > 0 or not problem.graph.total:
+            found = admission(problem, device)
+            if found is not None:
+                return device, found
+    return "cpu", None
 
 
-def _admits(problem: Problem, main: Device) -> bool:
+def admits(problem: Problem, main: Device) -> bool:
+    """Whether a valid plan that keeps the contract's index order has ``main`` as its main device
+    (:func:`admission` finds one)."""
+    return admission(problem, main) is not None
+
+
+def admission(problem: Problem, main: Device) -> dict | None:
+    """A valid map that keeps the contract's index order with ``main`` as its main device, or ``None``.
+
+    First by ``reserve``'s fills — over every accelerator the budgets offer, then over ``main`` and the accelerators
+    up to each later one (a plan that leaves the later ones empty is a plan here too, so offering one more
+    accelerator never loses a main device the fills found without it); then, where no fill finds one, exactly, by the
+    CP-SAT model with ``main`` as main device (:func:`exact_admits`)."""
+    later = problem.budgets.accelerators[problem.budgets.accelerators.index(main):]
+    for last in [later[-1], *later[:-1]]:
+        found = _fills_admit(accelerators_up_to(problem, last), main)
+        if found is not None:
+            return found
+    return _exact(problem, main)[1]
+
+
+def _fills_admit(problem: Problem, main: Device) -> dict | None:
     found = problem_groups(problem)
     streams, memo = Streams(problem, found), fill_memo(problem)
     tried = set()
@@ -119,9 +173,35 @@ def _admits(problem: Problem, main: Device) -> bool:
         candidate = Filled(problem, found, where, reserve, "")
         if candidate.main != main:
             continue
-        if not check(problem, problem.cleaned(candidate.device_map()))[0]:
-            return True
-    return False
+        device_map = problem.cleaned(candidate.device_map())
+        if not check(problem, device_map)[0]:
+            return device_map
+    return None
+
+
+def exact_admits(problem: Problem, main: Device, seconds: float = EXACT_SECONDS) -> bool | None:
+    """Whether some valid plan that keeps the contract's index order has ``main`` as its main device, decided by the
+    CP-SAT model (:func:`allocator.strategies.cpsat.solve_for_main` with no bound on its objective): ``True`` with a
+    plan found (and checked by :func:`allocator.evaluate.validate.check`), ``False`` when CP-SAT proves none exists,
+    ``None`` when it cannot tell within ``seconds`` of deterministic time, OR-Tools is not installed, or the groups had
+    to be merged to stay under :data:`allocator.strategies.cpsat.MAX_UNITS` and the merged model has no plan."""
+    return _exact(problem, main, seconds)[0]
+
+
+def _exact(problem: Problem, main: Device, seconds: float = EXACT_SECONDS) -> tuple[bool | None, dict | None]:
+    try:
+        import ortools.sat.python.cp_model  # noqa: F401
+    except ImportError:
+        return None, None
+    found, merged = coarsen(list(problem_groups(problem).records()), MAX_UNITS)
+    tensors, sequence, ends = model_inputs(problem, found)
+    solved = solve_for_main(problem, found, tensors, sequence, main, problem.profile, seconds, None, None, 0, ends)
+    if solved.placed is None:
+        return (False if solved.proven and not merged else None), None
+    placed = problem.cleaned(solved.placed)
+    if main_device(placed.values()) != main or check(problem, placed)[0]:
+        return None, None
+    return True, placed
 
 
 def accelerate_placement(problem: Problem) -> Placement:

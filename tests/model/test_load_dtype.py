@@ -122,6 +122,7 @@ def test_cli_plans_a_folder_in_its_weights_dtype(tmp_path, capsys):
                                                               "bfloat16: the dtype of the weights in model.safetensors")
 
 
+@pytest.mark.subprocess
 def test_cli_plans_a_builtin_example_in_its_published_dtype():
     """``allocator plan llama-3.2-1b``: 2.3 GiB in bfloat16 (as from_pretrained loads it), not 4.6 GiB in float32."""
     model = zoo.build("llama-3.2-1b")

@@ -92,6 +92,7 @@ def test_single_device_map_has_no_hooks():
     assert memory.streamed == 0 and memory.peak == {"cpu": 500}
 
 
+@pytest.mark.subprocess
 def test_string_accelerator_spellings_make_the_main_device_depend_on_the_hash_seed():
     """accelerate's expression for the main device, run in fresh processes under several PYTHONHASHSEEDs, picks
     different accelerators for string spellings and always the lowest for integers; validate flags the first."""

@@ -1,7 +1,7 @@
 """Each kernel of :mod:`allocator.evaluate.kernels` against its plain-Python reference, on random inputs: int64 edge
 values,
 rooms without limit, empty inputs. The references themselves are checked against the rules elsewhere
-(tests/test_runs.py, tests/test_units.py)."""
+(tests/evaluate/test_runs.py, tests/evaluate/test_units.py)."""
 
 from __future__ import annotations
 

@@ -407,6 +407,8 @@ def _assert_same_params(got, want):
     assert not different, f"parameters differ after one SGD step: {different[:5]}"
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", range(_WORLD))
 def test_fully_shard_step_equals_one_process(ranks, rank):
     result = _result(ranks, "fsdp2", rank)
@@ -417,6 +419,8 @@ def test_fully_shard_step_equals_one_process(ranks, rank):
     _assert_same_params(result["params"], result["params_ref"])
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", range(_WORLD))
 def test_fsdp1_wrap_policy_step_equals_one_process(ranks, rank):
     result = _result(ranks, "fsdp1", rank)
@@ -425,6 +429,8 @@ def test_fsdp1_wrap_policy_step_equals_one_process(ranks, rank):
     _assert_same_params(result["params"], result["params_ref"])
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_pipeline_from_split_spec_gives_one_process_logits(ranks):
     first, last = _result(ranks, "pipeline", 0), _result(ranks, "pipeline", 1)
     # embeddings + 2 layers | 1 layer + norm + head: the two embedding-sized ends make 2 | 1 the balanced split

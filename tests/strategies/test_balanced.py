@@ -240,7 +240,7 @@ def test_zoo_offloading_cells_valid_and_never_less_resident_than_reserve(name):
 
 
 def test_idle_accelerators_are_explained():
-    model = zoo.build("gemma3-4b")  # 15 % per GPU: no GPU can be main (tests/test_strategies.py), all runs from RAM
+    model = zoo.build("gemma3-4b")  # 15 % per GPU: no GPU can be main (test_strategies.py), all runs from RAM
     total = total_of(model)
     plan = allocator.plan(model, {0: int(.15 * total), 1: int(.15 * total), "cpu": 2 * total}, strategy="balanced")
     assert plan.valid and plan.main_device == "cpu"
@@ -326,6 +326,7 @@ def test_balanced_gives_a_lone_non_persistent_buffer_a_device(position):
     layers.insert(position, _OnlyNonPersistent())
     model = torch.nn.Sequential(*layers)
     rng = random.Random(position)
+    planned = 0
     for _ in range(12):
         budgets = {0: rng.randint(0, 80000), 1: rng.randint(0, 80000), "cpu": rng.choice([10**6, 30000])}
         for strategy in ("balanced", "balanced_low_0"):
@@ -335,3 +336,5 @@ def test_balanced_gives_a_lone_non_persistent_buffer_a_device(position):
                 continue
             assert None not in p.device_map.values(), (budgets, strategy, p.device_map)
             assert p.valid, p.explain()
+            planned += 1
+    assert planned >= 12, planned  # most budgets plan: the loop checks maps, not only errors

@@ -191,6 +191,7 @@ def test_nothing_may_be_offloaded_says_the_minimum_accelerator_budget():
     assert allocator.plan(model, {**budget, 0: info.value.minimum}, strict=True).valid
 
 
+@pytest.mark.subprocess
 def test_cli_plans_a_budget_without_cpu():
     out = subprocess.run([sys.executable, "-m", "allocator", "plan", "t5-base", "--max-memory", "0=100MiB"],
                          capture_output=True, text=True, timeout=120)

@@ -51,6 +51,7 @@ def llama_folder(path, **config):
 # -- plan ------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_list_in_a_subprocess():
     done = subprocess.run([sys.executable, "-m", "allocator", "plan", "--list"], capture_output=True, text=True,
                           timeout=120)
@@ -60,6 +61,7 @@ def test_list_in_a_subprocess():
     assert done.stderr == ""
 
 
+@pytest.mark.subprocess
 def test_bad_input_in_a_subprocess_is_one_line():
     done = subprocess.run([sys.executable, "-m", "allocator", "plan", "nope-7b"], capture_output=True, text=True,
                           timeout=120)
@@ -68,11 +70,13 @@ def test_bad_input_in_a_subprocess_is_one_line():
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("allocator: error: 'nope-7b' is neither")
 
 
+@pytest.mark.subprocess
 def test_version_in_a_subprocess():
     done = subprocess.run([sys.executable, "-m", "allocator", "--version"], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (0, f"allocator {allocator.__version__}\n", "")
 
 
+@pytest.mark.subprocess
 def test_a_closed_pipe_ends_quietly():
     """``allocator plan llama-8b ... --compare | head -3``: no traceback, no "Broken pipe" on stderr, status 0. The
     reader here closes the pipe before anything is written, so the write always fails (``head`` may read everything
@@ -162,6 +166,8 @@ def test_custom_code_needs_trust_remote_code(capsys, tmp_path):
     assert err.startswith("allocator: error: the config ") and "add --trust-remote-code" in err
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_trust_remote_code_builds_with_the_folders_code_in_a_subprocess(tmp_path):
     pytest.importorskip("transformers")
     folder = custom_code_folder(tmp_path / "custom")
@@ -208,7 +214,9 @@ def test_plan_compare_against_accelerate(capsys, seg):
     assert theirs.cost.resident_fast < 0.1 * total < 0.4 * total < ours.cost.resident_fast  # the Segformer imbalance
     assert f"accelerate {cli._size(theirs.cost.resident_fast)} ({theirs.cost.resident_fast / total:.1%}) -> " \
            f"allocator {cli._size(ours.cost.resident_fast)} ({ours.cost.resident_fast / total:.1%})" in out
-    assert f"({theirs.cost.seconds / ours.cost.seconds:.2f}x faster)" in out
+    ratio = theirs.cost.seconds / ours.cost.seconds   # bytes rank first: the estimate may say the same or slower
+    verdict = f"{ratio:.2f}x faster" if ratio > 1.005 else f"{1 / ratio:.2f}x slower" if ratio < 0.995 else "the same"
+    assert f"({verdict})" in out
     assert "accelerate's map is valid." in out
     assert out.count("\ndevice ") == 2  # our table and accelerate's
 
@@ -230,7 +238,7 @@ def test_plan_json_is_a_valid_device_map(capsys, seg, tmp_path):
     path = tmp_path / "map.json"
     code, out, err = run(capsys, "plan", SEG, "--max-memory", spec(budget), "--json", path)
     assert code == 0 and err == "" and f"written to {path}" in out
-    device_map = json.loads(path.read_text())
+    device_map = json.loads(path.read_text())["device_map"]
     assert device_map == allocator.plan(model, budget).device_map
     assert 0 in device_map.values()  # indices stay integers, as dispatch_model needs
     assert allocator.validate(model, device_map, budget) == []
@@ -371,6 +379,7 @@ def test_profile_out(capsys, tmp_path):
     assert cli.load_profile(str(path)) == measured
 
 
+@pytest.mark.subprocess
 def test_profile_in_a_subprocess_prints_latencies_in_time_units_and_nothing_on_stderr():
     done = subprocess.run([sys.executable, "-m", "allocator", "profile"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == ""  # not accelerate's "Some parameters are on the meta device"

@@ -16,6 +16,7 @@ from allocator.model import zoo
 from allocator.evaluate.cost import change_seconds, estimate
 from allocator.errors import InvalidOption
 from allocator.strategies import ilp
+from infeasible import assert_true_minimum
 from trees import budgets, module_trees
 
 # where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
@@ -146,6 +147,8 @@ print(json.dumps({s: sorted(m.items(), key=str) for s, m in out.items()}, defaul
 """
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_same_plan_across_processes_and_hash_seeds():
     outputs = []
     for seed in ("1", "2"):
@@ -164,7 +167,8 @@ def test_ilp_on_random_trees(data):
     budget = data.draw(budgets(total))
     try:
         best = strict_plan(model, budget, strategy="ilp")
-    except allocator.InfeasiblePlacement:
+    except allocator.InfeasiblePlacement as err:
+        assert_true_minimum(err, model, budget, strategy="ilp")
         return
     assert best.valid, best.violations
     assert _ilp_objective(best.placement) == pytest.approx(best.cost.seconds, rel=1e-9, abs=2e-9)

@@ -4,10 +4,8 @@ A float32 llama (16 MiB per decoder layer, its largest tensor 4 MiB) is saved, a
 disk (CPU main). Each load runs in its own process with malloc's mmap threshold at 64 KiB, so that memory freed by
 a hook goes back to the system and the peak RSS of a forward shows what the hooks hold at once. The streamed peak
 (``VmHWM`` after ``clear_refs`` minus the RSS before the forward) must fit what ``allocator.evaluate.validate.check``
-predicts
-for the map (:attr:`allocator.evaluate.memory.Memory.streamed`), and the outputs equal those of the model loaded in RAM
-at
-the same dtype:
+predicts for the map (:attr:`allocator.evaluate.memory.Memory.streamed`), and the outputs equal those of the model
+loaded in RAM at the same dtype:
 
 - at ``dtype=float32`` both paths hold the largest tensor as stored (4 MiB);
 - at ``dtype=float16`` the hook reads the float32 tensor and casts it: the float16 copy and the float32 one live
@@ -99,6 +97,7 @@ def measure(loader: str, path: str, dtype: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("loader", ["transformers", "accelerate"])
 def test_streamed_peak_fits_what_validate_predicts(saved, loader, dtype):
@@ -118,6 +117,7 @@ def test_streamed_peak_fits_what_validate_predicts(saved, loader, dtype):
         assert measured > kept + mapped + MiB, (measured / MiB, kept / MiB)
 
 
+@pytest.mark.subprocess
 def test_inv_freq_keeps_float32_under_float16(saved):
     path, meta = saved
     graph = allocator.build_problem(meta, {"cpu": 10**12}, dtype=torch.float16).graph

@@ -168,6 +168,8 @@ def save(path, quantization_config):
     return path
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_cli_plans_a_4bit_config_at_its_stored_size(tmp_path):
     folder = save(tmp_path / "bnb4", BNB4_NF4_DQ)
     bad = save(tmp_path / "compressed", {"quant_method": "compressed-tensors"})
@@ -187,6 +189,7 @@ def test_cli_plans_a_4bit_config_at_its_stored_size(tmp_path):
                            "it sizes bitsandbytes_4bit, bitsandbytes_8bit, gptq, awq, fp8, fbgemm_fp8.\n")
 
 
+@pytest.mark.subprocess
 def test_int4_is_half_a_byte_per_weight():
     model = llama()
     sizes = {d: allocator.build_problem(model, {"cpu": 0}, dtype=d).graph for d in ("int8", "int4", "int2")}

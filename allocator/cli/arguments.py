@@ -1,0 +1,109 @@
+"""Parsers of the command line's values: ``--max-memory``, ``--generation``, ``--inputs``, ``--dtype``, output
+paths. Each raises a typed error (:mod:`allocator.errors`) whose message says the fix."""
+
+from __future__ import annotations
+
+import os
+
+from ..budgets import parse_budgets, small_bare_number
+from ..errors import InvalidBudget, InvalidOption
+from ..model.generation import GenerationBudget
+from ..profile import Profile
+
+__all__ = ["parse_generation", "parse_inputs", "parse_max_memory", "load_profile", "check_writable"]
+
+
+def parse_generation(text: str):
+    """``"4,2048"`` or ``"4,2048,1024"`` -> ``GenerationBudget(4, 2048, prompt_length=1024)``, checked.
+
+    >>> parse_generation("4,2048,1024")
+    GenerationBudget(batch_size=4, max_length=2048, dtype=None, prompt_length=1024, max_new_tokens=None)
+    """
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+        raise InvalidOption(f"--generation takes BATCH,MAX_LENGTH or BATCH,MAX_LENGTH,PROMPT as integers, got "
+                            f"{text!r}; e.g. --generation 4,2048.")
+    batch, length, *prompt = map(int, parts)
+    return GenerationBudget(batch, length, prompt_length=prompt[0] if prompt else None)
+
+
+def parse_inputs(text: str):
+    """``"input_ids=1x512,pixel_values=1x3x512x512"`` -> ``{"input_ids": (1, 512), ...}``; ``"default"`` as is.
+
+    Raises
+    ------
+    InvalidOption
+        An entry that is not ``NAME=DIMxDIM...`` of positive integers, or a name given twice.
+
+    Examples
+    --------
+    >>> parse_inputs("input_ids=1x512,pixel_values=1x3x64x64")
+    {'input_ids': (1, 512), 'pixel_values': (1, 3, 64, 64)}
+    >>> parse_inputs("input_ids=1x")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    allocator.errors.InvalidOption: --inputs entry 'input_ids=1x' is not NAME=DIMxDIM... of positive integers; ...
+    """
+    if text.strip() == "default":
+        return "default"
+    out: dict = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, shape = (s.strip() for s in part.partition("="))
+        dims = shape.lower().split("x")
+        if not sep or not name.isidentifier() or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise InvalidOption(f"--inputs entry {part!r} is not NAME=DIMxDIM... of positive integers; write e.g. "
+                                "input_ids=1x512 or pixel_values=1x3x512x512.")
+        if name in out:
+            raise InvalidOption(f"--inputs names {name!r} twice; give each input once.")
+        out[name] = tuple(int(d) for d in dims)
+    return out
+
+
+def parse_max_memory(text: str) -> dict:
+    """``"0=20GiB,1=20GiB,cpu=64GiB"`` -> ``{0: "20GiB", 1: "20GiB", "cpu": "64GiB"}``, checked.
+
+    A size of digits alone is bytes (``cpu=64`` is ``{"cpu": 64}``, with accelerate's reading and its warning).
+
+    Raises
+    ------
+    InvalidBudget
+        An entry that is not ``DEVICE=SIZE``, an unknown device or a malformed size.
+
+    Examples
+    --------
+    >>> parse_max_memory("0=20GiB,cpu=64GiB")
+    {0: '20GiB', 'cpu': '64GiB'}
+    >>> parse_max_memory("gpu=1GiB")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    allocator.errors.InvalidBudget: unknown device 'gpu': use an accelerator index ...
+    """
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not key or not value:
+            raise InvalidBudget(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB.")
+        device = int(key) if key.isdigit() else key
+        if device in out:
+            raise InvalidBudget(f"--max-memory gives device {key!r} twice ({device}={out[device]} and {part}); give "
+                                "each device once.")
+        out[device] = int(value) if value.isdigit() else value  # bytes, as in a dict
+    for key, value in out.items():
+        small_bare_number(key, value)
+    if not out:
+        raise InvalidBudget("--max-memory is empty; write e.g. 0=20GiB,cpu=64GiB.")
+    parse_budgets(out)  # unknown devices, malformed sizes, a device named twice: before building any model
+    return out
+
+
+def load_profile(path: str):
+    """The :class:`~allocator.Profile` stored in ``path`` by ``allocator profile --out`` (:meth:`Profile.load`)."""
+    return Profile.load(path)
+
+
+def check_writable(path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InvalidOption(f"{flag} {path}: folder {folder} does not exist.")

@@ -1,0 +1,230 @@
+"""The plan as data: a stable JSON schema (:data:`SCHEMA`) written by :meth:`allocator.Plan.to_dict` and read back
+by :meth:`allocator.Plan.from_dict`.
+
+The object holds what a plan decided and what it costs, so it can be inspected, passed to other tools, or checked
+against a model before anything is loaded::
+
+    {"schema": "allocator.plan/1",
+     "model": {"class": "LlamaForCausalLM", "bytes": 16060522496},
+     "device_map": {"model.embed_tokens": 0, ..., "lm_head": "cpu"},
+     "main_device": 0,
+     "strategy": "auto:reserve", "asked": "auto", "base": "reserve", "exempt": [], "optimal": null,
+     "valid": true,
+     "budgets": {"0": 25769803776, "cpu": 68719476736, "disk": null},
+     "resident": {"0": ...}, "peak": {"0": ...}, "parts": {"0": {"weights": ..., "cache": ...}},
+     "streamed": ..., "prefetch": 0,
+     "estimate": {"seconds": ..., "streamed_bytes": ..., "disk_bytes": ..., "device_changes": ...,
+                  "resident_fast": ..., "steps": {"prefill": ...}},
+     "options": {"objective": "contract", "dtype": "bfloat16", "generation": {...}, ...},
+     "decisions": [{"kind": "kept", "text": "...", "devices": [0], "units": [], "bytes": null, "bound": ""}],
+     "violations": [{"kind": "budget", "message": "..."}],
+     "experts": null}
+
+Devices are written as JSON allows keys: accelerator indices as strings (``"0"``); as map *values* they stay integers
+(``0``), as ``device_map=`` takes them. ``budgets`` lists every device in the plan's order, ``null`` for no limit.
+``experts`` is kept for a placement of a layer's experts, which a device map cannot name (not built yet: ``null``).
+A reader refuses another major version; fields it does not know are kept (``SavedPlan.data``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+
+from ..errors import InvalidOption
+from ..model import as_dtype
+from ..model.generation import GenerationBudget
+from ..placement import Decision, Placement
+from ..problem import PlanOptions, Problem, build_problem
+from ..profile import Profile
+
+__all__ = ["SCHEMA", "SavedPlan", "plan_to_dict", "read", "rebuild", "device_key", "device_of"]
+
+SCHEMA = "allocator.plan/1"
+"""The schema's name and major version: a reader of ``/1`` reads every ``/1`` object."""
+
+#: Options written under ``"options"`` as they are (booleans, names, integers).
+PLAIN_OPTIONS = ("objective", "optimize", "loader", "runtime", "prefetch", "offload_buffers", "discover_no_split",
+                 "infer_no_split", "fallback_allocation", "clean_result")
+#: Options that cannot be written as JSON; a plan made with them is re-validated only when they are passed again.
+UNSAVED = ("hf_quantizer", "size_fn")
+
+
+def device_key(device) -> str:
+    """A device as a JSON key: ``0`` -> ``"0"``, ``"cpu"`` -> ``"cpu"``."""
+    return str(device)
+
+
+def device_of(key: str):
+    """A device from a JSON key: ``"0"`` -> ``0``, ``"cpu"`` -> ``"cpu"``."""
+    return int(key) if isinstance(key, str) and key.isdigit() else key
+
+
+def _dtype_text(dtype) -> str | None:
+    return None if dtype is None else str(as_dtype(dtype, "dtype")).removeprefix("torch.")
+
+
+def _shapes(inputs):
+    """``PlanOptions.inputs`` as JSON: names to shapes (lists), or the string or ``None`` as given."""
+    if inputs is None or isinstance(inputs, str):
+        return inputs
+    return {k: list(getattr(v, "shape", v)) for k, v in inputs.items()}
+
+
+def _options(options: PlanOptions) -> dict:
+    out = {name: getattr(options, name) for name in PLAIN_OPTIONS}
+    gen = options.generation
+    out.update(
+        dtype=_dtype_text(options.dtype),
+        special_dtypes=None if options.special_dtypes is None else {
+            k: _dtype_text(v) for k, v in options.special_dtypes.items()},
+        no_split_module_classes=(None if options.no_split_module_classes is None else
+                                 [options.no_split_module_classes] if isinstance(options.no_split_module_classes, str)
+                                 else list(options.no_split_module_classes)),
+        tied_parameters=None if options.tied_parameters is None else [list(g) for g in options.tied_parameters],
+        inputs=_shapes(options.inputs),
+        generation=None if gen is None else {
+            "batch_size": gen.batch_size, "max_length": gen.max_length, "dtype": _dtype_text(gen.dtype),
+            "prompt_length": gen.prompt_length, "max_new_tokens": gen.max_new_tokens},
+        profile=None if options.profile is None else options.profile.to_dict(),
+        not_saved=[name for name in UNSAVED if getattr(options, name) is not None],
+    )
+    return out
+
+
+def plan_to_dict(plan) -> dict:
+    """The :class:`allocator.Plan` ``plan`` as a JSON-ready dict of :data:`SCHEMA` (module notes)."""
+    problem: Problem = plan.problem
+    budgets = problem.budgets
+    devices = [d for d in budgets.order if d in plan.peak or d in budgets.limits or d == "disk"]
+    return {
+        "schema": SCHEMA,
+        "model": {"class": problem.graph.model_class, "bytes": problem.graph.total},
+        "device_map": dict(plan.device_map),
+        "main_device": plan.main_device,
+        "strategy": plan.strategy,
+        "asked": plan.asked,
+        "base": plan.placement.base,
+        "exempt": sorted(plan.placement.exempt),
+        "optimal": plan.optimal,
+        "valid": plan.valid,
+        "budgets": {device_key(d): budgets.limit(d) for d in budgets.order},
+        "resident": {device_key(d): plan.resident(d) for d in devices},
+        "peak": {device_key(d): int(v) for d, v in plan.peak.items()},
+        "parts": {device_key(d): {k: int(v) for k, v in parts.items()} for d, parts in plan.parts.items()},
+        "streamed": plan.streamed,
+        "prefetch": plan.prefetch,
+        "estimate": {**dataclasses.asdict(plan.cost),
+                     "steps": {step: cost.seconds for step, cost in plan.costs.items()}},
+        "generation": None if problem.generation is None else problem.generation.summary(),
+        "options": _options(problem.options),
+        "decisions": [_decision(d) for d in plan.placement.decisions],
+        "violations": [{"kind": v.kind, "message": v.message} for v in plan.violations],
+        "experts": None,
+    }
+
+
+def _decision(decision: Decision) -> dict:
+    """A :class:`allocator.placement.Decision` as JSON: its fields, devices and units as lists."""
+    return {"kind": decision.kind, "text": decision.text, "devices": list(decision.devices),
+            "units": list(decision.units), "bytes": decision.bytes, "bound": decision.bound}
+
+
+def _decision_of(data: Mapping) -> Decision:
+    return Decision(str(data.get("kind", "split")), str(data.get("text", "")), devices=tuple(data.get("devices", ())),
+                    units=tuple(data.get("units", ())), bytes=data.get("bytes"), bound=str(data.get("bound", "")))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SavedPlan:
+    """A plan read back from its dict (:func:`read`), without a model: the data as saved, with the device map and
+    the main device as ``device_map=`` takes them. :meth:`allocator.Plan.from_dict` given the model re-validates
+    it into a :class:`allocator.Plan`.
+
+    Examples
+    --------
+    >>> saved = read({"schema": SCHEMA, "device_map": {"": 0}, "main_device": 0, "budgets": {"0": 100}})
+    >>> saved.device_map, saved.main_device, saved.budgets
+    ({'': 0}, 0, {0: 100})
+    """
+
+    data: Mapping
+
+    @property
+    def device_map(self) -> dict:
+        return dict(self.data["device_map"])
+
+    @property
+    def main_device(self):
+        return self.data["main_device"]
+
+    @property
+    def budgets(self) -> dict:
+        """Device -> bytes (``None`` for no limit), in the plan's order."""
+        return {device_of(k): v for k, v in self.data["budgets"].items()}
+
+    @property
+    def peak(self) -> dict:
+        return {device_of(k): v for k, v in self.data.get("peak", {}).items()}
+
+    def to_dict(self) -> dict:
+        """The data as saved (a copy)."""
+        return copy.deepcopy(dict(self.data))
+
+
+def read(data: Mapping) -> SavedPlan:
+    """``data`` checked as a plan of :data:`SCHEMA`'s major version.
+
+    Raises
+    ------
+    InvalidOption
+        Not a mapping, another schema or version, or no ``device_map``, ``main_device`` or ``budgets``.
+    """
+    hint = "write one with Plan.to_dict() or 'allocator plan MODEL --json FILE'"
+    if not isinstance(data, Mapping):
+        raise InvalidOption(f"a saved plan is a JSON object, got {type(data).__name__}; {hint}.")
+    name = data.get("schema")
+    if not isinstance(name, str) or name.partition("/")[0] != SCHEMA.partition("/")[0]:
+        raise InvalidOption(f"not an allocator plan (its 'schema' is {name!r}, expected {SCHEMA!r}); {hint}.")
+    if name != SCHEMA:
+        raise InvalidOption(f"plan schema {name!r} is not read by this version of allocator (it reads {SCHEMA!r}); "
+                            f"plan again with this version.")
+    missing = [k for k in ("device_map", "main_device", "budgets") if k not in data]
+    if missing or not isinstance(data["device_map"], Mapping) or not isinstance(data["budgets"], Mapping):
+        raise InvalidOption(f"the saved plan has no {', '.join(missing) or 'valid device_map or budgets'}; {hint}.")
+    return SavedPlan(copy.deepcopy(dict(data)))
+
+
+def rebuild(saved: SavedPlan, model, **keywords) -> tuple[Problem, Placement]:
+    """The problem the saved plan was made for, built again for ``model`` under its saved budgets and options
+    (``keywords``: fields of :class:`PlanOptions` that override them, e.g. the ``size_fn`` of a quantized model),
+    and its placement as saved."""
+    options = dict(saved.data.get("options") or {})
+    missing = [name for name in options.get("not_saved", ()) if name not in keywords]
+    if missing:
+        raise InvalidOption(f"the plan was made with {', '.join(missing)}, which JSON cannot hold; pass them again, "
+                            f"e.g. Plan.from_dict(data, model, {missing[0]}=...).")
+    gen = options.get("generation")
+    profile = options.get("profile")
+    fields = {name: options[name] for name in PLAIN_OPTIONS if name in options}
+    fields.update(
+        dtype=options.get("dtype"), special_dtypes=options.get("special_dtypes"),
+        no_split_module_classes=options.get("no_split_module_classes"),
+        tied_parameters=options.get("tied_parameters"),
+        inputs=({k: tuple(v) for k, v in options["inputs"].items()} if isinstance(options.get("inputs"), Mapping)
+                else options.get("inputs", "auto")),
+        generation=None if gen is None else GenerationBudget(
+            gen["batch_size"], gen["max_length"], gen.get("dtype"), prompt_length=gen.get("prompt_length"),
+            max_new_tokens=gen.get("max_new_tokens")),
+        profile=None if profile is None else Profile.from_dict(profile),
+    )
+    fields.update(keywords)
+    max_memory = {d: v for d, v in saved.budgets.items() if v is not None}
+    problem = build_problem(model, max_memory, options=PlanOptions.of(None, **fields))
+    decisions = tuple(_decision_of(d) if isinstance(d, Mapping) else Decision("split", str(d))
+                      for d in saved.data.get("decisions") or ())
+    placement = Placement(device_map=saved.device_map, strategy=str(saved.data.get("strategy", "saved")),
+                          decisions=decisions, optimal=saved.data.get("optimal"), base=str(saved.data.get("base", "")),
+                          exempt=frozenset(saved.data.get("exempt", ())))
+    return problem, placement
