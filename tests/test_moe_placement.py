@@ -202,3 +202,22 @@ def test_expert_granular_plans_are_valid(strategy, data):
         fast += resident_bytes(ours.problem, ours.placement).get(ours.main_device, 0) if ours.main_device in \
             fast_tier(ours.problem.budgets) else 0
         assert fast >= floor(ours.problem)
+
+
+def test_plan_as_data_keeps_the_experts(tmp_path):
+    """Plan.to_dict writes where each expert lives and the profile; Plan.from_dict reads them back."""
+    import json
+
+    model = meta_moe(layers=8, experts=8)
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    profile = ExpertProfile({"layers.0.experts": (0, 9, 0, 0, 0, 0, 0, 1)}, tokens=5)
+    p = allocator.plan(model, {"cpu": int(total * 0.4)}, runtime="allocator", expert_profile=profile)
+    assert p.experts
+    data = json.loads(json.dumps(p.to_dict()))
+    assert data["experts"] == {k: list(v) for k, v in p.experts.items()}
+    assert data["options"]["expert_profile"]["counts"]["layers.0.experts"] == [0, 9, 0, 0, 0, 0, 0, 1]
+    again = allocator.Plan.from_dict(data, model)
+    assert again.experts == p.experts and again.problem.expert_profile == profile
+    assert dict(again.peak) == dict(p.peak)
+    dense = allocator.plan(model, {"cpu": total})
+    assert dense.to_dict()["experts"] is None
