@@ -17,6 +17,7 @@ from .errors import (
     InvalidPlacement, InvalidRuntime, UnsupportedByAccelerate,
 )
 from .model.generation import GenerationBudget
+from .model.expert_profile import ExpertProfile, profile_experts
 from . import offload
 from .integrations.transformers import patch, unpatch
 from .placement import Placement
@@ -27,7 +28,8 @@ from .evaluate.validate import Violation, validate
 
 __all__ = [
     "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",
-    "InvalidOption", "InvalidPlacement", "InvalidRuntime", "UnsupportedByAccelerate", "Cost", "GenerationBudget",
+    "InvalidOption", "InvalidPlacement", "InvalidRuntime", "UnsupportedByAccelerate", "Cost", "ExpertProfile",
+    "GenerationBudget", "profile_experts",
     "Profile",
     "estimate", "Fit", "fit",
     "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",

@@ -18,6 +18,7 @@ from .report.minimum import empty_before_main, minimum_budget_error
 from .report.plan import Plan, finish
 from .strategies import STRATEGIES, resolve, run
 from .strategies.contract import contract_violations
+from .strategies.experts import place_experts
 from .strategies.witness import witness
 
 __all__ = ["plan"]
@@ -100,6 +101,7 @@ def _placement(problem: Problem, strategy, builtin: bool) -> Placement:
     and the contract checked, and why accelerators before the main device hold nothing."""
     witness(problem)             # 2. accelerate's map, the contract's main device and floor: each made once
     placement = _placed(problem, strategy, builtin)              # 3. the strategy's placement, or accelerate's
+    placement = place_experts(problem, placement)                # 3b. routed experts as units (our runtime only)
     _check_rules_and_contract(problem, placement)                # 4. the runtime rules and the contract, once
     return empty_before_main(problem, placement)
 

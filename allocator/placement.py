@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .budgets import Device
 
@@ -20,6 +20,8 @@ DECISION_KINDS = {
     "choice": "which candidate strategy ``auto`` kept, against accelerate's map and the runner-up",
     "fallback": "where no plan of the strategy keeps the rules or the contract: accelerate's own map instead",
     "solver": "what the solver did (groups, main devices, whether it proved optimality)",
+    "experts": "where the routed experts of the mixture-of-experts layers live (``units``: the experts modules; "
+               "``devices``: where the resident ones are; ``bytes``: theirs), and why (``bound``)",
     "runtime": "what the plan reserves for our offload runtime (its prefetch depth), and why",
 }
 """The kinds of :class:`Decision`, each with what it says. Code reads the fields, never the text."""
@@ -87,6 +89,11 @@ class Placement:
     exempt: frozenset = frozenset()
     """The rules of the contract (:data:`CONTRACT_RULES`) this placement is exempt from by its meaning: all of them
     for accelerate's own map, ``{"main"}`` for ``balanced_low_0`` (it keeps GPU 0 light on purpose)."""
+    experts: Mapping[str, tuple] = field(default_factory=dict)
+    """For a plan the allocator runtime runs (``runtime="allocator"``) on a mixture of experts: each routed experts
+    module (a name of the model) to the device of each of its experts, resident ones where they execute and the
+    others where their weights stay (``"cpu"``, ``"disk"``); the device map holds the module as a whole where those
+    stay. Empty otherwise."""
 
     @property
     def notes(self) -> tuple[str, ...]:

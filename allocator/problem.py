@@ -15,6 +15,8 @@ from .model.flops import FlopCount, count_flops, default_inputs, node_flops
 from .model.generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
 from .model import ModelGraph, build_graph
+from .model.expert_profile import ExpertProfile
+from .model.experts import MoELayer, find_experts
 from .memo import Derived
 from .placement import clean_device_map
 from .rules.loaders import LOADERS
@@ -98,6 +100,10 @@ class PlanOptions:
     default): :func:`allocator.plan` chooses the depth, up to :data:`allocator.evaluate.memory.PLANNED_PREFETCH`:
     the deepest that keeps the placement of the plan without prefetch, and 0 on a CPU main device unless a measured
     ``profile`` is given. A depth given here is planned as given."""
+    expert_profile: ExpertProfile | str | os.PathLike | None = None
+    """With ``runtime="allocator"`` on a mixture of experts: how often each expert is routed on the user's data
+    (:func:`allocator.profile_experts`, or the path of a profile it saved); the most used experts per byte stay
+    resident. ``None``: every expert of a layer is assumed equally used."""
     inputs: Mapping | str | None = "auto"
     """The inputs of one forward, as shapes (``{"input_ids": (1, 512)}``, ``{"pixel_values": (1, 3, 512, 512)}``) or
     tensors, or ``"default"`` for :func:`allocator.model.flops.default_inputs` of the model's config. The problem
@@ -140,6 +146,9 @@ class PlanOptions:
             object.__setattr__(self, "baseline", normalize_map(self.baseline))
         if self.runtime not in RUNTIMES:
             raise InvalidOption(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}.")
+        if self.expert_profile is not None and not isinstance(self.expert_profile, (ExpertProfile, str, os.PathLike)):
+            raise InvalidOption(f"expert_profile must be an allocator.ExpertProfile or the path of one it saved, got "
+                                f"{type(self.expert_profile).__name__}.")
         if self.prefetch is not None and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
                                           or self.prefetch < 0):
             raise InvalidOption(f"prefetch must be a non-negative integer (offloaded modules made ready ahead), got "
@@ -215,6 +224,11 @@ class Problem:
     steps: Mapping[str, FlopCount] = field(default_factory=dict)
     """The counts of each forward (:data:`STEPS`) where they were made: ``"prefill"`` at ``inputs``, and with a
     generation budget ``"decode"`` (:func:`step_problem`). :attr:`flops` is the one ``options.optimize`` names."""
+    moe: tuple[MoELayer, ...] = ()
+    """The mixture-of-experts layers (:func:`allocator.model.experts.find_experts`), read only with
+    ``runtime="allocator"``: under accelerate's hooks experts move with their module, so plans never look at them."""
+    expert_profile: ExpertProfile | None = None
+    """``options.expert_profile``, loaded; ``None`` assumes uniform use."""
     derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
     """Values that follow from this problem, made once (:class:`allocator.memo.Derived`)."""
 
@@ -312,8 +326,13 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
         # bytes already (bitsandbytes returns 0.9 x each as a float): with a unit, so no small-bare-number warning
         budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
+    moe = find_experts(model) if options.runtime == "allocator" else ()
+    expert_profile = options.expert_profile
+    if expert_profile is not None and not isinstance(expert_profile, ExpertProfile):
+        expert_profile = ExpertProfile.load(expert_profile)
     return Problem(graph=graph, budgets=budgets, options=options, profile=options.profile or Profile(),
-                   generation=needs, flops=counted, node_flops=per_node, steps=steps)
+                   generation=needs, flops=counted, node_flops=per_node, steps=steps, moe=moe,
+                   expert_profile=expert_profile)
 
 
 def decode_inputs(inputs: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

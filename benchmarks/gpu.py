@@ -345,6 +345,101 @@ def measure_runtime(args, device: Device, workdir: Path, name, total, meta, path
     return rows
 
 
+# Mixture of experts: the issue's Qwen3-MoE shape (64 experts, top-4), sized to the machine.
+MOE_FIELDS = dict(num_experts=64, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=32000)
+MOE_REAL = dict(hidden_size=1024, moe_intermediate_size=384, intermediate_size=2048, head_dim=128,
+                num_hidden_layers=24)
+MOE_DRY = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=128, head_dim=8, num_hidden_layers=8,
+               vocab_size=2000)
+
+
+def measure_moe(args, device: Device, workdir: Path, deadline) -> list[dict]:
+    """The MoE case: a Qwen3-MoE-shaped model (64 experts, top-4) saved once and loaded with ``device_map="auto"``
+    (accelerate's hooks) and with ``allocator.plan(meta, budget, runtime="allocator")`` plus
+    :func:`allocator.offload.attach` (experts as units: what runs for every token on the device, the room left holding
+    experts, only routed experts fetched or computed on the CPU). Per load: greedy decode of ``--moe-tokens`` tokens
+    with a KV cache (ms per token, median), whether the tokens equal auto's, and for ours the bytes copied to the
+    device per token against the bytes of the routed experts not resident (counted from the routers' choices)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    from allocator import offload
+    from allocator.model.experts import find_experts
+
+    fields = {**MOE_FIELDS, **(MOE_DRY if device.dry_run else MOE_REAL)}
+    config = AutoConfig.for_model("qwen3_moe", **fields)
+    torch.manual_seed(0)
+    path = workdir / "qwen3-moe"
+    AutoModelForCausalLM.from_config(config).to(args.dtype).save_pretrained(path)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    total = allocator.build_problem(meta, {"cpu": 0}, dtype=args.dtype).graph.total
+    budget = device.budget(args.moe_budget, total)
+    prompt = torch.randint(0, fields["vocab_size"], (1, args.tokens), generator=torch.Generator().manual_seed(1))
+    rows, tokens = [], {}
+    for method in ("auto", "ours-experts"):
+        if time.time() > deadline:
+            rows.append(dict(model="qwen3-moe", method=method, status="skipped: time limit"))
+            continue
+        with tempfile.TemporaryDirectory(dir=workdir) as off:
+            plan = None
+            if method == "auto":
+                device_map = "auto"
+            else:
+                plan = allocator.plan(meta, dict(budget), runtime="allocator", dtype=args.dtype)
+                device_map = plan.device_map
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=args.dtype, device_map=device_map,
+                                                         max_memory=dict(budget), offload_folder=off,
+                                                         experts_implementation="eager").eval()
+            runtime = offload.attach(model, plan) if plan is not None else None
+            main = "cpu" if device.dry_run else "cuda:0"
+            routed: list = []
+            hooks = []
+            if runtime is not None:
+                for m in find_experts(model):
+                    r = next((x for x in runtime.experts.values() if x.layer.experts == m.experts), None)
+                    if r is not None:
+                        hooks.append(model.get_submodule(m.experts).register_forward_pre_hook(
+                            lambda mod, a, r=r: routed.append(len({e for e in a[1].flatten().tolist()
+                                                                   if e not in r.rows}))))
+            out, times = [], []
+            with torch.no_grad():
+                cache = DynamicCache(config=model.config)
+                ids = prompt.to(main)
+                copied0 = runtime.traffic.copied if runtime else 0
+                for i in range(args.moe_tokens + 1):
+                    if i == 1:
+                        routed.clear()
+                        copied0 = runtime.traffic.copied if runtime else 0
+                    device.sync()
+                    t0 = time.perf_counter()
+                    ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(
+                        -1, keepdim=True)
+                    device.sync()
+                    if i:
+                        times.append(time.perf_counter() - t0)
+                    out.append(int(ids))
+            for h in hooks:
+                h.remove()
+            tokens[method] = out
+            row = dict(model="qwen3-moe", method=method, status="ok", model_bytes=total,
+                       device_budget_bytes=budget[device.key], decode_ms=f"{statistics.median(times) * 1e3:.2f}",
+                       tokens_equal_auto=out == tokens.get("auto", out))
+            if runtime is not None:
+                size = next(iter(runtime.experts.values())) if runtime.experts else None
+                size = sum(m[0].numel() * m.element_size() for m in size.metas.values()) if size else 0
+                n = max(args.moe_tokens, 1)
+                row.update(resident_experts=sum(len(r.rows) for r in runtime.experts.values()),
+                           copied_bytes_per_token=(runtime.traffic.copied - copied0) // n,
+                           routed_nonresident_bytes_per_token=sum(routed) * size // n,
+                           activations_bytes=runtime.traffic.activations)
+                offload.detach(model)
+            rows.append(row)
+            print(f"moe {method}: {row['decode_ms']} ms/token", file=sys.stderr, flush=True)
+            del model
+    return rows
+
+
 def runtime_table(rows) -> str:
     lines = ["| model | budget | runtime | status | median ms | speedup vs hooks | output = hooks' | transient peak | "
              "peak held (ours) | plan's streaming reserve |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -533,6 +628,14 @@ def report(rows, info, args, device: Device, command, seconds) -> str:
                "scheduling (side-stream copies, events) with the CPU stand-in device." if args.dry_run else
                "Ours copies from pinned host memory on a side CUDA stream, the compute stream waiting on an event.")
             + "\n\n" + runtime_table(info["runtime"]))
+    if info.get("moe"):
+        keys = list(dict.fromkeys(k for r in info["moe"] for k in r))
+        parts.append(f"\n## mixture of experts: Qwen3-MoE shape (64 experts, top-4), device budget "
+                     f"{args.moe_budget:.0%}\n\n`device_map=\"auto\"` (accelerate's hooks) against "
+                     "`plan(runtime=\"allocator\")` + `allocator.offload.attach` (experts as units; only routed "
+                     "experts move). Greedy decode with a KV cache, ms per token (median).\n\n"
+                     + "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
+                     + "\n".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in info["moe"]))
     skipped = [r for r in rows if r["status"].startswith("skipped")]
     if skipped:
         parts.append(f"\n{len(skipped)} loads skipped at the {args.time_limit:.0f} s time limit.")
@@ -556,6 +659,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gen-new", type=int, help="generate case: new tokens (default 16; 4 in a dry run)")
     parser.add_argument("--runtime-budget", type=float, default=0.5,
                         help="runtime case: the device budget as a fraction of the model (0 skips the case)")
+    parser.add_argument("--moe-budget", type=float, default=0.3,
+                        help="MoE case: the device budget as a fraction of the model (0 skips the case)")
+    parser.add_argument("--moe-tokens", type=int, default=16, help="MoE case: tokens decoded")
     parser.add_argument("--time-limit", type=float, default=420.0,
                         help="seconds after which remaining loads are skipped (default 420: done within 8 minutes)")
     parser.add_argument("--workdir", type=Path, help="where models are saved (default: a temporary directory)")
@@ -577,12 +683,17 @@ def main(argv=None) -> int:
     command = " ".join(["python benchmarks/gpu.py", *(sys.argv[1:] if argv is None else argv)])
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         rows, info = measure(args, device, Path(tmp), start + args.time_limit)
+        if args.moe_budget:
+            info["moe"] = measure_moe(args, device, Path(tmp), start + args.time_limit)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "gpu.csv", rows)
     if info.get("generate"):
         write_csv(args.out / "gpu_generate.csv", info["generate"])
     if info.get("runtime"):
         write_csv(args.out / "gpu_runtime.csv", info["runtime"])
+    if info.get("moe"):
+        keys = list(dict.fromkeys(k for r in info["moe"] for k in r))
+        write_csv(args.out / "gpu_moe.csv", [{k: r.get(k, "") for k in keys} for r in info["moe"]])
     text = report(rows, info, args, device, command, time.time() - start)
     (args.out / "gpu.md").write_text(text)
     print(text)

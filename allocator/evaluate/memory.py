@@ -176,9 +176,11 @@ def streams_held(options, reserve: int) -> int:
 
 
 def prefetch_reserve(graph: ModelGraph, found: list[Run], offloaded, k: int, *, offload_buffers: bool = False,
-                     read_copies: bool = False) -> int:
+                     read_copies: bool = False, skip: tuple = ()) -> int:
     """Bytes the allocator runtime holds on the main device beyond the streamed chain when it makes ``k`` offloaded
     modules ready ahead: the ``k`` largest amounts a single hook streams (its module's own offloaded tensors).
+    Tensors in the ``skip`` ranges (``(start, end)`` tensor indices: experts modules the runtime runs expert by
+    expert, :mod:`allocator.offload.experts`, never made ready ahead) are not counted.
 
     The runtime follows the execution order it observes (which differs from module order, and from one forward to
     the next in ``generate``), so the reserve is the largest ``k`` whatever the order, not the largest window of
@@ -193,6 +195,10 @@ def prefetch_reserve(graph: ModelGraph, found: list[Run], offloaded, k: int, *, 
     cols = columns(graph)
     mov = cols.moving(offload_buffers, read_copies)
     held, module = mov.held_array(), cols.module_array()
+    if skip:
+        held = held.copy()
+        for a, b in skip:
+            held[a:b] = 0
     per: dict[int, int] = {}
     for run in found:
         if run.device not in offloaded or mov.sum_nbytes[run.end] == mov.sum_nbytes[run.start]:
@@ -205,7 +211,7 @@ def prefetch_reserve(graph: ModelGraph, found: list[Run], offloaded, k: int, *, 
 
 
 def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: bool = False,
-          prefetch: int = 0) -> Memory:
+          prefetch: int = 0, skip: tuple = ()) -> Memory:
     """Bytes each device holds at its peak during a forward, under accelerate's runtime.
 
     Parameters
@@ -217,6 +223,8 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
     prefetch : int
         Offloaded modules the runtime makes ready ahead (:func:`prefetch_of`): their bytes are held on the main device
         on top of the streamed chain (:func:`prefetch_reserve`).
+    skip : tuple
+        Tensor ranges the runtime never makes ready ahead (:func:`prefetch_reserve`).
 
     Returns
     -------
@@ -247,7 +255,7 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
     reserve, chain = streamed_chain(graph, found, offloaded, offload_buffers=offload_buffers,
                                     read_copies=main == "cpu")
     ahead = prefetch_reserve(graph, found, offloaded, prefetch, offload_buffers=offload_buffers,
-                             read_copies=main == "cpu")
+                             read_copies=main == "cpu", skip=skip)
     resident[main] = resident.get(main, 0) + reserve + ahead
     generation = _generation_bytes(graph, found, main, offloaded, hooks)
     for device, nbytes in generation.items():

@@ -23,7 +23,8 @@ from .memory import (
     Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks, prefetch_of,
 )
 
-__all__ = ["Violation", "check", "peak_parts", "validate", "normalize_map", "format_bytes"]
+__all__ = ["Violation", "check", "experts_apart", "peak_parts", "routed_spans", "validate", "normalize_map",
+           "format_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,11 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     found += _coverage(problem, runs)
     found += _nested(device_map, set(unknown))
     found += _loader_rules(problem, device_map, runs)
-    found += _no_split(problem, runs)
+    found += _no_split(problem, runs, main_device(set(device_map.values())))
     found += _unhooked(problem, device_map, lone)
     found += _ties(problem, device_map, runs)
     memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers,
-                   prefetch=prefetch_of(problem.options))
+                   prefetch=prefetch_of(problem.options), skip=routed_spans(problem))
     placed = set(device_map.values())
     for device, used in memory.peak.items():
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
@@ -240,14 +241,16 @@ def executing_devices(devices, main) -> set:
     return {main if d in offloaded else d for d in devices}
 
 
-def _no_split(problem: Problem, runs: list) -> list[Violation]:
+def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:
     """No-split modules whose tensors are on more than one device (the outermost of nested ones). A block kept whole
     only because the model declares nothing (an inferred block, :func:`allocator.model.blocks.infer_blocks`) may be
     split where the runtime allows it: between the device that executes it and offload (accelerate's hooks stream
     the offloaded children's weights to that device), never across two devices that execute.
 
     Only a module that straddles a boundary between runs can be split, so the candidates are the no-split
-    ancestors of the modules at each boundary: O(runs x depth), not O(no-split modules)."""
+    ancestors of the modules at each boundary: O(runs x depth), not O(no-split modules). A plan for the allocator
+    runtime may offload the routed experts of a layer whose other parts are resident on the main device
+    (:func:`experts_apart`): all of it still executes there, so that layer is not split."""
     g = problem.graph
     cols = columns(g)
     no_split = g.no_split
@@ -260,7 +263,8 @@ def _no_split(problem: Problem, runs: list) -> list[Violation]:
             if g.nodes.cls[node] in no_split:
                 candidates.add(node)
             node = cols.parent[node]
-    mixed = sorted(i for i in candidates if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1)
+    mixed = sorted(i for i in candidates if len(devices_in(runs, cols.first[i], cols.last[i], limit=2)) > 1
+                   and not experts_apart(problem, runs, cols.first[i], cols.last[i], main))
     if mixed and g.no_split != g.no_split_declared:   # inferred blocks: split where the runtime allows
         main = main_device({r.device for r in runs if r.device is not None})
         mixed = [i for i in mixed if g.nodes.cls[i] in g.no_split_declared
@@ -277,6 +281,44 @@ def _no_split(problem: Problem, runs: list) -> list[Violation]:
                 "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, devices))}."
             ))
     return out
+
+
+def routed_spans(problem: Problem) -> tuple:
+    """The tensor ranges of the experts modules the allocator runtime runs expert by expert
+    (:func:`allocator.offload.experts.routed_layers`: fused, no tensors shared between experts), which it never
+    makes ready ahead; empty unless ``problem.moe`` (``runtime="allocator"``)."""
+    if not problem.moe:
+        return ()
+    g = problem.graph
+    cols = columns(g)
+    return tuple((cols.first[g.node_index[m.experts]], cols.last[g.node_index[m.experts]]) for m in problem.moe
+                 if m.kind == "fused" and not m.common and m.experts in g.node_index)
+
+
+def experts_apart(problem: Problem, runs: list, start: int, end: int, main) -> bool:
+    """Whether tensors ``start:end`` all execute on ``main``, with routed experts modules (``problem.moe``, read with
+    ``runtime="allocator"``) apart from the rest: the tensors outside experts modules on one device, ``main`` or
+    offloaded (:func:`allocator.rules.dispatch.offloaded_devices`), those inside on ``main`` or offloaded.
+    accelerate's hooks run an offloaded module on the main device, so such a module is not split across the
+    devices it executes on."""
+    if not problem.moe or main is None:
+        return False
+    g = problem.graph
+    cols = columns(g)
+    inside = [(cols.first[g.node_index[m.experts]], cols.last[g.node_index[m.experts]]) for m in problem.moe
+              if m.experts in g.node_index]
+    away = offloaded_devices(main)
+    rest = set()
+    for run in runs:
+        a, b = max(run.start, start), min(run.end, end)
+        if a >= b:
+            continue
+        if any(lo <= a and b <= hi for lo, hi in inside):
+            if run.device != main and run.device not in away:
+                return False
+        else:
+            rest.add(run.device)
+    return len(rest) <= 1 and rest <= {main} | away
 
 
 def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:

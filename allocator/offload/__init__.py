@@ -20,26 +20,35 @@ The memory of the prefetch is part of the plan: ``PlanOptions(runtime="allocator
 device reserve, on top of the streamed chain, the ``k`` largest amounts one offloaded module streams
 (:func:`allocator.evaluate.memory.prefetch_reserve`). :func:`detach` puts accelerate's hooks back.
 
+Mixtures of experts: an offloaded fused experts module runs expert by expert (:mod:`.experts`, registered with
+transformers' ``ExpertsInterface`` as ``"allocator"``): only the experts its router picks are read, resident ones
+(``Plan.experts``) from the main device, the others fetched or computed where their weights live.
+
 The runtime is four modules: :mod:`.files` (the mapped files and where each tensor's bytes are), :mod:`.devices`
 (the main devices that make weights ready), :mod:`.scheduler` (the tensors and modules moved, and their order) and
-:mod:`.hooks` (the hooks on the model, :func:`attach`, :func:`detach`, :func:`dispatch`).
+:mod:`.hooks` (the hooks on the model, :func:`attach`, :func:`detach`, :func:`dispatch`), with :mod:`.experts` beside
+them.
 """
 
 from __future__ import annotations
 
 from .devices import HostDevice, StandInDevice, StreamDevice
+from .experts import ExpertsHook, RoutedExperts, Traffic
 from .files import MappedFile
 from .hooks import Attached, OffloadHook, attach, detach, dispatch, has_offload_hooks
 from .scheduler import Scheduler
 
 __all__ = [
     "Attached",
+    "ExpertsHook",
     "HostDevice",
     "MappedFile",
     "OffloadHook",
+    "RoutedExperts",
     "Scheduler",
     "StandInDevice",
     "StreamDevice",
+    "Traffic",
     "attach",
     "detach",
     "dispatch",

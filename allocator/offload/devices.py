@@ -44,6 +44,10 @@ class HostDevice:
     def ready(self, handle):
         return handle
 
+    def copy_into(self, host, out):
+        """Copy ``host`` into ``out`` (RAM to RAM)."""
+        return out.copy_(host)
+
 
 class _StandInStream:
     def __init__(self, log, name):
@@ -90,6 +94,10 @@ class _CudaBackend:
     def used_on(self, tensor, stream):
         tensor.record_stream(stream)
 
+    def copy_into(self, host, out):
+        pinned = host if host.is_pinned() else host.pin_memory()
+        return out.copy_(pinned, non_blocking=True)   # on the compute stream: ordered before the kernels using it
+
 
 class _StandInBackend:
     """A CPU stand-in for a GPU: 'copies' are clones, streams and events log what they are asked to do."""
@@ -107,6 +115,10 @@ class _StandInBackend:
 
     def copy(self, host):
         return host.clone()
+
+    def copy_into(self, host, out):
+        self.log.append(("copy", host.numel() * host.element_size()))
+        return out.copy_(host)
 
     def used_on(self, tensor, stream):
         pass
@@ -139,6 +151,11 @@ class StreamDevice:
         event = b.event(label)
         event.record(b.side)
         return out, event
+
+    def copy_into(self, host, out):
+        """Copy ``host`` (expert slices) into ``out`` on the device, ordered before what the compute stream runs
+        next; the stand-in logs ``("copy", bytes)``."""
+        return self.backend.copy_into(host, out)
 
     def ready(self, handle):
         tensors, event = handle

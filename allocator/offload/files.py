@@ -34,6 +34,7 @@ class MappedFile:
 
     def __init__(self, path: str, *, raw: bool = False):
         self.path = path
+        self.kept: list[tuple[int, int]] = []   # byte ranges held in memory (:meth:`keep`)
         self.base, self.entries = (0, {}) if raw else safetensors_header(path)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -64,9 +65,25 @@ class MappedFile:
 
     def evict(self) -> None:
         """Drop this mapping's pages from the process (``MADV_DONTNEED``: they are read again from the file when
-        touched), so that the kernel may drop them from the page cache too (cold-cache measurements)."""
-        if self.mm is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self.mm.madvise(mmap.MADV_DONTNEED)
+        touched), so that the kernel may drop them from the page cache too (cold-cache measurements); the ranges
+        :attr:`kept` (experts kept resident in place, :mod:`allocator.offload.experts`) stay."""
+        if self.mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = 0
+        for lo, hi in sorted(self.kept) + [(len(self.mm), len(self.mm))]:
+            end = lo - lo % PAGE          # whole pages before the kept range
+            if end > start:
+                self.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+            start = max(start, hi + (-hi) % PAGE)
+
+    def keep(self, start: int, end: int) -> None:
+        """Hold bytes ``start:end`` in this process's memory: written in place (copy on write makes them private
+        pages, no longer read from the file) and left out of :meth:`evict`."""
+        if self.mm is None or end <= start:
+            return
+        view = memoryview(self.mm)[start:end]
+        view[:] = bytes(view)
+        self.kept.append((start, end))
 
     def advise(self, start: int, end: int) -> None:
         """Ask the kernel to read ``start:end`` in (asynchronous read-ahead)."""

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import InvalidOption, InvalidRuntime, warn_caller
 from ..evaluate.memory import prefetch_of
 from .devices import HostDevice, StandInDevice, StreamDevice
+from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
 from .scheduler import OffloadedModule, Scheduler, Slot
 
@@ -105,14 +106,28 @@ class Attached:
         Bytes of offloaded weights materialised now (running or prefetched), and the most at once.
     fetches : int
         Units staged (inline or ahead).
+    experts : dict
+        ``id(module) -> RoutedExperts`` for the offloaded experts modules run expert by expert
+        (:mod:`allocator.offload.experts`); they are not units.
+    traffic : Traffic
+        What those moved: bytes copied and read, activations moved, experts run.
     """
 
-    def __init__(self, model, *, prefetch: int, device):
+    def __init__(self, model, *, prefetch: int, device, experts=None, expert_mode: str = "auto"):
         self.model = model
         self.prefetch = prefetch
         self.files = MappedFiles()
         self.units: list[OffloadedModule] = []
+        self.traffic = Traffic()
+        self.experts: dict = {}
+        if experts is not None:
+            placed, resident_on = experts
+            hooks = [(name, module, h) for name, module, _, _, h in _offload_hooks(model)]
+            self.experts = routed_layers(model, hooks, placed, resident_on, device=device, files=self.files,
+                                         mode=expert_mode, traffic=self.traffic)
         for name, module, _, _, h in _offload_hooks(model):
+            if id(module) in self.experts:
+                continue
             unit = OffloadedModule(len(self.units), name, module, h)
             unit.slots = _slots(module, h, self.files)
             self.units.append(unit)
@@ -237,7 +252,18 @@ def _plan_map(plan):
     return getattr(plan, "device_map", plan)
 
 
-def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Attached:
+def _experts_of(plan, experts):
+    """``(experts module -> device of each expert, the device of resident ones)`` for :class:`Attached`, or ``None``
+    without expert awareness."""
+    if experts is False:
+        return None
+    if experts is None or experts is True:
+        return dict(getattr(plan, "experts", None) or {}), getattr(plan, "main_device", None)
+    return dict(experts), "main"
+
+
+def attach(model, plan=None, *, prefetch: int | None = None, device=None, experts=None,
+           expert_mode: str = "auto") -> Attached:
     """Replace accelerate's offloading hooks on ``model`` with the allocator runtime.
 
     Parameters
@@ -254,6 +280,15 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Att
     device : optional
         ``None`` (from the hooks' execution device: :class:`HostDevice` for ``cpu``, CUDA streams for a GPU),
         ``"stand-in"`` (:class:`StandInDevice`) or a device object with ``stage`` / ``ready``.
+    experts : bool or dict, optional
+        Mixtures of experts (:mod:`allocator.offload.experts`): by default (``None`` or ``True``) every offloaded
+        fused experts module runs only the experts its router picks, through transformers' ``ExpertsInterface``
+        (``"allocator"``), those the plan keeps resident (``Plan.experts``) from the main device; ``False`` streams
+        such modules whole like any other; a dict like ``Plan.experts`` with ``"main"`` for resident experts
+        overrides the plan's.
+    expert_mode : str
+        How an offloaded expert the router picks runs: ``"auto"`` (fetched, or computed on the CPU where its weights
+        are in RAM and that is estimated cheaper for the tokens routed to it), ``"fetch"`` or ``"compute"``.
 
     Returns
     -------
@@ -289,12 +324,25 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Att
         raise InvalidRuntime("the model has no offloaded modules (no accelerate AlignDevicesHook with offload=True):"
                              " load it with a device_map that puts something on 'disk' (or 'cpu' with a GPU).")
     device = _device_for(model, device)
+    if experts is False and getattr(plan, "experts", None) and prefetch and getattr(device, "threaded", True):
+        warn_caller(f"attach(experts=False, prefetch={prefetch}) streams experts modules whole and may hold them "
+                    "ahead, but the plan (runtime='allocator') reserved no prefetch for them; attach with experts "
+                    "awareness (the default) or prefetch=0.")
     if options is not None and prefetch > prefetch_of(options) and getattr(device, "threaded", True):
         warn_caller(f"attach(prefetch={prefetch}) holds up to {prefetch} offloaded modules ahead on the main device, "
                     f"beyond what the plan reserved (prefetch={prefetch_of(options)}); plan with "
                     f"runtime='allocator', prefetch={prefetch} so that its budget counts them.")
-    runtime = Attached(model, prefetch=prefetch, device=device)
+    runtime = Attached(model, prefetch=prefetch, device=device, experts=_experts_of(plan, experts),
+                       expert_mode=expert_mode)
     hooks = {id(u.original): OffloadHook(runtime, u) for u in runtime.units}
+    for _, module, _, _, h in list(_offload_hooks(model)):
+        routed = runtime.experts.get(id(module))
+        if routed is not None:
+            hooks[id(h)] = ExpertsHook(routed, h)
+            module._allocator_experts = routed
+    if runtime.experts:
+        register()
+        runtime.experts_implementation = _set_experts_implementation(model, "allocator")
     for _, module, top, i, h in list(_offload_hooks(model)):
         if i is None:
             module._hf_hook = hooks[id(h)]
@@ -302,6 +350,17 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None) -> Att
             top.hooks = type(top.hooks)(hooks[id(x)] if x is h else x for x in top.hooks)   # tuple or list
     model._allocator_runtime = runtime
     return runtime
+
+
+def _set_experts_implementation(model, name: str):
+    """Select transformers' experts implementation ``name`` on ``model`` (``set_experts_implementation``), returning
+    the one it had; ``None`` where the model has no such setting."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_experts_implementation"):
+        return None
+    before = getattr(config, "_experts_implementation", None)
+    model.set_experts_implementation(name)
+    return before
 
 
 def detach(model) -> None:
@@ -312,6 +371,16 @@ def detach(model) -> None:
     if runtime is None:
         raise InvalidRuntime("this model does not run the allocator runtime (attach(model, plan) first).")
     runtime.close()
+    for _, module in model.named_modules():
+        routed = module.__dict__.pop("_allocator_experts", None)
+        hook = getattr(module, "_hf_hook", None)
+        if routed is not None and isinstance(hook, ExpertsHook):
+            module._hf_hook = hook.original
+        elif routed is not None and isinstance(hook, SequentialHook):
+            top = hook
+            top.hooks = type(top.hooks)(x.original if isinstance(x, ExpertsHook) else x for x in top.hooks)
+    if getattr(runtime, "experts_implementation", None) is not None:
+        _set_experts_implementation(model, runtime.experts_implementation)
     for unit in runtime.units:
         top = unit.module._hf_hook
         if isinstance(top, SequentialHook):

@@ -22,6 +22,7 @@ from ..budgets import format_ms, is_accelerator
 from ..rules.dispatch import hooks_attach
 from ..evaluate.memory import map_runs, offloaded_devices, prefetch_of
 from ..evaluate.cost import priced
+from ..evaluate.experts import expert_bytes, resident_bytes
 from ..report.minimum import why_empty
 from ..strategies.contract import contract_violations
 from ..evaluate.units import problem_groups
@@ -212,9 +213,12 @@ def _holding(plan, layout: _Layout, device, full: set) -> str:
         text += f", offloaded: executed on {layout.main!r}"
     elif device == layout.main:
         parts = plan.parts.get(device, {})
+        experts = resident_bytes(plan.problem, plan.placement).get(device, 0)
         extra = [("streaming reserve", plan.streamed),
                  ("prefetch of the allocator runtime", plan.prefetch),
-                 ("buffers of offloaded modules", parts.get("weights", 0) - held - plan.streamed - plan.prefetch),
+                 ("experts the allocator runtime keeps resident", experts),
+                 ("buffers of offloaded modules",
+                  parts.get("weights", 0) - held - plan.streamed - plan.prefetch - experts),
                  ("for generate", sum(parts.get(k, 0) for k in ("cache", "logits", "activations")))]
         extra = [(what, n) for what, n in extra if n > 0]
         if extra:
@@ -313,6 +317,28 @@ def _reserve(plan) -> str | None:
             f"offloaded weights materialised at once{who}{ahead}")
 
 
+def _experts(plan, used: set) -> str | None:
+    """Where the routed experts live (a plan for the allocator runtime on a mixture of experts), with the
+    ``"experts"`` decision that placed them (marked as said)."""
+    placed = plan.placement.experts
+    if not placed:
+        return None
+    count: dict = {}
+    for layer in plan.problem.moe:
+        size = expert_bytes(plan.problem, layer)
+        for device in placed.get(layer.experts, ()):
+            n, b = count.get(device, (0, 0))
+            count[device] = (n + 1, b + size)
+    order = {d: i for i, d in enumerate(plan.problem.budgets.order)}
+    where = ", ".join(f"{n} on {d!r} ({format_bytes(b)})" for d, (n, b) in sorted(count.items(),
+                                                                                  key=lambda x: order.get(x[0], 99)))
+    text = f"routed experts: {where}"
+    for decision in plan.placement.of_kind("experts"):
+        used.add(decision.text)
+        text += f"; {decision.text}"
+    return text
+
+
 def reasons(plan) -> tuple[list[str], set[str]]:
     """The sentences of the "why" section of ``plan.explain()``, and the strategy notes they already say (left out of
     the list of decisions that follows)."""
@@ -323,16 +349,20 @@ def reasons(plan) -> tuple[list[str], set[str]]:
     budgets = plan.problem.budgets
     if not plan.problem.graph.total:
         out.append("the model has no weights to place")
+    experts_on = {d for row in plan.placement.experts.values() for d in row}
     for device in budgets.order if plan.problem.graph.total else ():
         if device not in budgets.limits and not layout.on(device) and not plan.peak.get(device):
             continue
         if layout.on(device) and plan.resident(device):
             out.append(_holding(plan, layout, device, full))
+        elif device in experts_on:
+            out.append(f"{device!r} holds {format_bytes(plan.resident(device))} of experts modules (the routed "
+                       "experts below)")
         else:
             line = _empty(plan, layout, device, full, used)
             if line:
                 out.append(line)
-    out += [s for s in (_offloaded(plan, layout, full), _reserve(plan)) if s]
+    out += [s for s in (_offloaded(plan, layout, full), _reserve(plan), _experts(plan, used)) if s]
     choice = plan.placement.of_kind("choice")
     if choice:
         out.append(choice[0].text)

@@ -15,6 +15,7 @@ from ..placement import Placement
 from ..problem import Problem, step_problem
 from ..strategies import STRATEGIES, run
 from ..evaluate.cost import priced
+from ..evaluate.experts import resident_bytes, routed_cost
 from ..evaluate.tiers import fast_bytes
 from ..strategies.witness import contract_main, floor
 from .explain import reasons
@@ -80,13 +81,22 @@ class Plan:
         return not self.violations
 
     @property
+    def experts(self) -> dict:
+        """Where each routed expert lives, per experts module of a mixture of experts (``{"model.layers.0.mlp.experts":
+        (0, 0, "cpu", ...)}``), in a plan for the allocator runtime (``runtime="allocator"``,
+        :mod:`allocator.strategies.experts`); empty otherwise. The device map holds each such module whole where its
+        non-resident experts stay; the runtime (:func:`allocator.offload.attach`) keeps the resident ones' slices on
+        their device, counted in :attr:`peak`."""
+        return dict(self.placement.experts)
+
+    @property
     def costs(self) -> dict:
         """The estimate of each forward that was counted (``"prefill"``, and with a generation budget ``"decode"``:
         one decoding step), as :class:`Cost`; ``{"prefill": cost}`` when nothing was counted. :attr:`cost` is the
         one ``options.optimize`` names."""
         steps = self.problem.steps or {"prefill": None}
         return {step: self.cost if step == self.problem.options.optimize else
-                priced(step_problem(self.problem, step), self.device_map) for step in steps}
+                _priced(step_problem(self.problem, step), self.placement) for step in steps}
 
     @property
     def inputs(self) -> dict | None:
@@ -240,9 +250,18 @@ def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
     estimate, each computed once; ``asked`` names the strategy the caller asked for."""
     violations, memory = check(problem, placement.device_map)
     parts = peak_parts(problem, placement.device_map, memory)
+    for device, nbytes in resident_bytes(problem, placement).items():   # experts the runtime keeps resident
+        memory.peak[device] = memory.peak.get(device, 0) + nbytes
+        parts.setdefault(device, {"weights": 0})["weights"] = parts[device].get("weights", 0) + nbytes
     return Plan(
         device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
-        placement=placement, cost=priced(problem, placement.device_map), parts=ByDevice(parts),
+        placement=placement, cost=_priced(problem, placement), parts=ByDevice(parts),
         prefetch=memory.prefetch, asked=asked,
     )
+
+
+def _priced(problem: Problem, placement: Placement):
+    """The estimate of ``placement``: of its map (:func:`allocator.evaluate.cost.priced`), with the routed experts
+    in place of whole experts modules where it places experts (:func:`allocator.evaluate.experts.routed_cost`)."""
+    return routed_cost(problem, placement, priced(problem, placement.device_map))

@@ -22,7 +22,9 @@ against a model before anything is loaded::
 
 Devices are written as JSON allows keys: accelerator indices as strings (``"0"``); as map *values* they stay integers
 (``0``), as ``device_map=`` takes them. ``budgets`` lists every device in the plan's order, ``null`` for no limit.
-``experts`` is kept for a placement of a layer's experts, which a device map cannot name (not built yet: ``null``).
+``experts`` is where each routed expert lives in a plan for the allocator runtime on a mixture of experts
+(:attr:`allocator.Plan.experts`: experts module -> the device of each expert, written as map values are), which a
+device map cannot name; ``null`` otherwise. ``options.expert_profile`` holds the profile the plan was made with.
 A reader refuses another major version; fields it does not know are kept (``SavedPlan.data``).
 """
 
@@ -34,6 +36,7 @@ from collections.abc import Mapping
 
 from ..errors import InvalidOption
 from ..model import as_dtype
+from ..model.expert_profile import ExpertProfile
 from ..model.generation import GenerationBudget
 from ..placement import Decision, Placement
 from ..problem import PlanOptions, Problem, build_problem
@@ -72,6 +75,13 @@ def _shapes(inputs):
     return {k: list(getattr(v, "shape", v)) for k, v in inputs.items()}
 
 
+def _expert_profile(value):
+    """``PlanOptions.expert_profile`` as JSON: the profile's counts and tokens, or the path given, or ``None``."""
+    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, ExpertProfile):
+        return None if value is None else str(value)
+    return {"counts": {k: list(v) for k, v in value.counts.items()}, "tokens": value.tokens}
+
+
 def _options(options: PlanOptions) -> dict:
     out = {name: getattr(options, name) for name in PLAIN_OPTIONS}
     gen = options.generation
@@ -88,6 +98,7 @@ def _options(options: PlanOptions) -> dict:
             "batch_size": gen.batch_size, "max_length": gen.max_length, "dtype": _dtype_text(gen.dtype),
             "prompt_length": gen.prompt_length, "max_new_tokens": gen.max_new_tokens},
         profile=None if options.profile is None else options.profile.to_dict(),
+        expert_profile=_expert_profile(options.expert_profile),
         not_saved=[name for name in UNSAVED if getattr(options, name) is not None],
     )
     return out
@@ -121,7 +132,7 @@ def plan_to_dict(plan) -> dict:
         "options": _options(problem.options),
         "decisions": [_decision(d) for d in plan.placement.decisions],
         "violations": [{"kind": v.kind, "message": v.message} for v in plan.violations],
-        "experts": None,
+        "experts": {name: list(row) for name, row in plan.experts.items()} or None,
     }
 
 
@@ -218,6 +229,7 @@ def rebuild(saved: SavedPlan, model, **keywords) -> tuple[Problem, Placement]:
             gen["batch_size"], gen["max_length"], gen.get("dtype"), prompt_length=gen.get("prompt_length"),
             max_new_tokens=gen.get("max_new_tokens")),
         profile=None if profile is None else Profile.from_dict(profile),
+        expert_profile=_expert_profile_of(options.get("expert_profile")),
     )
     fields.update(keywords)
     max_memory = {d: v for d, v in saved.budgets.items() if v is not None}
@@ -226,5 +238,12 @@ def rebuild(saved: SavedPlan, model, **keywords) -> tuple[Problem, Placement]:
                       for d in saved.data.get("decisions") or ())
     placement = Placement(device_map=saved.device_map, strategy=str(saved.data.get("strategy", "saved")),
                           decisions=decisions, optimal=saved.data.get("optimal"), base=str(saved.data.get("base", "")),
-                          exempt=frozenset(saved.data.get("exempt", ())))
+                          exempt=frozenset(saved.data.get("exempt", ())),
+                          experts={k: tuple(v) for k, v in (saved.data.get("experts") or {}).items()})
     return problem, placement
+
+
+def _expert_profile_of(value):
+    if isinstance(value, Mapping):
+        return ExpertProfile({k: tuple(v) for k, v in value["counts"].items()}, tokens=int(value.get("tokens", 0)))
+    return value

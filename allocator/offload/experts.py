@@ -1,0 +1,372 @@
+"""The routed experts of an offloaded mixture-of-experts layer, moved only when the router picks them.
+
+transformers 5 dispatches a fused experts module's forward through ``ExpertsInterface``
+(``transformers.integrations.moe``): :func:`register` adds ``"allocator"`` to it, and :func:`allocator.offload.attach`
+selects it (``set_experts_implementation``) for the experts modules a plan offloads, whose accelerate hook it replaces
+by an :class:`ExpertsHook` that moves the inputs but no weights. At each call, :class:`RoutedExperts` takes the
+experts the router picked (``top_k_index``) and, per expert:
+
+- a *resident* expert (``Plan.experts`` puts it on the main device) runs from its slices, copied there once at
+  :func:`attach`;
+- an offloaded expert is either *fetched* — its slices only, the fetched experts of a layer in one gather per tensor
+  from the memory-mapped file (or accelerate's RAM copy) into a reused buffer on the main device; on a CPU main
+  device the slices are views into the mapping, read in by the kernel, and nothing is copied — or *computed where its
+  weights live* (from RAM with an accelerator main device: the routed tokens' activations move to the CPU and back,
+  not the weights), chosen per call from the tokens routed to it (``mode="auto"``, by the profile's rates), or always
+  one way (``"fetch"``, ``"compute"``).
+
+Each expert runs through the model's own eager experts forward (the function ``use_experts_implementation`` wrapped)
+on a view holding that expert alone, and the outputs are added in the order the eager forward adds them, so the
+result is the eager implementation's, bit for bit, on the same device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRuntime
+from ..model.experts import MoELayer, find_experts
+from ..profile import Profile
+from .files import MappedFiles, source_of
+
+__all__ = ["MODES", "NAME", "ExpertsHook", "RoutedExperts", "Traffic", "eager_forward", "experts_forward",
+           "register", "routed_layers"]
+
+log = logging.getLogger(__name__)
+
+NAME = "allocator"
+"""The name of our experts implementation in transformers' ``ExpertsInterface``."""
+MODES = ("auto", "fetch", "compute")
+"""How an offloaded expert that the router picks runs: chosen per call, always fetched, or computed where its
+weights live wherever they live in RAM and the main device is an accelerator."""
+
+
+def eager_forward(module):
+    """The eager forward of an experts module: the function ``use_experts_implementation`` wrapped (its
+    ``__wrapped__``), found on the class or a base class."""
+    for cls in type(module).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is not None and hasattr(forward, "__wrapped__"):
+            return forward.__wrapped__
+    return type(module).forward
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The ``"allocator"`` experts implementation: :meth:`RoutedExperts.forward` where :func:`attach` set one on
+    this module, else the eager forward (experts resident whole run as they would)."""
+    routed = getattr(self, "_allocator_experts", None)
+    if routed is None:
+        return eager_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+    return routed.forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> None:
+    """Add :func:`experts_forward` to transformers' ``ALL_EXPERTS_FUNCTIONS`` under :data:`NAME` (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NAME, experts_forward)
+
+
+class _One:
+    """The experts module as its eager forward sees it, with the given tensors for its fused parameters (one
+    expert's ``[1, ...]`` views by default, ``num_experts`` 1); everything else read from the module."""
+
+    def __init__(self, module, tensors: dict, experts: int = 1):
+        self.__dict__.update(tensors)
+        self.__dict__["num_experts"] = experts
+        self.__dict__["_module"] = module
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_module"], name)
+
+
+@dataclass
+class Traffic:
+    """What the runtime moved, summed over calls (bytes; counts).
+
+    Attributes
+    ----------
+    copied : int
+        Bytes of expert slices copied to the main device (fetched experts; nothing on a CPU main device).
+    read : int
+        Bytes of non-resident expert slices used: copied, or read in place from the mapped files on a CPU main device.
+    activations : int
+        Bytes of activations moved to the CPU and back for experts computed where they live.
+    routed, resident, fetched, computed : int
+        Experts run: all of them, those resident, those fetched, those computed on the CPU.
+    calls : int
+        Forwards of experts modules.
+    """
+
+    copied: int = 0
+    read: int = 0
+    activations: int = 0
+    routed: int = 0
+    resident: int = 0
+    fetched: int = 0
+    computed: int = 0
+    calls: int = 0
+
+
+@dataclass
+class RoutedExperts:
+    """One offloaded fused experts module under the runtime: where each expert lives and how it runs when routed.
+
+    Attributes
+    ----------
+    layer : MoELayer
+    sources : dict
+        Parameter name -> :class:`allocator.offload.files.TensorSource` of the whole ``[E, ...]`` tensor.
+    metas : dict
+        Parameter name -> its meta placeholder (the dtype the module runs in).
+    where : tuple
+        The device of each expert (``Plan.experts``): the main device for resident ones.
+    main : str
+        The main device, as a torch device string (``"cpu"`` for :class:`allocator.offload.StandInDevice`).
+    device : object
+        The runtime's device (:class:`allocator.offload.HostDevice` for a CPU main device, where offloaded slices are
+        used in place; else one with ``copy_into``, through which fetched slices are copied).
+    resident : dict
+        Parameter name -> ``[R, ...]`` tensor of the resident experts' slices on the main device.
+    rows : dict
+        Expert -> its row in :attr:`resident`.
+    """
+
+    layer: MoELayer
+    sources: dict
+    metas: dict
+    where: tuple
+    main: str
+    device: object
+    traffic: Traffic
+    mode: str = "auto"
+    profile: Profile = field(default_factory=Profile)
+    resident: dict = field(default_factory=dict)
+    rows: dict = field(default_factory=dict)
+    buffers: dict = field(default_factory=dict)
+
+    @property
+    def accelerator(self) -> bool:
+        """Whether the main device is an accelerator (or its stand-in): fetched slices are copied there."""
+        return getattr(self.device, "kind", "cpu") != "cpu"
+
+    def host(self, name: str):
+        """Parameter ``name`` as a ``[E, ...]`` host tensor: a view into the mapped file, or accelerate's RAM copy."""
+        return self.sources[name].host()
+
+    def random_access(self) -> None:
+        """Tell the kernel the experts' files are read at random (``MADV_RANDOM``): no read-ahead around a routed
+        expert's slices, which would read its neighbours too; each fetch asks for its own slices
+        (:meth:`_advise`)."""
+        for source in self.sources.values():
+            mm = source.file.mm if source.file is not None else None
+            if mm is not None and hasattr(mmap, "MADV_RANDOM"):
+                mm.madvise(mmap.MADV_RANDOM)
+
+    def _advise(self, experts: list[int]) -> None:
+        """Start reading ``experts``' slices of every file-backed tensor (``MADV_WILLNEED``, asynchronous)."""
+        for name, source in self.sources.items():
+            if source.file is None:
+                continue
+            per = (source.end - source.start) // self.layer.num_experts
+            for e in experts:
+                source.file.advise(source.start + e * per, source.start + (e + 1) * per)
+
+    def _cast(self, tensor, name: str):
+        meta = self.metas[name]
+        return tensor if tensor.dtype == meta.dtype else tensor.to(meta.dtype)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether every expert runs from views of its tensors' files, in one eager call: a CPU main device, every
+        tensor file-backed in the dtype the module runs in. Resident experts are then held in place
+        (:meth:`allocator.offload.files.MappedFile.keep`)."""
+        return not self.accelerator and all(
+            s.file is not None and s.dtype == self.metas[n].dtype for n, s in self.sources.items())
+
+    def keep(self, experts: list[int]) -> None:
+        """Hold ``experts``' slices on the main device (the resident ones): in place in the private mapping of their
+        files where :attr:`in_place`, else copied there once."""
+        import torch
+
+        if not experts:
+            return
+        self.rows = {e: i for i, e in enumerate(experts)}
+        if self.in_place:
+            for source in self.sources.values():
+                per = (source.end - source.start) // self.layer.num_experts
+                for e in experts:
+                    source.file.keep(source.start + e * per, source.start + (e + 1) * per)
+            return
+        index = torch.tensor(experts, dtype=torch.long)
+        for name in self.sources:
+            self.resident[name] = self._cast(self.host(name).index_select(0, index), name).to(self.main)
+
+    def _fetch(self, experts: list[int]) -> dict:
+        """The slices of ``experts`` on the main device: one gather per tensor into a reused buffer (views into the
+        mapping on a CPU main device, where nothing is copied)."""
+        import torch
+
+        out = {}
+        index = torch.tensor(experts, dtype=torch.long)
+        self._advise(experts)
+        for name in self.sources:
+            host = self.host(name)
+            per = host[0].numel() * self.metas[name].element_size()
+            self.traffic.read += per * len(experts)
+            if not self.accelerator:
+                out[name] = {e: self._cast(host[e:e + 1], name) for e in experts}
+                continue
+            staged = self._cast(host.index_select(0, index), name)
+            buffer = self.buffers.get(name)
+            if buffer is None or buffer.shape[0] < len(experts):
+                buffer = self.buffers[name] = torch.empty((max(len(experts), 1),) + tuple(staged.shape[1:]),
+                                                          dtype=staged.dtype, device=self.main)
+            copied = self.device.copy_into(staged, buffer[:len(experts)])
+            self.traffic.copied += staged.numel() * staged.element_size()
+            out[name] = {e: copied[i:i + 1] for i, e in enumerate(experts)}
+        return out
+
+    def _computes_here(self, expert: int, tokens: int) -> bool:
+        """Whether offloaded ``expert`` with ``tokens`` routed to it runs on the CPU where its weights live rather
+        than being fetched: only from RAM to an accelerator; by the cheaper estimate under ``mode="auto"``."""
+        if not self.accelerator or self.where[expert] != "cpu" or self.mode == "fetch":
+            return False
+        if self.mode == "compute":
+            return True
+        p = self.profile
+        size = sum(self.metas[n][0].numel() * self.metas[n].element_size() for n in self.metas)
+        numel = sum(self.metas[n][0].numel() for n in self.metas)
+        moved = 2 * tokens * self.layer.hidden * self.metas[next(iter(self.metas))].element_size()
+        fetch = size / p.host_to_device + 2 * tokens * numel / p.accelerator_flops
+        here = max(size / p.cpu_memory, 2 * tokens * numel / p.cpu_flops) + moved / p.host_to_device
+        return here < fetch
+
+    def forward(self, module, hidden_states, top_k_index, top_k_weights):
+        """The eager forward's result (module docstring)."""
+        import torch
+
+        eager = eager_forward(module)
+        self.traffic.calls += 1
+        count = self.layer.num_experts
+        with torch.no_grad():
+            hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < count]
+        if self.in_place:   # one eager call over views of the whole tensors: only the routed slices are read
+            away = [e for e in hit if e not in self.rows]
+            self._advise(away)
+            self.traffic.routed += len(hit)
+            self.traffic.resident += len(hit) - len(away)
+            self.traffic.fetched += len(away)
+            self.traffic.read += len(away) * bytes_per_expert(self)
+            return eager(_One(module, {n: self.host(n) for n in self.sources}, count), hidden_states, top_k_index,
+                         top_k_weights)
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            positions = {e: torch.where(top_k_index == e) for e in hit}
+        here = [e for e in hit if e not in self.rows and self._computes_here(e, int(positions[e][0].numel()))]
+        fetched = self._fetch([e for e in hit if e not in self.rows and e not in here]) if len(here) < len(
+            [e for e in hit if e not in self.rows]) else {}
+        for e in hit:   # in the eager forward's order: experts ascending
+            token_idx, top_k_pos = positions[e]
+            if e in self.rows:
+                tensors = {n: t[self.rows[e]:self.rows[e] + 1] for n, t in self.resident.items()}
+                self.traffic.resident += 1
+            elif e in here:
+                tensors = {n: self._cast(self.host(n)[e:e + 1], n) for n in self.sources}
+                self.traffic.computed += 1
+            else:
+                tensors = {n: fetched[n][e] for n in self.sources}
+                self.traffic.fetched += 1
+            self.traffic.routed += 1
+            states = hidden_states[token_idx]
+            weights = top_k_weights[token_idx, top_k_pos, None]
+            if e in here:
+                states, weights = states.to("cpu"), weights.to("cpu")
+                self.traffic.activations += 2 * states.numel() * states.element_size() + weights.numel() * \
+                    weights.element_size()
+            index = torch.zeros((states.shape[0], 1), dtype=top_k_index.dtype, device=states.device)
+            out = eager(_One(module, tensors), states, index, weights)
+            final.index_add_(0, token_idx, out.to(final.device, final.dtype))
+        return final
+
+
+class ExpertsHook:
+    """Replaces the accelerate hook of an offloaded fused experts module: moves its inputs to the main device and
+    its output back, loads no weights (:class:`RoutedExperts` runs the routed experts)."""
+
+    no_grad = False
+
+    def __init__(self, routed: RoutedExperts, original):
+        self.routed, self.original = routed, original
+        self.execution_device, self.io_same_device = original.execution_device, original.io_same_device
+        self.skip_keys = original.skip_keys
+        self.input_device = None
+
+    def init_hook(self, module):
+        return module
+
+    def detach_hook(self, module):
+        return self.original.detach_hook(module)
+
+    def pre_forward(self, module, *args, **kwargs):
+        from accelerate.utils import find_device, send_to_device
+
+        if self.io_same_device:
+            self.input_device = find_device([args, kwargs])
+        return send_to_device(args, self.execution_device), send_to_device(
+            kwargs, self.execution_device, skip_keys=self.skip_keys)
+
+    def post_forward(self, module, output):
+        from accelerate.utils import send_to_device
+
+        if self.io_same_device and self.input_device is not None:
+            output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
+        return output
+
+
+def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode: str = "auto",
+                  traffic: Traffic | None = None) -> dict:
+    """For each offloaded fused experts module of ``model`` that the runtime can run expert by expert: its
+    :class:`RoutedExperts`, keyed by ``id(module)``. ``hooks`` are ``(name, module, hook)`` of accelerate's
+    offloading hooks; ``placed`` maps experts module names to the device of each expert (``Plan.experts``), those on
+    ``resident_on`` (the plan's main device) being kept on the main device; experts of modules it does not name are
+    all offloaded.
+
+    A module is left to whole-module streaming where its children hold tensors (a norm shared by its experts), its
+    hook streams tensors of other modules, or it runs in a dtype its file does not hold as float.
+    """
+    if mode not in MODES:
+        raise InvalidRuntime(f"experts mode must be one of {list(MODES)}, got {mode!r}.")
+    layers = {m.experts: m for m in find_experts(model) if m.kind == "fused" and not m.common}
+    traffic = traffic if traffic is not None else Traffic()
+    out = {}
+    for name, module, hook in hooks:
+        layer = layers.get(name)
+        if layer is None or hook.place_submodules:
+            continue
+        sources, metas = {}, {}
+        for pname in layer.params:
+            meta = module._parameters[pname]
+            if meta is None or meta.device.type != "meta":
+                break
+            sources[pname], metas[pname] = source_of(hook.weights_map, pname, files), meta
+        else:
+            main = str(hook.execution_device)
+            main = f"cuda:{main}" if main.isdigit() else main
+            where = placed.get(name, ("offloaded",) * layer.num_experts)
+            routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic, mode)
+            routed.keep([e for e, d in enumerate(where) if resident_on is not None and d == resident_on])
+            routed.random_access()
+            out[id(module)] = routed
+    if out:
+        log.info("allocator runtime: %d experts modules run expert by expert (%s resident experts)", len(out),
+                 sum(len(r.rows) for r in out.values()))
+    return out
+
+
+def bytes_per_expert(routed: RoutedExperts) -> int:
+    """Bytes of one expert's slices as the module runs them."""
+    return sum(math.prod(m.shape[1:]) * m.element_size() for m in routed.metas.values())

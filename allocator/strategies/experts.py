@@ -1,0 +1,238 @@
+"""Experts as units of placement, for plans the allocator runtime runs (``runtime="allocator"``).
+
+A device map names modules, so it cannot split a fused experts parameter; accelerate's hooks move whole modules, so
+under ``runtime="accelerate"`` plans stay as the strategy made them. Under our runtime (:mod:`allocator.offload`,
+which fetches only the experts a router picks), :func:`place_experts` turns the strategy's (dense) placement into
+one where what runs for every token comes first and the routed experts after it:
+
+1. every routed experts module leaves the accelerators for RAM (``"cpu"``), or disk where RAM is short (with a CPU
+   main device: disk), mapped as a whole, so the map stays one that transformers and accelerate load;
+2. what the dense map offloaded besides experts (attention, norms, routers, shared experts of later layers) moves to
+   the last accelerator it used (to the CPU main device where there is no accelerator), as far as its budget goes;
+3. the room left on the main device holds the experts most used per byte, resident (global top-k per byte of
+   :meth:`allocator.model.expert_profile.ExpertProfile.shares`, uniform without a profile); the runtime keeps their
+   slices there and fetches or computes the others where they live when routed.
+
+The result carries where each expert lives (:attr:`allocator.placement.Placement.experts`) and a ``"experts"``
+:class:`~allocator.placement.Decision`. It is kept only when it keeps the runtime rules and at least the dense plan's
+bytes on the fastest tier as accelerate's map (the contract's floor, resident experts counted); otherwise the dense
+placement is returned, with a decision saying why. The decision states both estimates
+(:func:`allocator.evaluate.experts.routed_cost`): at a prefill of hundreds of tokens every expert is routed and the
+two are close; a decoding step routes ``k`` of ``E``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+
+from ..budgets import Device, format_bytes, is_accelerator, normalize_map
+from ..evaluate.cost import priced
+from ..evaluate.experts import expert_bytes, expert_shares, home_of, routed_cost, step_tokens
+from ..evaluate.memory import map_runs, offloaded_devices, tensor_devices
+from ..evaluate.runs import columns
+from ..evaluate.tiers import accelerator_sequence, fast_bytes, fast_tier
+from ..evaluate.validate import check
+from ..placement import Decision, Placement
+from ..problem import Problem
+from .witness import floor
+
+__all__ = ["place_experts"]
+
+log = logging.getLogger(__name__)
+
+
+def place_experts(problem: Problem, placement: Placement) -> Placement:
+    """``placement`` with the routed experts as units of placement, where the plan is for the allocator runtime
+    (module docstring); ``placement`` itself otherwise (accelerate's runtime, no mixture of experts, accelerate's own
+    map).
+
+    Notes
+    -----
+    O(k log k · log m) for k map entries and m modules moved (a bisection of :func:`allocator.evaluate.validate.check`
+    calls), plus O(E log E) over all experts for the resident ones.
+
+    Examples
+    --------
+    >>> import torch, torch.nn as nn
+    >>> from allocator.problem import build_problem
+    >>> from allocator.strategies import run
+    >>> class Experts(nn.Module):       # 8 experts fused in 3D parameters, 16 KiB each
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.up, self.down = nn.Parameter(torch.empty(8, 64, 32)), nn.Parameter(torch.empty(8, 32, 64))
+    >>> class Layer(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.attn, self.gate, self.experts = nn.Linear(32, 32), nn.Linear(32, 8, bias=False), Experts()
+    >>> model = nn.Sequential(*[Layer() for _ in range(8)])
+    >>> problem = build_problem(model, {"cpu": 450_000}, runtime="allocator")
+    >>> placed = place_experts(problem, run("reserve", problem))
+    >>> placed.device_map["0.attn"], placed.device_map["0.experts"], placed.experts["0.experts"][:3]
+    ('cpu', 'disk', ('cpu', 'disk', 'disk'))
+    >>> sum(row.count("cpu") for row in placed.experts.values())    # one resident expert per layer
+    8
+    """
+    if not problem.moe or problem.options.runtime != "allocator" or placement.accelerates:
+        return placement
+    layers = [m for m in problem.moe if m.experts in problem.graph.node_index]
+    dense = normalize_map(placement.device_map)
+    violations, memory = check(problem, dense)
+    if violations or not layers:
+        return placement
+    main = memory.main
+    units, homes = _units(problem, dense, layers)
+    homes_cpu = "cpu" if is_accelerator(main) and problem.budgets.limit("cpu") is not None else "disk"
+    found = _with_experts_away(problem, units, homes, layers, main, homes_cpu)
+    if found is None:
+        return _kept(placement, "the experts modules fit neither RAM nor disk apart from their layers")
+    moved, mapped = found
+    memory = check(problem, mapped)[1]
+    limit = problem.budgets.limit(main)
+    room = (limit - memory.peak.get(main, 0)) if limit is not None else 0
+    experts, resident, chosen = _residents(problem, layers, mapped, main, max(room, 0))
+    tier = fast_tier(problem.budgets)
+    have = fast_bytes(problem, map_runs(problem.graph, mapped)) + (resident if main in tier else 0)
+    need = floor(problem)
+    if have < need:
+        return _kept(placement, f"apart from their layers the experts would leave {format_bytes(need - have)} "
+                                "fewer on the fastest tier than accelerate's map (the contract's floor)")
+    total = sum(m.num_experts for m in layers)
+    source = "the expert profile" if problem.expert_profile is not None else "uniform use (no expert profile)"
+    text = (f"experts of {len(layers)} mixture-of-experts layers as units: attention, norms, routers and shared "
+            f"experts first ({moved} modules moved to {_target(problem, dense, main)!r}), then {chosen} of {total} "
+            f"experts resident on {main!r} ({format_bytes(resident)}, most used per byte by {source}); the others "
+            f"stay on {sorted({d for row in experts.values() for d in row if d != main}, key=str)} and the runtime "
+            "fetches or computes them where they live when routed")
+    result = replace(placement, device_map=problem.cleaned(mapped), experts=experts,
+                     exempt=placement.exempt | {"floor"})
+    ours, theirs = routed_cost(problem, result, priced(problem, result.device_map)), priced(problem, dense)
+    text += (f"; estimated {ours.seconds * 1e3:.3f} ms per forward of {step_tokens(problem)} tokens "
+             f"({format_bytes(ours.streamed_bytes)} streamed), against {theirs.seconds * 1e3:.3f} ms "
+             f"({format_bytes(theirs.streamed_bytes)}) with the experts in their layers")
+    decision = Decision("experts", text, devices=(main,), units=tuple(m.experts for m in layers), bytes=resident,
+                        bound="budget")
+    return replace(result, decisions=placement.decisions + (decision,))
+
+
+def _kept(placement: Placement, why: str) -> Placement:
+    text = f"experts kept with their layers: {why}"
+    return replace(placement, decisions=placement.decisions + (Decision("experts", text, bound="budget"),))
+
+
+def _units(problem: Problem, dense: dict, layers) -> tuple[list, list]:
+    """The map's entries at the granularity the step moves: ``(key, device, is_experts)`` in model order — each
+    experts module whole, every other module with direct tensors on its own (a tensor of the root by name)."""
+    g = problem.graph
+    cols = columns(g)
+    devices = tensor_devices(g, dense)
+    spans = sorted((cols.first[g.node_index[m.experts]], cols.last[g.node_index[m.experts]], m.experts)
+                   for m in layers)
+    units, homes = [], []
+    t, n, s = 0, len(devices), 0
+    while t < n:
+        if s < len(spans) and spans[s][0] == t:
+            start, end, name = spans[s]
+            units.append((name, True))
+            homes.append(devices[start])
+            t, s = max(end, t + 1), s + 1
+            continue
+        node = g.tensors.module[t]
+        name = g.nodes.name[node]
+        if not name:
+            units.append((g.tensors.name[t], False))
+            homes.append(devices[t])
+            t += 1
+            continue
+        last = cols.first[node] + g.nodes.n_params[node] + g.nodes.n_buffers[node]
+        units.append((name, False))
+        homes.append(devices[t])
+        t = max(last, t + 1)
+    return units, homes
+
+
+def _target(problem: Problem, dense: dict, main: Device) -> Device:
+    """Where offloaded parts that run for every token go: the last accelerator the dense map uses (index order
+    holds), the main device where it uses none."""
+    sequence = accelerator_sequence(problem, map_runs(problem.graph, dense))
+    return sequence[-1] if sequence else main
+
+
+def _map(units, devices) -> dict:
+    return {name: device for (name, _), device in zip(units, devices) if device is not None}
+
+
+def _with_experts_away(problem: Problem, units, homes, layers, main: Device, away: Device):
+    """The map with every experts module on ``away`` (the last ones on disk where RAM is short) and the largest
+    prefix of the other offloaded units moved to the target device that keeps every runtime rule; ``None`` where no
+    such map exists. Returns ``(units moved, map)``."""
+    target = _target(problem, dict(zip((u for u, _ in units), homes)), main)
+    offloaded = offloaded_devices(main)
+    experts_at = [i for i, (_, is_experts) in enumerate(units) if is_experts]
+
+    def devices(on_away: int, moved: int) -> list:
+        out = list(homes)
+        for j, i in enumerate(experts_at):
+            out[i] = away if j < on_away else "disk"
+        count = 0
+        for i, (_, is_experts) in enumerate(units):
+            if not is_experts and out[i] in offloaded:
+                if count >= moved:
+                    break
+                out[i] = target
+                count += 1
+        return out
+
+    def valid(on_away: int, moved: int) -> bool:
+        return not check(problem, _map(units, devices(on_away, moved)))[0]
+
+    on_away = _largest(len(experts_at), lambda k: valid(k, 0)) if away != "disk" else len(experts_at)
+    if on_away is None:
+        return None
+    movable = sum(1 for i, (_, e) in enumerate(units) if not e and homes[i] in offloaded)
+    moved = _largest(movable, lambda m: valid(on_away, m))
+    if moved is None:
+        return None
+    return moved, _map(units, devices(on_away, moved))
+
+
+def _largest(n: int, ok) -> int | None:
+    """The largest ``k`` in ``0..n`` with ``ok(k)``, bisecting (``ok`` assumed to hold up to a point); ``None`` when
+    ``ok(0)`` fails."""
+    if ok(n):
+        return n
+    if not ok(0):
+        return None
+    lo, hi = 0, n   # ok(lo), not ok(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _residents(problem: Problem, layers, mapped: dict, main: Device, room: int) -> tuple[dict, int, int]:
+    """Each experts module's devices per expert, the resident bytes and how many: the experts with the most
+    expected routings per byte (``top_k`` x share / bytes) while they fit in ``room`` on ``main``; ties go round
+    the layers (expert index first), so uniform use spreads residents evenly."""
+    sizes = [expert_bytes(problem, m) for m in layers]
+    value, order_layer, order_expert = [], [], []
+    for li, m in enumerate(layers):
+        shares = np.asarray(expert_shares(problem, m), dtype=float)
+        # ModuleList experts are modules of the map: they stay with it (the runtime keeps fused slices only)
+        value.append(shares * (m.top_k or 1) / max(sizes[li], 1) if m.kind == "fused" else np.full(m.num_experts, -1.0))
+        order_layer.append(np.full(m.num_experts, li))
+        order_expert.append(np.arange(m.num_experts))
+    value, order_layer, order_expert = map(np.concatenate, (value, order_layer, order_expert))
+    order = np.lexsort((order_layer, order_expert, -value))
+    rows = [[home_of(mapped, m.experts)] * m.num_experts for m in layers]
+    used = chosen = 0
+    for k in order:
+        li, e = int(order_layer[k]), int(order_expert[k])
+        if value[k] < 0 or used + sizes[li] > room:
+            continue
+        rows[li][e] = main
+        used += sizes[li]
+        chosen += 1
+    return {m.experts: tuple(row) for m, row in zip(layers, rows)}, used, chosen

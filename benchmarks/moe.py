@@ -1,0 +1,334 @@
+"""Mixtures of experts offloaded: transformers' own load, our runtime without and with expert awareness (issue #33).
+
+Models: transformers' Qwen3-MoE, Mixtral, OLMoE and gpt-oss classes from configs with the real numbers of experts
+and top-k (Qwen3-MoE 64 experts top-4 — the issue's shape —, Mixtral 8 top-2, OLMoE 64 top-8, gpt-oss 32 top-4) and
+hidden sizes and layers scaled down to run here; float32, random weights (seeded), saved once with
+``save_pretrained``. The CPU is the main device with 30 % of the model's bytes as RAM budget, the rest on disk. Rows:
+
+- ``ram``: the model fully in RAM (``experts_implementation="eager"``): the reference for every output;
+- ``transformers``: ``from_pretrained(device_map="auto", max_memory=...)`` unpatched (accelerate's hooks);
+- ``ours-whole``: ``allocator.plan`` of the same budget (made for accelerate's hooks) run by ``allocator.offload``
+  without expert awareness (``attach(experts=False)``: offloaded modules streamed whole);
+- ``ours-experts``: ``plan(runtime="allocator")`` (experts as units: all that runs for every token in RAM, experts
+  modules on disk, the RAM left holding experts, uniform use) and ``attach``: only the routed experts are read;
+- ``ours-profiled``: the same with ``expert_profile=allocator.profile_experts(ram model, [the prompt and the greedy
+  tokens of the reference])``.
+
+All loaded with ``experts_implementation="eager"`` (the runtime's experts implementation replaces it where it
+attaches). Measured per row, one thread for torch, ``torch.no_grad``: prefill of a ``--prompt``-token prompt (median
+of 3), a greedy decode of ``--tokens`` tokens as a loop of forwards with a KV cache (warm: the page cache keeps the
+files; ms per token, median), the same decode *cold* (before every step, outside the timing: our mappings' pages
+dropped, then ``posix_fadvise(DONTNEED)`` on every file of the checkpoint and offload folder) with the bytes the
+process read from the block device per token (``/proc/self/io`` ``read_bytes``), and whether every greedy token
+equals the reference's. ``--standin`` adds the accelerator path through :class:`allocator.offload.StandInDevice` on
+the Qwen3 shape: bytes copied to the "device" per decode token, against the bytes of the routed experts that are not
+resident (counted from the routers' choices by forward hooks), fetched and computed-on-CPU.
+
+    python benchmarks/moe.py                 # four shapes, warm and cold
+    python benchmarks/moe.py --smoke         # one tiny shape, a few tokens (CI smoke)
+
+Writes ``results/moe.csv`` and ``results/moe.md`` (``--out`` for another folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import allocator
+from allocator import offload
+from allocator.model.experts import find_experts
+
+sys.path.insert(0, str(Path(__file__).parent))
+from benchutil import cores, quiet, write_csv  # noqa: E402
+
+OUT = Path(__file__).parent / "results"
+
+SHAPES = {   # real numbers of experts and top-k; widths and depths scaled down
+    "qwen3-moe": ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=64, intermediate_size=512,
+                                    num_experts=64, num_experts_per_tok=4, num_hidden_layers=12,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, norm_topk_prob=True,
+                                    decoder_sparse_step=1, mlp_only_layers=[])),
+    "mixtral": ("mixtral", dict(hidden_size=256, intermediate_size=448, num_local_experts=8, num_experts_per_tok=2,
+                                num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
+    "olmoe": ("olmoe", dict(hidden_size=256, intermediate_size=64, num_experts=64, num_experts_per_tok=8,
+                            num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4)),
+    "gpt-oss": ("gpt_oss", dict(hidden_size=256, intermediate_size=128, num_local_experts=32, num_experts_per_tok=4,
+                                num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                layer_types=["full_attention"] * 8)),
+}
+SMOKE = {"qwen3-moe": ("qwen3_moe", dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=96,
+                                         num_experts=16, num_experts_per_tok=4, num_hidden_layers=8,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         decoder_sparse_step=1, mlp_only_layers=[]))}
+VOCAB = 512
+
+
+def build(family: str, fields: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=VOCAB, max_position_embeddings=512, **fields)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def _files(*folders) -> list[str]:
+    return [str(p) for folder in folders for p in Path(folder).rglob("*") if p.is_file()]
+
+
+def _drop(files, runtime) -> None:
+    if runtime is not None:
+        runtime.evict()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def decode(model, prompt, tokens: int, *, cold: bool = False, files=(), runtime=None):
+    """Greedy tokens, seconds per step and bytes read from the block device per step (cold: caches dropped before
+    each step)."""
+    from transformers import DynamicCache
+
+    out, times, reads = [], [], []
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        ids = prompt
+        for _ in range(tokens):
+            if cold:
+                _drop(files, runtime)
+            r0, t0 = _read_bytes(), time.perf_counter()
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - t0)
+            reads.append(_read_bytes() - r0)
+            out.append(int(nxt))
+            ids = nxt
+    return out, times, reads
+
+
+def prefill(model, prompt, repeats: int = 3) -> float:
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(input_ids=prompt, use_cache=False)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _load(folder, device_map=None, offload_folder=None, **kw):
+    from transformers import AutoModelForCausalLM
+
+    extra = {} if device_map is None else {"device_map": device_map, "offload_folder": str(offload_folder)}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager",
+                                                **extra, **kw).eval()
+
+
+def measure(name: str, family: str, fields: dict, args, work: Path) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    folder = work / name
+    build(family, fields).save_pretrained(folder)
+    ref = _load(folder)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(ref.config)
+    total = allocator.build_problem(meta, {"cpu": 0}).graph.total
+    budget = {"cpu": int(args.ram * total)}
+    prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    want, ram_times, _ = decode(ref, prompt, args.tokens)
+    seen = torch.cat([prompt, torch.tensor([want])], dim=1)
+    profile = allocator.profile_experts(ref, [seen])
+    rows = [_row(name, "ram", total, budget, prefill(ref, prompt), ram_times, [], [], want, want, None)]
+    configs = {
+        "transformers": lambda off: (_load(folder, "auto", off, max_memory=budget), None),
+        "ours-whole": lambda off: _attached(folder, off, allocator.plan(meta, budget), experts=False),
+        "ours-experts": lambda off: _attached(folder, off, allocator.plan(meta, budget, runtime="allocator")),
+        "ours-profiled": lambda off: _attached(folder, off, allocator.plan(meta, budget, runtime="allocator",
+                                                                            expert_profile=profile)),
+    }
+    for row, make in configs.items():
+        with tempfile.TemporaryDirectory(dir=work) as off:
+            model, runtime = make(off)
+            files = _files(folder, off)
+            p = prefill(model, prompt)
+            got, warm, _ = decode(model, prompt, args.tokens)
+            _, cold, reads = decode(model, prompt, args.tokens, cold=True, files=files, runtime=runtime)
+            rows.append(_row(name, row, total, budget, p, warm, cold, reads, got, want, runtime))
+            if runtime is not None:
+                offload.detach(model)
+            del model
+    if args.standin and name.startswith("qwen3"):
+        rows += standin(name, folder, meta, budget, prompt, args, work)
+    return rows
+
+
+def _attached(folder, off, plan, experts=None):
+    model = _load(folder, plan.device_map, off)
+    return model, offload.attach(model, plan, experts=experts)
+
+
+def _row(model, row, total, budget, prefill_s, warm, cold, reads, got, want, runtime) -> dict:
+    resident = ""
+    if runtime is not None and runtime.experts:
+        resident = sum(len(r.rows) for r in runtime.experts.values())
+    return dict(model=model, row=row, model_mib=round(total / 2 ** 20, 1),
+                ram_budget_mib=round(budget["cpu"] / 2 ** 20, 1),
+                prefill_ms=round(prefill_s * 1e3, 2), decode_ms=round(statistics.median(warm) * 1e3, 2),
+                decode_cold_ms=round(statistics.median(cold) * 1e3, 2) if cold else "",
+                disk_kib_per_token=round(statistics.mean(reads) / 1024, 1) if reads else "",
+                resident_experts=resident, tokens_equal=got == want)
+
+
+def standin(name, folder, meta, budget, prompt, args, work) -> list[dict]:
+    """The accelerator path through the stand-in: bytes copied per decode token against the routed experts that are
+    not resident; fetched, then computed where their weights live."""
+    plan = allocator.plan(meta, budget, runtime="allocator")
+    rows = []
+    for mode in ("fetch", "compute"):
+        with tempfile.TemporaryDirectory(dir=work) as off:
+            model = _load(folder, plan.device_map, off)
+            layers = find_experts(model)
+            keep = max(1, layers[0].num_experts // 4)
+            where = {m.experts: ("main",) * keep + ("cpu",) * (m.num_experts - keep) for m in layers}
+            runtime = offload.attach(model, None, device="stand-in", experts=where, expert_mode=mode)
+            routed: list = []
+            hooks = [model.get_submodule(m.experts).register_forward_pre_hook(
+                lambda mod, a: routed.append({e for e in a[1].flatten().tolist() if e >= keep})) for m in layers]
+            from transformers import DynamicCache
+
+            size = next(iter(runtime.experts.values()))
+            size = sum(m[0].numel() * m.element_size() for m in size.metas.values())
+            with torch.no_grad():
+                cache = DynamicCache(config=model.config)
+                model(input_ids=prompt, past_key_values=cache, use_cache=True)
+                ids = prompt[:, -1:]
+                copied0, act0 = runtime.traffic.copied, runtime.traffic.activations
+                routed.clear()
+                for _ in range(args.tokens):
+                    ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(
+                        -1, keepdim=True)
+            for h in hooks:
+                h.remove()
+            n = args.tokens
+            rows.append(dict(model=name, row=f"standin-{mode}", model_mib="", ram_budget_mib="", prefill_ms="",
+                             decode_ms="", decode_cold_ms="",
+                             disk_kib_per_token="",
+                             resident_experts=keep * len(layers), tokens_equal="",
+                             copied_kib_per_token=round((runtime.traffic.copied - copied0) / n / 1024, 1),
+                             routed_nonresident_kib_per_token=round(sum(len(r) for r in routed) * size / n / 1024, 1),
+                             activations_kib_per_token=round((runtime.traffic.activations - act0) / n / 1024, 1)))
+            offload.detach(model)
+    return rows
+
+
+def _gpt_oss_20b():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt_oss", num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4,
+                                  hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                                  num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                                  layer_types=["sliding_attention", "full_attention"] * 12)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def estimates() -> list[dict]:
+    """Cost-model *estimates* (nothing runs): real sizes in bfloat16 on one 24 GiB GPU and 64 GiB of RAM, one decode
+    token (``inputs={"input_ids": (1, 1)}``) and a 512-token prefill: accelerate's map (``sequential``) against
+    ``plan(runtime="allocator")`` (experts as units)."""
+    from allocator.model import zoo
+
+    models = {"qwen3-moe-30b-a3b": lambda: zoo.build("qwen3-moe-30b-a3b"),
+              "mixtral-8x7b": lambda: zoo.build("mixtral-8x7b"), "gpt-oss-20b (bf16)": _gpt_oss_20b}
+    budget = {0: "24GiB", "cpu": "64GiB"}
+    rows = []
+    for name, make in models.items():
+        model = make()
+        for step, inputs in (("decode", (1, 1)), ("prefill", (1, 512))):
+            kw = dict(dtype=torch.bfloat16, inputs={"input_ids": inputs})
+            theirs = allocator.plan(model, budget, strategy="sequential", **kw)
+            ours = allocator.plan(model, budget, runtime="allocator", **kw)
+            layers = ours.problem.moe
+            on_gpu = sum(row.count(0) for row in ours.experts.values())
+            dense_on_gpu = all(d == 0 for k, d in ours.device_map.items() if not any(
+                k == m.experts or k.startswith(m.experts + ".") for m in layers))
+            for who, p in (("accelerate", theirs), ("ours-experts", ours)):
+                rows.append(dict(model=name, step=step, plan=who, valid=p.valid,
+                                 estimated_ms=round(p.cost.seconds * 1e3, 1),
+                                 streamed_gib=round(p.cost.streamed_bytes / 2 ** 30, 3),
+                                 gpu_map_gib=round(p.resident(0) / 2 ** 30, 2),
+                                 experts_on_gpu=f"{on_gpu}/{sum(m.num_experts for m in layers)}" if who != "accelerate"
+                                 else "", all_but_experts_on_gpu=dense_on_gpu if who != "accelerate" else ""))
+    return rows
+
+
+def report(rows, command: str, started: str, seconds: float) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = [f"`{command}`, {started}, {seconds:.0f} s, {cores()}, load average at start "
+             f"{os.getloadavg()[0]:.2f}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(SHAPES))
+    ap.add_argument("--ram", type=float, default=0.3, help="RAM budget as a share of the model's bytes")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--no-standin", dest="standin", action="store_false")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--estimates", action="store_true", help="only the cost-model estimates at real sizes")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    quiet()
+    torch.set_num_threads(1)
+    if args.estimates:
+        started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        t0 = time.time()
+        rows = estimates()
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_csv(args.out / "moe_estimates.csv", rows)
+        text = report(rows, "python benchmarks/moe.py --estimates", started, time.time() - t0)
+        (args.out / "moe_estimates.md").write_text(text)
+        print(text)
+        return 0
+    shapes = SMOKE if args.smoke else {k: SHAPES[k] for k in args.models}
+    if args.smoke:
+        args.tokens, args.prompt = 3, 8
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    t0 = time.time()
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for name, (family, fields) in shapes.items():
+            rows += measure(name, family, fields, args, Path(work))
+            print(f"{name}: done", file=sys.stderr)
+    command = "python benchmarks/moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    write_csv(args.out / ("moe_smoke.csv" if args.smoke else "moe.csv"), [{k: r.get(k, "") for k in keys}
+                                                                          for r in rows])
+    text = report(rows, command.strip(), started, time.time() - t0)
+    (args.out / ("moe_smoke.md" if args.smoke else "moe.md")).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
