@@ -24,10 +24,10 @@ from ..placement import Placement
 from ..problem import Problem
 from ..profile import flop_seconds, read_rates
 from .cost import Cost, copy_seconds, read_seconds
-from .memory import main_device, offloaded_devices
+from .memory import device_of, main_device, offloaded_devices
 from .runs import columns
 
-__all__ = ["expert_bytes", "expert_numel", "expert_shares", "home_of", "resident_bytes", "routed_cost",
+__all__ = ["expert_bytes", "expert_numel", "expert_shares", "resident_bytes", "routed_cost",
            "step_tokens"]
 
 log = logging.getLogger(__name__)
@@ -65,16 +65,6 @@ def expert_shares(problem: Problem, layer) -> tuple[float, ...]:
     return tuple(1.0 / layer.num_experts for _ in range(layer.num_experts))
 
 
-def home_of(device_map, name: str):
-    """The device the map gives module ``name``: its own entry or its closest mapped ancestor's."""
-    while True:
-        if name in device_map:
-            return device_map[name]
-        if not name:
-            return None
-        name = name.rpartition(".")[0]
-
-
 def resident_bytes(problem: Problem, placement: Placement) -> dict:
     """Bytes of fused experts the runtime keeps resident away from their module's device, per device (experts of a
     ``ModuleList`` are modules of the map, counted by it)."""
@@ -84,7 +74,7 @@ def resident_bytes(problem: Problem, placement: Placement) -> dict:
         if where is None or layer.kind != "fused":
             continue
         size = expert_bytes(problem, layer)
-        home = home_of(placement.device_map, layer.experts)
+        home = device_of(layer.experts, placement.device_map)
         for device in where:
             if device != home:
                 out[device] = out.get(device, 0) + size
@@ -130,7 +120,7 @@ def routed_cost(problem: Problem, placement: Placement, base: Cost) -> Cost:
     seconds, streamed, disk = base.seconds, float(base.streamed_bytes), float(base.disk_bytes)
     for layer in problem.moe:
         where = placement.experts.get(layer.experts)
-        home = home_of(device_map, layer.experts)
+        home = device_of(layer.experts, device_map)
         if where is None or home not in offloaded:
             continue
         a, b = _span(problem, layer)

@@ -30,8 +30,8 @@ import numpy as np
 
 from ..budgets import Device, format_bytes, is_accelerator, normalize_map
 from ..evaluate.cost import priced
-from ..evaluate.experts import expert_bytes, expert_shares, home_of, routed_cost, step_tokens
-from ..evaluate.memory import map_runs, offloaded_devices, tensor_devices
+from ..evaluate.experts import expert_bytes, expert_shares, routed_cost, step_tokens
+from ..evaluate.memory import device_of, map_runs, offloaded_devices, tensor_devices
 from ..evaluate.runs import columns
 from ..evaluate.tiers import accelerator_sequence, fast_bytes, fast_tier
 from ..evaluate.validate import check
@@ -226,7 +226,7 @@ def _residents(problem: Problem, layers, mapped: dict, main: Device, room: int) 
         order_expert.append(np.arange(m.num_experts))
     value, order_layer, order_expert = map(np.concatenate, (value, order_layer, order_expert))
     order = np.lexsort((order_layer, order_expert, -value))
-    rows = [[home_of(mapped, m.experts)] * m.num_experts for m in layers]
+    rows = [[device_of(m.experts, mapped)] * m.num_experts for m in layers]
     used = chosen = 0
     for k in order:
         li, e = int(order_layer[k]), int(order_expert[k])
