@@ -71,7 +71,7 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     >>> problem = build_problem(model, {"cpu": 450_000}, runtime="allocator")
     >>> placed = place_experts(problem, run("reserve", problem))
     >>> placed.device_map["0.attn"], placed.device_map["0.experts"], placed.experts["0.experts"][:3]
-    ('cpu', 'disk', ('cpu', 'disk', 'disk'))
+    ('cpu', 'disk', ('cpu', 'cpu', 'disk'))
     >>> sum(row.count("cpu") for row in placed.experts.values())    # one resident expert per layer
     8
     """

@@ -131,8 +131,9 @@ def witness(problem: Problem) -> Witness:
 def _first_main(problem: Problem, valid: dict | None) -> tuple[Device, dict | None]:
     theirs = main_device(valid.values()) if valid is not None else None
     for device in problem.budgets.accelerators:
-        if device == theirs:
-            return device, valid
+        if device == theirs:   # the baseline's own plan proves it, where it keeps rule 2 too
+            ordered = not order_violations(problem, map_runs(problem.graph, valid))
+            return device, valid if ordered else admission(problem, device)
         if (problem.budgets.limit(device) or 0) > 0 or not problem.graph.total:
             found = admission(problem, device)
             if found is not None:

@@ -17,6 +17,7 @@ from allocator.placement import clean_device_map
 from allocator.rules.loaders import loads_disk_only
 from allocator.rules.dispatch import nested_keys
 from allocator.evaluate.validate import check
+from allocator.strategies.witness import witness
 from infeasible import assert_true_minimum
 from trees import budgets, module_trees
 
@@ -172,8 +173,12 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
     assert ours.valid, ours.violations
     assert clean_device_map(ours.device_map) == ours.device_map   # returned clean: plan() does not walk it again
     assert not nested_keys(list(ours.device_map)), ours.device_map
-    # the contract (main device, index order, accelerate's floor) holds for every strategy
-    assert not allocator.contract_violations(ours.problem, ours.device_map, exempt=ours.placement.exempt)
+    # the contract (main device, index order, accelerate's floor) holds for every strategy; where accelerate's valid
+    # map itself breaks rule 1 or 2, rules 1 and 2 come first and the floor may be missed (plan() warns)
+    broken = allocator.contract_violations(ours.problem, ours.device_map, exempt=ours.placement.exempt)
+    if witness(ours.problem).fallback is None:
+        broken = [v for v in broken if v.kind != "contract-floor"]
+    assert not broken
     try:
         seq = allocator.plan(model, budget, strategy="sequential", offload_buffers=offload_buffers)
     except allocator.UnsupportedByAccelerate:
@@ -182,7 +187,12 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
         assert fast_bytes(ours) >= fast_bytes(seq)
     keeps = seq.valid and not allocator.contract_violations(seq.problem, seq.device_map)
     if strategy in ("auto", "ilp") and keeps and (strategy == "auto" or ours.optimal):
-        assert seconds(ours) <= seconds(seq) * (1 + 1e-6)
+        # never ranked behind accelerate's map: without a measured profile bytes on the fastest tier, then bytes
+        # streamed, then the estimate (ranking.rank_key)
+        mine, theirs = estimate(ours.problem, ours.device_map), estimate(ours.problem, seq.device_map)
+        assert (mine.resident_fast, -mine.streamed_bytes) >= (theirs.resident_fast, -theirs.streamed_bytes)
+        if (mine.resident_fast, mine.streamed_bytes) == (theirs.resident_fast, theirs.streamed_bytes):
+            assert mine.seconds <= theirs.seconds * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("release", [(1, 15, 0), (1, 16, 0)], ids=["accelerate-1.15", "accelerate-1.16"])
