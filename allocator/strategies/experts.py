@@ -72,8 +72,8 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     >>> placed = place_experts(problem, run("reserve", problem))
     >>> placed.device_map["0.attn"], placed.device_map["0.experts"], placed.experts["0.experts"][:3]
     ('cpu', 'disk', ('cpu', 'cpu', 'disk'))
-    >>> sum(row.count("cpu") for row in placed.experts.values())    # one resident expert per layer
-    8
+    >>> sum(row.count("cpu") for row in placed.experts.values())    # two resident experts per layer
+    16
     """
     if not problem.moe or problem.options.runtime != "allocator" or placement.accelerates:
         return placement
