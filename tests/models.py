@@ -4,7 +4,8 @@
 ``__init__`` values), keeps a meta-device twin, a RAM budget of a share of its size,
 seeded inputs and the reference output of the model fully in RAM; ``quiet_hf`` silences transformers' progress
 bars and accelerate's warnings while the tests load models, and restores them after; ``StreamMeter`` measures the
-offloaded weights accelerate's hooks hold at once during a forward.
+offloaded weights accelerate's hooks hold at once during a forward; ``assert_same_output`` compares the outputs of
+two code paths within the tolerances stated for their dtype (:data:`TOLERANCE`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,22 @@ from allocator.evaluate.memory import tensor_devices
 
 SEED = 0
 DTYPE = torch.float32
+
+# The tolerances two code paths computing the same thing (the runtime against eager, an offloaded model against the
+# model in RAM, FSDP against one process) are held to, per dtype: torch.testing.assert_close's own defaults, stated.
+# GEMMs of other shapes, strides or thread splits round differently on different CPUs, so such outputs are equal
+# within float tolerance, not bitwise; greedy tokens are compared exactly.
+TOLERANCE = {
+    torch.float64: dict(rtol=1e-7, atol=1e-7),
+    torch.float32: dict(rtol=1.3e-6, atol=1e-5),
+    torch.float16: dict(rtol=1e-3, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),
+}
+
+
+def assert_same_output(got: torch.Tensor, expected: torch.Tensor, msg=None) -> None:
+    """``got`` equals ``expected`` within :data:`TOLERANCE` for ``expected``'s dtype (same dtype and shape)."""
+    torch.testing.assert_close(got, expected, **TOLERANCE[expected.dtype], msg=msg)
 
 
 def tiny_specs() -> dict:

@@ -33,6 +33,7 @@ pytest.importorskip("accelerate")
 
 import allocator  # noqa: E402
 from allocator.evaluate.validate import check  # noqa: E402
+from models import assert_same_output  # noqa: E402
 
 MiB = 2**20
 DEVICE_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
@@ -71,7 +72,7 @@ with torch.no_grad():
     peak = status("VmHWM")
     in_ram = tf.LlamaForCausalLM.from_pretrained(path, dtype=dtype)(x).logits   # the same dtype, no map
 print(json.dumps({"streamed": peak - before, "inv_freq": str(model.model.rotary_emb.inv_freq.dtype),
-                  "same": bool(torch.equal(logits, in_ram))}))
+                  "logits": logits.float().tolist(), "in_ram": in_ram.float().tolist()}))
 """
 
 
@@ -109,7 +110,8 @@ def test_streamed_peak_fits_what_validate_predicts(saved, loader, dtype):
     kept = largest // 2 if dtype == "float16" else largest
     assert memory.streamed == kept + (largest if dtype == "float16" else 0)   # a cast holds both copies
     found = measure(loader, path, dtype)
-    assert found["same"], "the offloaded model computes what the model in RAM computes at that dtype"
+    got, in_ram = (torch.tensor(found[k]).to(getattr(torch, dtype)) for k in ("logits", "in_ram"))
+    assert_same_output(got, in_ram, msg="the offloaded model computes what the model in RAM computes at that dtype")
     measured = found["streamed"]
     mapped = largest if loader == "accelerate" else 0   # the .dat file's pages while it is copied (page cache)
     assert measured <= memory.streamed + mapped + MiB // 2, (measured / MiB, memory.streamed / MiB)

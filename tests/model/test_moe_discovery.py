@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
+from moe_models import SMALL, small_model  # noqa: E402
+
 
 def _families() -> dict[str, str]:
     """Model type of every family whose modeling file uses ``use_experts_implementation``, by family folder."""
@@ -105,33 +107,6 @@ def test_discovery_matches_transformers_experts(family):
         declared = getattr(config, "num_experts_per_tok", None)
         if isinstance(declared, int):
             assert layer.top_k == declared
-
-
-SMALL = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                      mlp_only_layers=[]),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(num_experts=8, num_experts_per_tok=2),
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[]),
-    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
-                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
-                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=4),
-}
-
-
-def small_model(family: str, layers: int = 2, **extra):
-    """A real model of ``family`` from a small config, built on the CPU (seeded)."""
-    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, head_dim=16)
-    base.update(SMALL[family])
-    if family == "gpt_oss":
-        base["layer_types"] = ["full_attention"] * layers
-    base.update(extra)
-    config = AutoConfig.for_model(family, **base)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 @pytest.mark.parametrize("family", sorted(SMALL))

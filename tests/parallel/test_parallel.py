@@ -1,7 +1,7 @@
 """allocator.parallel: the exact partitioner against brute force, block classes and pipeline splits on real
 architectures (meta-device zoo), and two real processes over gloo on CPU: FSDP2 (apply_fully_shard) and FSDP1
-(fsdp_wrap_policy) training steps equal to one process bit for bit, and a 2-stage GPipe pipeline built from
-pipeline_split_spec giving the logits of one process bit for bit."""
+(fsdp_wrap_policy) training steps equal to one process, and a 2-stage GPipe pipeline built from pipeline_split_spec
+giving the logits of one process (both within the float tolerance of ``models.TOLERANCE``)."""
 
 import copy
 import datetime
@@ -25,6 +25,7 @@ from allocator.parallel.fsdp import _shard_order
 from allocator.errors import InfeasiblePlacement, InvalidBudget, InvalidModel, InvalidOption
 from allocator.model import build_graph
 from allocator.model.blocks import find_layers, infer_blocks
+from models import assert_same_output
 
 
 @functools.cache
@@ -403,8 +404,8 @@ def _layers():
 
 def _assert_same_params(got, want):
     assert list(got) == list(want)
-    different = [n for n in want if not torch.equal(got[n], want[n])]
-    assert not different, f"parameters differ after one SGD step: {different[:5]}"
+    for n in want:
+        assert_same_output(got[n], want[n], msg=f"parameter {n} differs after one SGD step")
 
 
 @pytest.mark.subprocess
@@ -415,7 +416,7 @@ def test_fully_shard_step_equals_one_process(ranks, rank):
     assert result["sharded"] == ["", *_layers()]  # the root and every block, nothing else
     full, local = result["shapes"]["model.layers.0.mlp.up_proj.weight"]
     assert full == (64, 32) and local == (32, 32)  # really sharded over the 2 ranks (Shard(0))
-    assert torch.equal(result["loss"], result["loss_ref"])
+    assert_same_output(result["loss"], result["loss_ref"])
     _assert_same_params(result["params"], result["params_ref"])
 
 
@@ -425,7 +426,7 @@ def test_fully_shard_step_equals_one_process(ranks, rank):
 def test_fsdp1_wrap_policy_step_equals_one_process(ranks, rank):
     result = _result(ranks, "fsdp1", rank)
     assert result["units"] == ["", *(f"_fsdp_wrapped_module.{layer}" for layer in _layers())]
-    assert torch.equal(result["loss"], result["loss_ref"])
+    assert_same_output(result["loss"], result["loss_ref"])
     _assert_same_params(result["params"], result["params_ref"])
 
 
@@ -436,7 +437,7 @@ def test_pipeline_from_split_spec_gives_one_process_logits(ranks):
     # embeddings + 2 layers | 1 layer + norm + head: the two embedding-sized ends make 2 | 1 the balanced split
     assert first["stages"] == (("model.layers.0", "model.layers.1"), ("model.layers.2",))
     assert first["logits"] is None  # only the last stage returns the output
-    assert torch.equal(last["logits"], last["expected"])  # bit for bit, microbatch by microbatch
+    assert_same_output(last["logits"], last["expected"])  # microbatch by microbatch
     torch.testing.assert_close(last["logits"], last["whole_batch"], rtol=0, atol=1e-6)
     for result, stage, other in ((first, 0, 1), (last, 1, 0)):  # each rank holds its stage's blocks only
         names = set(result["stage_params"])
