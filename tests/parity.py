@@ -1,4 +1,4 @@
-"""Run accelerate's infer_auto_device_map and ours on the same inputs."""
+"""Run accelerate's infer_auto_device_map and ours on the same inputs, as a user calls each."""
 
 from __future__ import annotations
 
@@ -10,21 +10,24 @@ from allocator.errors import UnsupportedByAccelerate
 
 
 def both(model, max_memory, **kwargs):
-    """(accelerate's map or its exception type, our sequential map or the exception) for the same inputs.
+    """(accelerate's map or its exception type, our sequential map or the exception, the problem) for the same
+    arguments.
 
-    The no-split classes given to accelerate are the effective ones our builder found (the caller's united with
-    every sub-model's ``_no_split_modules``; never the inferred blocks), so both algorithms see the same input.
+    Each function gets exactly the caller's arguments (``no_split_module_classes`` among them, or not at all): no
+    list derived from the model is handed to either. Ours gets the caller's own ``max_memory`` dict (a mutation check
+    on it sees what ours did); accelerate gets a copy taken before, as it converts string budgets in place. The problem
+    returned is read as :func:`allocator.plan` reads the model (the declared no-split classes too), so that the rules
+    ``check`` finds broken in accelerate's map include splitting a class the model declares.
     """
-    problem = allocator.build_problem(model, max_memory, no_split_module_classes=kwargs.get("no_split_module_classes"))
-    no_split = sorted(problem.graph.no_split_declared)
-    acc_kwargs = dict(kwargs, no_split_module_classes=no_split)
+    theirs_memory = copy.deepcopy(max_memory)
     try:
-        theirs = accelerate.utils.infer_auto_device_map(model, copy.deepcopy(max_memory), **acc_kwargs)
-        theirs = dict(theirs)
-    except (IndexError, AttributeError, ValueError) as err:
-        theirs = type(err)
-    try:
-        ours = allocator.infer_auto_device_map(model, dict(max_memory), strategy="sequential", **kwargs)
+        ours = allocator.infer_auto_device_map(model, max_memory, strategy="sequential", **kwargs)
     except UnsupportedByAccelerate as err:
         ours = err
+    try:
+        theirs = dict(accelerate.utils.infer_auto_device_map(model, theirs_memory, **kwargs))
+    except (IndexError, AttributeError, ValueError) as err:
+        theirs = type(err)
+    problem = allocator.build_problem(model, copy.deepcopy(max_memory),
+                                      no_split_module_classes=kwargs.get("no_split_module_classes"))
     return theirs, ours, problem

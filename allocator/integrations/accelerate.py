@@ -9,9 +9,28 @@ from ..api import plan
 from ..logs import shown
 from ..problem import PlanOptions
 
-__all__ = ["infer_auto_device_map"]
+__all__ = ["as_accelerate_reads", "infer_auto_device_map"]
 
 log = logging.getLogger("allocator")
+
+
+def as_accelerate_reads(strategy) -> dict:
+    """How :func:`infer_auto_device_map` reads the no-split classes for ``strategy``, as :class:`PlanOptions` fields.
+
+    ``"sequential"`` is accelerate's ``infer_auto_device_map`` for the same arguments, and accelerate keeps whole only
+    the classes it is given: neither the model's ``_no_split_modules`` nor inferred blocks. Every other strategy reads
+    the model as :func:`allocator.plan` does (the given classes united with every sub-model's declared ones).
+
+    Examples
+    --------
+    >>> as_accelerate_reads("sequential")
+    {'discover_no_split': False, 'infer_no_split': False}
+    >>> as_accelerate_reads("auto")
+    {}
+    """
+    if strategy == "sequential":
+        return {"discover_no_split": False, "infer_no_split": False}
+    return {}
 
 
 def infer_auto_device_map(
@@ -38,7 +57,11 @@ def infer_auto_device_map(
     ``load_checkpoint_and_dispatch``), where accelerate's own function sends them; pass ``loader="transformers"`` for a
     map given to ``from_pretrained``.
 
-    ``strategy="sequential"`` returns exactly accelerate's map. ``verbose`` logs the decisions at INFO on
+    ``strategy="sequential"`` returns exactly accelerate's map for the same arguments: like accelerate, it keeps
+    whole only the ``no_split_module_classes`` given (none when ``None`` or ``[]``), not the model's declared
+    ``_no_split_modules`` (transformers passes those itself). Every other strategy keeps the caller's classes and every
+    sub-model's declared ones whole (and, when none is declared, the repeated blocks): :func:`as_accelerate_reads`
+    is that one rule. ``verbose`` logs the decisions at INFO on
     the ``allocator`` logger, made visible for the call (:func:`allocator.logs.shown`: to stderr when logging is
     not configured, else to the configured handlers), where accelerate prints them. ``no_placement_params``
     (transformers' argument, names relative to a no-split block) is accepted for signature compatibility;
@@ -56,7 +79,8 @@ def infer_auto_device_map(
     options = PlanOptions(no_split_module_classes=no_split_module_classes, dtype=dtype, special_dtypes=special_dtypes,
                           offload_buffers=offload_buffers, clean_result=clean_result,
                           fallback_allocation=fallback_allocation, tied_parameters=tied_parameters,
-                          hf_quantizer=hf_quantizer, objective=objective, loader=loader)
+                          hf_quantizer=hf_quantizer, objective=objective, loader=loader,
+                          **as_accelerate_reads(strategy))
     with shown(verbose):  # the INFO records of this call reach stderr, or the handlers the caller configured
         result = plan(model, max_memory, strategy=strategy, options=options)
         if no_placement_params:

@@ -2,6 +2,7 @@
 stacks, where it takes entries a stretch at a time)."""
 
 import contextlib
+import copy
 import random
 from unittest import mock
 
@@ -82,6 +83,17 @@ def flat_stack(layers: int, rng: random.Random) -> nn.Module:
     return nn.Sequential(*[Block(rng.choice(widths), rng.choice([0, 0, 3])) for _ in range(layers)])
 
 
+def snapshot(model: nn.Module) -> dict:
+    """What planning must leave as it was: each tensor (the object, its storage, dtype, device, values), the modules'
+    training flags, hooks and attributes."""
+    tensors = {k: (id(v), v.data_ptr(), v.dtype, v.device, v.shape, v.requires_grad,
+                   None if v.is_meta else v.detach().tolist())
+               for k, v in model.state_dict(keep_vars=True).items()}
+    modules = {n: (m.training, len(m._forward_hooks), len(m._forward_pre_hooks), sorted(vars(m)))
+               for n, m in model.named_modules()}
+    return {"tensors": tensors, "modules": modules}
+
+
 def same_as_accelerate(data, model):
     total = allocator.build_problem(model, {"cpu": 0}).graph.total
     max_memory = data.draw(budgets(max(total, 1)))
@@ -91,9 +103,9 @@ def same_as_accelerate(data, model):
         clean_result=data.draw(st.booleans()),
         fallback_allocation=data.draw(st.booleans()),
     )
-    before = dict(max_memory)
-    theirs, ours, problem = both(model, max_memory, **kwargs)
-    assert max_memory == before
+    before, state, given = dict(max_memory), snapshot(model), copy.deepcopy(kwargs)
+    theirs, ours, problem = both(model, max_memory, **kwargs)   # ours is handed this very dict, and this model
+    assert max_memory == before and snapshot(model) == state and kwargs == given
     if isinstance(theirs, type):
         assert isinstance(ours, UnsupportedByAccelerate), f"accelerate raised {theirs.__name__}, we returned {ours}"
         return

@@ -1,5 +1,8 @@
 """Differential test on real transformers architectures: strategy="sequential" == accelerate, dict for dict."""
 
+import copy
+
+import accelerate.utils
 import pytest
 
 import allocator
@@ -47,3 +50,33 @@ def test_dtype_and_fallback_parity():
                        {"offload_buffers": True, "clean_result": False}):
             theirs, ours, _ = both(model, budget(total, scenario), **kwargs)
             assert ours == theirs, (scenario, kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "t5-base", "llama-3.2-1b"])
+@pytest.mark.parametrize("classes", ["none-given", "empty", "declared"])
+def test_sequential_is_accelerate_for_the_callers_own_arguments(name, classes):
+    # accelerate called exactly as a user calls it: without no_split_module_classes, with [], with the declared list;
+    # nothing derived from the model is handed to either function
+    model = zoo.build(name)
+    declared = sorted(allocator.build_problem(model, {"cpu": 0}).graph.no_split_declared)
+    assert declared, name
+    kwargs = {"none-given": {}, "empty": {"no_split_module_classes": []},
+              "declared": {"no_split_module_classes": declared}}[classes]
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    differs = 0
+    for scenario in SCENARIOS:
+        max_memory = budget(total, scenario)
+        theirs = accelerate.utils.infer_auto_device_map(model, copy.deepcopy(max_memory), **kwargs)
+        ours = allocator.infer_auto_device_map(model, max_memory, strategy="sequential", **kwargs)
+        assert ours == dict(theirs), f"{name}/{scenario}"
+        keeping = accelerate.utils.infer_auto_device_map(model, copy.deepcopy(max_memory),
+                                                         no_split_module_classes=declared)
+        differs += dict(theirs) != dict(keeping)
+        if classes == "none-given" and name == "llama-3.2-1b" and scenario in ("gpu30", "ram50"):
+            # the default strategy keeps the declared classes whole when the caller gives none
+            default = allocator.infer_auto_device_map(model, max_memory)
+            problem = allocator.build_problem(model, max_memory)
+            assert not [v for v in check(problem, default)[0] if v.kind == "no-split"], f"{name}/{scenario}"
+    # without the declared list accelerate splits blocks, so the equality above says something
+    assert differs == (0 if classes == "declared" else len(SCENARIOS)), differs
