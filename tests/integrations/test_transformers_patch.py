@@ -313,13 +313,24 @@ def test_bad_arguments_patch_nothing():
     assert _same_objects(_snapshot(), originals) and not hf._ACTIVE
 
 
-def test_budgets_as_transformers_reads_them_and_never_modified(cases):
+def test_budgets_as_transformers_reads_them_and_never_modified(cases, monkeypatch):
     meta = cases["llama"].meta
     given = {"cpu": "700KB"}
     with hf.patch():
         assert tia._get_device_map(meta, "auto", given, None) == allocator.plan(meta, {"cpu": 700_000}).device_map
-        assert tia._get_device_map(meta, "auto", None, None) == {"": "cpu"}  # this machine's RAM holds 1.5 MB
+        # no budgets: this machine's free memory as transformers reads it, whatever the machine has
+        assert tia._get_device_map(meta, "auto", None, None) == tia._get_device_map(
+            meta, "auto", tia.get_max_memory(None), None)
     assert given == {"cpu": "700KB"}
+    # and on a machine without accelerators (made one here, so the check holds on a GPU machine too)
+    machine = tia.get_max_memory
+
+    def without_accelerators(max_memory=None):
+        return {"cpu": 2**30} if max_memory is None else machine(max_memory)
+
+    monkeypatch.setattr(tia, "get_max_memory", without_accelerators)
+    with hf.patch():
+        assert tia._get_device_map(meta, "auto", None, None) == {"": "cpu"}  # 1 GiB of RAM holds 1.5 MB
 
 
 def test_declared_ties_are_made_before_planning_an_untied_model(cases):

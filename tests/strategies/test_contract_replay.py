@@ -70,6 +70,7 @@ from transformers.integrations.accelerate import compute_module_sizes  # noqa: E
 
 import allocator  # noqa: E402
 import allocator.integrations.transformers as hf
+from infeasible import assert_true_minimum  # noqa: E402
 from models import quiet_hf  # noqa: E402
 
 SEED = 0
@@ -373,6 +374,12 @@ def test_plan_keeps_transformers_offload_assertions(test_name, cls_name, cell, s
     max_memory = cell.max_memory(size)
     result = allocator.plan(model, dict(max_memory), **STRATEGIES[strategy])
     check(model, cls_name, cell, max_memory, result.device_map)
+    if not result.valid:
+        # a map that breaks a rule (the budget) is returned only where no valid plan exists: the default strategy,
+        # strict, raises, and the minimum it states plans validly (``sequential`` is accelerate's map, flagged)
+        with pytest.raises(allocator.InfeasiblePlacement) as err:
+            allocator.plan(model, dict(max_memory), strict=True)
+        assert_true_minimum(err.value, model, dict(max_memory))
 
 
 # -- path 2: the map from_pretrained computes ----------------------------------------------------------------------

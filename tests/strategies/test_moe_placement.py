@@ -20,6 +20,7 @@ from allocator.evaluate.runs import columns
 from allocator.model import zoo
 from allocator.model.expert_profile import ExpertProfile
 from allocator.placement import DECISION_KINDS, clean_device_map
+from infeasible import assert_true_minimum
 from trees import budgets
 
 GIB = 2 ** 30
@@ -171,6 +172,7 @@ def moe_models(draw):
                     shared=draw(st.booleans()), top_k=draw(st.integers(1, 2)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["auto", "backfill", "reserve", "balanced"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
@@ -183,7 +185,8 @@ def test_expert_granular_plans_are_valid(strategy, data):
     budget = data.draw(budgets(total))
     try:
         ours = strict_plan(model, budget, strategy=strategy, runtime="allocator")
-    except allocator.InfeasiblePlacement:
+    except allocator.InfeasiblePlacement as err:   # the minimum it states works (a valid plan there)
+        assert_true_minimum(err, model, budget, strategy=strategy, runtime="allocator")
         return
     assert ours.valid, ours.violations
     assert not allocator.contract_violations(ours.problem, ours.device_map, exempt=ours.placement.exempt)
