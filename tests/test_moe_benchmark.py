@@ -16,6 +16,8 @@ pytest.importorskip("transformers")
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_moe_benchmark_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "moe.py"), "--smoke", "--out", str(tmp_path)], capture_output=True,
