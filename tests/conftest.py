@@ -1,4 +1,5 @@
 import logging
+import os
 import warnings
 
 import pytest
@@ -9,6 +10,17 @@ from hypothesis import settings
 settings.register_profile("default", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("default")
+
+
+def pytest_configure(config):
+    """``ALLOCATOR_TEST_THREADS=n`` runs the suite's in-process torch work on ``n`` threads (``torch.set_num_threads``):
+    outputs of two code paths are compared within float tolerance, so results must hold on 1 thread and on 2
+    (``ALLOCATOR_TEST_THREADS=1 pytest ...``); unset, torch's own default."""
+    threads = os.environ.get("ALLOCATOR_TEST_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 @pytest.fixture(autouse=True)
