@@ -34,12 +34,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from ..api import plan
-from ..budgets import is_accelerator, warn_misread
-from ..errors import InvalidOption
+from ..budgets import canonical, is_accelerator, warn_misread
+from ..errors import InvalidOption, warn_caller
 from ..logs import shown
 from ..evaluate.memory import prefetch_of
 from ..offload import attach, has_offload_hooks
-from ..problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
+from ..problem import OPTION_NAMES, PlanOptions, absent_accelerators, quantizer_size_fn
 from ..strategies import resolve
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
@@ -167,12 +167,21 @@ class Patch:
 
     def _device_map(self, model, budgets: Mapping, mode: str, *, hf_quantizer=None, no_split=None,
                     runtime: Mapping | None = None, verbose: bool = False) -> dict:
-        """Plan ``model`` for ``mode`` over ``budgets``; honour transformers' ``_no_placement_params``."""
-        strategy = MODE_TO_STRATEGY[mode] or self.strategy
+        """Plan ``model`` for ``mode`` over ``budgets`` (less the accelerators absent at load time); honour
+        transformers' ``_no_placement_params``."""
+        budgets = _present_budgets(budgets)
         no_split = sorted(set(name_list(no_split)) | set(name_list(self.options.no_split_module_classes)))
-        options = replace(self.options, **{k: v for k, v in (runtime or {}).items() if v is not None},
-                          no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
+        runtime = {k: v for k, v in (runtime or {}).items() if v is not None}
+        if runtime.get("baseline") is not None and absent_accelerators(
+                {canonical(d) for d in runtime["baseline"].values()}):
+            del runtime["baseline"]   # transformers' own map uses a device that is not there: that load fails
+        options = replace(self.options, **runtime, no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
+        strategy = self._strategy_for(mode, budgets, options.loader)
         result = plan(model, dict(budgets), strategy=strategy, options=options)
+        if strategy == "balanced" and MODE_TO_STRATEGY[mode] is None and not all(
+                is_accelerator(d) for d in result.device_map.values()):
+            strategy = self.strategy   # the model does not fit on the accelerators: the contract's plan
+            result = plan(model, dict(budgets), strategy=strategy, options=options)
         self._prefetch[model] = result.problem.options.prefetch   # the depth the plan reserved for (runtime)
         escaped = tensors_to_escape(model, result, no_split)
         if escaped:
@@ -191,6 +200,18 @@ class Patch:
         if verbose:
             log.info("%s", result.explain())
         return device_map
+
+    def _strategy_for(self, mode: str, budgets: Mapping, loader: str | None):
+        """The strategy that plans ``mode``: :data:`MODE_TO_STRATEGY`, and on ``from_pretrained`` (transformers
+        balances every mode but ``"sequential"``) ``"auto"`` over several accelerators is ``balanced`` where the
+        patch plans with the default strategy (a strategy given to :func:`patch` plans it as given)."""
+        named = MODE_TO_STRATEGY[mode]
+        if named is not None:
+            return named
+        accelerators = [d for d, size in budgets.items() if is_accelerator(d) and size > 0]
+        if loader == "transformers" and self.strategy == "auto" and len(accelerators) > 1:
+            return "balanced"
+        return self.strategy
 
     def _get_device_map(self, original):
         """transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)``."""
@@ -460,6 +481,19 @@ def _named(replacement: Callable, original: Callable) -> Callable:
                            "with allocator.plan (see allocator.integrations.transformers).")
     replacement.__allocator_original__ = original
     return replacement
+
+
+def _present_budgets(budgets: Mapping) -> dict:
+    """``budgets`` without the accelerators this process cannot reach at load time
+    (:func:`allocator.problem.absent_accelerators`), with one warning naming them: a load that works unpatched (where
+    transformers' map leaves them empty) never fails under the patch. A copy; the caller's dict is not changed."""
+    absent = absent_accelerators([canonical(d) for d in budgets])
+    if not absent:
+        return dict(budgets)
+    warn_caller(f"max_memory names accelerator(s) {absent} that this machine does not have at load time; allocator "
+                f"plans without them (a map that used them could not be loaded here). Leave them out of max_memory "
+                f"to silence this, or plan for another machine with allocator.plan().")
+    return {d: size for d, size in budgets.items() if canonical(d) not in absent}
 
 
 def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:
