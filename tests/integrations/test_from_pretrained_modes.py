@@ -103,6 +103,20 @@ def test_auto_over_two_gpus_balances_as_transformers_does(saved, name, share):
     assert not allocator.validate(meta, ours, budgets), where
 
 
+def test_headroom_is_part_of_rule_3_on_from_pretrained(saved):
+    """Rule 3 with transformers' map as the baseline (``PlanOptions.baseline``, set by the patch): a map that packs
+    GPU 0 where transformers splits breaks the floor; without a baseline (``plan()``, accelerate's path) it does not."""
+    cls, folder, meta = saved["llama"]
+    total = allocator.build_problem(meta, {"cpu": 0}).graph.total
+    budgets = {0: int(total * 1.3), 1: int(total * 1.3), "cpu": 4 * total}
+    theirs = captured_map(cls, folder, "auto", budgets, patched=False)
+    packed = {"": 0}
+    on_their_path = allocator.build_problem(meta, budgets, baseline=theirs)
+    assert [v.kind for v in allocator.contract_violations(on_their_path, packed)] == ["contract-floor"]
+    assert "free on its fullest accelerator" in allocator.contract_violations(on_their_path, packed)[0].message
+    assert allocator.contract_violations(allocator.build_problem(meta, budgets), packed) == []
+
+
 @pytest.mark.parametrize("name", list(configs()))
 def test_sequential_is_transformers_sequential_map(saved, name):
     cls, folder, meta = saved[name]
