@@ -8,9 +8,9 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .budgets import Budgets, normalize_map, parse_budgets
+from .budgets import Budgets, canonical, normalize_map, parse_budgets
 from .profile import Profile
-from .errors import InvalidOption
+from .errors import InvalidOption, warn_caller
 from .model.flops import FlopCount, count_flops, default_inputs, node_flops
 from .model.generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
@@ -21,8 +21,8 @@ from .memo import Derived
 from .placement import clean_device_map
 from .rules.loaders import LOADERS
 
-__all__ = ["absent_accelerators", "accelerators_up_to", "OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem",
-           "RUNTIMES", "build_problem", "step_problem", "decode_inputs"]
+__all__ = ["absent_accelerators", "accelerators_up_to", "present_budgets", "OBJECTIVES", "STEPS", "OPTION_NAMES",
+           "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem", "step_problem", "decode_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +278,19 @@ def absent_accelerators(devices) -> list:
     except Exception:  # a broken driver: planning does not need it
         present, mps = 0, False
     return [d for d in devices if (isinstance(d, int) and d >= present) or (d == "mps" and not mps)]
+
+
+def present_budgets(budgets: Mapping) -> dict:
+    """``budgets`` without the accelerators this process cannot reach at load time
+    (:func:`allocator.problem.absent_accelerators`), with one warning naming them: a load that works unpatched (where
+    transformers' map leaves them empty) never fails under the patch. A copy; the caller's dict is not changed."""
+    absent = absent_accelerators([canonical(d) for d in budgets])
+    if not absent:
+        return dict(budgets)
+    warn_caller(f"max_memory names accelerator(s) {absent} that this machine does not have at load time; allocator "
+                f"plans without them (a map that used them could not be loaded here). Leave them out of max_memory "
+                f"to silence this, or plan for another machine with allocator.plan().")
+    return {d: size for d, size in budgets.items() if canonical(d) not in absent}
 
 
 def _note_missing_accelerators(budgets: Budgets) -> None:

@@ -35,11 +35,11 @@ from dataclasses import dataclass, replace
 
 from ..api import plan
 from ..budgets import canonical, is_accelerator, warn_misread
-from ..errors import InvalidOption, warn_caller
+from ..errors import InvalidOption
 from ..logs import shown
 from ..evaluate.memory import prefetch_of
 from ..offload import attach, has_offload_hooks
-from ..problem import OPTION_NAMES, PlanOptions, absent_accelerators, quantizer_size_fn
+from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
@@ -58,6 +58,7 @@ MODE_TO_STRATEGY: dict[str, str | None] = {
 ``"balanced"`` and ``"balanced_low_0"`` are the strategies of those names (:mod:`allocator.strategies.balanced`:
 an exact contiguous min-max split over the accelerators, the first one kept light for ``_low_0``) over the budgets the
 user gave, not over transformers' balanced budgets. ``"sequential"`` is accelerate's algorithm, output for output.
+On ``from_pretrained``, ``"auto"`` over several accelerators: see :func:`patch` (docs/contract.md has the table).
 """
 
 _RESERVED = frozenset({"model", "max_memory", "strategy", "hf_quantizer", "loader"})
@@ -169,11 +170,11 @@ class Patch:
                     runtime: Mapping | None = None, verbose: bool = False) -> dict:
         """Plan ``model`` for ``mode`` over ``budgets`` (less the accelerators absent at load time); honour
         transformers' ``_no_placement_params``."""
-        budgets = _present_budgets(budgets)
+        budgets = present_budgets(budgets)
         no_split = sorted(set(name_list(no_split)) | set(name_list(self.options.no_split_module_classes)))
         runtime = {k: v for k, v in (runtime or {}).items() if v is not None}
-        if runtime.get("baseline") is not None and absent_accelerators(
-                {canonical(d) for d in runtime["baseline"].values()}):
+        kept = {canonical(d) for d in budgets} | {"cpu", "disk"}
+        if not {canonical(d) for d in runtime.get("baseline", {}).values()} <= kept:
             del runtime["baseline"]   # transformers' own map uses a device that is not there: that load fails
         options = replace(self.options, **runtime, no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
         strategy = self._strategy_for(mode, budgets, options.loader)
@@ -202,9 +203,8 @@ class Patch:
         return device_map
 
     def _strategy_for(self, mode: str, budgets: Mapping, loader: str | None):
-        """The strategy that plans ``mode``: :data:`MODE_TO_STRATEGY`, and on ``from_pretrained`` (transformers
-        balances every mode but ``"sequential"``) ``"auto"`` over several accelerators is ``balanced`` where the
-        patch plans with the default strategy (a strategy given to :func:`patch` plans it as given)."""
+        """:data:`MODE_TO_STRATEGY`; on ``from_pretrained`` (which balances) ``"auto"`` over several accelerators is
+        ``balanced`` under the default strategy (a strategy given to :func:`patch` plans it as given)."""
         named = MODE_TO_STRATEGY[mode]
         if named is not None:
             return named
@@ -355,6 +355,10 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) ->
       largest layer, and can spill to RAM a model the GPUs hold together). accelerate and transformers 4 call
       ``get_balanced_memory(low_zero=False)`` for both ``"auto"`` and ``"balanced"``, so on those routes the two
       cannot be told apart: both get the patch's ``strategy``; ``low_zero=True`` gets ``balanced_low_0``.
+    - On ``from_pretrained``, ``"auto"`` over several accelerators is a balanced split, as transformers makes it:
+      with the default strategy, ``balanced`` plans it where the model fits on the accelerators; rule 3 against
+      transformers' own map includes the least free memory on any accelerator. Accelerators absent at load time are
+      left out with one warning (:func:`allocator.problem.present_budgets`).
     - Budgets are the user's ``max_memory`` as the library normalises it (its ``get_max_memory``, so a budget
       transformers would reject is rejected the same way). Without ``max_memory`` the machine's free memory is
       used as the library reads it, and, as the library does for every mode but ``"sequential"``, 90% of the only
@@ -481,19 +485,6 @@ def _named(replacement: Callable, original: Callable) -> Callable:
                            "with allocator.plan (see allocator.integrations.transformers).")
     replacement.__allocator_original__ = original
     return replacement
-
-
-def _present_budgets(budgets: Mapping) -> dict:
-    """``budgets`` without the accelerators this process cannot reach at load time
-    (:func:`allocator.problem.absent_accelerators`), with one warning naming them: a load that works unpatched (where
-    transformers' map leaves them empty) never fails under the patch. A copy; the caller's dict is not changed."""
-    absent = absent_accelerators([canonical(d) for d in budgets])
-    if not absent:
-        return dict(budgets)
-    warn_caller(f"max_memory names accelerator(s) {absent} that this machine does not have at load time; allocator "
-                f"plans without them (a map that used them could not be loaded here). Leave them out of max_memory "
-                f"to silence this, or plan for another machine with allocator.plan().")
-    return {d: size for d, size in budgets.items() if canonical(d) not in absent}
 
 
 def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:

@@ -104,8 +104,9 @@ def floor_violations(problem: Problem, device_map: Mapping, found) -> list[Viola
     if room is not None:
         mine = headroom(problem, device_map)
         if mine is not None and mine < room:
-            return [Violation("contract-floor", f"the plan leaves {format_bytes(mine)} free on its fullest accelerator, "
-                              f"less than {theirs} ({format_bytes(room)}); objective='latency' lifts this.")]
+            return [Violation("contract-floor", f"the plan leaves {format_bytes(mine)} free on its fullest "
+                              f"accelerator, less than {theirs} ({format_bytes(room)}); objective='latency' lifts "
+                              "this.")]
     if seen.fallback is None:   # the baseline breaks rule 1 or 2 (it runs on the CPU with a GPU offered): those first
         return []
     streamed, mine = seen.streamed, priced(problem, device_map).streamed_bytes
