@@ -8,9 +8,9 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .budgets import Budgets, normalize_map, parse_budgets
+from .budgets import Budgets, canonical, normalize_map, parse_budgets
 from .profile import Profile
-from .errors import InvalidOption
+from .errors import InvalidOption, warn_caller
 from .model.flops import FlopCount, count_flops, default_inputs, node_flops
 from .model.generation import GenerationBudget, GenerationNeeds, generation_needs
 from .gc_pause import gc_paused
@@ -21,8 +21,8 @@ from .memo import Derived
 from .placement import clean_device_map
 from .rules.loaders import LOADERS
 
-__all__ = ["accelerators_up_to", "OBJECTIVES", "STEPS", "OPTION_NAMES", "Options", "PlanOptions", "Problem",
-           "RUNTIMES", "build_problem", "step_problem", "decode_inputs"]
+__all__ = ["absent_accelerators", "accelerators_up_to", "present_budgets", "OBJECTIVES", "STEPS", "OPTION_NAMES",
+           "Options", "PlanOptions", "Problem", "RUNTIMES", "build_problem", "step_problem", "decode_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -259,21 +259,47 @@ def quantizer_size_fn(model, hf_quantizer):
     return size
 
 
-def _note_missing_accelerators(budgets: Budgets) -> None:
-    """Plans may target another machine (accelerate's own tests plan for GPUs on CPU-only hosts): say so, once."""
-    indices = [d for d in budgets.accelerators if isinstance(d, int)]
-    if not indices:
-        return
+def absent_accelerators(devices) -> list:
+    """The accelerators among ``devices`` (budget keys as :func:`allocator.budgets.canonical` spells them) that this
+    process cannot reach now: an index at or above the count of visible accelerators, ``"mps"`` where MPS is not
+    available. A broken driver counts as none present.
+
+    >>> absent_accelerators(["cpu", "disk"])
+    []
+    """
     try:
         import torch
 
-        present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "device_count"):
+            present = torch.accelerator.device_count()
+        else:
+            present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
     except Exception:  # a broken driver: planning does not need it
-        present = 0
-    missing = [d for d in indices if d >= present]
+        present, mps = 0, False
+    return [d for d in devices if (isinstance(d, int) and d >= present) or (d == "mps" and not mps)]
+
+
+def present_budgets(budgets: Mapping) -> dict:
+    """``budgets`` without the accelerators this process cannot reach at load time
+    (:func:`allocator.problem.absent_accelerators`), with one warning naming them: a load that works unpatched (where
+    transformers' map leaves them empty) never fails under the patch. A copy; the caller's dict is not changed."""
+    absent = absent_accelerators([canonical(d) for d in budgets])
+    if not absent:
+        return dict(budgets)
+    warn_caller(f"max_memory names accelerator(s) {absent} that this machine does not have at load time; allocator "
+                f"plans without them (a map that used them could not be loaded here). Leave them out of max_memory "
+                f"to silence this, or plan for another machine with allocator.plan().")
+    return {d: size for d, size in budgets.items() if canonical(d) not in absent}
+
+
+def _note_missing_accelerators(budgets: Budgets) -> None:
+    """Plans may target another machine (accelerate's own tests plan for GPUs on CPU-only hosts): say so, once. The
+    loaders under :func:`allocator.patch` leave such devices out, with a warning, before planning."""
+    missing = absent_accelerators(budgets.accelerators)
     if missing:
-        log.info("planning for accelerators %s that this machine does not have (it has %d); the plan is for a machine "
-                 "that has them, and dispatching it here will fail", missing, present)
+        log.info("planning for accelerators %s that this machine does not have; the plan is for a machine that has "
+                 "them, and dispatching it here will fail", missing)
 
 
 def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOptions | None = None,

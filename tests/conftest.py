@@ -32,6 +32,16 @@ def _quiet_accelerate():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _planned_accelerators(request, monkeypatch):
+    """Tests plan GPU budgets on machines without those GPUs (the maps are captured where transformers computes them,
+    before anything is loaded): under ``allocator.patch()`` every accelerator in ``max_memory`` counts as present at
+    load time, unless the test is marked ``load_time_devices`` (it then sees this machine's real accelerators)."""
+    if request.node.get_closest_marker("load_time_devices") is None:
+        monkeypatch.setattr("allocator.problem.absent_accelerators", lambda devices: [])
+    yield
+
+
 @pytest.fixture(scope="module")
 def quiet():
     """transformers' progress bars and accelerate's warnings silenced for a module's end-to-end loads."""

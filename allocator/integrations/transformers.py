@@ -34,12 +34,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from ..api import plan
-from ..budgets import is_accelerator, warn_misread
+from ..budgets import canonical, is_accelerator, warn_misread
 from ..errors import InvalidOption
 from ..logs import shown
 from ..evaluate.memory import prefetch_of
 from ..offload import attach, has_offload_hooks
-from ..problem import OPTION_NAMES, PlanOptions, quantizer_size_fn
+from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
@@ -58,6 +58,7 @@ MODE_TO_STRATEGY: dict[str, str | None] = {
 ``"balanced"`` and ``"balanced_low_0"`` are the strategies of those names (:mod:`allocator.strategies.balanced`:
 an exact contiguous min-max split over the accelerators, the first one kept light for ``_low_0``) over the budgets the
 user gave, not over transformers' balanced budgets. ``"sequential"`` is accelerate's algorithm, output for output.
+On ``from_pretrained``, ``"auto"`` over several accelerators: see :func:`patch` (docs/contract.md has the table).
 """
 
 _RESERVED = frozenset({"model", "max_memory", "strategy", "hf_quantizer", "loader"})
@@ -167,12 +168,21 @@ class Patch:
 
     def _device_map(self, model, budgets: Mapping, mode: str, *, hf_quantizer=None, no_split=None,
                     runtime: Mapping | None = None, verbose: bool = False) -> dict:
-        """Plan ``model`` for ``mode`` over ``budgets``; honour transformers' ``_no_placement_params``."""
-        strategy = MODE_TO_STRATEGY[mode] or self.strategy
+        """Plan ``model`` for ``mode`` over ``budgets`` (less the accelerators absent at load time); honour
+        transformers' ``_no_placement_params``."""
+        budgets = present_budgets(budgets)
         no_split = sorted(set(name_list(no_split)) | set(name_list(self.options.no_split_module_classes)))
-        options = replace(self.options, **{k: v for k, v in (runtime or {}).items() if v is not None},
-                          no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
+        runtime = {k: v for k, v in (runtime or {}).items() if v is not None}
+        kept = {canonical(d) for d in budgets} | {"cpu", "disk"}
+        if not {canonical(d) for d in runtime.get("baseline", {}).values()} <= kept:
+            del runtime["baseline"]   # transformers' own map uses a device that is not there: that load fails
+        options = replace(self.options, **runtime, no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
+        strategy = self._strategy_for(mode, budgets, options.loader)
         result = plan(model, dict(budgets), strategy=strategy, options=options)
+        if strategy == "balanced" and MODE_TO_STRATEGY[mode] is None and not all(
+                is_accelerator(d) for d in result.device_map.values()):
+            strategy = self.strategy   # the model does not fit on the accelerators: the contract's plan
+            result = plan(model, dict(budgets), strategy=strategy, options=options)
         self._prefetch[model] = result.problem.options.prefetch   # the depth the plan reserved for (runtime)
         escaped = tensors_to_escape(model, result, no_split)
         if escaped:
@@ -191,6 +201,17 @@ class Patch:
         if verbose:
             log.info("%s", result.explain())
         return device_map
+
+    def _strategy_for(self, mode: str, budgets: Mapping, loader: str | None):
+        """:data:`MODE_TO_STRATEGY`; on ``from_pretrained`` (which balances) ``"auto"`` over several accelerators is
+        ``balanced`` under the default strategy (a strategy given to :func:`patch` plans it as given)."""
+        named = MODE_TO_STRATEGY[mode]
+        if named is not None:
+            return named
+        accelerators = [d for d, size in budgets.items() if is_accelerator(d) and size > 0]
+        if loader == "transformers" and self.strategy == "auto" and len(accelerators) > 1:
+            return "balanced"
+        return self.strategy
 
     def _get_device_map(self, original):
         """transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)``."""
@@ -334,6 +355,10 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) ->
       largest layer, and can spill to RAM a model the GPUs hold together). accelerate and transformers 4 call
       ``get_balanced_memory(low_zero=False)`` for both ``"auto"`` and ``"balanced"``, so on those routes the two
       cannot be told apart: both get the patch's ``strategy``; ``low_zero=True`` gets ``balanced_low_0``.
+    - On ``from_pretrained``, ``"auto"`` over several accelerators is a balanced split, as transformers makes it:
+      with the default strategy, ``balanced`` plans it where the model fits on the accelerators; rule 3 against
+      transformers' own map includes the least free memory on any accelerator. Accelerators absent at load time are
+      left out with one warning (:func:`allocator.problem.present_budgets`).
     - Budgets are the user's ``max_memory`` as the library normalises it (its ``get_max_memory``, so a budget
       transformers would reject is rejected the same way). Without ``max_memory`` the machine's free memory is
       used as the library reads it, and, as the library does for every mode but ``"sequential"``, 90% of the only

@@ -17,7 +17,11 @@ keep accelerate's conventions:
    (:attr:`allocator.strategies.witness.Witness.floor`). Where accelerate's map itself breaks rule 1 or 2 (it leaves
    GPU 0 empty, or places a module with its tie on an earlier accelerator) and no plan that keeps them reaches its
    bytes, the strategies return the best plan that keeps rules 1 and 2, and :func:`allocator.plan` logs a warning
-   that names the shortfall: rules 1 and 2 come first.
+   that names the shortfall: rules 1 and 2 come first. On ``from_pretrained`` (the baseline is transformers' own
+   map, ``PlanOptions.baseline``), where that map keeps the whole model on the accelerators and the plan does too,
+   the plan also leaves at least as much free memory on its fullest accelerator as that map
+   (:attr:`allocator.strategies.witness.Witness.headroom`): the headroom users rely on for activations and the KV
+   cache.
 
 Within these, plans are ranked by the cost model. ``objective="latency"`` lifts all three: the estimate alone decides,
 over every device that could be main (the CPU included). A placement may be exempt from rules by its meaning
@@ -37,7 +41,7 @@ from collections.abc import Mapping
 from ..budgets import Device
 from ..evaluate.cost import priced
 from ..evaluate.memory import main_device, map_runs
-from ..evaluate.tiers import fast_bytes, order_violations
+from ..evaluate.tiers import fast_bytes, headroom, order_violations
 from ..evaluate.validate import Violation, format_bytes
 from ..placement import CONTRACT_RULES
 from ..problem import Problem
@@ -96,6 +100,13 @@ def floor_violations(problem: Problem, device_map: Mapping, found) -> list[Viola
     if have < need:
         return [Violation("contract-floor", f"the plan keeps {format_bytes(have)} on the fastest tier, less than "
                           f"{theirs} ({format_bytes(need)}); objective='latency' lifts this.")]
+    room = seen.headroom
+    if room is not None:
+        mine = headroom(problem, device_map)
+        if mine is not None and mine < room:
+            return [Violation("contract-floor", f"the plan leaves {format_bytes(mine)} free on its fullest "
+                              f"accelerator, less than {theirs} ({format_bytes(room)}); objective='latency' lifts "
+                              "this.")]
     if seen.fallback is None:   # the baseline breaks rule 1 or 2 (it runs on the CPU with a GPU offered): those first
         return []
     streamed, mine = seen.streamed, priced(problem, device_map).streamed_bytes

@@ -24,7 +24,7 @@ from ..budgets import Device
 from ..errors import AllocatorError
 from ..evaluate.cost import priced
 from ..evaluate.memory import main_device, map_runs
-from ..evaluate.tiers import fast_bytes, order_violations
+from ..evaluate.tiers import fast_bytes, headroom, order_violations
 from ..evaluate.units import problem_groups
 from ..evaluate.validate import check
 from ..placement import Placement
@@ -86,6 +86,15 @@ class Witness:
     def streamed(self) -> int | None:
         """Rule 3: the bytes the valid baseline streams per forward (``None`` where it is not valid)."""
         return None if self.valid_map is None else priced(self.problem, self.valid_map).streamed_bytes
+
+    @cached_property
+    def headroom(self) -> int | None:
+        """Rule 3 on ``from_pretrained``: the least free memory transformers' own valid map leaves on any accelerator,
+        where it keeps the whole model on the accelerators (:func:`allocator.evaluate.tiers.headroom`); ``None``
+        elsewhere (no transformers map given, not valid, or something offloaded)."""
+        if self.problem.options.baseline is None or self.valid_map is None:
+            return None
+        return headroom(self.problem, self.valid_map)
 
     @cached_property
     def _main(self) -> tuple[Device, dict | None]:

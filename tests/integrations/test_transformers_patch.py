@@ -53,6 +53,11 @@ PATCHED = tuple(
     )
     if module is not None and hasattr(module, attr)
 )
+# ``runtime="allocator"`` also swaps the ``dispatch_model`` that from_pretrained and load_checkpoint_and_dispatch call.
+DISPATCH = tuple((module, "dispatch_model") for module in (tia, big_modeling)
+                 if module is not None and hasattr(module, "dispatch_model"))
+RESTORED = PATCHED + DISPATCH
+"""Every attribute a patch may replace: each is the library's own again after the patch ends."""
 
 
 MODELS = ("llama", "gpt2", "t5", "vit", "segformer")
@@ -76,14 +81,14 @@ def cases(tmp_path_factory, quiet):
 @pytest.fixture(autouse=True)
 def no_patch_left():
     """Every test starts and ends with no live patch and the library's own functions in place."""
-    originals = [getattr(module, attr) for module, attr in PATCHED]
+    originals = [getattr(module, attr) for module, attr in RESTORED]
     assert not hf._ACTIVE
     yield
     live = list(hf._ACTIVE)
     while hf.unpatch() is not None:
         pass
     assert not live, f"a test left patches on: {live}"
-    assert all(getattr(m, a) is o for (m, a), o in zip(PATCHED, originals))
+    assert all(getattr(m, a) is o for (m, a), o in zip(RESTORED, originals))
 
 
 def _snapshot():
@@ -263,6 +268,28 @@ def test_unpatching_the_outer_patch_first_still_restores_the_originals():
     inner.unpatch()
     inner.unpatch()  # idempotent
     assert _same_objects(_snapshot(), originals)
+
+
+@pytest.mark.parametrize("how", ["exit", "unpatch", "raise"])
+def test_runtime_allocator_restores_every_attribute_it_replaced(how):
+    """``patch(runtime="allocator")`` swaps ``dispatch_model`` too: it is listed in ``Patch.patched`` and is the
+    library's own again after the block ends, ``unpatch()`` or an exception."""
+    originals = {(m, a): getattr(m, a) for m, a in RESTORED}
+    handle = hf.patch(runtime="allocator")
+    try:
+        assert {f"{m.__name__}.{a}" for m, a in RESTORED} == set(handle.patched)
+        assert all(getattr(m, a) is not o for (m, a), o in originals.items())
+        if how == "raise":
+            with pytest.raises(RuntimeError, match="boom"):
+                with handle:
+                    raise RuntimeError("boom")
+        elif how == "exit":
+            with handle:
+                pass
+    finally:
+        handle.unpatch()
+    assert all(getattr(m, a) is o for (m, a), o in originals.items())
+    assert not hf._ACTIVE
 
 
 def test_exception_inside_the_block_unpatches():
