@@ -174,7 +174,8 @@ def empty_before_main(problem: Problem, placement: Placement) -> Placement:
     if not empty:
         return placement
     minimum = {d: main_minimum(problem, d) for d in empty}
-    said = tuple(Decision("not-main", f"{why_empty(problem, d)}; it needs at least {format_bytes(minimum[d])} to admit one",
+    said = tuple(Decision("not-main",
+                          f"{why_empty(problem, d)}; it needs at least {format_bytes(minimum[d])} to admit one",
                           devices=(d,), bytes=minimum[d], bound="main") for d in empty)
     return replace(placement, decisions=placement.decisions + said,
                    diagnostics=placement.diagnostics + (("info", insufficient_memory(minimum)),))
