@@ -258,7 +258,7 @@ def missing_size_fields(config, data: Mapping) -> list[tuple[str, object]]:
 
 
 def shape_of(model) -> str:
-    """What a model's (text) config builds, in words: layers, hidden size, attention heads (query/key-value), vocabulary,
+    """What a model's (text) config builds, in words: layers, hidden size, heads (query/key-value), vocabulary,
     routed experts where it has them, and the parameters counted on the model
     (``"2 layers, hidden 64, 4/2 heads, vocab 1000, 202,048 parameters"``)."""
     config = getattr(model, "config", None)
