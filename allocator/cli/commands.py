@@ -183,6 +183,7 @@ def _fit_dict(found) -> dict:
     return {"max_length": found.max_length, "batch_size": found.batch_size, "searched": found.searched,
             "device": found.device, "term": found.term, "reason": found.reason, "margin": found.margin,
             "positions": dict(zip(("name", "value"), found.positions)), "target": found.target,
+            "attention": found.attention,
             "plan": found.plan.to_dict() if found.plan is not None else None,
             "longer": found.longer.to_dict() if found.longer is not None else None}
 
