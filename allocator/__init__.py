@@ -14,7 +14,7 @@ from .evaluate.cost import Cost, estimate
 from .profile import Profile
 from .errors import (
     AllocatorError, BrokenContract, InfeasiblePlacement, InvalidBudget, InvalidDeviceMap, InvalidModel, InvalidOption,
-    InvalidPlacement, InvalidRuntime, UnsupportedByAccelerate,
+    InvalidPlacement, InvalidRuntime, PlanModelMismatch, UnsupportedByAccelerate,
 )
 from .model.generation import GenerationBudget
 from .model.expert_profile import ExpertProfile, profile_experts
@@ -28,7 +28,8 @@ from .evaluate.validate import Violation, validate
 
 __all__ = [
     "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",
-    "InvalidOption", "InvalidPlacement", "InvalidRuntime", "UnsupportedByAccelerate", "Cost", "ExpertProfile",
+    "InvalidOption", "InvalidPlacement", "InvalidRuntime", "PlanModelMismatch", "UnsupportedByAccelerate", "Cost",
+    "ExpertProfile",
     "GenerationBudget", "profile_experts",
     "Profile",
     "estimate", "Fit", "fit",

@@ -19,6 +19,7 @@ __all__ = [
     "InvalidOption",
     "InvalidPlacement",
     "InvalidRuntime",
+    "PlanModelMismatch",
     "InfeasiblePlacement",
     "UnsupportedByAccelerate",
     "warn_caller",
@@ -41,6 +42,22 @@ class InvalidDeviceMap(AllocatorError):
 
 class InvalidModel(AllocatorError):
     """The model cannot be planned (not an ``nn.Module``, a cycle in its module graph, ...)."""
+
+
+class PlanModelMismatch(InvalidModel):
+    """A saved plan (:meth:`allocator.Plan.from_dict`) was made for another model: its class, parameter count or
+    digest of tensor names and shapes differ from the model given.
+
+    Attributes
+    ----------
+    saved, given : dict
+        The plan's ``"model"`` record and the given model's, as :meth:`allocator.Plan.to_dict` writes them.
+    """
+
+    def __init__(self, message: str, *, saved=None, given=None):
+        super().__init__(message)
+        self.saved = dict(saved or {})
+        self.given = dict(given or {})
 
 
 class InvalidOption(AllocatorError):

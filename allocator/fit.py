@@ -18,7 +18,7 @@ from .api import plan
 from .budgets import format_bytes, parse_budgets
 from .errors import AllocatorError, InfeasiblePlacement, InvalidOption
 from .evaluate.validate import check, peak_parts
-from .model.generation import DECODER_POSITIONS, GenerationBudget, generation_needs
+from .model.generation import DECODER_POSITIONS, GenerationBudget, attention_words, generation_needs
 from .problem import PlanOptions, Problem, build_problem
 from .report.plan import Plan
 from .strategies import resolve, run
@@ -67,6 +67,10 @@ class Fit:
     positions : tuple
         The config field bounding the model's positions and its value (``("max_position_embeddings", 8192)``), or
         ``(None, None)``.
+    attention : str
+        The attention implementation the activations were computed for (the model's ``config._attn_implementation``,
+        :func:`allocator.model.generation.attention_assumed`), in words: under ``"eager"`` the scores
+        (``batch x heads x tokens x tokens``) are counted, under ``"sdpa"`` or flash attention they are not.
     """
 
     searched: str
@@ -81,6 +85,7 @@ class Fit:
     margin: float
     tries: int
     positions: tuple = (None, None)
+    attention: str = ""
 
     @property
     def tokens(self) -> int:
@@ -94,6 +99,8 @@ class Fit:
         margin = f", {self.margin:.0%} of each budget kept free" if self.margin else ""
         lines = [f"fits: {what} with the whole model on the accelerators{margin}" if self.plan is not None else
                  f"fits: nothing with the whole model on the accelerators{margin}", f"bound: {self.reason}"]
+        if self.attention:
+            lines.append(f"assumes {self.attention}")
         name, value = self.positions
         if value is not None and self.max_length > value and self.plan is not None:
             lines.append(f"note: the model's positions end at {value:,} (config {name}); generate beyond them may "
@@ -208,7 +215,7 @@ def _fit(model, budgets, options: PlanOptions, strategy, search: _Search, target
                       else GenerationBudget(target, max_length))
         longer = plan(model, budgets, strategy=strategy, options=dataclasses.replace(options, generation=generation))
     return Fit(searched, length or 0, batch, device, term, reason, fitted, target, longer, margin, search.tries,
-               positions(model))
+               positions(model), attention_words(model))
 
 
 def _check(value, name: str, least: int) -> None:

@@ -17,6 +17,7 @@ from .gc_pause import gc_paused
 from .model import ModelGraph, build_graph
 from .model.expert_profile import ExpertProfile
 from .model.experts import MoELayer, find_experts
+from .model.read import ModelIdentity, identify
 from .memo import Derived
 from .placement import clean_device_map
 from .rules.loaders import LOADERS
@@ -58,7 +59,9 @@ class PlanOptions:
     """Module classes never split across devices, united with ``_no_split_modules`` of the model and every
     sub-model."""
     dtype: object = None
-    """The dtype weights will be loaded in (``torch.float16``, ``"bfloat16"``); the model's own when ``None``."""
+    """The dtype weights will be loaded in (``torch.float16``, ``"bfloat16"``); the model's own when ``None``, which
+    :func:`build_problem` resolves to that dtype where the model's floating tensors share one (``Problem.options.dtype``
+    and a saved plan's ``options.dtype`` then name it; ``None`` stays only for a model of several floating dtypes)."""
     special_dtypes: Mapping | None = None
     """Per-tensor dtypes overriding ``dtype`` (accelerate's argument)."""
     tied_parameters: Sequence[Sequence[str]] | None = None
@@ -229,6 +232,9 @@ class Problem:
     ``runtime="allocator"``: under accelerate's hooks experts move with their module, so plans never look at them."""
     expert_profile: ExpertProfile | None = None
     """``options.expert_profile``, loaded; ``None`` assumes uniform use."""
+    identity: ModelIdentity | None = None
+    """The model the problem was built for (class, parameters, a digest of its tensors' names and shapes,
+    :func:`allocator.model.read.identify`), as a saved plan records it."""
     derived: Derived = field(default_factory=Derived, init=False, repr=False, compare=False)
     """Values that follow from this problem, made once (:class:`allocator.memo.Derived`)."""
 
@@ -320,6 +326,9 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
     (80, ('cpu', 'disk'))
     """
     options = PlanOptions.of(options, **keywords)
+    identity = identify(model)
+    if options.dtype is None and identity.dtype is not None:   # resolved once: what the plan counts, and records
+        options = dataclasses.replace(options, dtype=identity.dtype)
     size_fn = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, options.hf_quantizer)
     with gc_paused():  # the graph's records are acyclic: collections while they are built only walk them in vain
         graph = build_graph(
@@ -358,7 +367,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
         expert_profile = ExpertProfile.load(expert_profile)
     return Problem(graph=graph, budgets=budgets, options=options, profile=options.profile or Profile(),
                    generation=needs, flops=counted, node_flops=per_node, steps=steps, moe=moe,
-                   expert_profile=expert_profile)
+                   expert_profile=expert_profile, identity=identity)
 
 
 def decode_inputs(inputs: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

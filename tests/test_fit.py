@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import allocator
 from allocator import cli
@@ -149,3 +150,29 @@ def test_a_generation_budget_too_large_says_how_many_tokens_fit(capsys, built):
     found = allocator.fit(built("qwen2-0.5b"), {0: "2GiB", "cpu": "4GiB"}, dtype="bfloat16")
     assert code == 2 and out == "" and err.count("allocator: error:") == 1
     assert f"at most {found.max_length:,} tokens fit at batch 1 (--generation 1,{found.max_length})" in err
+
+
+def _llama_with(attention: str):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=100, max_position_embeddings=100_000)
+    config._attn_implementation = attention
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def test_fit_states_and_computes_for_the_attention_implementation():
+    """Issue 37: eager attention materialises the scores (batch x heads x tokens x tokens in the compute dtype, plus
+    their float32 softmax), sdpa does not: eager fits a shorter context on the same budget, the difference in
+    activations is that formula, and the answer says which implementation it assumed."""
+    from allocator.model.generation import generation_needs
+
+    sdpa, eager = _llama_with("sdpa"), _llama_with("eager")
+    found = {name: allocator.fit(m, {0: "4MiB"}) for name, m in (("sdpa", sdpa), ("eager", eager))}
+    assert 0 < found["eager"].max_length < found["sdpa"].max_length
+    assert "attention eager" in found["eager"].summary() and "attention sdpa" in found["sdpa"].summary()
+    budget = allocator.GenerationBudget(2, 257)   # prefill 256 tokens
+    graph = allocator.build_problem(sdpa, {"cpu": 0}).graph
+    added = (generation_needs(eager, graph, budget).activations - generation_needs(sdpa, graph, budget).activations)
+    B, T, heads, dtype_bytes = 2, 256, 4, 4
+    assert added == B * T * heads * T * (dtype_bytes + 4) - B * T * T   # scores and softmax, not the boolean mask

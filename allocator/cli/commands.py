@@ -160,6 +160,8 @@ def cmd_fit(args) -> int:
         print(json.dumps(_fit_dict(found), indent=1))
         return 0
     print(loaded.source)
+    if loaded.shape:
+        print(f"{loaded.model.__class__.__name__}: {loaded.shape}")
     print(f"{loaded.model.__class__.__name__} in {dtype_name(options['dtype']) if options['dtype'] else 'its dtype'}; "
           f"budgets {args.max_memory}; {found.tries} budgets checked")
     print(found.summary())
@@ -181,6 +183,7 @@ def _fit_dict(found) -> dict:
     return {"max_length": found.max_length, "batch_size": found.batch_size, "searched": found.searched,
             "device": found.device, "term": found.term, "reason": found.reason, "margin": found.margin,
             "positions": dict(zip(("name", "value"), found.positions)), "target": found.target,
+            "attention": found.attention,
             "plan": found.plan.to_dict() if found.plan is not None else None,
             "longer": found.longer.to_dict() if found.longer is not None else None}
 
@@ -221,7 +224,8 @@ def _report(args, loaded, ours, patterns, default_budgets: bool) -> None:
     options = ours.problem.options
     dtype, kept = options.dtype, options.special_dtypes or {}
     print(f"{loaded.source}")
-    print(f"{ours.problem.graph.model_class}: {format_size(ours.problem.graph.total)}"
+    print(f"{ours.problem.graph.model_class}: {f'{loaded.shape}; ' if loaded.shape else ''}"
+          f"{format_size(ours.problem.graph.total)}"
           f"{f' in {dtype_name(dtype)}' if dtype else ''}"
           f"{f'; bandwidths from {args.profile}' if options.profile is not None and args.profile else ''}")
     print(dtype_line(args.dtype, loaded) + (f"; {len(kept)} tensors kept in float32, as from_pretrained keeps "

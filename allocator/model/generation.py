@@ -188,6 +188,8 @@ class GenerationNeeds:
     activations: int                # every executing device
     layers: tuple[CacheLayer, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    attention: str = ""
+    """The attention implementation the activations assume (:func:`attention_assumed`), in words."""
 
     @property
     def cache_bytes(self) -> int:
@@ -324,7 +326,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
     notes = (f"generate: batch {B}, max_length {L}, prefill {prefill}"
              + (f", encoder {encoder_tokens}" if encoder_decoder else "") + f" tokens, {ebytes} bytes per element",)
     return GenerationNeeds(budget=budget, cache=cache, logits=logits, scores=scores, activations=activations,
-                           layers=tuple(layers), notes=notes)
+                           layers=tuple(layers), notes=notes, attention=attention_words(model))
 
 
 def _generative_config(model, budget):
@@ -420,9 +422,40 @@ def _activations(model, config, attention: CacheAttention, tokens: int, length: 
     per_token = 4 * hidden + max(2 * q_width + 2 * kw + vw + hidden, 3 * intermediate)
     total = tokens * per_token * ebytes
     heads = getattr(text_config, "num_attention_heads", None) or max(1, q_width // 64)
-    if getattr(config, "_attn_implementation", None) == "eager" or any(
-            hasattr(m, "relative_attention_bias") for m in model.modules()):
+    if attention_assumed(model)[1]:
         total += tokens * heads * length * (ebytes + 4)  # materialised scores, and their float32 softmax
     else:
         total += tokens * length  # the boolean 4-D attention mask
     return total
+
+
+def attention_assumed(model) -> tuple[str, bool]:
+    """The attention implementation :func:`generation_needs` counts activations for, and whether it materialises the
+    scores: the (text) config's ``_attn_implementation`` (``"sdpa"``, ``"flash_attention_2"``, ``"eager"``, ...;
+    ``"sdpa"`` where unset, as transformers picks it); the scores, ``batch x heads x tokens x tokens`` in the compute
+    dtype plus their float32 softmax, per layer as live at once, are counted under ``"eager"`` and for T5-style
+    position bias (``relative_attention_bias``), which materialise them, and not for the memory-efficient kernels.
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> config = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+    ...                      vocab_size=100)
+    >>> config._attn_implementation = "eager"
+    >>> with torch.device("meta"):
+    ...     attention_assumed(LlamaForCausalLM(config))
+    ('eager', True)
+    """
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    name = getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "sdpa"
+    name = name if isinstance(name, str) else "sdpa"
+    return name, name == "eager" or any(hasattr(m, "relative_attention_bias") for m in model.modules())
+
+
+def attention_words(model) -> str:
+    """:func:`attention_assumed` as a sentence for reports."""
+    name, scores = attention_assumed(model)
+    return (f"attention {name}: the scores are materialised and counted (batch x heads x tokens x tokens, in the "
+            "compute dtype plus their float32 softmax, one layer at a time)" if scores else
+            f"attention {name}: a memory-efficient kernel, the scores are not materialised (eager attention would "
+            "add batch x heads x tokens x tokens of them)")

@@ -14,13 +14,18 @@ import os
 import re
 from collections.abc import Mapping
 
-from ..errors import InvalidModel, one_line
+from ..errors import InvalidModel, one_line, warn_caller
 from . import zoo
 from .checkpoint import load_dtype
 from .quantization import quantized_sizes
 from .zoo import move_strays_to_meta, quiet_transformers
 
-__all__ = ["LoadedModel", "load_model", "did_you_mean"]
+__all__ = ["LoadedModel", "load_model", "did_you_mean", "SIZE_FIELDS", "missing_size_fields", "shape_of"]
+
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "num_experts",
+               "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+"""Config fields that set a model's size (transformers' common names; each model type's own name for them is read
+from its config class's ``attribute_map``): a config.json without one is built at the class's default."""
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -42,6 +47,11 @@ class LoadedModel:
     """How the config's ``quantization_config`` stores the weights
     (:class:`allocator.model.quantization.QuantizedSizes`),
     or ``None`` for an unquantized model."""
+    shape: str = ""
+    """What the config builds, for a folder or a config (:func:`shape_of`): ``"16 layers, hidden 2048, 32/8 heads,
+    vocab 128256, 1,235,814,400 parameters"``; ``""`` for a built-in example, whose ``source`` says it."""
+    missing: tuple = ()
+    """``(field, default)`` for each size field the config.json does not set (:func:`missing_size_fields`)."""
 
 
 def load_model(source: str, *, trust_remote_code: bool = False) -> LoadedModel:
@@ -181,7 +191,96 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
     if auto_map and not custom:
         note += (" (config.auto_map names custom code; built with transformers' own classes: add "
                  "--trust-remote-code to use the folder's code)")
-    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype, why, quantization)
+    missing = missing_size_fields(config, _config_json(path))
+    if missing:
+        warn_caller(f"{path}: config.json does not set "
+                    + ", ".join(f"{name} (built with {type(config).__name__}'s default {value!r})"
+                                for name, value in missing)
+                    + "; the model is planned at that size: add the field(s) to config.json if the checkpoint differs.")
+    return LoadedModel(model, f"{type(model).__name__} from {path}{note}", dtype, why, quantization,
+                       shape_of(model), tuple(missing))
+
+
+def _aliases(config_class, name: str) -> set[str]:
+    """``name`` and every name ``config_class.attribute_map`` makes the same attribute."""
+    mapping = getattr(config_class, "attribute_map", {}) or {}
+    found = {name}
+    while True:
+        more = {mapping[n] for n in found if n in mapping} | {k for k, v in mapping.items() if v in found}
+        if more <= found:
+            return found
+        found |= more
+
+
+def _own_fields(config_class) -> set[str]:
+    """The fields a config class takes (its dataclass fields, else its ``__init__`` parameters)."""
+    import inspect
+
+    fields = getattr(config_class, "__dataclass_fields__", None)
+    if fields:
+        return set(fields)
+    try:
+        return set(inspect.signature(config_class.__init__).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def missing_size_fields(config, data: Mapping) -> list[tuple[str, object]]:
+    """``(field, default)`` for each field of :data:`SIZE_FIELDS` that ``config``'s class takes (under the model
+    type's own name) and ``data`` (its config.json) does not set, in the config and each sub-config (``text_config``,
+    ...: read from its own object in the JSON, else from the top level, as composite configs accept both); the
+    sub-config's fields are named ``text_config.num_hidden_layers``. Values are what transformers built instead.
+
+    >>> from transformers import LlamaConfig
+    >>> missing_size_fields(LlamaConfig(), {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    ...                                      "vocab_size": 100})
+    [('num_hidden_layers', 32)]
+    """
+    out = []
+    pairs = [("", config, data)]
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            inner = data.get(key)
+            pairs.append((f"{key}.", sub, inner if isinstance(inner, Mapping) else data))
+    for prefix, cfg, given in pairs:
+        own = _own_fields(type(cfg))
+        seen = set()
+        for name in SIZE_FIELDS:
+            names = _aliases(type(cfg), name)
+            field_names = sorted(names & own)
+            if not field_names or field_names[0] in seen:
+                continue
+            seen.add(field_names[0])
+            if not names & set(given):
+                out.append((prefix + field_names[0], getattr(cfg, field_names[0], None)))
+    return out
+
+
+def shape_of(model) -> str:
+    """What a model's (text) config builds, in words: layers, hidden size, heads (query/key-value), vocabulary,
+    routed experts where it has them, and the parameters counted on the model
+    (``"2 layers, hidden 64, 4/2 heads, vocab 1000, 202,048 parameters"``)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+    def first(*names):
+        for name in names:
+            value = getattr(text, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    layers, hidden = first("num_hidden_layers", "num_layers", "n_layer"), first("hidden_size", "d_model", "n_embd")
+    heads, kv = first("num_attention_heads", "num_heads", "n_head"), first("num_key_value_heads")
+    vocab, experts = first("vocab_size"), first("num_experts", "num_local_experts", "n_routed_experts")
+    words = [f"{layers} layers" if layers is not None else "",
+             f"hidden {hidden}" if hidden is not None else "",
+             (f"{heads}/{kv} heads" if kv not in (None, heads) else f"{heads} heads") if heads is not None else "",
+             f"vocab {vocab}" if vocab is not None else "",
+             f"{experts} experts" if experts else "",
+             f"{sum(p.numel() for p in model.parameters()):,} parameters"]
+    return ", ".join(w for w in words if w)
 
 
 def _quantization(model, config):

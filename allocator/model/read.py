@@ -9,7 +9,9 @@ never the model.
 
 from __future__ import annotations
 
+import hashlib
 from array import array
+from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import InvalidModel, InvalidOption
@@ -20,7 +22,7 @@ from .sizes import PerElement, SizeFn, SizeOf, as_dtype, dtype_bytes, size_rule,
 from .table import Paths, frozen
 from .ties import declared_storage, declared_tied_groups, find_tied, given_ties, shared_tied_groups
 
-__all__ = ["build_graph"]
+__all__ = ["build_graph", "ModelIdentity", "identify"]
 
 _MAX_NODES = 5_000_000
 
@@ -405,3 +407,46 @@ def _tie_groups(model, read: _Reader, names: Sequence[str], tensor_index: Mappin
     if read.shared_params:
         return shared_tied_groups(names, read.t_is_param, read.t_canonical)
     return []
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """What a plan records of the model it was made for (``Plan.to_dict()["model"]``).
+
+    ``digest`` is the SHA-256 (hex) of one line per parameter, then per buffer, in ``named_parameters()`` then
+    ``named_buffers()`` order (shared tensors once, as those generators yield them): ``"p"`` or ``"b"``, the full name
+    and the shape, tab-separated. It covers the architecture as the planner sees it (names, shapes, which are
+    parameters), not the dtypes (the plan's ``options.dtype`` says those) nor the values: the same across processes
+    and machines for the same model class and config.
+    """
+
+    model_class: str
+    parameters: int
+    """Elements of the model's parameters, each shared tensor once (``sum(p.numel() for p in model.parameters())``)."""
+    digest: str
+    dtype: object = None
+    """The one floating dtype of the model's parameters and buffers, ``None`` where they have several or none."""
+
+
+def identify(model) -> ModelIdentity:
+    """The :class:`ModelIdentity` of ``model`` (one walk over its parameters and buffers; O(tensors)).
+
+    >>> import torch.nn as nn
+    >>> found = identify(nn.Linear(4, 2))
+    >>> found.model_class, found.parameters, str(found.dtype), len(found.digest)
+    ('Linear', 10, 'torch.float32', 64)
+    """
+    digest = hashlib.sha256()
+    parameters = 0
+    dtypes = set()
+    for kind, members in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, tensor in members:
+            if tensor is None:
+                continue
+            digest.update(f"{kind}\t{name}\t{tuple(tensor.shape)}\n".encode())
+            if kind == "p":
+                parameters += tensor.numel()
+            if tensor.is_floating_point():
+                dtypes.add(tensor.dtype)
+    return ModelIdentity(type(model).__name__, parameters, digest.hexdigest(),
+                         next(iter(dtypes)) if len(dtypes) == 1 else None)

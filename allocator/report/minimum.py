@@ -57,19 +57,25 @@ def _feasible(problem: Problem, strategy) -> bool:
 
 
 def main_minimum(problem: Problem, device) -> int:
-    """The smallest budget on accelerator ``device`` (others unchanged) with which the contract makes it the main
-    device, to 1 % (bisection; the model's size plus its largest streamed chain and, with a generation budget, all
-    that generate needs on the main device suffice: the upper end is doubled until it works)."""
+    """The smallest budget on accelerator ``device`` with which it admits a valid plan as the main device, to 1 %
+    (:func:`smallest`, the bisection of the error messages).
+
+    The accelerators before ``device`` are given no room while it is searched: with more room on ``device`` alone, an
+    earlier accelerator may become the main device instead (it then streams nothing, the rest resident on
+    ``device``), so the question asked of ``device`` is whether it admits a plan, not whether it wins over them.
+    Bounded by the model's bytes: the whole model resident on ``device`` plus its largest streamed chain and, with a
+    generation budget, all that generate needs on the main device is always enough."""
     g = problem.graph
+    accelerators = problem.budgets.accelerators
+    alone = problem
+    for before in accelerators[:accelerators.index(device)]:
+        alone = with_budget(alone, before, 0)
     low = problem.budgets.limit(device) or 0
     high = max(low + 1, g.total + full_reserve(problem) + workspace(g, main=True) + sum(g.extra.values()) + 1)
-    def works(nbytes: int) -> bool:
-        return contract_main(with_budget(problem, device, nbytes)) == device
 
-    for _ in range(8):
-        if works(high):
-            break
-        low, high = high, 2 * high
+    def works(nbytes: int) -> bool:
+        return contract_main(with_budget(alone, device, nbytes)) == device
+
     return smallest(works, low, high)
 
 
@@ -168,7 +174,8 @@ def empty_before_main(problem: Problem, placement: Placement) -> Placement:
     if not empty:
         return placement
     minimum = {d: main_minimum(problem, d) for d in empty}
-    said = tuple(Decision("not-main", f"{why_empty(problem, d)}; it needs at least {format_bytes(minimum[d])}",
+    said = tuple(Decision("not-main",
+                          f"{why_empty(problem, d)}; it needs at least {format_bytes(minimum[d])} to admit one",
                           devices=(d,), bytes=minimum[d], bound="main") for d in empty)
     return replace(placement, decisions=placement.decisions + said,
                    diagnostics=placement.diagnostics + (("info", insufficient_memory(minimum)),))

@@ -221,7 +221,9 @@ class Plan:
         >>> p = allocator.plan(nn.Linear(4, 4), {0: 1000})
         >>> data = p.to_dict()
         >>> data["schema"], data["device_map"], data["main_device"], data["peak"]
-        ('allocator.plan/1', {'': 0}, 0, {'0': 80})
+        ('allocator.plan/2', {'': 0}, 0, {'0': 80})
+        >>> data["model"]["class"], data["model"]["parameters"], data["options"]["dtype"]
+        ('Linear', 20, 'float32')
         >>> allocator.Plan.from_dict(json.loads(json.dumps(data))).to_dict() == data
         True
         """
@@ -237,7 +239,10 @@ class Plan:
         Raises
         ------
         InvalidOption
-            Not a plan of this schema version.
+            Not a plan of a schema version this reader reads (``allocator.plan/2``, and ``/1``).
+        PlanModelMismatch
+            ``model`` is not the model the plan was made for (its class, parameter count or hash of tensor names and
+            shapes differ): make a new plan for it.
         """
         saved = read(data)
         if model is None:

@@ -4,16 +4,16 @@ by :meth:`allocator.Plan.from_dict`.
 The object holds what a plan decided and what it costs, so it can be inspected, passed to other tools, or checked
 against a model before anything is loaded::
 
-    {"schema": "allocator.plan/1",
-     "model": {"class": "LlamaForCausalLM", "bytes": 16060522496},
+    {"schema": "allocator.plan/2",
+     "model": {"class": "LlamaForCausalLM", "parameters": 8030261248, "bytes": 16060522496, "hash": "sha256:9f2c..."},
      "device_map": {"model.embed_tokens": 0, ..., "lm_head": "cpu"},
      "main_device": 0,
      "strategy": "auto:reserve", "asked": "auto", "base": "reserve", "exempt": [], "optimal": null,
      "valid": true,
      "budgets": {"0": 25769803776, "cpu": 68719476736, "disk": null},
      "resident": {"0": ...}, "peak": {"0": ...}, "parts": {"0": {"weights": ..., "cache": ...}},
-     "streamed": ..., "prefetch": 0,
-     "estimate": {"seconds": ..., "streamed_bytes": ..., "disk_bytes": ..., "device_changes": ...,
+     "reserve_bytes": ..., "prefetch_reserve_bytes": 0,
+     "estimate": {"seconds": ..., "streamed_per_forward_bytes": ..., "disk_bytes": ..., "device_changes": ...,
                   "resident_fast": ..., "steps": {"prefill": ...}},
      "options": {"objective": "contract", "dtype": "bfloat16", "generation": {...}, ...},
      "decisions": [{"kind": "kept", "text": "...", "devices": [0], "units": [], "bytes": null, "bound": ""}],
@@ -25,7 +25,14 @@ Devices are written as JSON allows keys: accelerator indices as strings (``"0"``
 ``experts`` is where each routed expert lives in a plan for the allocator runtime on a mixture of experts
 (:attr:`allocator.Plan.experts`: experts module -> the device of each expert, written as map values are), which a
 device map cannot name; ``null`` otherwise. ``options.expert_profile`` holds the profile the plan was made with.
-A reader refuses another major version; fields it does not know are kept (``SavedPlan.data``).
+A reader refuses another major version; fields it does not know are kept (``SavedPlan.data``). Every field, its
+unit and an example: ``docs/schema.md`` (checked against :func:`plan_to_dict` by ``tests/report/test_schema_doc.py``).
+
+Version 2 renamed what version 1 called ``streamed`` (the streaming reserve) to ``reserve_bytes``, ``prefetch`` (the
+prefetch reserve, not the ``options.prefetch`` depth) to ``prefetch_reserve_bytes``, and ``estimate.streamed_bytes``
+(bytes streamed per forward) to ``estimate.streamed_per_forward_bytes``, and added ``model.parameters`` and
+``model.hash``. :func:`read` still reads ``/1`` (only the map, budgets, options and decisions are read back, which
+kept their names); a ``/1`` plan carries no hash, so it is checked against the model by its budgets alone.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import copy
 import dataclasses
 from collections.abc import Mapping
 
-from ..errors import InvalidOption
+from ..errors import InvalidOption, PlanModelMismatch
 from ..model import as_dtype
 from ..model.expert_profile import ExpertProfile
 from ..model.generation import GenerationBudget
@@ -42,10 +49,13 @@ from ..placement import Decision, Placement
 from ..problem import PlanOptions, Problem, build_problem
 from ..profile import Profile
 
-__all__ = ["SCHEMA", "SavedPlan", "plan_to_dict", "read", "rebuild", "device_key", "device_of"]
+__all__ = ["SCHEMA", "READS", "SavedPlan", "plan_to_dict", "model_record", "read", "rebuild", "device_key",
+           "device_of"]
 
-SCHEMA = "allocator.plan/1"
-"""The schema's name and major version: a reader of ``/1`` reads every ``/1`` object."""
+SCHEMA = "allocator.plan/2"
+"""The schema's name and major version: a reader of ``/2`` reads every ``/2`` object."""
+READS = ("allocator.plan/1", SCHEMA)
+"""The versions :func:`read` reads (module notes: what changed from ``/1``)."""
 
 #: Options written under ``"options"`` as they are (booleans, names, integers).
 PLAIN_OPTIONS = ("objective", "optimize", "loader", "runtime", "prefetch", "offload_buffers", "discover_no_split",
@@ -111,7 +121,7 @@ def plan_to_dict(plan) -> dict:
     devices = [d for d in budgets.order if d in plan.peak or d in budgets.limits or d == "disk"]
     return {
         "schema": SCHEMA,
-        "model": {"class": problem.graph.model_class, "bytes": problem.graph.total},
+        "model": model_record(problem),
         "device_map": dict(plan.device_map),
         "main_device": plan.main_device,
         "strategy": plan.strategy,
@@ -124,16 +134,50 @@ def plan_to_dict(plan) -> dict:
         "resident": {device_key(d): plan.resident(d) for d in devices},
         "peak": {device_key(d): int(v) for d, v in plan.peak.items()},
         "parts": {device_key(d): {k: int(v) for k, v in parts.items()} for d, parts in plan.parts.items()},
-        "streamed": plan.streamed,
-        "prefetch": plan.prefetch,
-        "estimate": {**dataclasses.asdict(plan.cost),
-                     "steps": {step: cost.seconds for step, cost in plan.costs.items()}},
+        "reserve_bytes": plan.streamed,
+        "prefetch_reserve_bytes": plan.prefetch,
+        "estimate": {**_estimate(plan.cost), "steps": {step: cost.seconds for step, cost in plan.costs.items()}},
         "generation": None if problem.generation is None else problem.generation.summary(),
         "options": _options(problem.options),
         "decisions": [_decision(d) for d in plan.placement.decisions],
         "violations": [{"kind": v.kind, "message": v.message} for v in plan.violations],
         "experts": {name: list(row) for name, row in plan.experts.items()} or None,
     }
+
+
+def model_record(problem: Problem) -> dict:
+    """The model a problem was built for, as a plan records it: class, parameters, bytes under the plan's options, and
+    ``"sha256:"`` + the digest of its tensors' names and shapes (:class:`allocator.model.read.ModelIdentity`)."""
+    identity = problem.identity
+    return {"class": problem.graph.model_class,
+            "parameters": None if identity is None else identity.parameters,
+            "bytes": problem.graph.total,
+            "hash": None if identity is None else f"sha256:{identity.digest}"}
+
+
+def _estimate(cost) -> dict:
+    """:class:`allocator.evaluate.cost.Cost` as JSON, the bytes streamed per forward named as such."""
+    return {("streamed_per_forward_bytes" if k == "streamed_bytes" else k): v
+            for k, v in dataclasses.asdict(cost).items()}
+
+
+def _same_model(saved: Mapping, problem: Problem) -> None:
+    """Raise :class:`PlanModelMismatch` where the saved plan's model record names another model than ``problem``'s
+    (class, parameters and hash; a record without a hash, of schema ``/1``, is not compared)."""
+    record = saved.get("model")
+    if not isinstance(record, Mapping) or not record.get("hash"):
+        return
+    given = model_record(problem)
+    if all(record.get(k) == given[k] for k in ("class", "parameters", "hash")):
+        return
+
+    def said(r):
+        parameters = r.get("parameters")
+        count = f"{parameters:,} parameters" if isinstance(parameters, int) else "parameters unknown"
+        return f"{r.get('class')}, {count}, {str(r.get('hash'))[:19]}"
+
+    raise PlanModelMismatch(f"this plan is for {said(record)} but the model is {said(given)}; make a new plan with "
+                            "allocator.plan(model, ...).", saved=record, given=given)
 
 
 def _decision(decision: Decision) -> dict:
@@ -185,7 +229,7 @@ class SavedPlan:
 
 
 def read(data: Mapping) -> SavedPlan:
-    """``data`` checked as a plan of :data:`SCHEMA`'s major version.
+    """``data`` checked as a plan of a version this reader reads (:data:`READS`).
 
     Raises
     ------
@@ -198,9 +242,9 @@ def read(data: Mapping) -> SavedPlan:
     name = data.get("schema")
     if not isinstance(name, str) or name.partition("/")[0] != SCHEMA.partition("/")[0]:
         raise InvalidOption(f"not an allocator plan (its 'schema' is {name!r}, expected {SCHEMA!r}); {hint}.")
-    if name != SCHEMA:
-        raise InvalidOption(f"plan schema {name!r} is not read by this version of allocator (it reads {SCHEMA!r}); "
-                            f"plan again with this version.")
+    if name not in READS:
+        raise InvalidOption(f"plan schema {name!r} is not read by this version of allocator (it reads "
+                            f"{' and '.join(map(repr, READS))}); plan again with this version.")
     missing = [k for k in ("device_map", "main_device", "budgets") if k not in data]
     if missing or not isinstance(data["device_map"], Mapping) or not isinstance(data["budgets"], Mapping):
         raise InvalidOption(f"the saved plan has no {', '.join(missing) or 'valid device_map or budgets'}; {hint}.")
@@ -234,6 +278,7 @@ def rebuild(saved: SavedPlan, model, **keywords) -> tuple[Problem, Placement]:
     fields.update(keywords)
     max_memory = {d: v for d, v in saved.budgets.items() if v is not None}
     problem = build_problem(model, max_memory, options=PlanOptions.of(None, **fields))
+    _same_model(saved.data, problem)
     decisions = tuple(_decision_of(d) if isinstance(d, Mapping) else Decision("split", str(d))
                       for d in saved.data.get("decisions") or ())
     placement = Placement(device_map=saved.device_map, strategy=str(saved.data.get("strategy", "saved")),

@@ -302,6 +302,26 @@ def test_plan_local_folder_and_config_json(capsys, tmp_path):
     assert outputs[0] == outputs[1]
 
 
+def test_a_folder_prints_its_shape_and_warns_once_for_a_missing_size_field(capsys, tmp_path):
+    """Issue 37: a folder's config.json without num_hidden_layers is built with LlamaConfig's default (32 layers):
+    one warning line names the field and the default, and the shape line says what was planned."""
+    folder = llama_folder(tmp_path / "llama", architectures=["LlamaForCausalLM"])
+    code, out, err = run(capsys, "plan", folder, "--max-memory", "0=100KiB,cpu=10MiB")
+    shape = cli.load_model(str(folder)).shape
+    assert code == 0 and err == "" and out.splitlines()[1].startswith(f"LlamaForCausalLM: {shape}; ")
+    assert shape.startswith("2 layers, hidden 64, 4/2 heads, vocab 1000, ") and shape.endswith(" parameters")
+    data = json.loads((folder / "config.json").read_text())
+    del data["num_hidden_layers"]
+    (folder / "config.json").write_text(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # conftest ignores warnings; the command line shows what Python would
+        code, out, err = run(capsys, "plan", folder, "--max-memory", "0=100KiB,cpu=10MiB")
+    lines = err.splitlines()
+    assert code == 0 and len(lines) == 1 and lines[0].startswith("allocator: warning: ")
+    assert "does not set num_hidden_layers" in lines[0] and "default 32" in lines[0]
+    assert out.splitlines()[1].startswith("LlamaForCausalLM: 32 layers, hidden 64, ")
+
+
 def test_generation_shows_where_the_room_for_generate_goes_without_explain(capsys, tmp_path):
     folder = llama_folder(tmp_path / "llama", architectures=["LlamaForCausalLM"])
     budget = "0=1MiB,cpu=10MiB"
@@ -346,7 +366,7 @@ def test_plan_dtype_from_config_and_flag(capsys, tmp_path):
     for flag in ([], ["--dtype", "float32"], ["--dtype", "float16"]):
         code, out, err = run(capsys, "plan", folder, "--max-memory", "cpu=10MiB", *flag)
         assert code == 0 and err == ""
-        sizes[tuple(flag)] = out.splitlines()[1]
+        sizes[tuple(flag)] = out.splitlines()[1].replace(f"{cli.load_model(str(folder)).shape}; ", "")
     with torch.device("meta"):
         import transformers
 

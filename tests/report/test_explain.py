@@ -159,3 +159,24 @@ def test_an_accelerator_too_small_for_generate_names_it_and_a_budget_that_works(
     minimum = main_minimum(p.problem, 0)
     assert minimum > total and f"it needs at least {format_bytes(minimum)}" in text
     assert contract_main(_with_budget(p.problem, 0, minimum)) == 0
+
+
+def test_an_empty_accelerator_after_another_empty_one_states_a_budget_bounded_by_the_model():
+    """Issue 37: SegFormer-b0 on two GPUs too small to be the main device. With more room on GPU 1 alone, GPU 0
+    becomes the main device (it streams nothing then), so GPU 1's minimum is asked with GPU 0 given no room: it is
+    bounded by the model's bytes, found by the errors' bisection, and does make GPU 1 the main device."""
+    from allocator.model import zoo
+    from allocator.report.minimum import main_minimum, with_budget as _with_budget
+    from allocator.strategies.witness import contract_main
+
+    p = quiet_plan(zoo.build("segformer-b0"), {0: "1.3MiB", 1: "1.3MiB", "cpu": "1GiB"})
+    assert p.main_device == "cpu"
+    total = p.problem.graph.total
+    minimum = {d: main_minimum(p.problem, d) for d in (0, 1)}
+    assert all(p.problem.budgets.limit(d) < minimum[d] < total for d in (0, 1)), minimum
+    text = p.explain()
+    for d in (0, 1):
+        assert f"{d} holds nothing" in text and f"it needs at least {format_bytes(minimum[d])}" in text
+    alone = _with_budget(_with_budget(p.problem, 0, 0), 1, minimum[1])
+    assert contract_main(alone) == 1
+    assert contract_main(_with_budget(alone, 1, minimum[1] - max(1, minimum[1] // 100) - 1)) != 1

@@ -44,7 +44,7 @@ def plans(gpt2):
 
 
 @pytest.mark.parametrize("kind", ["ram", "disk", "generate", "accelerate", "two"])
-def test_to_dict_is_json_and_round_trips(plans, kind):
+def test_to_dict_is_json_and_round_trips(gpt2, plans, kind):
     p = plans[kind]
     data = p.to_dict()
     text = json.dumps(data)  # raises on anything JSON cannot hold
@@ -53,7 +53,12 @@ def test_to_dict_is_json_and_round_trips(plans, kind):
     assert data["peak"] == {str(d): v for d, v in p.peak.items()}
     assert all(isinstance(k, str) for k in data["budgets"]) and list(data["budgets"])[-1] == "disk"
     assert data["estimate"]["seconds"] == p.cost.seconds
-    assert data["estimate"]["streamed_bytes"] == p.cost.streamed_bytes
+    assert data["estimate"]["streamed_per_forward_bytes"] == p.cost.streamed_bytes
+    assert data["reserve_bytes"] == p.streamed and data["prefetch_reserve_bytes"] == p.prefetch
+    assert "streamed" not in data and "streamed_bytes" not in data["estimate"]   # one word, one meaning
+    assert data["model"]["class"] == "GPT2LMHeadModel" and data["model"]["bytes"] == p.problem.graph.total
+    assert data["model"]["parameters"] == sum(t.numel() for t in gpt2.parameters())
+    assert data["model"]["hash"].startswith("sha256:") and len(data["model"]["hash"]) == 7 + 64
     assert data["violations"] == [{"kind": v.kind, "message": v.message} for v in p.violations]
     assert data["valid"] is p.valid
     saved = allocator.Plan.from_dict(json.loads(text))
@@ -78,15 +83,71 @@ def test_from_dict_finds_what_breaks_on_another_model(gpt2, plans):
     data["budgets"]["0"] = 50 * MiB  # the same map under a smaller budget
     again = allocator.Plan.from_dict(data, gpt2)
     assert not again.valid and any(v.kind == "budget" for v in again.violations)
-    other = zoo.build("bert-base")
-    moved = allocator.Plan.from_dict(plans["ram"].to_dict(), other)
-    assert any(v.kind == "coverage" for v in moved.violations)
+    with pytest.raises(allocator.PlanModelMismatch, match="this plan is for GPT2LMHeadModel"):
+        allocator.Plan.from_dict(plans["ram"].to_dict(), zoo.build("bert-base"))
+
+
+def _llama(layers):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def test_from_dict_against_another_model_says_so():
+    """Issue 37: a plan saved for a 12-layer model, read with a 14-layer one, is refused by name (the budgets alone
+    need not break), and the error says the fix; the same model built in another process reads it."""
+    twelve, fourteen = _llama(12), _llama(14)
+    data = json.loads(json.dumps(allocator.plan(twelve, {0: "100MiB", "cpu": "1GiB"}).to_dict()))
+    with pytest.raises(allocator.PlanModelMismatch) as caught:
+        allocator.Plan.from_dict(data, fourteen)
+    message = str(caught.value)
+    assert isinstance(caught.value, allocator.InvalidModel)
+    assert "this plan is for LlamaForCausalLM, " in message and "but the model is LlamaForCausalLM, " in message
+    assert f"{data['model']['parameters']:,} parameters" in message
+    assert "make a new plan with allocator.plan(" in message
+    assert caught.value.saved == data["model"] and caught.value.given["hash"] != data["model"]["hash"]
+    assert allocator.Plan.from_dict(data, _llama(12)).valid   # another instance of the same model
+
+
+@pytest.mark.subprocess
+def test_model_hash_is_stable_across_processes():
+    import subprocess
+    import sys
+
+    code = ("import torch, transformers; from allocator.model.read import identify\n"
+            "c = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=12, "
+            "num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)\n"
+            "with torch.device('meta'): m = transformers.LlamaForCausalLM(c)\n"
+            "print(identify(m).digest)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == allocator.build_problem(_llama(12), {"cpu": 0}).identity.digest
+
+
+def test_options_dtype_is_the_resolved_dtype_from_python_and_the_cli(capsys, gpt2):
+    """Issue 37: the same plan records the same dtype whichever path made it (float32: the model's own)."""
+    python = allocator.plan(gpt2, {0: "200MiB", "cpu": "4GiB"}).to_dict()
+    code, out, err = run(capsys, "plan", "gpt2", "--max-memory", "0=200MiB,cpu=4GiB", "--json", "-")
+    assert code == 0 and python["options"]["dtype"] == json.loads(out)["options"]["dtype"] == "float32"
+
+
+def test_a_plan_of_schema_1_is_read_without_a_model_check(gpt2, plans):
+    """The old names are not read back (only the map, budgets, options and decisions are), so a /1 plan reads."""
+    data = plans["ram"].to_dict()
+    old = {**data, "schema": "allocator.plan/1", "model": {"class": data["model"]["class"],
+                                                            "bytes": data["model"]["bytes"]}}
+    old["streamed"] = old.pop("reserve_bytes")
+    again = allocator.Plan.from_dict(json.loads(json.dumps(old)), gpt2)
+    assert again.device_map == plans["ram"].device_map and again.valid
 
 
 @pytest.mark.parametrize("data, words", [
     ([1, 2], "a saved plan is a JSON object"),
     ({"device_map": {"": 0}}, "not an allocator plan"),
-    ({"schema": "allocator.plan/2", "device_map": {}}, "is not read by this version"),
+    ({"schema": "allocator.plan/3", "device_map": {}}, "is not read by this version"),
     ({"schema": SCHEMA, "device_map": {"": 0}}, "has no main_device, budgets"),
 ])
 def test_from_dict_refuses_what_is_not_a_plan(data, words):
