@@ -87,7 +87,7 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     homes_cpu = "cpu" if is_accelerator(main) and problem.budgets.limit("cpu") is not None else "disk"
     found = _with_experts_away(problem, units, homes, layers, main, homes_cpu)
     if found is None:
-        return _kept(placement, "the experts modules fit neither RAM nor disk apart from their layers")
+        return _kept(placement, _why_not(problem, units, homes, layers))
     moved, mapped = found
     memory = check(problem, mapped)[1]
     limit = problem.budgets.limit(main)
@@ -236,6 +236,21 @@ def _with_experts_away(problem: Problem, units, homes, layers, main: Device, awa
     if moved is None:
         return None
     return moved, _map(units, devices(on_away, moved))
+
+
+def _why_not(problem: Problem, units, homes, layers) -> str:
+    """The real reason no map with the experts modules apart exists: the first rule the map with every experts
+    module on disk and nothing else moved breaks."""
+    out = [("disk" if is_experts else home) for (_, is_experts), home in zip(units, homes)]
+    violations = check(problem, _map(units, out))[0]
+    if not violations:
+        return "no map with the experts modules apart keeps every runtime rule"
+    first = violations[0]
+    extra = ""
+    if first.kind == "no-split":
+        extra = (" (offloaded modules execute on the main device under accelerate's hooks, so a layer kept on "
+                 "another accelerator cannot leave its experts)")
+    return f"apart from their layers the experts break a runtime rule: {first}{extra}"
 
 
 def _largest(n: int, ok) -> int | None:
