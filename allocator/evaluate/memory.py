@@ -224,7 +224,9 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
         Offloaded modules the runtime makes ready ahead (:func:`prefetch_of`): their bytes are held on the main device
         on top of the streamed chain (:func:`prefetch_reserve`).
     skip : tuple
-        Tensor ranges the runtime never makes ready ahead (:func:`prefetch_reserve`).
+        Tensor ranges the runtime never makes ready ahead (:func:`prefetch_reserve`): the experts modules it runs
+        expert by expert. On a CPU main device it reads their routed experts in place from the mapped files
+        (:attr:`allocator.offload.experts.RoutedExperts.in_place`), so they are not part of the streamed chain either.
 
     Returns
     -------
@@ -251,8 +253,10 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
         else:
             home = "mps" if device == "cpu" and main == "mps" and hooks else device
             resident[home] = resident.get(home, 0) + counted[b] - counted[a]
-    # every name of a shared tensor is copied by its own hook, so the chain counts nbytes, not counted bytes
-    reserve, chain = streamed_chain(graph, found, offloaded, offload_buffers=offload_buffers,
+    # every name of a shared tensor is copied by its own hook, so the chain counts nbytes, not counted bytes; on a
+    # CPU main device the routed experts (skip) are read in place from the mapped files: nothing of them is staged
+    streaming = _cut(found, skip) if main == "cpu" and skip else found
+    reserve, chain = streamed_chain(graph, streaming, offloaded, offload_buffers=offload_buffers,
                                     read_copies=main == "cpu")
     ahead = prefetch_reserve(graph, found, offloaded, prefetch, offload_buffers=offload_buffers,
                              read_copies=main == "cpu", skip=skip)
@@ -262,6 +266,19 @@ def peaks(graph: ModelGraph, found: list[Run], map_devices, *, offload_buffers: 
         resident[device] = resident.get(device, 0) + nbytes
     return Memory(peak=resident, main=main, streamed=reserve, chain=tuple(graph.nodes.name[i] for i in chain),
                   generation=generation, prefetch=ahead)
+
+
+def _cut(found: list[Run], spans: tuple) -> list[Run]:
+    """``found`` without the tensors of ``spans`` (``(start, end)`` tensor ranges): runs cut around them."""
+    out = []
+    for run in found:
+        pieces_of = [(run.start, run.end)]
+        for a, b in spans:
+            pieces_of = [p for s, e in pieces_of for p in ((s, min(e, a)), (max(s, b), e)) if p[0] < p[1]] \
+                if a < run.end and b > run.start else pieces_of
+        whole = pieces_of == [(run.start, run.end)]
+        out += [run] if whole else [Run(s, e, run.device) for s, e in pieces_of]
+    return out
 
 
 def workspace(graph: ModelGraph, *, main: bool) -> int:

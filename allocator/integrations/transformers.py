@@ -37,7 +37,6 @@ from ..api import plan
 from ..budgets import canonical, is_accelerator, warn_misread
 from ..errors import InvalidOption
 from ..logs import shown
-from ..evaluate.memory import prefetch_of
 from ..offload import attach, has_offload_hooks
 from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
@@ -91,15 +90,18 @@ class Patch:
     options : PlanOptions
         What :func:`allocator.plan` is given for every map (with each call's quantizer, no-split classes and what
         accelerate's ``infer_auto_device_map`` is called with).
+    attach_options : dict
+        ``runtime="allocator"``: what :func:`allocator.offload.attach` is given beside the plan (``device``).
     patched : tuple of str
         ``"module.attribute"`` for every attribute replaced.
     """
 
-    def __init__(self, strategy, options: PlanOptions):
+    def __init__(self, strategy, options: PlanOptions, attach_options: Mapping | None = None):
         self.strategy = strategy
         self.options = options
+        self.attach_options = dict(attach_options or {})   # for allocator.offload.attach: only the device
         self._pending: dict[str, str] = {}
-        self._prefetch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> the depth its plan chose
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (its plan, the map loaded)
         self._swaps: list[_Swap] = []
         self._saved: list[object] = []
 
@@ -183,7 +185,6 @@ class Patch:
                 is_accelerator(d) for d in result.device_map.values()):
             strategy = self.strategy   # the model does not fit on the accelerators: the contract's plan
             result = plan(model, dict(budgets), strategy=strategy, options=options)
-        self._prefetch[model] = result.problem.options.prefetch   # the depth the plan reserved for (runtime)
         escaped = tensors_to_escape(model, result, no_split)
         if escaped:
             base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)
@@ -194,6 +195,7 @@ class Patch:
                      "transformers loads them in RAM", type(model).__name__, escaped)
         else:
             device_map = result.device_map
+        self._plans[model] = (result, dict(device_map))   # what the runtime attached after loading runs
         if log.isEnabledFor(logging.INFO):
             resident = {d: result.resident(d) for d in result.problem.budgets.order}
             log.info("device_map=%r for %s planned by %s; resident bytes %s", mode, type(model).__name__,
@@ -271,9 +273,15 @@ class Patch:
         def dispatch_model(model, *args, **kwargs):
             result = original(model, *args, **kwargs)
             if has_offload_hooks(model) and getattr(model, "_allocator_runtime", None) is None:
-                depth = self._prefetch.get(model, prefetch_of(replace(self.options, runtime="allocator")))
-                attach(model, prefetch=depth)
-                log.info("%s runs the allocator offload runtime (prefetch=%d)", type(model).__name__, depth)
+                planned, loaded = self._plans.get(model, (None, None))
+                # the plan's map as loaded: the plan itself (attach checks the map); a map with tensors left out
+                # (_no_placement_params): its runtime; no plan of ours (a dict map): the runtime's defaults
+                given = getattr(model, "hf_device_map", None)
+                same = planned is not None and (given is None or dict(given) == planned.device_map)
+                spec = planned if same else planned.runtime if planned is not None and given == loaded else None
+                runtime = attach(model, spec, **self.attach_options)
+                log.info("%s runs the allocator offload runtime (prefetch=%d, %d experts modules expert by expert)",
+                         type(model).__name__, runtime.prefetch, len(runtime.experts))
             return result
 
         replacement = _named(dispatch_model, original)
@@ -306,7 +314,7 @@ class Patch:
         return swaps
 
 
-def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) -> Patch:
+def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device=None, **keywords) -> Patch:
     """Plan the string device maps of ``from_pretrained`` and ``load_checkpoint_and_dispatch`` with the planner.
 
     The patch is on from this call until :meth:`Patch.unpatch`, :func:`unpatch` or the end of a ``with`` block
@@ -320,6 +328,11 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) ->
         Plans ``device_map="auto"``: a name in :data:`allocator.STRATEGIES` or ``place(problem) -> Placement``.
     options : PlanOptions, optional
         Given to :func:`allocator.plan` for every map (its ``hf_quantizer`` is each call's).
+    offload_device : optional
+        With ``runtime="allocator"``: the runtime's device, as :func:`allocator.offload.attach` takes it (``None``:
+        from the hooks' execution device; ``"stand-in"``: :class:`allocator.offload.StandInDevice`). What the runtime
+        does otherwise is the plan's (:attr:`allocator.Plan.runtime`): every model ``dispatch_model`` offloads is
+        attached with the plan made for its map, so ``expert_profile=``, ``prefetch=`` and ``generation=`` reach it.
     **keywords
         Fields of :class:`allocator.PlanOptions`, one by one (they override those of ``options``):
         ``offload_buffers`` (pass ``True`` when you pass it to ``from_pretrained``, which does not tell its map
@@ -415,7 +428,7 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) ->
         raise InvalidOption(f"patch() got options {fixed}, which come from each call; choose from "
                             f"{sorted(set(OPTION_NAMES) - _RESERVED)}.")
     options = PlanOptions.of(options, **keywords)
-    handle = Patch(strategy, options)
+    handle = Patch(strategy, options, {"device": offload_device} if offload_device is not None else None)
     swaps = handle._swaps_for_installed()
     if not swaps:
         raise InvalidOption("nothing to patch: neither transformers nor accelerate is importable; "

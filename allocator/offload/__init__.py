@@ -20,6 +20,10 @@ The memory of the prefetch is part of the plan: ``PlanOptions(runtime="allocator
 device reserve, on top of the streamed chain, the ``k`` largest amounts one offloaded module streams
 (:func:`allocator.evaluate.memory.prefetch_reserve`). :func:`detach` puts accelerate's hooks back.
 
+The plan decides what this runtime does (:attr:`allocator.Plan.runtime`: prefetch depth, resident experts, expert mode
+per layer, the buffers it holds); :func:`attach` reads it from the plan, ``patch(runtime="allocator")`` passes the plan
+it made, and :func:`runtime_of` returns the runtime attached to a model with its traffic.
+
 Mixtures of experts: an offloaded fused experts module runs expert by expert (:mod:`.experts`, registered with
 transformers' ``ExpertsInterface`` as ``"allocator"``): only the experts its router picks are read, resident ones
 (``Plan.experts``) from the main device, the others fetched or computed where their weights live.
@@ -35,7 +39,7 @@ from __future__ import annotations
 from .devices import HostDevice, StandInDevice, StreamDevice
 from .experts import ExpertsHook, RoutedExperts, Traffic
 from .files import MappedFile
-from .hooks import Attached, OffloadHook, attach, detach, dispatch, has_offload_hooks
+from .hooks import Attached, OffloadHook, attach, detach, dispatch, has_offload_hooks, runtime_of
 from .scheduler import Scheduler
 
 __all__ = [
@@ -53,4 +57,5 @@ __all__ = [
     "detach",
     "dispatch",
     "has_offload_hooks",
+    "runtime_of",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRuntime
@@ -328,19 +329,22 @@ class ExpertsHook:
         return output
 
 
-def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode: str = "auto",
+def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode="auto",
                   traffic: Traffic | None = None) -> dict:
     """For each offloaded fused experts module of ``model`` that the runtime can run expert by expert: its
     :class:`RoutedExperts`, keyed by ``id(module)``. ``hooks`` are ``(name, module, hook)`` of accelerate's
     offloading hooks; ``placed`` maps experts module names to the device of each expert (``Plan.experts``), those on
     ``resident_on`` (the plan's main device) being kept on the main device; experts of modules it does not name are
-    all offloaded.
+    all offloaded. ``mode`` is one of :data:`MODES` for every module, or a dict of them per experts module name
+    (``Runtime.expert_mode``; ``"auto"`` for a module it does not name).
 
     A module is left to whole-module streaming where its children hold tensors (a norm shared by its experts), its
     hook streams tensors of other modules, or it runs in a dtype its file does not hold as float.
     """
-    if mode not in MODES:
-        raise InvalidRuntime(f"experts mode must be one of {list(MODES)}, got {mode!r}.")
+    modes = dict(mode) if isinstance(mode, Mapping) else {}
+    for m in (set(modes.values()) if isinstance(mode, Mapping) else {mode}):
+        if m not in MODES:
+            raise InvalidRuntime(f"experts mode must be one of {list(MODES)}, got {m!r}.")
     layers = {m.experts: m for m in find_experts(model) if m.kind == "fused" and not m.common}
     traffic = traffic if traffic is not None else Traffic()
     out = {}
@@ -358,7 +362,8 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
             main = str(hook.execution_device)
             main = f"cuda:{main}" if main.isdigit() else main
             where = placed.get(name, ("offloaded",) * layer.num_experts)
-            routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic, mode)
+            routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic,
+                                   modes.get(name, "auto") if isinstance(mode, Mapping) else mode)
             routed.keep([e for e, d in enumerate(where) if resident_on is not None and d == resident_on])
             routed.random_access()
             out[id(module)] = routed

@@ -9,13 +9,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import InvalidOption, InvalidRuntime, warn_caller
-from ..evaluate.memory import prefetch_of
+from ..report.runtime import Runtime
 from .devices import HostDevice, StandInDevice, StreamDevice
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
 from .scheduler import OffloadedModule, Scheduler, Slot
 
-__all__ = ["Attached", "OffloadHook", "attach", "detach", "dispatch", "has_offload_hooks"]
+__all__ = ["Attached", "OffloadHook", "attach", "detach", "dispatch", "has_offload_hooks", "runtime_of"]
 
 
 class OffloadHook:
@@ -111,10 +111,13 @@ class Attached:
         (:mod:`allocator.offload.experts`); they are not units.
     traffic : Traffic
         What those moved: bytes copied and read, activations moved, experts run.
+    plan : Runtime or None
+        What the plan decided for this runtime (:attr:`allocator.Plan.runtime`), ``None`` when attached without one.
     """
 
-    def __init__(self, model, *, prefetch: int, device, experts=None, expert_mode: str = "auto"):
+    def __init__(self, model, *, prefetch: int, device, experts=None, expert_mode="auto", plan=None):
         self.model = model
+        self.plan = plan
         self.prefetch = prefetch
         self.files = MappedFiles()
         self.units: list[OffloadedModule] = []
@@ -140,6 +143,15 @@ class Attached:
         self.threaded = getattr(device, "threaded", True)
         self.executor = (ThreadPoolExecutor(1, thread_name_prefix="allocator-prefetch")
                          if prefetch and self.threaded else None)
+
+    @property
+    def state(self) -> dict:
+        """What this runtime runs, as data: the prefetch depth, the device's kind, the offloaded units in order, and
+        per experts module run expert by expert its experts' devices, the resident ones and the mode."""
+        return {"prefetch": self.prefetch, "device": type(self.device).__name__,
+                "units": [u.name for u in self.units],
+                "experts": {r.layer.experts: {"where": tuple(r.where), "resident": tuple(sorted(r.rows)),
+                                              "mode": r.mode} for r in self.experts.values()}}
 
     # --- accounting -------------------------------------------------------------------------------------------
     def _count(self, nbytes: int) -> None:
@@ -252,18 +264,34 @@ def _plan_map(plan):
     return getattr(plan, "device_map", plan)
 
 
-def _experts_of(plan, experts):
+def _runtime_in(plan) -> Runtime | None:
+    """The :class:`Runtime` a plan decided (a :class:`allocator.Plan`, a saved plan, or the runtime itself); ``None``
+    for a bare device map or no plan."""
+    if plan is None or isinstance(plan, Runtime):
+        return plan
+    runtime = getattr(plan, "runtime", None)
+    return runtime if isinstance(runtime, Runtime) else None
+
+
+def _experts_of(spec: Runtime | None, experts):
     """``(experts module -> device of each expert, the device of resident ones)`` for :class:`Attached`, or ``None``
     without expert awareness."""
     if experts is False:
         return None
     if experts is None or experts is True:
-        return dict(getattr(plan, "experts", None) or {}), getattr(plan, "main_device", None)
+        return ({}, None) if spec is None else (dict(spec.experts), spec.main_device)
     return dict(experts), "main"
 
 
+def runtime_of(model) -> Attached | None:
+    """The allocator runtime attached to ``model`` (by :func:`attach`, :func:`dispatch` or
+    ``patch(runtime="allocator")``), with its :attr:`Attached.traffic` and :attr:`Attached.state`; ``None`` where
+    accelerate's hooks (or none) run it."""
+    return getattr(model, "_allocator_runtime", None)
+
+
 def attach(model, plan=None, *, prefetch: int | None = None, device=None, experts=None,
-           expert_mode: str = "auto") -> Attached:
+           expert_mode: str | None = None) -> Attached:
     """Replace accelerate's offloading hooks on ``model`` with the allocator runtime.
 
     Parameters
@@ -271,12 +299,14 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
     model : torch.nn.Module
         A model loaded with offloading by ``from_pretrained(device_map=...)``, ``dispatch_model`` or
         ``load_checkpoint_and_dispatch`` (its offloaded modules have accelerate's ``AlignDevicesHook``).
-    plan : allocator.Plan or dict, optional
-        The plan (or device map) it was loaded with; when given, ``model.hf_device_map`` must be that map, and the
-        plan's runtime decides the default prefetch.
+    plan : allocator.Plan, saved plan, Runtime or dict, optional
+        The plan it was loaded with (or its saved data read by ``Plan.from_dict``, or only its
+        :attr:`allocator.Plan.runtime`), or the device map; with a map, ``model.hf_device_map`` must be that map.
+        The plan's runtime (:class:`allocator.report.runtime.Runtime`) decides what runs: the prefetch depth, the
+        resident experts, the expert mode per layer; the keywords below override it.
     prefetch : int, optional
-        Offloaded units made ready ahead of the one running (0: none). Default: what the plan reserved
-        (``prefetch`` with ``runtime="allocator"``, 0 for a plan made for accelerate's hooks), else 1.
+        Offloaded units made ready ahead of the one running (0: none). Default: what the plan decided
+        (``Runtime.prefetch``: 0 for a plan made for accelerate's hooks); 1 without a plan.
     device : optional
         ``None`` (from the hooks' execution device: :class:`HostDevice` for ``cpu``, CUDA streams for a GPU),
         ``"stand-in"`` (:class:`StandInDevice`) or a device object with ``stage`` / ``ready``.
@@ -286,9 +316,10 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
         (``"allocator"``), those the plan keeps resident (``Plan.experts``) from the main device; ``False`` streams
         such modules whole like any other; a dict like ``Plan.experts`` with ``"main"`` for resident experts
         overrides the plan's.
-    expert_mode : str
+    expert_mode : str, optional
         How an offloaded expert the router picks runs: ``"auto"`` (fetched, or computed on the CPU where its weights
-        are in RAM and that is estimated cheaper for the tokens routed to it), ``"fetch"`` or ``"compute"``.
+        are in RAM and that is estimated cheaper for the tokens routed to it), ``"fetch"`` or ``"compute"``. Default:
+        the plan's per layer (``Runtime.expert_mode``), ``"auto"`` elsewhere.
 
     Returns
     -------
@@ -310,30 +341,31 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
     """
     if getattr(model, "_allocator_runtime", None) is not None:
         raise InvalidRuntime("this model already runs the allocator runtime; detach(model) first.")
-    if plan is not None:
+    if plan is not None and not isinstance(plan, Runtime):
         expected, loaded = dict(_plan_map(plan)), getattr(model, "hf_device_map", None)
         if loaded is not None and dict(loaded) != expected:
             raise InvalidRuntime(f"the model was loaded with device_map {loaded}, not the plan's {expected}; "
                                  f"load it with plan.device_map.")
-    options = getattr(getattr(plan, "problem", None), "options", None)
-    if prefetch is None:   # what the plan reserved for: none under accelerate's hooks
-        prefetch = 1 if options is None else prefetch_of(options)
+    spec = _runtime_in(plan)
+    if prefetch is None:   # what the plan decided: none under accelerate's hooks
+        prefetch = 1 if spec is None else spec.prefetch
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise InvalidOption(f"prefetch must be a non-negative integer, got {prefetch!r}.")
     if not has_offload_hooks(model):
         raise InvalidRuntime("the model has no offloaded modules (no accelerate AlignDevicesHook with offload=True):"
                              " load it with a device_map that puts something on 'disk' (or 'cpu' with a GPU).")
     device = _device_for(model, device)
-    if experts is False and getattr(plan, "experts", None) and prefetch and getattr(device, "threaded", True):
+    if experts is False and spec is not None and spec.experts and prefetch and getattr(device, "threaded", True):
         warn_caller(f"attach(experts=False, prefetch={prefetch}) streams experts modules whole and may hold them "
                     "ahead, but the plan (runtime='allocator') reserved no prefetch for them; attach with experts "
                     "awareness (the default) or prefetch=0.")
-    if options is not None and prefetch > prefetch_of(options) and getattr(device, "threaded", True):
+    if spec is not None and prefetch > spec.prefetch and getattr(device, "threaded", True):
         warn_caller(f"attach(prefetch={prefetch}) holds up to {prefetch} offloaded modules ahead on the main device, "
-                    f"beyond what the plan reserved (prefetch={prefetch_of(options)}); plan with "
+                    f"beyond what the plan reserved (prefetch={spec.prefetch}); plan with "
                     f"runtime='allocator', prefetch={prefetch} so that its budget counts them.")
-    runtime = Attached(model, prefetch=prefetch, device=device, experts=_experts_of(plan, experts),
-                       expert_mode=expert_mode)
+    mode = expert_mode if expert_mode is not None else (dict(spec.expert_mode) if spec is not None else "auto")
+    runtime = Attached(model, prefetch=prefetch, device=device, experts=_experts_of(spec, experts),
+                       expert_mode=mode, plan=spec)
     hooks = {id(u.original): OffloadHook(runtime, u) for u in runtime.units}
     for _, module, _, _, h in list(_offload_hooks(model)):
         routed = runtime.experts.get(id(module))

@@ -19,6 +19,7 @@ from ..evaluate.experts import resident_bytes, routed_cost
 from ..evaluate.tiers import fast_bytes
 from ..strategies.witness import contract_main, floor
 from .explain import reasons
+from .runtime import Runtime, decide_runtime
 from .schema import plan_to_dict, read, rebuild
 
 __all__ = ["Plan", "finish"]
@@ -56,6 +57,10 @@ class Plan:
     asked : str
         The strategy the caller asked for (``"auto"``, where :attr:`strategy` says ``"auto:reserve"``); the name of a
         caller's function.
+    runtime : Runtime
+        What the runtime does, decided here (:class:`allocator.report.runtime.Runtime`): which runtime, prefetch
+        depth, resident experts, expert mode per layer, the buffers it holds. :func:`allocator.offload.attach` reads
+        it; :meth:`to_dict` carries it.
     """
 
     device_map: dict
@@ -69,6 +74,7 @@ class Plan:
     cost: Cost
     parts: dict = field(default_factory=dict)
     prefetch: int = 0
+    runtime: Runtime = field(default_factory=Runtime)
     asked: str = ""
 
     @property
@@ -255,7 +261,8 @@ def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
     estimate, each computed once; ``asked`` names the strategy the caller asked for."""
     violations, memory = check(problem, placement.device_map)
     parts = peak_parts(problem, placement.device_map, memory)
-    for device, nbytes in resident_bytes(problem, placement).items():   # experts the runtime keeps resident
+    resident = resident_bytes(problem, placement)
+    for device, nbytes in resident.items():   # experts the runtime keeps resident
         memory.peak[device] = memory.peak.get(device, 0) + nbytes
         parts.setdefault(device, {"weights": 0})["weights"] = parts[device].get("weights", 0) + nbytes
     return Plan(
@@ -263,6 +270,7 @@ def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
         placement=placement, cost=_priced(problem, placement), parts=ByDevice(parts),
         prefetch=memory.prefetch, asked=asked,
+        runtime=decide_runtime(problem, placement, memory, resident.get(memory.main, 0)),
     )
 
 

@@ -18,13 +18,17 @@ against a model before anything is loaded::
      "options": {"objective": "contract", "dtype": "bfloat16", "generation": {...}, ...},
      "decisions": [{"kind": "kept", "text": "...", "devices": [0], "units": [], "bytes": null, "bound": ""}],
      "violations": [{"kind": "budget", "message": "..."}],
-     "experts": null}
+     "experts": null,
+     "runtime": {"name": "allocator", "main_device": 0, "prefetch": 1, "experts": {}, "expert_mode": {},
+                 "buffers": {"streamed": ..., "prefetch": ..., "experts": ..., "expert_cache": 0}, "expert_cache": 0}}
 
 Devices are written as JSON allows keys: accelerator indices as strings (``"0"``); as map *values* they stay integers
 (``0``), as ``device_map=`` takes them. ``budgets`` lists every device in the plan's order, ``null`` for no limit.
 ``experts`` is where each routed expert lives in a plan for the allocator runtime on a mixture of experts
 (:attr:`allocator.Plan.experts`: experts module -> the device of each expert, written as map values are), which a
 device map cannot name; ``null`` otherwise. ``options.expert_profile`` holds the profile the plan was made with.
+``runtime`` is what the runtime does as the plan decided it (:class:`allocator.report.runtime.Runtime`):
+:func:`allocator.offload.attach` reads it from a plan or a saved plan alike.
 A reader refuses another major version; fields it does not know are kept (``SavedPlan.data``). Every field, its
 unit and an example: ``docs/schema.md`` (checked against :func:`plan_to_dict` by ``tests/report/test_schema_doc.py``).
 
@@ -48,6 +52,7 @@ from ..model.generation import GenerationBudget
 from ..placement import Decision, Placement
 from ..problem import PlanOptions, Problem, build_problem
 from ..profile import Profile
+from .runtime import Runtime
 
 __all__ = ["SCHEMA", "READS", "SavedPlan", "plan_to_dict", "model_record", "read", "rebuild", "device_key",
            "device_of"]
@@ -142,6 +147,7 @@ def plan_to_dict(plan) -> dict:
         "decisions": [_decision(d) for d in plan.placement.decisions],
         "violations": [{"kind": v.kind, "message": v.message} for v in plan.violations],
         "experts": {name: list(row) for name, row in plan.experts.items()} or None,
+        "runtime": plan.runtime.to_dict(),
     }
 
 
@@ -222,6 +228,18 @@ class SavedPlan:
     @property
     def peak(self) -> dict:
         return {device_of(k): v for k, v in self.data.get("peak", {}).items()}
+
+    @property
+    def runtime(self) -> Runtime:
+        """What the runtime does (:class:`allocator.report.runtime.Runtime`); a plan saved before this section
+        existed reads as accelerate's hooks, or the allocator runtime with its saved prefetch."""
+        data = self.data.get("runtime")
+        if data is None:
+            options = self.data.get("options") or {}
+            name = options.get("runtime", "accelerate")
+            return Runtime(name=name, main_device=self.main_device, prefetch=int(options.get("prefetch") or 0),
+                           experts={k: tuple(v) for k, v in (self.data.get("experts") or {}).items()})
+        return Runtime.from_dict(data)
 
     def to_dict(self) -> dict:
         """The data as saved (a copy)."""

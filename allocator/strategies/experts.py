@@ -36,7 +36,7 @@ from ..evaluate.runs import columns
 from ..evaluate.tiers import accelerator_sequence, fast_bytes, fast_tier
 from ..evaluate.validate import check
 from ..placement import Decision, Placement
-from ..problem import Problem
+from ..problem import Problem, step_problem
 from .witness import floor
 
 __all__ = ["place_experts"]
@@ -71,9 +71,9 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     >>> problem = build_problem(model, {"cpu": 450_000}, runtime="allocator")
     >>> placed = place_experts(problem, run("reserve", problem))
     >>> placed.device_map["0.attn"], placed.device_map["0.experts"], placed.experts["0.experts"][:3]
-    ('cpu', 'disk', ('cpu', 'cpu', 'disk'))
-    >>> sum(row.count("cpu") for row in placed.experts.values())    # two resident experts per layer
-    16
+    ('cpu', 'disk', ('cpu', 'cpu', 'cpu'))
+    >>> sum(row.count("cpu") for row in placed.experts.values())    # three resident experts per layer
+    24
     """
     if not problem.moe or problem.options.runtime != "allocator" or placement.accelerates:
         return placement
@@ -87,7 +87,7 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     homes_cpu = "cpu" if is_accelerator(main) and problem.budgets.limit("cpu") is not None else "disk"
     found = _with_experts_away(problem, units, homes, layers, main, homes_cpu)
     if found is None:
-        return _kept(placement, "the experts modules fit neither RAM nor disk apart from their layers")
+        return _kept(placement, _why_not(problem, units, homes, layers))
     moved, mapped = found
     memory = check(problem, mapped)[1]
     limit = problem.budgets.limit(main)
@@ -99,6 +99,9 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     if have < need:
         return _kept(placement, f"apart from their layers the experts would leave {format_bytes(need - have)} "
                                 "fewer on the fastest tier than accelerate's map (the contract's floor)")
+    worse = _worse(problem, placement, dense, mapped, experts, have)
+    if worse:
+        return _kept(placement, worse)
     total = sum(m.num_experts for m in layers)
     source = "the expert profile" if problem.expert_profile is not None else "uniform use (no expert profile)"
     text = (f"experts of {len(layers)} mixture-of-experts layers as units: attention, norms, routers and shared "
@@ -115,6 +118,43 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     decision = Decision("experts", text, devices=(main,), units=tuple(m.experts for m in layers), bytes=resident,
                         bound="budget")
     return replace(result, decisions=placement.decisions + (decision,))
+
+
+def _disk_bytes(problem: Problem, device_map: dict, experts: dict) -> int:
+    """Bytes the map leaves on disk, less the routed experts kept resident elsewhere (``experts``: module -> the
+    device of each expert), which the runtime reads from there."""
+    g = problem.graph
+    on_disk = np.fromiter((d == "disk" for d in tensor_devices(g, device_map)), dtype=bool, count=len(g.tensors.nbytes))
+    total = int(np.asarray(g.tensors.nbytes)[on_disk].sum())
+    for m in problem.moe:
+        row = experts.get(m.experts)
+        if row is not None and m.kind == "fused" and device_of(m.experts, device_map) == "disk":
+            total -= sum(1 for d in row if d != "disk") * expert_bytes(problem, m)
+    return total
+
+
+def _worse(problem: Problem, placement: Placement, dense: dict, mapped: dict, experts: dict, have: int) -> str:
+    """Why the expert-granular map is worse than the dense one it came from (more bytes on disk, fewer on the fastest
+    tier, or a slower estimate), in words; ``""`` where it is not. Asking for our runtime never places worse than
+    not asking."""
+    ours_disk, dense_disk = _disk_bytes(problem, mapped, experts), _disk_bytes(problem, dense, {})
+    if ours_disk > dense_disk:
+        return (f"apart from their layers the experts would put {format_bytes(ours_disk)} on disk against "
+                f"{format_bytes(dense_disk)} with the experts in their layers (the whole experts modules leave the "
+                "accelerators, and RAM holds fewer of them than the accelerators did)")
+    dense_fast = fast_bytes(problem, map_runs(problem.graph, dense))
+    if have < dense_fast:
+        return (f"apart from their layers the experts would keep {format_bytes(dense_fast - have)} fewer on the "
+                "fastest tier than with the experts in their layers")
+    if "decode" not in problem.steps:   # no decoding step counted: both estimates are stated in the decision
+        return ""
+    step = step_problem(problem, "decode")
+    candidate = replace(placement, device_map=problem.cleaned(mapped), experts=experts)
+    ours, theirs = routed_cost(step, candidate, priced(step, candidate.device_map)), priced(step, dense)
+    if ours.seconds > theirs.seconds * (1 + 1e-9):
+        return (f"expert by expert is estimated slower per decoding step: {ours.seconds * 1e3:.3f} ms against "
+                f"{theirs.seconds * 1e3:.3f} ms with the experts in their layers")
+    return ""
 
 
 def _kept(placement: Placement, why: str) -> Placement:
@@ -196,6 +236,21 @@ def _with_experts_away(problem: Problem, units, homes, layers, main: Device, awa
     if moved is None:
         return None
     return moved, _map(units, devices(on_away, moved))
+
+
+def _why_not(problem: Problem, units, homes, layers) -> str:
+    """The real reason no map with the experts modules apart exists: the first rule the map with every experts
+    module on disk and nothing else moved breaks."""
+    out = [("disk" if is_experts else home) for (_, is_experts), home in zip(units, homes)]
+    violations = check(problem, _map(units, out))[0]
+    if not violations:
+        return "no map with the experts modules apart keeps every runtime rule"
+    first = violations[0]
+    extra = ""
+    if first.kind == "no-split":
+        extra = (" (offloaded modules execute on the main device under accelerate's hooks, so a layer kept on "
+                 "another accelerator cannot leave its experts)")
+    return f"apart from their layers the experts break a runtime rule: {first}{extra}"
 
 
 def _largest(n: int, ok) -> int | None:

@@ -1,0 +1,114 @@
+"""What the runtime does, as the plan decided it: :class:`Runtime`, the ``runtime`` section of a plan's data.
+
+The plan decides, once, everything the offload runtime (:func:`allocator.offload.attach`) then does: which runtime
+streams offloaded weights, how many offloaded modules it makes ready ahead, which routed experts it keeps resident,
+how each offloaded expert it runs is served, and the bytes it may hold on the main device for all of that. The runtime
+reads this object and re-derives none of it from options; :meth:`Runtime.to_dict` / :meth:`Runtime.from_dict` carry
+it in :meth:`allocator.Plan.to_dict` (``"runtime"``), so a saved plan attaches the same runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..budgets import Device
+from ..errors import InvalidOption
+from ..evaluate.memory import prefetch_of
+
+__all__ = ["EXPERT_MODES", "Runtime", "decide_runtime"]
+
+#: How an offloaded expert the router picks runs (:mod:`allocator.offload.experts`): fetched to the main device,
+#: computed where its weights are, or chosen per call from the cost model.
+EXPERT_MODES = ("auto", "fetch", "compute")
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """The runtime a plan decided.
+
+    Attributes
+    ----------
+    name : str
+        ``"allocator"`` (:mod:`allocator.offload`) or ``"accelerate"`` (accelerate's hooks, which this plan leaves
+        as they are).
+    main_device : int or str
+        Where offloaded modules execute; experts placed there are resident.
+    prefetch : int
+        Offloaded modules made ready ahead of the running one (0 under accelerate's hooks).
+    experts : dict
+        Experts module name -> the device of each expert (``Plan.experts``): those on ``main_device`` are kept
+        resident, the others are read when routed.
+    expert_mode : dict
+        Experts module name -> how an offloaded routed expert runs there (:data:`EXPERT_MODES`).
+    buffers : dict
+        Bytes the runtime may hold on the main device beyond resident weights: ``"streamed"`` (the largest
+        offloaded chain at once), ``"prefetch"`` (modules made ready ahead), ``"experts"`` (routed experts resident
+        there), ``"expert_cache"`` (recently routed experts kept, :attr:`expert_cache`).
+    expert_cache : int
+        Routed experts the runtime keeps on the main device after they ran (0: none).
+    """
+
+    name: str = "accelerate"
+    main_device: Device | None = None
+    prefetch: int = 0
+    experts: Mapping = field(default_factory=dict)
+    expert_mode: Mapping = field(default_factory=dict)
+    buffers: Mapping = field(default_factory=dict)
+    expert_cache: int = 0
+
+    @property
+    def streams(self) -> bool:
+        """Whether the allocator runtime, not accelerate's hooks, runs the offloaded modules."""
+        return self.name == "allocator"
+
+    @property
+    def resident(self) -> dict:
+        """Experts module name -> the indices of the experts kept on the main device."""
+        return {name: tuple(e for e, d in enumerate(row) if d == self.main_device)
+                for name, row in self.experts.items()}
+
+    def to_dict(self) -> dict:
+        """JSON-ready data (devices as map values are written: ``0``, ``"cpu"``, ``"disk"``)."""
+        return {"name": self.name, "main_device": self.main_device, "prefetch": self.prefetch,
+                "experts": {k: list(v) for k, v in self.experts.items()},
+                "expert_mode": dict(self.expert_mode), "buffers": {k: int(v) for k, v in self.buffers.items()},
+                "expert_cache": self.expert_cache}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Runtime:
+        """The runtime saved by :meth:`to_dict`.
+
+        Raises
+        ------
+        InvalidOption
+            Not such data (an unknown runtime or expert mode, a negative depth).
+        """
+        if not isinstance(data, Mapping):
+            raise InvalidOption(f"a plan's 'runtime' is a JSON object, got {type(data).__name__}; plan again.")
+        out = cls(name=str(data.get("name", "accelerate")), main_device=data.get("main_device"),
+                  prefetch=int(data.get("prefetch", 0)),
+                  experts={k: tuple(v) for k, v in (data.get("experts") or {}).items()},
+                  expert_mode=dict(data.get("expert_mode") or {}),
+                  buffers={k: int(v) for k, v in (data.get("buffers") or {}).items()},
+                  expert_cache=int(data.get("expert_cache", 0)))
+        bad = sorted({m for m in out.expert_mode.values() if m not in EXPERT_MODES})
+        if out.name not in ("allocator", "accelerate") or bad or out.prefetch < 0 or out.expert_cache < 0:
+            raise InvalidOption(f"the plan's runtime section is not one this version reads ({dict(data)!r}); "
+                                f"plan again with this version.")
+        return out
+
+
+def decide_runtime(problem, placement, memory, experts_bytes: int = 0) -> Runtime:
+    """The :class:`Runtime` of a checked placement: ``memory`` is its :class:`allocator.evaluate.memory.Memory`
+    (main device, streamed chain, prefetch reserve), ``experts_bytes`` the routed experts resident on the main
+    device."""
+    options = problem.options
+    if options.runtime != "allocator":
+        return Runtime(name=options.runtime, main_device=memory.main)
+    experts = {k: tuple(v) for k, v in placement.experts.items()}
+    return Runtime(name="allocator", main_device=memory.main, prefetch=prefetch_of(options),
+                   experts=experts, expert_mode={name: "auto" for name in experts},
+                   buffers={"streamed": memory.streamed, "prefetch": memory.prefetch, "experts": experts_bytes,
+                            "expert_cache": 0},
+                   expert_cache=0)
