@@ -35,6 +35,7 @@ from __future__ import annotations
 from .devices import HostDevice, StandInDevice, StreamDevice
 from .experts import ExpertsHook, RoutedExperts, Traffic
 from .files import MappedFile
+from .hybrid import HybridHook
 from .hooks import Attached, OffloadHook, attach, detach, dispatch, has_offload_hooks
 from .scheduler import Scheduler
 
@@ -42,6 +43,7 @@ __all__ = [
     "Attached",
     "ExpertsHook",
     "HostDevice",
+    "HybridHook",
     "MappedFile",
     "OffloadHook",
     "RoutedExperts",
