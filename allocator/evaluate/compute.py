@@ -8,8 +8,8 @@ token per sequence, :func:`phase_tokens`), the cost model prices one step both w
 
 - streamed: the unit's bytes staged as the runtime stages them (:class:`allocator.offload.StreamDevice`: the
   mapped, pageable weights copied into pinned memory at ``cpu_memory``, then to the accelerator at
-  ``pinned_host_to_device``; from disk first at ``disk_read``), a fixed latency per tensor, then read or computed on the accelerator (``accelerator_memory``,
-  ``accelerator_flops``), its KV cache read there;
+  ``pinned_host_to_device``; from disk first at ``disk_read``), a fixed latency per tensor, then read or computed
+  on the accelerator (``accelerator_memory``, ``accelerator_flops``), its KV cache read there;
 - where it lives: the bytes read from RAM (``cpu_memory``; from the file at ``disk_read``) or computed at
   ``cpu_flops``, whichever is slower, its KV cache read from RAM, and the activations moved both ways (``2 x
   tokens x activation bytes per token``, pinned staging) with two changes of device.

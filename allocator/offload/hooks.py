@@ -398,7 +398,8 @@ def detach(model) -> None:
     for unit in runtime.units:
         top = unit.module._hf_hook
         if isinstance(top, SequentialHook):
-            top.hooks = type(top.hooks)(unit.original if isinstance(x, (OffloadHook, HybridHook)) and x.unit is unit else x
+            ours = (OffloadHook, HybridHook)
+            top.hooks = type(top.hooks)(unit.original if isinstance(x, ours) and x.unit is unit else x
                                         for x in top.hooks)   # tuple or list, as accelerate made it
         elif isinstance(top, (OffloadHook, HybridHook)):
             unit.module._hf_hook = unit.original
