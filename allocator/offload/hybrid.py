@@ -18,14 +18,17 @@ __all__ = ["HybridHook", "call_tokens", "phase_of", "unit_phases"]
 
 
 def call_tokens(args, kwargs) -> int:
-    """Tokens of a call: the leading dimensions of its first floating-point input with at least two dimensions
-    (``hidden_states``: batch x sequence), else of its first tensor; 0 without tensors."""
+    """Tokens of a call: batch x sequence of its first floating-point input with at least two dimensions
+    (``hidden_states`` ``(batch, sequence, hidden)``, per-head states ``(batch, sequence, heads, head_dim)``; a 2-D
+    input is ``(tokens, hidden)``), else the elements of its first tensor; 0 without tensors."""
     import torch
 
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     states = [t for t in tensors if t.is_floating_point() and t.dim() >= 2]
     for t in states or tensors:
-        return int(t.numel() // t.shape[-1]) if t.dim() >= 2 else int(t.numel())
+        if t.dim() >= 3:
+            return int(t.shape[0] * t.shape[1])
+        return int(t.shape[0]) if t.dim() == 2 else int(t.numel())
     return 0
 
 
@@ -79,6 +82,8 @@ class HybridHook:
         The most tokens of a decode call.
     calls : dict
         phase -> calls run on the CPU.
+    streamed : int
+        Calls run on the main device, the weights streamed.
     """
 
     no_grad = False
@@ -92,6 +97,7 @@ class HybridHook:
         self.input_device = None
         self.phases, self.threshold = dict(phases), threshold
         self.calls: dict = {}
+        self.streamed = 0
         self.local = False
         self.layer = _layer_index(unit.module)
         device = runtime.device
@@ -110,6 +116,7 @@ class HybridHook:
         phase = phase_of(call_tokens(args, kwargs), self.threshold)
         self.local = self.phases.get(phase) == "cpu"
         if not self.local:
+            self.streamed += 1
             self._cache_to(kwargs, self.execution_device)
             return self.inner.pre_forward(module, *args, **kwargs)
         import torch
