@@ -88,6 +88,49 @@ def _staged(runtime) -> int:
     return sum(n for kind, *rest in runtime.device.log if kind == "stage" for n in rest)
 
 
+def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *, device=None, dtype=torch.float32):
+    """Load ``folder`` with ``device_map``, attach the runtime with ``plan`` (``kind="stream"``: without its compute
+    map), run a prefill of ``prompt`` and ``tokens`` greedy decode steps: per phase the bytes staged (stand-in log),
+    activations moved, seconds, logits; the greedy ids; the GPU's peak where there is one."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    run_plan = dataclasses.replace(plan, device_map=device_map, hybrid=plan.hybrid if kind == "hybrid" else None)
+    cuda = device is None and torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(dir=work) as off:
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, offload_folder=off,
+                                                     dtype=dtype).eval()
+        runtime = offload.attach(model, run_plan, device=device, prefetch=0)
+        standin = isinstance(runtime.device, offload.StandInDevice)
+        staged = (lambda: _staged(runtime)) if standin else (lambda: 0)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        ids_in = prompt.to("cuda:0" if cuda else "cpu")
+        try:
+            with torch.no_grad():
+                cache = DynamicCache(config=model.config)
+                s0, a0 = staged(), runtime.traffic.activations
+                t0 = time.perf_counter()
+                first = model(input_ids=ids_in, past_key_values=cache, use_cache=True).logits
+                sync()
+                t1 = time.perf_counter()
+                s1, a1 = staged(), runtime.traffic.activations
+                ids, logits, out = first[:, -1:].argmax(-1), [], []
+                for _ in range(tokens):
+                    step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+                    logits.append(step)
+                    ids = step[:, -1:].argmax(-1)
+                    out.append(int(ids))
+                sync()
+                t2 = time.perf_counter()
+                s2, a2 = staged(), runtime.traffic.activations
+        finally:
+            offload.detach(model)
+    return dict(prefill=(s1 - s0, a1 - a0, t1 - t0, first.float().cpu()),
+                decode=(s2 - s1, a2 - a1, t2 - t1, torch.cat(logits, 1).float().cpu()), ids=out,
+                gpu_peak=torch.cuda.max_memory_allocated() if cuda else None)
+
+
 def run_model(name: str, args, work: str) -> list[dict]:
     ram = _build(name)
     folder = os.path.join(work, name)
@@ -99,50 +142,56 @@ def run_model(name: str, args, work: str) -> list[dict]:
     plan = allocator.plan(_build(name, "meta"), budget, runtime="allocator",
                           generation=allocator.GenerationBudget(1, args.prompt + args.tokens + 1))
     assert plan.main_device == 0 and plan.compute, (name, plan.device_map)
+    # the accelerator's units in the stand-in's memory, the offloaded ones in memory-mapped files
     loaded = {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in plan.device_map.items()}
     in_ram = sum(plan.resident(d) for d in ("cpu", "disk"))
     rows = []
     for kind in ("stream", "hybrid"):
-        run_plan = dataclasses.replace(plan, device_map=loaded, hybrid=plan.hybrid if kind == "hybrid" else None)
-        from transformers import AutoModelForCausalLM
-
-        with tempfile.TemporaryDirectory(dir=work) as off:
-            model = AutoModelForCausalLM.from_pretrained(folder, device_map=loaded, offload_folder=off,
-                                                         dtype=torch.float32).eval()
-            runtime = offload.attach(model, run_plan, device="stand-in", prefetch=0)
-            try:
-                from transformers import DynamicCache
-
-                with torch.no_grad():   # counted phase by phase
-                    cache = DynamicCache(config=model.config)
-                    s0, a0 = _staged(runtime), runtime.traffic.activations
-                    t0 = time.perf_counter()
-                    first = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
-                    t1 = time.perf_counter()
-                    s1, a1 = _staged(runtime), runtime.traffic.activations
-                    ids, logits, out = first[:, -1:].argmax(-1), [], []
-                    for _ in range(args.tokens):
-                        step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-                        logits.append(step)
-                        ids = step[:, -1:].argmax(-1)
-                        out.append(int(ids))
-                    t2 = time.perf_counter()
-                    s2, a2 = _staged(runtime), runtime.traffic.activations
-            finally:
-                offload.detach(model)
-        decode = torch.cat(logits, 1)
-        for phase, n, staged, moved, seconds, got, want in (
-                ("prefill", args.prompt, s1 - s0, a1 - a0, t1 - t0, first, ref[0]),
-                ("decode", args.tokens, s2 - s1, a2 - a1, t2 - t1, decode, ref[1])):
+        got = decode_run(folder, plan, loaded, kind, prompt, args.tokens, work, device="stand-in")
+        for phase, n, want in (("prefill", args.prompt, ref[0]), ("decode", args.tokens, ref[1])):
+            staged, moved, seconds, logits = got[phase]
             rows.append(dict(model=name, phase=phase, runtime=kind, tokens=n,
                              weights_in_ram_kib=round(in_ram / 1024, 1),
                              copied_kib_per_token=round(staged / n / 1024, 2),
                              copied_share_of_ram_weights=round(staged / n / in_ram, 4) if phase == "decode" else "",
                              activations_kib_per_token=round(moved / n / 1024, 2),
                              ms_per_token=round(seconds / n * 1e3, 3),
-                             max_abs_diff=float((got - want).abs().max()),
-                             tokens_equal=out == ref[2] if phase == "decode" else ""))
+                             max_abs_diff=float((logits - want).abs().max()),
+                             tokens_equal=got["ids"] == ref[2] if phase == "decode" else ""))
     return rows
+
+
+def gpu_case(path, meta, total: int, fraction: float, work, *, dry_run: bool, tokens: int = 16,
+             prompt_tokens: int = 32) -> list[dict]:
+    """``benchmarks/gpu.py``'s hybrid case: one saved model, a plan for ``{0: fraction x model, "cpu": 4x}`` with
+    ``runtime="allocator"`` and a generation budget, run streamed and hybrid: decode tokens per second, the GPU's
+    peak (``max_memory_allocated``), greedy tokens of both equal. In a dry run the stand-in is the accelerator (the
+    map loaded as :func:`run_model` loads it) and the times are CPU times, not a GPU's."""
+    budget = {0: int(fraction * total), "cpu": 4 * total}
+    plan = allocator.plan(meta, budget, runtime="allocator",
+                          generation=allocator.GenerationBudget(1, prompt_tokens + tokens + 1))
+    if not plan.compute:
+        return [dict(runtime=k, status=f"no compute map (main device {plan.main_device!r})") for k in RUNTIMES]
+    device_map = ({k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in plan.device_map.items()} if dry_run
+                  else plan.device_map)
+    prompt = torch.randint(0, 1000, (1, prompt_tokens), generator=torch.Generator().manual_seed(2))
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    got = {k: decode_run(path, plan, device_map, k, prompt, tokens, work, device="stand-in" if dry_run else None,
+                         dtype=dtype) for k in RUNTIMES}
+    rows = []
+    for k in RUNTIMES:
+        seconds = got[k]["decode"][2]
+        rows.append(dict(runtime=k, status="ok", device="stand-in (CPU times)" if dry_run else "cuda:0",
+                         decode_tokens_per_s=round(tokens / seconds, 2), prefill_s=round(got[k]["prefill"][2], 4),
+                         gpu_peak_bytes="" if got[k]["gpu_peak"] is None else got[k]["gpu_peak"],
+                         planned_peak_bytes=int(plan.peak.get(0, 0)),
+                         estimated_decode_s=round(plan.phase_steps[k]["decode"], 6),
+                         units_on_cpu_at_decode=sum(v["decode"] == "cpu" for v in plan.compute.values()),
+                         tokens_equal=got[k]["ids"] == got["stream"]["ids"]))
+    return rows
+
+
+RUNTIMES = ("stream", "hybrid")
 
 
 def _qwen3_32b():
