@@ -10,7 +10,7 @@ then run by ``allocator.offload.attach(model, plan, device="stand-in")`` two way
 - ``stream``: the plan without its compute map: every offloaded unit's weights "copied to the GPU" at every call;
 - ``hybrid``: the plan as made: units computing on the CPU in a phase read their weights where they live.
 
-Rows per model, runtime and phase: ``copied_kib_per_token`` (the stand-in's copy log: bytes staged, per token),
+Rows per model, runtime and phase: ``copied_kib_per_token`` (the stand-in's copies: bytes staged, per token),
 ``activations_kib_per_token`` (inputs and outputs the hybrid hooks moved), ``ms_per_token`` (CPU time measured here;
 the stand-in's "copies" are clones in RAM, not timed as a GPU), ``max_abs_diff`` of the logits against the model in
 RAM and ``tokens_equal`` (greedy decode). GPU-side times are *estimates*: ``--estimates`` adds the cost model's steps
@@ -85,13 +85,14 @@ def _greedy(model, prompt, tokens: int):
 
 
 def _staged(runtime) -> int:
-    return sum(n for kind, *rest in runtime.device.log if kind == "stage" for n in rest)
+    """Bytes the stand-in copied "to the GPU": modules' weights staged, and expert slices (its log's copies)."""
+    return runtime.device.staged + sum(entry[1] for entry in runtime.device.log if entry[0] == "copy")
 
 
 def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *, device=None, dtype=torch.float32):
     """Load ``folder`` with ``device_map``, attach the runtime with ``plan`` (``kind="stream"``: without its compute
-    map), run a prefill of ``prompt`` and ``tokens`` greedy decode steps: per phase the bytes staged (stand-in log),
-    activations moved, seconds, logits; the greedy ids; the GPU's peak where there is one."""
+    map), run a prefill of ``prompt`` and ``tokens`` greedy decode steps: per phase the bytes staged (the stand-in's
+    copies), activations moved, seconds, logits; the greedy ids; the GPU's peak where there is one."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     run_plan = dataclasses.replace(plan, device_map=device_map, hybrid=plan.hybrid if kind == "hybrid" else None)
