@@ -27,6 +27,9 @@ ACCELERATOR_MEMORY = 1555 * GB
 #: gets ~25 GB/s); accelerate's offload hooks copy from pageable memory (CUDA C++ Best Practices Guide, "Pinned
 #: memory"; PCI-SIG PCIe 4.0 specification for the link rate).
 HOST_TO_DEVICE = 10 * GB
+#: Pinned host-to-device copies over PCIe 4.0 x16: ~25 GB/s of the 32 GB/s link (CUDA C++ Best Practices Guide,
+#: "Pinned memory"); the allocator runtime's copies and its activation staging buffers are pinned.
+PINNED_HOST_TO_DEVICE = 25 * GB
 #: Sequential read of a PCIe 4.0 NVMe SSD (e.g. Samsung 980 PRO datasheet: 7 GB/s); halved for 4 KiB-page
 #: memory-mapped reads through the page cache.
 DISK_READ = 3.5 * GB
@@ -85,7 +88,8 @@ CPU_POINTWISE = 3e9
 #: 2.13; the same resize of a contiguous or channels-last tensor takes 1.6-6 ms).
 CPU_STRIDED = 4e8
 
-_RATES = ("accelerator_memory", "host_to_device", "disk_read", "disk_read_warm", "cpu_memory", "device_to_device",
+_RATES = ("accelerator_memory", "host_to_device", "pinned_host_to_device", "disk_read", "disk_read_warm", "cpu_memory",
+          "device_to_device",
           "accelerator_flops", "cpu_flops", "cpu_pointwise", "cpu_strided")
 
 
@@ -97,6 +101,9 @@ class Profile:
     """Reading resident weights on an accelerator."""
     host_to_device: float = HOST_TO_DEVICE
     """Copying offloaded weights from RAM to the accelerator (pageable memory)."""
+    pinned_host_to_device: float = PINNED_HOST_TO_DEVICE
+    """Copying from pinned host memory to the accelerator (the allocator runtime's copies and activation staging);
+    not measured without an accelerator (``Profile.measure`` keeps the named default)."""
     disk_read: float = DISK_READ
     """Reading offloaded weights from disk."""
     cpu_memory: float = CPU_MEMORY
@@ -283,7 +290,10 @@ def _accelerator(size: int, repeats: int) -> dict:
     dev = host.to("cuda")
     m = torch.ones((4096, 4096), device="cuda")
     sync()
+    pinned = host.pin_memory()
     return {"host_to_device": _rate(lambda: (host.to("cuda"), sync()), host.nbytes, repeats),
+            "pinned_host_to_device": _rate(lambda: (pinned.to("cuda", non_blocking=True), sync()), host.nbytes,
+                                           repeats),
             "accelerator_memory": _rate(lambda: (dev.clone(), sync()), 2 * dev.nbytes, repeats),   # read + write
             "accelerator_flops": _rate(lambda: (m @ m, sync()), 2 * 4096**3, repeats),
             "accelerator_op_latency": _latency(_then(_tiny_ops(torch.ones(4, device="cuda")), sync), _TINY_OPS,

@@ -21,6 +21,10 @@ model holds plus what ``generate`` allocates at once (every allocation, traced b
 Built to finish within 8 minutes on one GPU: configurations left when ``--time-limit`` seconds have passed are
 reported as skipped. Writes ``gpu.csv``, ``gpu_generate.csv`` and ``gpu.md`` into ``--out``.
 
+Hybrid case (issue #40, ``--hybrid-budget``): the first model, planned with ``runtime="allocator"`` and a generation
+budget, decoded with its compute map (offloaded units on the CPU at decode where the plan says) and streamed: decode
+tokens per second, the GPU's peak, greedy tokens equal; ``gpu_hybrid.csv`` (:func:`hybrid.gpu_case`).
+
     python benchmarks/gpu.py              # on a machine with a CUDA GPU
     python benchmarks/gpu.py --dry-run    # anywhere, in seconds: tiny models, the CPU as the device, disk offload
 """
@@ -47,6 +51,7 @@ from allocator.evaluate.memory import main_device, tensor_devices
 from allocator.evaluate.validate import check
 
 from benchutil import quiet, ram_held, write_csv
+from hybrid import gpu_case as hybrid_case   # issue #40: stream vs hybrid decode
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = (0.3, 0.5, 0.7)
@@ -500,6 +505,10 @@ def measure(args, device: Device, workdir: Path, deadline: float) -> tuple[list[
         if args.runtime_budget:
             info.setdefault("runtime", []).extend(
                 measure_runtime(args, device, workdir, name, total, meta, path, inputs, deadline))
+        if args.hybrid_budget and name == args.models[0] and time.time() < deadline:
+            info.setdefault("hybrid", []).extend(dict(model=name, budget=args.hybrid_budget, **row) for row in
+                                                 hybrid_case(path, meta, total, args.hybrid_budget, workdir,
+                                                             dry_run=device.dry_run, tokens=args.hybrid_tokens))
         if args.gen_budget:
             info.setdefault("generate", []).extend(
                 measure_generate(args, device, workdir, name, layers, total, meta, path, deadline))
@@ -636,6 +645,15 @@ def report(rows, info, args, device: Device, command, seconds) -> str:
                      "experts move). Greedy decode with a KV cache, ms per token (median).\n\n"
                      + "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
                      + "\n".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in info["moe"]))
+    if info.get("hybrid"):
+        keys = list(dict.fromkeys(k for r in info["hybrid"] for k in r))
+        parts.append(f"\n## hybrid execution (issue #40): streamed vs computed where the weights live, GPU budget "
+                     f"{args.hybrid_budget:.0%}\n\nOne plan with `runtime=\"allocator\"` and a generation budget, run "
+                     "with its compute map (`hybrid`) and without it (`stream`); greedy decode with a KV cache. "
+                     + ("Dry run: the stand-in is the accelerator; times are CPU times, not a GPU's." if args.dry_run
+                        else "Measured on this GPU.") + "\n\n"
+                     + "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
+                     + "\n".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in info["hybrid"]))
     skipped = [r for r in rows if r["status"].startswith("skipped")]
     if skipped:
         parts.append(f"\n{len(skipped)} loads skipped at the {args.time_limit:.0f} s time limit.")
@@ -659,6 +677,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gen-new", type=int, help="generate case: new tokens (default 16; 4 in a dry run)")
     parser.add_argument("--runtime-budget", type=float, default=0.5,
                         help="runtime case: the device budget as a fraction of the model (0 skips the case)")
+    parser.add_argument("--hybrid-budget", type=float, default=0.4,
+                        help="hybrid case (issue #40): GPU budget as a fraction of the first model, streamed vs "
+                             "computed where the weights live at decode (0 skips the case)")
+    parser.add_argument("--hybrid-tokens", type=int, default=16, help="hybrid case: tokens decoded")
     parser.add_argument("--moe-budget", type=float, default=0.3,
                         help="MoE case: the device budget as a fraction of the model (0 skips the case)")
     parser.add_argument("--moe-tokens", type=int, default=16, help="MoE case: tokens decoded")
@@ -691,6 +713,9 @@ def main(argv=None) -> int:
         write_csv(args.out / "gpu_generate.csv", info["generate"])
     if info.get("runtime"):
         write_csv(args.out / "gpu_runtime.csv", info["runtime"])
+    if info.get("hybrid"):
+        keys = list(dict.fromkeys(k for r in info["hybrid"] for k in r))
+        write_csv(args.out / "gpu_hybrid.csv", [{k: r.get(k, "") for k in keys} for r in info["hybrid"]])
     if info.get("moe"):
         keys = list(dict.fromkeys(k for r in info["moe"] for k in r))
         write_csv(args.out / "gpu_moe.csv", [{k: r.get(k, "") for k in keys} for r in info["moe"]])

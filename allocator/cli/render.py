@@ -76,7 +76,8 @@ def device_table(result) -> str:
     the streaming reserve, the peak and its share of the budget; then the strategy, estimate and violations."""
     total = result.problem.graph.total
     header = ("device", "budget", "resident", "of model", "streamed/fwd", "reserve", "peak", "of budget")
-    rows = [header]
+    hybrid = bool(result.compute)   # issue #40: a plan that decides where offloaded units compute
+    rows = [header + (("computes (decode)",) if hybrid else ())]
     for d in _devices(result):
         limit = result.problem.budgets.limit(d)
         peak = result.peak.get(d, 0)
@@ -85,11 +86,24 @@ def device_table(result) -> str:
             f"{result.resident(d) / total:.1%}" if total else "-",
             format_size(_streamed_from(result, d)), format_size(result.streamed if d == result.main_device else 0),
             format_size(peak), f"{peak / limit:.0%}" if limit else "-",
-        ))
+        ) + ((_computes_at_decode(result, d),) if hybrid else ()))
     lines = align(rows)
     lines.append(_headline(result))
     lines += [f"VIOLATION {v}" for v in result.violations]
     return "\n".join(lines)
+
+
+def _computes_at_decode(result, device) -> str:
+    """Where the units living on ``device`` compute at decode (``Plan.compute``): ``"cpu 70"``, ``"0 3, cpu 5"``;
+    the device itself for resident units, ``"-"`` where none live."""
+    units = [u for u, d in result.device_map.items() if d == device]
+    if not units:
+        return "-"
+    counts: dict = {}
+    for u in units:
+        where = result.compute.get(u, {}).get("decode", device)
+        counts[str(where)] = counts.get(str(where), 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
 
 
 def generation_table(result) -> str:

@@ -39,6 +39,7 @@ from __future__ import annotations
 from .devices import HostDevice, StandInDevice, StreamDevice
 from .experts import ExpertsHook, RoutedExperts, Traffic
 from .files import MappedFile
+from .hybrid import HybridHook
 from .hooks import Attached, OffloadHook, attach, detach, dispatch, has_offload_hooks, runtime_of
 from .scheduler import Scheduler
 
@@ -46,6 +47,7 @@ __all__ = [
     "Attached",
     "ExpertsHook",
     "HostDevice",
+    "HybridHook",
     "MappedFile",
     "OffloadHook",
     "RoutedExperts",

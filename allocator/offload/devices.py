@@ -104,6 +104,7 @@ class _StandInBackend:
 
     def __init__(self):
         self.log: list[tuple] = []
+        self.staged = 0
         self.side = _StandInStream(self.log, "side")
         self.compute = _StandInStream(self.log, "compute")
 
@@ -114,6 +115,7 @@ class _StandInBackend:
         return self.compute
 
     def copy(self, host):
+        self.staged += host.numel() * host.element_size()   # a module's weights "copied to the GPU"
         return host.clone()
 
     def copy_into(self, host, out):
@@ -175,3 +177,8 @@ class StandInDevice(StreamDevice):
     @property
     def log(self) -> list[tuple]:
         return self.backend.log
+
+    @property
+    def staged(self) -> int:
+        """Bytes of weights staged ("copied to the GPU") so far; the expert slices' copies are in :attr:`log`."""
+        return self.backend.staged

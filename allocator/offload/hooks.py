@@ -13,6 +13,7 @@ from ..report.runtime import Runtime
 from .devices import HostDevice, StandInDevice, StreamDevice
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
+from .hybrid import HybridHook, unit_phases
 from .scheduler import OffloadedModule, Scheduler, Slot
 
 __all__ = ["Attached", "OffloadHook", "attach", "detach", "dispatch", "has_offload_hooks", "runtime_of"]
@@ -367,6 +368,7 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
     runtime = Attached(model, prefetch=prefetch, device=device, experts=_experts_of(spec, experts),
                        expert_mode=mode, plan=spec)
     hooks = {id(u.original): OffloadHook(runtime, u) for u in runtime.units}
+    _hybrid(hooks, getattr(plan, "hybrid", None))   # issue #40: units the plan computes on the CPU in some phase
     for _, module, _, _, h in list(_offload_hooks(model)):
         routed = runtime.experts.get(id(module))
         if routed is not None:
@@ -382,6 +384,18 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
             top.hooks = type(top.hooks)(hooks[id(x)] if x is h else x for x in top.hooks)   # tuple or list
     model._allocator_runtime = runtime
     return runtime
+
+
+def _hybrid(hooks: dict, compute) -> None:
+    """Wrap the offload hook of each unit that the plan's compute map (``Plan.hybrid``, read from the plan as it is)
+    runs on the CPU in some phase in a :class:`allocator.offload.hybrid.HybridHook`."""
+    if compute is None:
+        return
+    devices = compute.to_dict()
+    for key, hook in list(hooks.items()):
+        phases = unit_phases(devices, hook.unit.name)
+        if phases is not None:
+            hooks[key] = HybridHook(hook, phases, compute.threshold)
 
 
 def _set_experts_implementation(model, name: str):
@@ -416,9 +430,10 @@ def detach(model) -> None:
     for unit in runtime.units:
         top = unit.module._hf_hook
         if isinstance(top, SequentialHook):
-            top.hooks = type(top.hooks)(unit.original if isinstance(x, OffloadHook) and x.unit is unit else x
+            ours = (OffloadHook, HybridHook)
+            top.hooks = type(top.hooks)(unit.original if isinstance(x, ours) and x.unit is unit else x
                                         for x in top.hooks)   # tuple or list, as accelerate made it
-        elif isinstance(top, OffloadHook):
+        elif isinstance(top, (OffloadHook, HybridHook)):
             unit.module._hf_hook = unit.original
     del model._allocator_runtime
 

@@ -363,8 +363,60 @@ def reasons(plan) -> tuple[list[str], set[str]]:
             if line:
                 out.append(line)
     out += [s for s in (_offloaded(plan, layout, full), _reserve(plan), _experts(plan, used)) if s]
+    out += _computes(plan)   # issue #40: where offloaded units compute, per phase
     choice = plan.placement.of_kind("choice")
     if choice:
         out.append(choice[0].text)
         used.add(choice[0].text)
     return out, used
+
+
+def _span(units: list[str]) -> str:
+    """``"model.layers.20-79"`` for consecutive numbered units of one parent, else the first and last names."""
+    heads = {u.rpartition(".")[0] for u in units}
+    tails = [u.rpartition(".")[2] for u in units]
+    if len(heads) == 1 and all(t.isdigit() for t in tails):
+        numbers = [int(t) for t in tails]
+        if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+            head = heads.pop()
+            return f"{head}.{numbers[0]}" if len(numbers) == 1 else f"{head}.{numbers[0]}\u2013{numbers[-1]}"
+    return units[0] if len(units) == 1 else f"{len(units)} units from {units[0]} to {units[-1]}"
+
+
+def _computes(plan) -> list[str]:
+    """One sentence per phase and group of consecutive offloaded units with the same compute device
+    (:attr:`allocator.Plan.hybrid`, :class:`allocator.evaluate.compute.PhaseChoice`), with the profile's rates."""
+    hybrid = plan.hybrid
+    if hybrid is None:
+        return []
+    p = plan.problem.profile
+    out = []
+    for phase in hybrid.tokens:
+        rows = [c for c in hybrid.choices if c.phase == phase]
+        groups: list[list] = []
+        for c in rows:
+            if groups and groups[-1][-1].device == c.device and groups[-1][-1].source == c.source:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        for group in groups:
+            first = group[0]
+            units = _span([c.unit for c in group])
+            nbytes = format_bytes(sum(c.nbytes for c in group))
+            here = sum(c.local_seconds for c in group)
+            there = sum(c.streamed_seconds for c in group)
+            read = p.disk_read if first.source == "disk" else p.cpu_memory
+            where = "the memory-mapped file" if first.source == "disk" else "RAM"
+            if first.device == "cpu":
+                out.append(f"{units} compute on the CPU at {phase} ({first.tokens} tokens per step): {nbytes} read "
+                           f"from {where} at ~{read / 1e9:.0f} GB/s instead of copied to {plan.main_device!r} at "
+                           f"~{p.pinned_host_to_device / 1e9:.0f} GB/s after staging; estimated {here * 1e3:.1f} ms "
+                           f"per step against {there * 1e3:.1f} ms streamed")
+            else:
+                out.append(f"{units} compute on {first.device!r} at {phase} ({first.tokens} tokens per step), "
+                           f"weights streamed: {nbytes} copied, estimated {there * 1e3:.1f} ms per step against "
+                           f"{here * 1e3:.1f} ms on the CPU")
+    if hybrid.cache_moved:
+        out.append(f"the KV cache of the units that decode on the CPU ({format_bytes(hybrid.cache_moved)}) lives in "
+                   "RAM, counted in its peak")
+    return out

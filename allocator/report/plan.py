@@ -15,6 +15,7 @@ from ..placement import Placement
 from ..problem import Problem, step_problem
 from ..strategies import STRATEGIES, run
 from ..evaluate.cost import priced
+from ..evaluate.compute import ComputePlan, cache_moves, decide, step_seconds   # issue #40: where units compute
 from ..evaluate.experts import resident_bytes, routed_cost
 from ..evaluate.tiers import fast_bytes
 from ..strategies.witness import contract_main, floor
@@ -76,6 +77,26 @@ class Plan:
     prefetch: int = 0
     runtime: Runtime = field(default_factory=Runtime)
     asked: str = ""
+    hybrid: ComputePlan | None = None
+
+    @property
+    def compute(self) -> dict:
+        """Where each offloaded unit computes per phase (``{"model.layers.20": {"prefill": 0, "decode": "cpu"}}``),
+        in a plan for the allocator runtime with an accelerator as main device (:mod:`allocator.evaluate.compute`);
+        empty otherwise. :func:`allocator.offload.attach` runs it as written."""
+        return {} if self.hybrid is None else self.hybrid.to_dict()
+
+    @property
+    def phase_steps(self) -> dict:
+        """Estimated seconds of one step of each phase (``"prefill"``: the prompt; ``"decode"``: one token per
+        sequence) as this plan runs (offloaded units where :attr:`compute` says), and, under ``"stream"``, with every
+        offloaded unit streamed: ``{"hybrid": {...}, "stream": {...}}``; empty without a compute plan. Estimates."""
+        if self.hybrid is None:
+            return {}
+        main = self.main_device
+        return {kind: {phase: step_seconds(self.problem, self.device_map, main, phase,
+                                           self.hybrid if kind == "hybrid" else None) for phase in self.hybrid.tokens}
+                for kind in ("hybrid", "stream")}
 
     @property
     def optimal(self) -> bool | None:
@@ -265,13 +286,28 @@ def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
     for device, nbytes in resident.items():   # experts the runtime keeps resident
         memory.peak[device] = memory.peak.get(device, 0) + nbytes
         parts.setdefault(device, {"weights": 0})["weights"] = parts[device].get("weights", 0) + nbytes
+    hybrid = _hybrid(problem, placement, memory, parts)   # issue #40: allocator runtime, accelerator main only
     return Plan(
         device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
         placement=placement, cost=_priced(problem, placement), parts=ByDevice(parts),
-        prefetch=memory.prefetch, asked=asked,
+        prefetch=memory.prefetch, asked=asked, hybrid=hybrid,
         runtime=decide_runtime(problem, placement, memory, resident.get(memory.main, 0)),
     )
+
+
+def _hybrid(problem: Problem, placement: Placement, memory, parts: dict) -> ComputePlan | None:
+    """Where offloaded units compute per phase (:func:`allocator.evaluate.compute.decide`); the KV cache of those
+    computing on the CPU at decode moves from the main device's peak to RAM's (``memory.peak`` and ``parts``
+    updated in place: both were made here)."""
+    limit = problem.budgets.limit("cpu")
+    room = None if limit is None else max(limit - memory.peak.get("cpu", 0), 0)
+    hybrid = decide(problem, placement.device_map, memory.main, room)
+    for device, delta in cache_moves(hybrid, memory.main).items():
+        memory.peak[device] = memory.peak.get(device, 0) + delta
+        row = parts.setdefault(device, {"weights": 0, "cache": 0, "logits": 0, "activations": 0})
+        row["cache"] = row.get("cache", 0) + delta
+    return hybrid
 
 
 def _priced(problem: Problem, placement: Placement):

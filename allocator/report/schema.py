@@ -24,6 +24,8 @@ against a model before anything is loaded::
 
 Devices are written as JSON allows keys: accelerator indices as strings (``"0"``); as map *values* they stay integers
 (``0``), as ``device_map=`` takes them. ``budgets`` lists every device in the plan's order, ``null`` for no limit.
+``compute`` is where each offloaded unit computes per phase (:attr:`allocator.Plan.compute`: unit -> {phase:
+device}) in a plan for the allocator runtime with an accelerator as main device, ``null`` otherwise.
 ``experts`` is where each routed expert lives in a plan for the allocator runtime on a mixture of experts
 (:attr:`allocator.Plan.experts`: experts module -> the device of each expert, written as map values are), which a
 device map cannot name; ``null`` otherwise. ``options.expert_profile`` holds the profile the plan was made with.
@@ -141,14 +143,22 @@ def plan_to_dict(plan) -> dict:
         "parts": {device_key(d): {k: int(v) for k, v in parts.items()} for d, parts in plan.parts.items()},
         "reserve_bytes": plan.streamed,
         "prefetch_reserve_bytes": plan.prefetch,
-        "estimate": {**_estimate(plan.cost), "steps": {step: cost.seconds for step, cost in plan.costs.items()}},
+        "estimate": {**_estimate(plan.cost), "steps": _steps(plan)},
         "generation": None if problem.generation is None else problem.generation.summary(),
         "options": _options(problem.options),
         "decisions": [_decision(d) for d in plan.placement.decisions],
         "violations": [{"kind": v.kind, "message": v.message} for v in plan.violations],
         "experts": {name: list(row) for name, row in plan.experts.items()} or None,
         "runtime": plan.runtime.to_dict(),
+        "compute": plan.compute or None,
     }
+
+
+def _steps(plan) -> dict:
+    """``estimate.steps``: seconds of each counted forward; in a plan with a compute map (issue #40) the prefill and
+    decode steps as it runs (:attr:`allocator.Plan.phase_steps`), whether or not FLOPs were counted."""
+    steps = {step: cost.seconds for step, cost in plan.costs.items()}
+    return {**steps, **plan.phase_steps["hybrid"]} if plan.phase_steps else steps
 
 
 def model_record(problem: Problem) -> dict:

@@ -1,0 +1,227 @@
+"""Where each offloaded unit computes, per phase of ``generate``: on the main device with its weights streamed, or
+where its weights live (the CPU, reading RAM or the memory-mapped file) with its activations moved (issue #40).
+
+Only a plan for the allocator runtime (``runtime="allocator"``) with an accelerator as main device has a choice: on a
+CPU main device an offloaded unit already computes where its weights are read, and accelerate's hooks always stream.
+For each unit of the map on ``"cpu"`` or ``"disk"`` and each phase (``prefill``: the prompt's tokens; ``decode``: one
+token per sequence, :func:`phase_tokens`), the cost model prices one step both ways from the profile:
+
+- streamed: the unit's bytes staged as the runtime stages them (:class:`allocator.offload.StreamDevice`: the
+  mapped, pageable weights copied into pinned memory at ``cpu_memory``, then to the accelerator at
+  ``pinned_host_to_device``; from disk first at ``disk_read``), a fixed latency per tensor, then read or computed
+  on the accelerator (``accelerator_memory``, ``accelerator_flops``), its KV cache read there;
+- where it lives: the bytes read from RAM (``cpu_memory``; from the file at ``disk_read``) or computed at
+  ``cpu_flops``, whichever is slower, its KV cache read from RAM, and the activations moved both ways (``2 x
+  tokens x activation bytes per token``, pinned staging) with two changes of device.
+
+The cheaper wins. A unit that computes on the CPU at decode keeps its KV cache in RAM (counted in RAM's peak, not
+the main device's: :func:`cache_moves`), and only while RAM has room for it. Everything here is an *estimate*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..budgets import Device, is_accelerator, normalize_map
+from ..problem import Problem
+
+__all__ = ["PHASES", "PhaseChoice", "ComputePlan", "phase_tokens", "unit_stats", "decide", "step_seconds",
+           "cache_moves"]
+
+PHASES = ("prefill", "decode")
+"""The phases of ``generate`` a unit gets a compute device for."""
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseChoice:
+    """The choice for one unit in one phase, with the figures that made it (all estimates)."""
+
+    unit: str
+    phase: str
+    device: Device          # the main device (weights streamed) or "cpu" (computed where the weights live)
+    source: str             # where the weights live: "cpu" or "disk"
+    tokens: int             # tokens per step of the phase
+    nbytes: int             # the unit's weights
+    cache_bytes: int        # its KV cache
+    streamed_seconds: float  # one step with the weights streamed to the main device
+    local_seconds: float    # one step computed where the weights live
+
+
+@dataclass(frozen=True, slots=True)
+class ComputePlan:
+    """Where each offloaded unit computes per phase, as the runtime reads it.
+
+    Attributes
+    ----------
+    devices : dict
+        unit (a device-map key) -> {phase: device}.
+    tokens : dict
+        phase -> tokens per step that priced it.
+    threshold : int
+        A call with at most this many tokens is a ``decode`` call, more a ``prefill`` call.
+    choices : tuple of PhaseChoice
+    cache_moved : int
+        KV cache bytes held in RAM instead of on the main device (units computing on the CPU at decode).
+    """
+
+    devices: Mapping
+    tokens: Mapping
+    threshold: int
+    choices: tuple
+    cache_moved: int = 0
+
+    def to_dict(self) -> dict:
+        """unit -> {phase: device}, JSON-ready (devices as the map writes them)."""
+        return {unit: dict(phases) for unit, phases in self.devices.items()}
+
+
+def phase_tokens(problem: Problem) -> dict:
+    """Tokens per step of each phase: with a generation budget, ``batch x prompt`` for prefill (the prompt defaults to
+    ``max_length - 1``) and ``batch`` for decode; without one, ``Profile.tokens`` and 1."""
+    needs = problem.generation
+    if needs is None:
+        return {"prefill": problem.profile.tokens, "decode": 1}
+    budget = needs.budget
+    prompt = budget.prompt_length or budget.max_length - 1
+    return {"prefill": budget.batch_size * prompt, "decode": budget.batch_size}
+
+
+def unit_stats(problem: Problem, device_map: Mapping) -> dict:
+    """Per key of ``device_map``: ``[bytes, parameter elements, tensors, KV cache bytes]`` of what it holds (a
+    tensor counted once where it shares memory with another)."""
+    g = problem.graph
+    keys = set(device_map)
+    out = {key: [0, 0, 0, 0] for key in device_map}
+
+    def owner(name: str):
+        while True:
+            if name in keys:
+                return name
+            if not name:
+                return None
+            name = name.rpartition(".")[0]
+
+    t = g.tensors
+    for k in range(len(t.name)):
+        key = owner(t.name[k])
+        if key is None or t.storage[k] != k:
+            continue
+        row = out[key]
+        row[0] += t.nbytes[k]
+        row[1] += t.numel[k] if t.is_param[k] else 0
+        row[2] += 1
+    cache = problem.generation.cache if problem.generation is not None else {}
+    for node, nbytes in cache.items():
+        key = owner(g.nodes.name[node])
+        if key is not None:
+            out[key][3] += nbytes
+    return out
+
+
+def _activation_per_token(problem: Problem) -> float:
+    """Activation bytes one token carries across a unit boundary (``Profile.activation_bytes`` per
+    ``Profile.tokens``: the named default's hidden width and dtype)."""
+    p = problem.profile
+    return p.activation_bytes / p.tokens
+
+
+def _streamed(problem: Problem, stats, source: str, tokens: int, phase: str) -> float:
+    p = problem.profile
+    nbytes, numel, tensors, cache = stats
+    seconds = nbytes / p.cpu_memory + nbytes / p.pinned_host_to_device + tensors * p.offload_tensor_latency
+    if source == "disk":
+        seconds += nbytes / p.disk_read
+    seconds += max(nbytes / p.accelerator_memory, 2 * tokens * numel / p.accelerator_flops)
+    if phase == "decode":
+        seconds += cache / p.accelerator_memory
+    return seconds
+
+
+def _local(problem: Problem, stats, source: str, tokens: int, phase: str) -> float:
+    p = problem.profile
+    nbytes, numel, _, cache = stats
+    read = nbytes / (p.disk_read if source == "disk" else p.cpu_memory)
+    seconds = max(read, 2 * tokens * numel / p.cpu_flops)
+    if phase == "decode":
+        seconds += cache / p.cpu_memory
+    moved = 2 * tokens * _activation_per_token(problem)
+    return seconds + moved / p.pinned_host_to_device + 2 * p.switch_latency
+
+
+def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | None = None) -> ComputePlan | None:
+    """The :class:`ComputePlan` of ``device_map`` for ``problem``, or ``None`` where there is no choice (accelerate's
+    hooks, a CPU main device, nothing offloaded). ``ram_room``: bytes RAM can still take (``None``: no limit) for
+    the KV cache of units that compute on the CPU at decode; a unit whose cache does not fit decodes on the main
+    device.
+
+    Notes
+    -----
+    O(tensors + cache nodes). The choices are estimates from ``problem.profile``.
+    """
+    if problem.options.runtime != "allocator" or not is_accelerator(main):
+        return None
+    device_map = normalize_map(device_map)
+    offloaded = [k for k, d in device_map.items() if d in ("cpu", "disk")]
+    if not offloaded:
+        return None
+    stats = unit_stats(problem, device_map)
+    tokens = phase_tokens(problem)
+    devices, choices, moved = {}, [], 0
+    for unit in offloaded:
+        source = device_map[unit]
+        row = {}
+        for phase in PHASES:
+            streamed = _streamed(problem, stats[unit], source, tokens[phase], phase)
+            local = _local(problem, stats[unit], source, tokens[phase], phase)
+            device = "cpu" if local < streamed else main
+            if phase == "decode" and device == "cpu" and stats[unit][3]:
+                if ram_room is not None and moved + stats[unit][3] > ram_room:
+                    device = main        # its KV cache would not fit in RAM
+                else:
+                    moved += stats[unit][3]
+            row[phase] = device
+            choices.append(PhaseChoice(unit, phase, device, source, tokens[phase], stats[unit][0], stats[unit][3],
+                                       streamed, local))
+        devices[unit] = row
+    return ComputePlan(devices=devices, tokens=tokens, threshold=tokens["decode"], choices=tuple(choices),
+                       cache_moved=moved)
+
+
+def step_seconds(problem: Problem, device_map: Mapping, main: Device, phase: str, compute: ComputePlan | None,
+                 *, runtime: str | None = None) -> float:
+    """Estimated seconds of one step of ``phase`` (all its tokens) for ``device_map``: resident units read or
+    computed where they are, offloaded ones as ``compute`` says (streamed where it is ``None``); ``runtime=
+    "accelerate"`` prices streaming as accelerate's hooks do it (pageable copies, a cache emptied per tensor)."""
+    p = problem.profile
+    device_map = normalize_map(device_map)
+    tokens = phase_tokens(problem)[phase]
+    seconds = 0.0
+    for unit, stats in unit_stats(problem, device_map).items():
+        d = device_map[unit]
+        nbytes, numel, tensors, cache = stats
+        if d in ("cpu", "disk") and is_accelerator(main):
+            if compute is not None and compute.devices.get(unit, {}).get(phase) == "cpu":
+                seconds += _local(problem, stats, d, tokens, phase)
+            elif runtime == "accelerate":
+                seconds += (nbytes / p.host_to_device + tensors * p.accelerator_tensor_latency
+                            + (nbytes / p.disk_read + tensors * p.disk_tensor_latency if d == "disk" else 0)
+                            + max(nbytes / p.accelerator_memory, 2 * tokens * numel / p.accelerator_flops)
+                            + (cache / p.accelerator_memory if phase == "decode" else 0))
+            else:
+                seconds += _streamed(problem, stats, d, tokens, phase)
+        elif is_accelerator(d):
+            seconds += max(nbytes / p.accelerator_memory, 2 * tokens * numel / p.accelerator_flops)
+            seconds += cache / p.accelerator_memory if phase == "decode" else 0
+        else:   # the CPU (or disk) as main device
+            seconds += max(nbytes / p.cpu_memory, 2 * tokens * numel / p.cpu_flops)
+            seconds += cache / p.cpu_memory if phase == "decode" else 0
+    return seconds
+
+
+def cache_moves(compute: ComputePlan | None, main: Device) -> dict:
+    """Bytes per device the compute plan moves in ``generate``'s peak: the KV cache of units that compute on the CPU
+    at decode leaves the main device for RAM."""
+    if compute is None or not compute.cache_moved:
+        return {}
+    return {main: -compute.cache_moved, "cpu": compute.cache_moved}

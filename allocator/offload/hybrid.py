@@ -1,0 +1,184 @@
+"""Hybrid execution (issue #40): an offloaded unit runs, per call, where the plan says it computes in the phase the
+call is in (:attr:`allocator.Plan.compute`, made by :mod:`allocator.evaluate.compute`).
+
+:class:`HybridHook` replaces the :class:`allocator.offload.OffloadHook` of a unit that computes on the CPU in some
+phase. A call with at most the plan's ``threshold`` tokens is a decode call, a longer one a prefill call. Where the
+phase's device is the main device, the hook is the offload hook (weights streamed). Where it is ``"cpu"``, nothing is
+copied: the unit's tensors are set to views of the mapped files (RAM), its inputs moved to the CPU (through a pinned
+staging buffer on an accelerator) and its output moved back; the KV cache layer the unit fills is moved to the CPU
+once and stays there. torch runs the call with its own intra-op threads (``torch.get_num_threads()``) on the calling
+thread: the runtime starts no compute thread, so the CPU is not oversubscribed (the prefetch thread only copies).
+"""
+
+from __future__ import annotations
+
+from .devices import StandInDevice, StreamDevice
+
+__all__ = ["HybridHook", "call_tokens", "phase_of", "unit_phases"]
+
+
+def call_tokens(args, kwargs) -> int:
+    """Tokens of a call: batch x sequence of its first floating-point input with at least two dimensions
+    (``hidden_states`` ``(batch, sequence, hidden)``, per-head states ``(batch, sequence, heads, head_dim)``; a 2-D
+    input is ``(tokens, hidden)``), else the elements of its first tensor; 0 without tensors."""
+    import torch
+
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    states = [t for t in tensors if t.is_floating_point() and t.dim() >= 2]
+    for t in states or tensors:
+        if t.dim() >= 3:
+            return int(t.shape[0] * t.shape[1])
+        return int(t.shape[0]) if t.dim() == 2 else int(t.numel())
+    return 0
+
+
+def phase_of(tokens: int, threshold: int) -> str:
+    """``"decode"`` for a call of at most ``threshold`` tokens, else ``"prefill"``."""
+    return "decode" if tokens <= threshold else "prefill"
+
+
+def _nbytes(value, skip) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v, skip) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v, skip) for k, v in value.items() if k not in skip)
+    return 0
+
+
+def _layer_index(module):
+    for sub in module.modules():
+        index = getattr(sub, "layer_idx", None)
+        if isinstance(index, int):
+            return index
+    return None
+
+
+def unit_phases(compute, name: str):
+    """The phases of the unit ``name`` (a module with an offload hook) in ``compute`` (unit -> {phase: device}): its
+    own entry or its closest ancestor's; ``None`` where it computes on the main device in every phase."""
+    probe = name
+    while True:
+        if probe in compute:
+            phases = compute[probe]
+            return phases if "cpu" in phases.values() else None
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]
+
+
+class HybridHook:
+    """Wraps the :class:`allocator.offload.OffloadHook` of a unit that computes on the CPU in the phases the plan
+    says (module docstring); in the other phases the offload hook runs.
+
+    Attributes
+    ----------
+    phases : dict
+        phase -> device, from the plan's compute map.
+    threshold : int
+        The most tokens of a decode call.
+    calls : dict
+        phase -> calls run on the CPU.
+    streamed : int
+        Calls run on the main device, the weights streamed.
+    """
+
+    no_grad = False
+
+    def __init__(self, inner, phases: dict, threshold: int):
+        self.inner = inner
+        runtime, unit = inner.runtime, inner.unit
+        self.runtime, self.unit = runtime, unit
+        h = unit.original
+        self.execution_device, self.io_same_device, self.skip_keys = h.execution_device, h.io_same_device, h.skip_keys
+        self.input_device = None
+        self.phases, self.threshold = dict(phases), threshold
+        self.calls: dict = {}
+        self.streamed = 0
+        self.local = False
+        self.layer = _layer_index(unit.module)
+        device = runtime.device
+        self.accelerator = isinstance(device, StreamDevice) and not isinstance(device, StandInDevice)
+        self.staging: dict = {}
+
+    def init_hook(self, module):
+        return module
+
+    def detach_hook(self, module):
+        return self.inner.detach_hook(module)
+
+    def pre_forward(self, module, *args, **kwargs):
+        from accelerate.utils import find_device, send_to_device
+
+        phase = phase_of(call_tokens(args, kwargs), self.threshold)
+        self.local = self.phases.get(phase) == "cpu"
+        if not self.local:
+            self.streamed += 1
+            self._cache_to(kwargs, self.execution_device)
+            return self.inner.pre_forward(module, *args, **kwargs)
+        import torch
+
+        self.calls[phase] = self.calls.get(phase, 0) + 1
+        if self.io_same_device:
+            self.input_device = find_device([args, kwargs])
+        for s in self.unit.slots:   # views of the mapped files: nothing copied
+            host = s.source.host()
+            host = host if host.dtype == s.meta.dtype else host.to(s.meta.dtype)
+            if s.is_param:
+                s.owner._parameters[s.attr] = torch.nn.Parameter(host, requires_grad=s.meta.requires_grad)
+            else:
+                s.owner._buffers[s.attr] = host
+        skip = set(self.skip_keys or ()) if not isinstance(self.skip_keys, str) else {self.skip_keys}
+        self.runtime.traffic.activations += _nbytes(list(args), skip) + _nbytes(kwargs, skip)
+        self._cache_to(kwargs, "cpu")
+        return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
+
+    def post_forward(self, module, output):
+        if not self.local:
+            return self.inner.post_forward(module, output)
+        from accelerate.utils import send_to_device
+
+        for s in self.unit.slots:
+            if s.is_param:
+                s.owner._parameters[s.attr] = s.meta
+            else:
+                s.owner._buffers[s.attr] = s.meta
+        skip = set(self.skip_keys or ()) if not isinstance(self.skip_keys, str) else {self.skip_keys}
+        self.runtime.traffic.activations += _nbytes(output if isinstance(output, (tuple, list, dict)) else [output],
+                                                    skip)
+        target = self.input_device if self.io_same_device and self.input_device is not None else \
+            self.execution_device
+        if self.accelerator:
+            output = self._staged(output)
+        return send_to_device(output, target, skip_keys=self.skip_keys)
+
+    def _staged(self, output):
+        """Tensors of ``output`` copied into pinned buffers kept per shape (an accelerator's copy from them is
+        asynchronous and at the pinned rate)."""
+        import torch
+
+        if isinstance(output, torch.Tensor):
+            key = (tuple(output.shape), output.dtype)
+            buffer = self.staging.get(key)
+            if buffer is None:
+                buffer = self.staging[key] = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+            return buffer.copy_(output)
+        if isinstance(output, tuple):
+            return type(output)(self._staged(o) for o in output) if not hasattr(output, "_fields") else output
+        return output
+
+    def _cache_to(self, kwargs, device) -> None:
+        """Move the cache layer this unit fills (``past_key_values``' layer ``layer_idx``) to ``device`` where it is
+        elsewhere: after a prefill on the main device, once, before the first decode on the CPU."""
+        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        layers = getattr(cache, "layers", None)
+        if self.layer is None or layers is None or self.layer >= len(layers):
+            return
+        layer = layers[self.layer]
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None and hasattr(tensor, "device") and str(tensor.device) != str(device):
+                setattr(layer, name, tensor.to(device))
