@@ -25,7 +25,9 @@ import importlib
 import logging
 from collections.abc import Callable, Mapping
 
-__all__ = ["MODEL_NAMESPACES", "diffusers_swaps"]
+from ..pipelines import plan_pipeline
+
+__all__ = ["MODEL_NAMESPACES", "PINNED", "diffusers_swaps", "pipeline_swaps"]
 
 log = logging.getLogger("allocator.integrations.diffusers")
 
@@ -60,7 +62,7 @@ def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable, user_budgets: C
                       _determine_device_map(module._determine_device_map, plan_map, user_budgets)))
         if runtime == "allocator" and hasattr(module, "dispatch_model"):
             swaps.append((module, "dispatch_model", wrap_dispatch(module.dispatch_model)))
-    return swaps
+    return swaps + pipeline_swaps(plan_pipeline)
 
 
 def _determine_device_map(original: Callable, plan_map: Callable, user_budgets: Callable) -> Callable:
@@ -71,6 +73,8 @@ def _determine_device_map(original: Callable, plan_map: Callable, user_budgets: 
                               hf_quantizer=None):
         if not (isinstance(device_map, str) and device_map in MODES):
             return original(model, device_map, max_memory, torch_dtype, keep_in_fp32_modules, hf_quantizer)
+        if PINNED:   # a pipeline component planned by allocator.plan_pipeline
+            return dict(PINNED[-1])
         budgets = user_budgets(get_max_memory, max_memory, device_map)
         theirs = _their_map(original, model, device_map, max_memory, torch_dtype, list(keep_in_fp32_modules),
                             hf_quantizer)
@@ -119,3 +123,69 @@ def _import(name: str):
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+# -- pipelines ----------------------------------------------------------------------------------------------------
+
+def pipeline_swaps(plan_pipeline: Callable) -> list[tuple[object, str, Callable]]:
+    """``(module, attribute, replacement)`` for ``DiffusionPipeline.from_pretrained(device_map="balanced")``:
+    ``_get_final_device_map`` (component -> device) from :func:`allocator.plan_pipeline`, and ``load_sub_model``
+    giving a component with a map of its own that map (both imported by name into
+    ``diffusers.pipelines.pipeline_utils``, 0.42)."""
+    module = _import("diffusers.pipelines.pipeline_utils")
+    if module is None or not all(hasattr(module, n) for n in ("_get_final_device_map", "load_sub_model")):
+        return []
+    own: dict = {}   # component -> (its map, the budgets it was planned over), for the pipeline being loaded
+    return [(module, "_get_final_device_map", _final_device_map(module._get_final_device_map, plan_pipeline, own)),
+            (module, "load_sub_model", _load_sub_model(module.load_sub_model, own))]
+
+
+PINNED: list = []
+"""The map of the component being loaded by :func:`_load_sub_model` (at most one): diffusers' ``_determine_device_map``
+replacement returns it for that load. Process-global, as the patch is."""
+
+
+def _final_device_map(original: Callable, plan_pipeline: Callable, own: dict) -> Callable:
+    def _get_final_device_map(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory,
+                              **kwargs):
+        own.clear()
+        folder, dtype = kwargs.get("cached_folder"), kwargs.get("dtype")
+        if device_map != "balanced" or passed_class_obj or isinstance(dtype, Mapping) or folder is None:
+            return original(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory, **kwargs)
+        from accelerate.utils import get_max_memory
+
+        result = plan_pipeline(folder, get_max_memory(dict(max_memory) if max_memory else None), dtype=dtype)
+        if not result.valid or not any(isinstance(d, int) for d in result.budgets):
+            log.warning("allocator.plan_pipeline finds no valid placement for %s (%s); diffusers' own placement is "
+                        "used", pipeline_class.__name__, result.explain())
+            return original(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory, **kwargs)
+        log.info("%s", result.explain())
+        for name, where in result.components.items():
+            if isinstance(where, Mapping):
+                own[name] = (dict(where), dict(result.given[name]))
+        return {n: w for n, w in result.components.items() if not isinstance(w, Mapping)}
+
+    _get_final_device_map.__allocator_original__ = original
+    return _get_final_device_map
+
+
+def _load_sub_model(original: Callable, own: dict) -> Callable:
+    """diffusers' ``load_sub_model``; a component with a map of its own is loaded with ``device_map="auto"`` and the
+    budgets it was planned over: diffusers' pipeline loading passes one device per component (``{"": device}``,
+    and a dict without ``""`` fails in ``load_sub_model``), so the mode goes through ``from_pretrained`` to the
+    patched planner; a diffusers component gets exactly the map planned (:data:`PINNED`), a transformers one the
+    patch's plan over the same budgets."""
+
+    def load_sub_model(*args, **kwargs):
+        name = kwargs.get("name")
+        if name not in own:
+            return original(*args, **kwargs)
+        device_map, budgets = own[name]
+        PINNED.append(device_map)
+        try:
+            return original(*args, **{**kwargs, "device_map": "auto", "max_memory": budgets})
+        finally:
+            PINNED.clear()
+
+    load_sub_model.__allocator_original__ = original
+    return load_sub_model
