@@ -35,6 +35,7 @@ __all__ = [
     "estimate", "Fit", "fit",
     "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
     "contract_violations",
-    "infer_auto_device_map", "offload", "patch", "PipelinePlan", "plan_pipeline", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
+    "infer_auto_device_map", "offload", "patch", "PipelinePlan", "plan_pipeline",
+    "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

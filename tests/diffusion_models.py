@@ -28,14 +28,16 @@ def sd3(seed: int = 0):
 
 def flux_inputs(seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+    return dict(hidden_states=torch.randn(1, 16, 4, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
                 pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
                 img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), return_dict=False)
 
 
 def sd3_inputs(seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+    return dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
                 pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([500]), return_dict=False)
 
 

@@ -283,9 +283,9 @@ class Patch:
                                    self._get_balanced_memory(module.get_balanced_memory, module.__name__)))
                 swaps.append(_Swap(module, "infer_auto_device_map",
                                    self._infer_auto_device_map(module.infer_auto_device_map, module.__name__)))
-        swaps += [_Swap(*swap) for swap in   # diffusers' ModelMixin.from_pretrained (allocator.integrations.diffusers)
-                  diffusers_swaps(self._device_map, self._dispatch_model, _user_budgets, self.options.runtime)]
-        return swaps
+        first = [_Swap(*swap) for swap in   # diffusers' from_pretrained (allocator.integrations.diffusers)
+                 diffusers_swaps(self._device_map, self._dispatch_model, _user_budgets, self.options.runtime)]
+        return first + swaps
 
 
 def patch(strategy="auto", *, options: PlanOptions | None = None, **keywords) -> Patch:
