@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from benchutil import write_csv
+
 OUT = Path(__file__).parent / "results"
 METHODS = ("diffusers-auto", "group-offload", "allocator-plan", "allocator")
 FLUX = dict(patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=64,
@@ -50,25 +52,31 @@ FLUX = dict(patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, att
 IMAGE_TOKENS, TEXT_TOKENS = 256, 64
 
 
-def inputs() -> dict:
+def inputs(fields: dict = FLUX, device="cpu", dtype=torch.float32) -> dict:
     g = torch.Generator().manual_seed(1)
-    return dict(hidden_states=torch.randn(1, IMAGE_TOKENS, FLUX["in_channels"], generator=g),
-                encoder_hidden_states=torch.randn(1, TEXT_TOKENS, FLUX["joint_attention_dim"], generator=g),
-                pooled_projections=torch.randn(1, FLUX["pooled_projection_dim"], generator=g),
-                timestep=torch.tensor([0.5]), img_ids=torch.zeros(IMAGE_TOKENS, 3),
-                txt_ids=torch.zeros(TEXT_TOKENS, 3), return_dict=False)
+    found = dict(hidden_states=torch.randn(1, IMAGE_TOKENS, fields["in_channels"], generator=g),
+                 encoder_hidden_states=torch.randn(1, TEXT_TOKENS, fields["joint_attention_dim"], generator=g),
+                 pooled_projections=torch.randn(1, fields["pooled_projection_dim"], generator=g),
+                 timestep=torch.tensor([0.5]), img_ids=torch.zeros(IMAGE_TOKENS, 3),
+                 txt_ids=torch.zeros(TEXT_TOKENS, 3))
+    return {**{k: v.to(device, dtype if k not in ("img_ids", "txt_ids") else torch.float32)
+               for k, v in found.items()}, "return_dict": False}
 
 
-def build(path: Path) -> int:
-    """Save the random model to ``path``; its output in RAM to ``path/reference.pt``; return its bytes."""
+def build(path: Path, fields: dict = FLUX, device="cpu", dtype=torch.float32) -> int:
+    """Save the random model to ``path`` (and its bytes to ``path/bytes``); its output where it is built to
+    ``path/reference.pt``; return its bytes."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(**FLUX).eval()
+    with torch.device(device):
+        model = FluxTransformer2DModel(**fields).to(dtype).eval()
     model.save_pretrained(path)
     with torch.no_grad():
-        torch.save(model(**inputs())[0], path / "reference.pt")
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        torch.save(model(**inputs(fields, device, dtype))[0].cpu(), path / "reference.pt")
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    (path / "bytes").write_text(str(total))
+    return total
 
 
 def _io() -> dict:
@@ -90,8 +98,12 @@ def _disk_bytes(model, device_map: dict | None) -> int | None:
     return total
 
 
-def one(method: str, path: Path, ram: float, steps: int, work: Path) -> dict:
-    """Load with ``method``, run ``steps`` timed steps after one warm-up; what it measured (in this process)."""
+def one(method: str, path: Path, ram: float, steps: int, work: Path, *, device="cpu", fields: dict = FLUX,
+        dtype=torch.float32) -> dict:
+    """Load with ``method``, run ``steps`` timed steps after one warm-up; what it measured (in this process).
+
+    ``device="cpu"``: RAM budget ``ram`` of the model, the rest on disk (group offloading: to disk). A CUDA device:
+    a budget of ``ram`` of the model on it and RAM for the rest (group offloading: RAM, with CUDA streams)."""
     import contextlib
 
     from diffusers import FluxTransformer2DModel
@@ -99,36 +111,45 @@ def one(method: str, path: Path, ram: float, steps: int, work: Path) -> dict:
     import allocator
 
     total = int((path / "bytes").read_text())
-    budget = {"cpu": f"{ram * total / 2**20:.3f}MiB"}
+    gpu = device != "cpu"
+    budget = ({0: f"{ram * total / 2**20:.3f}MiB", "cpu": f"{4 * total / 2**20:.3f}MiB"} if gpu
+              else {"cpu": f"{ram * total / 2**20:.3f}MiB"})
     if method == "group-offload":
-        model = FluxTransformer2DModel.from_pretrained(path).eval()
-        model.enable_group_offload(onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
-                                   offload_type="block_level", num_blocks_per_group=1,
-                                   offload_to_disk_path=str(work / "groups"))
+        model = FluxTransformer2DModel.from_pretrained(path, torch_dtype=dtype).eval()
+        model.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=gpu,
+                                   offload_to_disk_path=None if gpu else str(work / "groups"))
         device_map = None
     else:
         context = {"diffusers-auto": contextlib.nullcontext, "allocator-plan": allocator.patch,
                    "allocator": lambda: allocator.patch(runtime="allocator")}[method]
         with context():
             model = FluxTransformer2DModel.from_pretrained(path, device_map="auto", max_memory=budget,
+                                                           torch_dtype=dtype,
                                                            offload_folder=str(work / "offload")).eval()
         device_map = dict(model.hf_device_map)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     times, before = [], None
     with torch.no_grad():
-        out = model(**inputs())[0]   # warm-up
+        out = model(**inputs(fields, device, dtype))[0]   # warm-up
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
         before = _io()
         for _ in range(steps):
+            sync()
             start = time.perf_counter()
-            out = model(**inputs())[0]
+            out = model(**inputs(fields, device, dtype))[0]
+            sync()
             times.append(time.perf_counter() - start)
         after = _io()
-    torch.save(out, work / "out.pt")
+    torch.save(out.cpu(), work / "out.pt")
     return {"method": method, "ms_per_step": round(statistics.median(times) * 1e3, 2),
             "rchar_per_step": (after["rchar"] - before["rchar"]) // steps,
             "read_bytes_per_step": (after["read_bytes"] - before["read_bytes"]) // steps,
             "fault_kib_per_step": (after["minflt"] - before["minflt"]) * 4 // steps,
             "map_disk_bytes": _disk_bytes(model, device_map),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "gpu_peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1) if gpu else None,
             "runtime": "allocator" if getattr(model, "_allocator_runtime", None) is not None else
                        ("group offloading" if method == "group-offload" else "accelerate hooks")}
 
@@ -175,7 +196,6 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "flux"
         total = build(path)
-        (path / "bytes").write_text(str(total))
         rows = []
         for method in args.methods:
             done = subprocess.run([sys.executable, __file__, "--one", method, "--path", str(path), "--ram",
@@ -195,7 +215,7 @@ def main(argv=None) -> int:
     text = table(rows, total, args.ram, header)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "diffusion.md").write_text(text)
-    (args.out / "diffusion.json").write_text(json.dumps(rows, indent=1))
+    write_csv(args.out / "diffusion.csv", rows)
     print(text)
     return 0
 
