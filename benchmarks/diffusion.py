@@ -70,7 +70,9 @@ def build(path: Path, fields: dict = FLUX, device="cpu", dtype=torch.float32) ->
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = FluxTransformer2DModel(**fields).to(dtype).eval()
+        model = FluxTransformer2DModel(**fields).eval()
+    if dtype != torch.float32:
+        model = model.to(dtype)
     model.save_pretrained(path)
     with torch.no_grad():
         torch.save(model(**inputs(fields, device, dtype))[0].cpu(), path / "reference.pt")
