@@ -22,7 +22,8 @@ reads are page-cache reads), ``/proc/self/io`` ``rchar`` and ``read_bytes`` per 
 map puts on disk, and the child's peak RSS (``ru_maxrss``, load included). Each method's output is compared with the
 model in RAM (``torch.testing.assert_close``, rtol 1e-4, atol 1e-5).
 
-    python benchmarks/diffusion.py                  # about a minute on 2 cores
+    python benchmarks/diffusion.py                  # a few minutes on 2 shared cores (5 under load 12)
+    python benchmarks/diffusion.py --smoke --steps 1   # a tiny model, for the smoke test
     python benchmarks/diffusion.py --ram 0.3 --steps 10
 """
 
@@ -49,6 +50,9 @@ METHODS = ("diffusers-auto", "group-offload", "allocator-plan", "allocator")
 FLUX = dict(patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=64,
             num_attention_heads=6, joint_attention_dim=384, pooled_projection_dim=384, axes_dims_rope=[16, 24, 24])
 """A Flux-shaped transformer (4 double-stream and 8 single-stream blocks, 384 wide): about 100 MiB in float32."""
+SMOKE = dict(FLUX, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+             joint_attention_dim=32, pooled_projection_dim=32, in_channels=4, axes_dims_rope=[4, 4, 8])
+"""``--smoke``: a tiny one (1 + 2 blocks), for the smoke test."""
 IMAGE_TOKENS, TEXT_TOKENS = 256, 64
 
 
@@ -78,6 +82,7 @@ def build(path: Path, fields: dict = FLUX, device="cpu", dtype=torch.float32) ->
         torch.save(model(**inputs(fields, device, dtype))[0].cpu(), path / "reference.pt")
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     (path / "bytes").write_text(str(total))
+    (path / "fields.json").write_text(json.dumps(fields))
     return total
 
 
@@ -100,7 +105,7 @@ def _disk_bytes(model, device_map: dict | None) -> int | None:
     return total
 
 
-def one(method: str, path: Path, ram: float, steps: int, work: Path, *, device="cpu", fields: dict = FLUX,
+def one(method: str, path: Path, ram: float, steps: int, work: Path, *, device="cpu", fields: dict | None = None,
         dtype=torch.float32) -> dict:
     """Load with ``method``, run ``steps`` timed steps after one warm-up; what it measured (in this process).
 
@@ -113,6 +118,7 @@ def one(method: str, path: Path, ram: float, steps: int, work: Path, *, device="
     import allocator
 
     total = int((path / "bytes").read_text())
+    fields = fields or json.loads((path / "fields.json").read_text())
     gpu = device != "cpu"
     budget = ({0: f"{ram * total / 2**20:.3f}MiB", "cpu": f"{4 * total / 2**20:.3f}MiB"} if gpu
               else {"cpu": f"{ram * total / 2**20:.3f}MiB"})
@@ -156,9 +162,9 @@ def one(method: str, path: Path, ram: float, steps: int, work: Path, *, device="
                        ("group offloading" if method == "group-offload" else "accelerate hooks")}
 
 
-def table(rows: list[dict], total: int, ram: float, header: str) -> str:
+def table(rows: list[dict], total: int, ram: float, header: str, fields: dict) -> str:
     lines = [header, "",
-             f"Model: FluxTransformer2DModel {FLUX['num_layers']}+{FLUX['num_single_layers']} blocks, "
+             f"Model: FluxTransformer2DModel {fields['num_layers']}+{fields['num_single_layers']} blocks, "
              f"{total / 2**20:.1f} MiB float32; RAM budget {ram:.0%} of it (`max_memory={{'cpu': ...}}`), the rest "
              "on disk; CPU main device; warm page cache.", "",
              "| method | runtime | ms / step (median) | on disk by the map | rchar / step | read_bytes / step "
@@ -176,6 +182,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ram", type=float, default=0.5, help="RAM budget as a fraction of the model")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per method (after one warm-up)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model (1 + 2 blocks): seconds, for the tests")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--out", type=Path, default=OUT, help="output folder (default: benchmarks/results)")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # internal: run one method in this process
@@ -197,7 +204,8 @@ def main(argv=None) -> int:
     command = " ".join(["python benchmarks/diffusion.py", *(sys.argv[1:] if argv is None else argv)])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "flux"
-        total = build(path)
+        fields = SMOKE if args.smoke else FLUX
+        total = build(path, fields)
         rows = []
         for method in args.methods:
             done = subprocess.run([sys.executable, __file__, "--one", method, "--path", str(path), "--ram",
@@ -214,7 +222,7 @@ def main(argv=None) -> int:
 
     header = (f"Measured: `{command}`, {when}, diffusers {diffusers.__version__}, torch {torch.__version__}, "
               f"{os.cpu_count()} cores, load average {load} (1/5/15 min) at the end; one thread per process.")
-    text = table(rows, total, args.ram, header)
+    text = table(rows, total, args.ram, header, fields)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "diffusion.md").write_text(text)
     write_csv(args.out / "diffusion.csv", rows)

@@ -459,7 +459,7 @@ def measure_diffusion(args, device: Device, workdir: Path, deadline) -> list[dic
     rtol/atol 1e-2). In a dry run: the CPU as the device and disk offload, as ``benchmarks/diffusion.py`` runs."""
     import diffusion
 
-    fields = dict(diffusion.FLUX) if device.dry_run else dict(diffusion.FLUX, num_layers=8, num_single_layers=16,
+    fields = dict(diffusion.SMOKE) if device.dry_run else dict(diffusion.FLUX, num_layers=8, num_single_layers=16,
                                                                attention_head_dim=128, num_attention_heads=16,
                                                                joint_attention_dim=2048, pooled_projection_dim=768)
     where = "cpu" if device.dry_run else "cuda:0"

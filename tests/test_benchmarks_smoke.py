@@ -34,7 +34,7 @@ CASES = {
     "latency_runtime": (["--smoke"], "latency_runtime"),
     "accuracy": (["--smoke"], "accuracy"),
     "counting_cost": (["--models", "segformer-b0", "--repeat", "1"], "counting_cost"),
-    "diffusion": (["--steps", "1"], "diffusion"),
+    "diffusion": (["--smoke", "--steps", "1"], "diffusion"),
 }
 
 
