@@ -5,6 +5,7 @@ in RAM that diffusers' own map keeps, and computes what the model in RAM compute
 
 from __future__ import annotations
 
+import functools
 import importlib
 import tempfile
 
@@ -21,6 +22,13 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 MODELS = {"flux": (flux, flux_inputs), "sd3": (sd3, sd3_inputs)}
 
 
+@functools.cache
+def _built(name: str, shard: str | None = None):
+    """The model ``name`` (never changed by the tests) and a folder it is saved in, once per test process."""
+    model = MODELS[name][0]()
+    return model, _saved(model, **({"max_shard_size": shard} if shard else {}))
+
+
 def _saved(model, **kwargs) -> str:
     folder = tempfile.mkdtemp()
     model.save_pretrained(folder, **kwargs)
@@ -34,9 +42,8 @@ def _load(model, folder, budget, **kwargs):
 
 @pytest.mark.parametrize("name,shard", [("flux", None), ("sd3", None), ("flux", "40KB")])
 def test_patched_load_gets_allocators_map_and_same_outputs(name, shard):
-    build, inputs = MODELS[name]
-    model = build()
-    folder = _saved(model, **({"max_shard_size": shard} if shard else {}))
+    inputs = MODELS[name][1]
+    model, folder = _built(name, shard)
     budget = {"cpu": f"{model_bytes(model) / 2048:.1f}KiB"}
     with torch.no_grad():
         reference = model(**inputs())[0]
@@ -53,8 +60,7 @@ def test_patched_load_gets_allocators_map_and_same_outputs(name, shard):
 
 
 def test_flux_at_half_ram_keeps_blocks_in_ram_where_diffusers_sends_all_to_disk():
-    model = flux()
-    folder = _saved(model)
+    model, folder = _built("flux")
     budget = {"cpu": f"{model_bytes(model) / 2048:.1f}KiB"}
     theirs = _load(model, folder, budget)
     with allocator.patch():
@@ -77,8 +83,7 @@ def test_plan_keeps_declared_blocks_whole():
 
 
 def test_runtime_allocator_attaches_to_a_diffusers_load():
-    model = flux()
-    folder = _saved(model)
+    model, folder = _built("flux")
     budget = {"cpu": f"{model_bytes(model) / 2048:.1f}KiB"}
     with torch.no_grad():
         reference = model(**flux_inputs())[0]
@@ -99,8 +104,7 @@ def test_unpatch_restores_diffusers():
 
 def test_string_and_dict_maps_pass_through():
     """A dict map and a device name are diffusers' own business: the replacement hands them on unchanged."""
-    model = flux()
-    folder = _saved(model)
+    model, folder = _built("flux")
     with allocator.patch():
         loaded = type(model).from_pretrained(folder, device_map={"": "cpu"})
     assert loaded.hf_device_map == {"": "cpu"}
