@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	  else $(PY) -m pip install -q "$(TORCH_CPU)"; fi; \
 	fi
-	$(PY) -m pip install -q -e ".[hf,plot,dev]"
+	$(PY) -m pip install -q -e ".[hf,plot,diffusers,dev]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

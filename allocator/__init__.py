@@ -20,6 +20,7 @@ from .model.generation import GenerationBudget
 from .model.expert_profile import ExpertProfile, profile_experts
 from . import offload
 from .integrations.transformers import patch, unpatch
+from .pipelines import PipelinePlan, plan_pipeline
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES
@@ -35,6 +36,7 @@ __all__ = [
     "estimate", "Fit", "fit",
     "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
     "contract_violations",
-    "infer_auto_device_map", "offload", "patch", "unpatch", "parse_budgets", "parse_size", "plan", "validate",
+    "infer_auto_device_map", "offload", "patch", "PipelinePlan", "plan_pipeline",
+    "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

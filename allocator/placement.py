@@ -23,6 +23,8 @@ DECISION_KINDS = {
     "experts": "where the routed experts of the mixture-of-experts layers live (``units``: the experts modules; "
                "``devices``: where the resident ones are; ``bytes``: theirs), and why (``bound``)",
     "runtime": "what the plan reserves for our offload runtime (its prefetch depth), and why",
+    "pipeline": "how a pipeline's component was placed (whole on a device, or with a map of its own) and why, or what "
+                "diffusers' pipeline loading cannot express (:func:`allocator.plan_pipeline`)",
 }
 """The kinds of :class:`Decision`, each with what it says. Code reads the fields, never the text."""
 

@@ -36,6 +36,7 @@ import contextlib
 import datetime
 import gc
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import statistics
@@ -455,6 +456,44 @@ def runtime_table(rows) -> str:
     return "\n".join(lines)
 
 
+def measure_diffusion(args, device: Device, workdir: Path, deadline) -> list[dict]:
+    """The diffusion case (:mod:`diffusion`): one denoising step of a random Flux-shaped transformer with
+    ``--diffusion-budget`` of it on the device, loaded by diffusers' ``device_map="auto"``, diffusers' group offloading
+    (block level, CUDA streams, RAM) and allocator's plan (accelerate's hooks, then the allocator runtime). Per method:
+    median ms per step, the device's peak memory, and whether the output equals the model's on the device (bf16:
+    rtol/atol 1e-2). In a dry run: the CPU as the device and disk offload, as ``benchmarks/diffusion.py`` runs."""
+    import diffusion
+
+    fields = dict(diffusion.SMOKE) if device.dry_run else dict(diffusion.FLUX, num_layers=8, num_single_layers=16,
+                                                               attention_head_dim=128, num_attention_heads=16,
+                                                               joint_attention_dim=2048, pooled_projection_dim=768)
+    where = "cpu" if device.dry_run else "cuda:0"
+    path = workdir / "flux"
+    diffusion.build(path, fields, where, args.dtype)
+    reference = torch.load(path / "reference.pt")
+    tolerance = dict(rtol=1e-4, atol=1e-5) if args.dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    rows = []
+    for method in diffusion.METHODS:
+        if time.time() > deadline:
+            rows.append({"method": method, "status": "skipped (time limit)"})
+            continue
+        with tempfile.TemporaryDirectory(dir=workdir) as work:
+            try:
+                row = diffusion.one(method, path, args.diffusion_budget, args.forwards, Path(work), device=where,
+                                    fields=fields, dtype=args.dtype)
+                out = torch.load(Path(work) / "out.pt")
+                row["equal"] = bool(torch.allclose(out.float(), reference.float(), **tolerance))
+                row["status"] = "ok"
+            except Exception as err:   # noqa: BLE001 - one method failing is a result, reported in the table
+                row = {"method": method, "status": f"{type(err).__name__}: {err}"[:200]}
+        rows.append(row)
+        print(f"diffusion {method}: {row['status']}, {row.get('ms_per_step', '—')} ms/step", file=sys.stderr,
+              flush=True)
+        gc.collect()
+    shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
 def measure(args, device: Device, workdir: Path, deadline: float) -> tuple[list[dict], dict]:
     target, reason = (int(args.dry_model_mib * 2**20), "dry run") if args.dry_run else model_target_bytes(args)
     info = {"target_bytes": target, "target_reason": reason}
@@ -654,6 +693,15 @@ def report(rows, info, args, device: Device, command, seconds) -> str:
                         else "Measured on this GPU.") + "\n\n"
                      + "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
                      + "\n".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in info["hybrid"]))
+    if info.get("diffusion"):
+        keys = list(dict.fromkeys(k for r in info["diffusion"] for k in r))
+        parts.append(f"\n## diffusion: one denoising step of a Flux-shaped transformer, device budget "
+                     f"{args.diffusion_budget:.0%}\n\ndiffusers' `device_map=\"auto\"`, diffusers' group offloading "
+                     "(block level), allocator's plan under accelerate's hooks and under the allocator runtime "
+                     f"(`python benchmarks/diffusion.py` is the CPU/disk version).\n\n"
+                     + "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
+                     + "\n".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |"
+                                 for r in info["diffusion"]))
     skipped = [r for r in rows if r["status"].startswith("skipped")]
     if skipped:
         parts.append(f"\n{len(skipped)} loads skipped at the {args.time_limit:.0f} s time limit.")
@@ -684,6 +732,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-budget", type=float, default=0.3,
                         help="MoE case: the device budget as a fraction of the model (0 skips the case)")
     parser.add_argument("--moe-tokens", type=int, default=16, help="MoE case: tokens decoded")
+    parser.add_argument("--diffusion-budget", type=float, default=0.5,
+                        help="diffusion case: the device budget as a fraction of the model (0 skips the case)")
     parser.add_argument("--time-limit", type=float, default=420.0,
                         help="seconds after which remaining loads are skipped (default 420: done within 8 minutes)")
     parser.add_argument("--workdir", type=Path, help="where models are saved (default: a temporary directory)")
@@ -707,6 +757,8 @@ def main(argv=None) -> int:
         rows, info = measure(args, device, Path(tmp), start + args.time_limit)
         if args.moe_budget:
             info["moe"] = measure_moe(args, device, Path(tmp), start + args.time_limit)
+        if args.diffusion_budget and importlib.util.find_spec("diffusers"):
+            info["diffusion"] = measure_diffusion(args, device, Path(tmp), start + args.time_limit)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "gpu.csv", rows)
     if info.get("generate"):
@@ -719,6 +771,9 @@ def main(argv=None) -> int:
     if info.get("moe"):
         keys = list(dict.fromkeys(k for r in info["moe"] for k in r))
         write_csv(args.out / "gpu_moe.csv", [{k: r.get(k, "") for k in keys} for r in info["moe"]])
+    if info.get("diffusion"):
+        keys = list(dict.fromkeys(k for r in info["diffusion"] for k in r))
+        write_csv(args.out / "gpu_diffusion.csv", [{k: r.get(k, "") for k in keys} for r in info["diffusion"]])
     text = report(rows, info, args, device, command, time.time() - start)
     (args.out / "gpu.md").write_text(text)
     print(text)

@@ -11,6 +11,7 @@ that the files appear with rows.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ CASES = {
     "latency_runtime": (["--smoke"], "latency_runtime"),
     "accuracy": (["--smoke"], "accuracy"),
     "counting_cost": (["--models", "segformer-b0", "--repeat", "1"], "counting_cost"),
+    "diffusion": (["--smoke", "--steps", "1"], "diffusion"),
 }
 
 
@@ -75,6 +77,14 @@ def test_benchmark_script_writes_results(script, tmp_path):
             runtime = list(csv.DictReader(fh))
         assert {r["runtime"] for r in runtime} == {"hooks", "ours-0", "ours-1", "ours-1-standin"}
         assert all(r["status"] == "ok" and r["equal"] == "True" for r in runtime), runtime
+    if script == "diffusion":  # every method's step computes what the model in RAM computes
+        assert [r["method"] for r in rows] == ["diffusers-auto", "group-offload", "allocator-plan", "allocator"]
+        assert all(r["equal"].startswith("equal") for r in rows), rows
+        assert rows[-1]["runtime"] == "allocator" and rows[0]["runtime"] == "accelerate hooks"
+    if script == "gpu" and importlib.util.find_spec("diffusers"):  # the diffusion case, dry: same outputs
+        with open(tmp_path / "gpu_diffusion.csv", newline="") as fh:
+            diffusion = list(csv.DictReader(fh))
+        assert all(r["status"] == "ok" and r["equal"] == "True" for r in diffusion), diffusion
     if script == "accuracy":  # every map estimated and measured
         assert len(rows) >= 2 and all(float(r["estimated_ms"]) > 0 and float(r["measured_ms"]) > 0 for r in rows)
     if script == "gpu":  # the generate case: both maps run generate; ours is planned within the budget with it

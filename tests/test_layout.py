@@ -293,7 +293,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "evaluate": ("evaluate/",),
     "strategies": ("strategies/",),
     "report": ("report/",),
-    "composition": ("api", "fit", "offload/", "integrations/", ""),
+    "composition": ("api", "fit", "offload/", "pipelines/", "integrations/", ""),
     "adapters": ("parallel/", "cli/", "__main__"),
 }
 

@@ -40,6 +40,7 @@ from ..logs import shown
 from ..offload import attach, has_offload_hooks
 from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
+from .diffusers import diffusers_swaps
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
 __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
@@ -311,7 +312,9 @@ class Patch:
                                    self._get_balanced_memory(module.get_balanced_memory, module.__name__)))
                 swaps.append(_Swap(module, "infer_auto_device_map",
                                    self._infer_auto_device_map(module.infer_auto_device_map, module.__name__)))
-        return swaps
+        first = [_Swap(*swap) for swap in   # diffusers' from_pretrained (allocator.integrations.diffusers)
+                 diffusers_swaps(self._device_map, self._dispatch_model, _user_budgets, self.options.runtime)]
+        return first + swaps
 
 
 def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device=None, **keywords) -> Patch:

@@ -1,0 +1,191 @@
+"""Make diffusers' ``ModelMixin.from_pretrained(device_map="auto" | "balanced" | "balanced_low_0" | "sequential")``
+plan with :func:`allocator.plan`, for :func:`allocator.patch`.
+
+diffusers 0.42 turns a string ``device_map`` into a dict in ``diffusers.models.model_loading_utils
+._determine_device_map(model, device_map, max_memory, torch_dtype, keep_in_fp32_modules, hf_quantizer)``, which calls
+accelerate's ``get_balanced_memory`` and ``infer_auto_device_map`` imported by name into that module.
+``ModelMixin.from_pretrained`` (``diffusers.models.modeling_utils``) and the single-file loader
+(``diffusers.loaders.single_file_model``) import ``_determine_device_map`` by name and call it there, so those two
+attributes are the ones replaced: the replacement sees the mode and the user's ``max_memory`` (as transformers 5's
+``_get_device_map`` replacement does), and calls diffusers' own function, unpatched, for the map the user gets
+today: the floor of the contract's rule 3 on this path (``PlanOptions.baseline``).
+
+How diffusers loads a map (checked by real loads in ``tests/integrations/test_diffusers_patch.py``): every tensor
+of the checkpoint goes where ``_determine_param_device`` says (``load_model_dict_into_meta``), ``"disk"`` tensors are
+written to ``offload_folder`` by accelerate's ``offload_weight``, and ``dispatch_model(model, device_map,
+offload_dir, offload_index)`` is called from ``diffusers.models.modeling_utils``. That is accelerate's
+``load_checkpoint_and_dispatch`` path in all that a plan's rules read (nothing tied after loading), so maps are
+planned for ``loader="accelerate"``. Under ``runtime="allocator"`` that ``dispatch_model`` is replaced as well,
+with the one that attaches :mod:`allocator.offload`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping
+
+from ..pipelines import plan_pipeline
+
+__all__ = ["MODEL_NAMESPACES", "PINNED", "diffusers_swaps", "pipeline_swaps"]
+
+log = logging.getLogger("allocator.integrations.diffusers")
+
+MODES = ("auto", "balanced", "balanced_low_0", "sequential")
+MODEL_NAMESPACES = ("diffusers.models.modeling_utils", "diffusers.loaders.single_file_model")
+"""Where diffusers calls ``_determine_device_map`` by name (0.42: ``ModelMixin.from_pretrained`` and
+``FromOriginalModelMixin.from_single_file``)."""
+
+
+def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable, user_budgets: Callable,
+                    runtime: str | None) -> list[tuple[object, str, Callable]]:
+    """``(module, attribute, replacement)`` for every diffusers attribute :func:`allocator.patch` replaces; empty
+    where diffusers is not installed.
+
+    Parameters
+    ----------
+    plan_map : callable
+        ``plan_map(model, budgets, mode, *, hf_quantizer, no_split, runtime) -> dict``: the patch's planner.
+    wrap_dispatch : callable
+        ``wrap_dispatch(dispatch_model) -> dispatch_model`` that attaches the allocator runtime.
+    user_budgets : callable
+        ``user_budgets(get_max_memory, max_memory, mode) -> dict``: the library's normalisation of ``max_memory``.
+    runtime : str or None
+        The patch's ``PlanOptions.runtime``.
+    """
+    swaps = []
+    for name in MODEL_NAMESPACES:
+        module = _import(name)
+        if module is None or not hasattr(module, "_determine_device_map"):
+            continue
+        swaps.append((module, "_determine_device_map",
+                      _determine_device_map(module._determine_device_map, plan_map, user_budgets)))
+        if runtime == "allocator" and hasattr(module, "dispatch_model"):
+            swaps.append((module, "dispatch_model", wrap_dispatch(module.dispatch_model)))
+    return swaps + pipeline_swaps(plan_pipeline)
+
+
+def _determine_device_map(original: Callable, plan_map: Callable, user_budgets: Callable) -> Callable:
+    """diffusers' ``_determine_device_map``, planning the string modes with the patch's planner."""
+    from accelerate.utils import get_max_memory
+
+    def _determine_device_map(model, device_map, max_memory, torch_dtype, keep_in_fp32_modules=(),
+                              hf_quantizer=None):
+        if not (isinstance(device_map, str) and device_map in MODES):
+            return original(model, device_map, max_memory, torch_dtype, keep_in_fp32_modules, hf_quantizer)
+        if PINNED:   # a pipeline component planned by allocator.plan_pipeline
+            return dict(PINNED[-1])
+        budgets = user_budgets(get_max_memory, max_memory, device_map)
+        theirs = _their_map(original, model, device_map, max_memory, torch_dtype, list(keep_in_fp32_modules),
+                            hf_quantizer)
+        special = _special_dtypes(model, torch_dtype, keep_in_fp32_modules, hf_quantizer)
+        target = torch_dtype if hf_quantizer is None else hf_quantizer.adjust_target_dtype(torch_dtype)
+        return plan_map(model, budgets, device_map, hf_quantizer=hf_quantizer,
+                        no_split=model._get_no_split_modules(device_map),
+                        runtime={"loader": "accelerate", "baseline": theirs, "dtype": target,
+                                 "special_dtypes": special or None})
+
+    _determine_device_map.__doc__ = (f"allocator's replacement of {getattr(original, '__module__', '?')}"
+                                     "._determine_device_map: plans string device maps with allocator.plan "
+                                     "(see allocator.integrations.diffusers).")
+    _determine_device_map.__allocator_original__ = original
+    return _determine_device_map
+
+
+def _special_dtypes(model, torch_dtype, keep_in_fp32_modules, hf_quantizer) -> dict:
+    """The tensors diffusers loads in another dtype than ``torch_dtype``, as its ``_determine_device_map`` lists them
+    (0.42: the quantizer's, then float32 for ``keep_in_fp32_modules``, matched as substrings of the name)."""
+    import torch
+
+    special = {}
+    if hf_quantizer is not None:
+        special.update(hf_quantizer.get_special_dtypes_update(model, torch_dtype))
+    special.update({name: torch.float32 for name, _ in model.named_parameters()
+                    if any(m in name for m in keep_in_fp32_modules)})
+    return special
+
+
+def _their_map(original, model, device_map, max_memory, *args) -> dict | None:
+    """diffusers' own map for this call (the user's ``max_memory`` copied: accelerate converts it in place); ``None``
+    where diffusers' planner fails (said at INFO), and the plan then keeps accelerate's floor."""
+    given = dict(max_memory) if isinstance(max_memory, Mapping) else max_memory
+    try:
+        found = original(model, device_map, given, *args)
+    except Exception as err:   # noqa: BLE001 - any failure of their planner only drops the baseline, and is said
+        log.info("diffusers' own _determine_device_map fails for %s (%s: %s): planning without its map as the floor",
+                 type(model).__name__, type(err).__name__, err)
+        return None
+    return dict(found) if isinstance(found, Mapping) else None
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+# -- pipelines ----------------------------------------------------------------------------------------------------
+
+def pipeline_swaps(plan_pipeline: Callable) -> list[tuple[object, str, Callable]]:
+    """``(module, attribute, replacement)`` for ``DiffusionPipeline.from_pretrained(device_map="balanced")``:
+    ``_get_final_device_map`` (component -> device) from :func:`allocator.plan_pipeline`, and ``load_sub_model``
+    giving a component with a map of its own that map (both imported by name into
+    ``diffusers.pipelines.pipeline_utils``, 0.42)."""
+    module = _import("diffusers.pipelines.pipeline_utils")
+    if module is None or not all(hasattr(module, n) for n in ("_get_final_device_map", "load_sub_model")):
+        return []
+    own: dict = {}   # component -> (its map, the budgets it was planned over), for the pipeline being loaded
+    return [(module, "_get_final_device_map", _final_device_map(module._get_final_device_map, plan_pipeline, own)),
+            (module, "load_sub_model", _load_sub_model(module.load_sub_model, own))]
+
+
+PINNED: list = []
+"""The map of the component being loaded by :func:`_load_sub_model` (at most one): diffusers' ``_determine_device_map``
+replacement returns it for that load. Process-global, as the patch is."""
+
+
+def _final_device_map(original: Callable, plan_pipeline: Callable, own: dict) -> Callable:
+    def _get_final_device_map(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory,
+                              **kwargs):
+        own.clear()
+        folder, dtype = kwargs.get("cached_folder"), kwargs.get("dtype")
+        if device_map != "balanced" or passed_class_obj or isinstance(dtype, Mapping) or folder is None:
+            return original(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory, **kwargs)
+        from accelerate.utils import get_max_memory
+
+        result = plan_pipeline(folder, get_max_memory(dict(max_memory) if max_memory else None), dtype=dtype)
+        if not result.valid or not any(isinstance(d, int) for d in result.budgets):
+            log.warning("allocator.plan_pipeline finds no valid placement for %s (%s); diffusers' own placement is "
+                        "used", pipeline_class.__name__, result.explain())
+            return original(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory, **kwargs)
+        log.info("%s", result.explain())
+        for name, where in result.components.items():
+            if isinstance(where, Mapping):
+                own[name] = (dict(where), dict(result.given[name]))
+        return {n: w for n, w in result.components.items() if not isinstance(w, Mapping)}
+
+    _get_final_device_map.__allocator_original__ = original
+    return _get_final_device_map
+
+
+def _load_sub_model(original: Callable, own: dict) -> Callable:
+    """diffusers' ``load_sub_model``; a component with a map of its own is loaded with ``device_map="auto"`` and the
+    budgets it was planned over: diffusers' pipeline loading passes one device per component (``{"": device}``,
+    and a dict without ``""`` fails in ``load_sub_model``), so the mode goes through ``from_pretrained`` to the
+    patched planner; a diffusers component gets exactly the map planned (:data:`PINNED`), a transformers one the
+    patch's plan over the same budgets."""
+
+    def load_sub_model(*args, **kwargs):
+        name = kwargs.get("name")
+        if name not in own:
+            return original(*args, **kwargs)
+        device_map, budgets = own[name]
+        PINNED.append(device_map)
+        try:
+            return original(*args, **{**kwargs, "device_map": "auto", "max_memory": budgets})
+        finally:
+            PINNED.clear()
+
+    load_sub_model.__allocator_original__ = original
+    return load_sub_model

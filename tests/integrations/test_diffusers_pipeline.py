@@ -1,0 +1,100 @@
+"""``allocator.plan_pipeline`` on FLUX.1-dev's configs (no weights), and what ``DiffusionPipeline.from_pretrained(
+device_map="balanced")`` does with it under ``allocator.patch()``, captured at diffusers' ``load_sub_model`` on the
+meta device (no weights of that size exist here)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import allocator  # noqa: E402
+from diffusion_models import FLUX_DEV, write_configs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+GIB = 2**30
+BUDGET = {0: "16GiB", 1: "16GiB", "cpu": "64GiB"}
+
+
+@pytest.fixture(scope="module")
+def flux_dev():
+    return write_configs(tempfile.mkdtemp())
+
+
+@pytest.fixture(scope="module")
+def flux_plan(flux_dev):
+    return allocator.plan_pipeline(flux_dev, BUDGET, dtype=torch.bfloat16)
+
+
+def test_flux_dev_on_two_16gib_gpus(flux_plan):
+    p = flux_plan
+    assert p.valid
+    assert set(p.components) == {"transformer", "text_encoder", "text_encoder_2", "vae"}
+    assert p.on("transformer") == {0, 1}                      # on the GPUs, split across them
+    assert all("disk" not in p.on(n) and "cpu" not in p.on(n) for n in p.components)
+    assert all(p.peak[d] <= 16 * GIB for d in (0, 1))
+    assert p.sizes["transformer"] > 22 * GIB and p.runs["transformer"] == 28 and p.runs["vae"] == 1
+    assert p.plans["transformer"].valid and p.plans["transformer"].device_map == p.components["transformer"]
+    data = json.loads(json.dumps(p.to_dict()))
+    assert data["valid"] and data["components"]["vae"] in {"0", "1"}
+    assert "transformer" in p.explain() and "fits no accelerator whole" in p.explain()
+
+
+def test_diffusers_own_balanced_sends_the_transformer_to_the_cpu(flux_plan):
+    """What the issue describes, through diffusers' own function: the 22 GiB denoiser goes to the CPU whole."""
+    from diffusers.pipelines.pipeline_loading_utils import _assign_components_to_devices
+
+    sizes = dict(sorted(flux_plan.sizes.items(), key=lambda kv: kv[1], reverse=True))
+    theirs = _assign_components_to_devices(sizes, {0: 16 * GIB, 1: 16 * GIB})
+    assert "transformer" in theirs["cpu"]
+
+
+def test_frequency_decides_who_gets_the_gpu():
+    """A Flux with a small transformer (2 + 2 blocks, about 1.9 GiB) beside T5-XXL (8.9 GiB) on one 10 GiB GPU: both do
+    not fit whole. At 28 steps the denoiser streams more per image if offloaded, so it gets the GPU whole and the text
+    encoder its own map; at one step the order is by bytes and the text encoder gets the GPU whole."""
+    small = {**FLUX_DEV, "transformer/config.json": {**FLUX_DEV["transformer/config.json"], "num_layers": 2,
+                                                     "num_single_layers": 2}}
+    folder = write_configs(tempfile.mkdtemp(), small)
+    budget = {0: "10GiB", "cpu": "64GiB"}
+    many = allocator.plan_pipeline(folder, budget, dtype=torch.bfloat16, steps=28)
+    assert many.valid and many.components["transformer"] == 0
+    assert isinstance(many.components["text_encoder_2"], dict)
+    one = allocator.plan_pipeline(folder, budget, dtype=torch.bfloat16, steps=1)
+    assert one.valid and one.components["text_encoder_2"] == 0
+    assert isinstance(one.components["transformer"], dict)
+
+
+def test_patched_pipeline_load_splits_the_transformer(flux_dev, flux_plan, monkeypatch):
+    import diffusers
+    import diffusers.models.modeling_utils as modeling_utils
+    import diffusers.pipelines.pipeline_utils as pipeline_utils
+
+    calls = {}
+
+    def recorder(**kwargs):   # diffusers' load_sub_model, on the meta device: records the call, loads nothing
+        calls[kwargs["name"]] = kwargs
+        if kwargs["name"] == "transformer":   # what its from_pretrained would map it to, under the patch
+            with torch.device("meta"):
+                model = diffusers.FluxTransformer2DModel.from_config(
+                    diffusers.FluxTransformer2DModel.load_config(f"{flux_dev}/transformer"))
+            calls["transformer_map"] = modeling_utils._determine_device_map(
+                model, kwargs["device_map"], kwargs["max_memory"], kwargs["dtype"])
+        return None
+
+    monkeypatch.setattr(pipeline_utils, "load_sub_model", recorder)
+    with allocator.patch():
+        diffusers.DiffusionPipeline.from_pretrained(flux_dev, device_map="balanced", max_memory=dict(BUDGET),
+                                                    torch_dtype=torch.bfloat16)
+    assert calls["transformer"]["device_map"] == "auto"
+    assert calls["transformer_map"] == flux_plan.components["transformer"]
+    for name in ("text_encoder", "text_encoder_2", "vae"):
+        assert calls[name]["device_map"] == {"": flux_plan.components[name]}
+    calls.clear()
+    diffusers.DiffusionPipeline.from_pretrained(flux_dev, device_map="balanced", max_memory=dict(BUDGET),
+                                                torch_dtype=torch.bfloat16)   # unpatched: diffusers' own
+    assert calls["transformer"]["device_map"] == {"": "cpu"}
