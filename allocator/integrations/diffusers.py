@@ -21,11 +21,11 @@ with the one that attaches :mod:`allocator.offload`.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Mapping
 
 from ..pipelines import plan_pipeline
+from .library import baseline_map, optional_import, user_budgets
 
 __all__ = ["MODEL_NAMESPACES", "PINNED", "diffusers_swaps", "pipeline_swaps"]
 
@@ -37,7 +37,7 @@ MODEL_NAMESPACES = ("diffusers.models.modeling_utils", "diffusers.loaders.single
 ``FromOriginalModelMixin.from_single_file``)."""
 
 
-def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable, user_budgets: Callable,
+def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable,
                     runtime: str | None) -> list[tuple[object, str, Callable]]:
     """``(module, attribute, replacement)`` for every diffusers attribute :func:`allocator.patch` replaces; empty
     where diffusers is not installed.
@@ -48,24 +48,22 @@ def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable, user_budgets: C
         ``plan_map(model, budgets, mode, *, hf_quantizer, no_split, runtime) -> dict``: the patch's planner.
     wrap_dispatch : callable
         ``wrap_dispatch(dispatch_model) -> dispatch_model`` that attaches the allocator runtime.
-    user_budgets : callable
-        ``user_budgets(get_max_memory, max_memory, mode) -> dict``: the library's normalisation of ``max_memory``.
     runtime : str or None
         The patch's ``PlanOptions.runtime``.
     """
     swaps = []
     for name in MODEL_NAMESPACES:
-        module = _import(name)
+        module = optional_import(name)
         if module is None or not hasattr(module, "_determine_device_map"):
             continue
         swaps.append((module, "_determine_device_map",
-                      _determine_device_map(module._determine_device_map, plan_map, user_budgets)))
+                      _determine_device_map(module._determine_device_map, plan_map)))
         if runtime == "allocator" and hasattr(module, "dispatch_model"):
             swaps.append((module, "dispatch_model", wrap_dispatch(module.dispatch_model)))
     return swaps + pipeline_swaps(plan_pipeline)
 
 
-def _determine_device_map(original: Callable, plan_map: Callable, user_budgets: Callable) -> Callable:
+def _determine_device_map(original: Callable, plan_map: Callable) -> Callable:
     """diffusers' ``_determine_device_map``, planning the string modes with the patch's planner."""
     from accelerate.utils import get_max_memory
 
@@ -76,8 +74,9 @@ def _determine_device_map(original: Callable, plan_map: Callable, user_budgets: 
         if PINNED:   # a pipeline component planned by allocator.plan_pipeline
             return dict(PINNED[-1])
         budgets = user_budgets(get_max_memory, max_memory, device_map)
-        theirs = _their_map(original, model, device_map, max_memory, torch_dtype, list(keep_in_fp32_modules),
-                            hf_quantizer)
+        given = dict(max_memory) if isinstance(max_memory, Mapping) else max_memory   # theirs converts in place
+        theirs = baseline_map(lambda: original(model, device_map, given, torch_dtype, list(keep_in_fp32_modules),
+                                               hf_quantizer), model, "diffusers' own _determine_device_map")
         special = _special_dtypes(model, torch_dtype, keep_in_fp32_modules, hf_quantizer)
         target = torch_dtype if hf_quantizer is None else hf_quantizer.adjust_target_dtype(torch_dtype)
         return plan_map(model, budgets, device_map, hf_quantizer=hf_quantizer,
@@ -105,26 +104,6 @@ def _special_dtypes(model, torch_dtype, keep_in_fp32_modules, hf_quantizer) -> d
     return special
 
 
-def _their_map(original, model, device_map, max_memory, *args) -> dict | None:
-    """diffusers' own map for this call (the user's ``max_memory`` copied: accelerate converts it in place); ``None``
-    where diffusers' planner fails (said at INFO), and the plan then keeps accelerate's floor."""
-    given = dict(max_memory) if isinstance(max_memory, Mapping) else max_memory
-    try:
-        found = original(model, device_map, given, *args)
-    except Exception as err:   # noqa: BLE001 - any failure of their planner only drops the baseline, and is said
-        log.info("diffusers' own _determine_device_map fails for %s (%s: %s): planning without its map as the floor",
-                 type(model).__name__, type(err).__name__, err)
-        return None
-    return dict(found) if isinstance(found, Mapping) else None
-
-
-def _import(name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
 # -- pipelines ----------------------------------------------------------------------------------------------------
 
 def pipeline_swaps(plan_pipeline: Callable) -> list[tuple[object, str, Callable]]:
@@ -132,7 +111,7 @@ def pipeline_swaps(plan_pipeline: Callable) -> list[tuple[object, str, Callable]
     ``_get_final_device_map`` (component -> device) from :func:`allocator.plan_pipeline`, and ``load_sub_model``
     giving a component with a map of its own that map (both imported by name into
     ``diffusers.pipelines.pipeline_utils``, 0.42)."""
-    module = _import("diffusers.pipelines.pipeline_utils")
+    module = optional_import("diffusers.pipelines.pipeline_utils")
     if module is None or not all(hasattr(module, n) for n in ("_get_final_device_map", "load_sub_model")):
         return []
     own: dict = {}   # component -> (its map, the budgets it was planned over), for the pipeline being loaded

@@ -27,20 +27,20 @@ The patch rebinds module attributes, so it is process-global: every thread sees 
 
 from __future__ import annotations
 
-import importlib
 import weakref
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from ..api import plan
-from ..budgets import canonical, is_accelerator, warn_misread
+from ..budgets import canonical, is_accelerator
 from ..errors import InvalidOption
 from ..logs import shown
 from ..offload import attach, has_offload_hooks
 from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .diffusers import diffusers_swaps
+from .library import Unchecked, baseline_map, named, optional_import, user_budgets
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
 __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
@@ -223,9 +223,11 @@ class Patch:
         def _get_device_map(model, device_map, max_memory, hf_quantizer, *args, **kwargs):
             if not (isinstance(device_map, str) and device_map in MODE_TO_STRATEGY):
                 return original(model, device_map, max_memory, hf_quantizer, *args, **kwargs)
-            budgets = _user_budgets(get_max_memory, max_memory, device_map)
+            budgets = user_budgets(get_max_memory, max_memory, device_map)
             given = dict(max_memory) if isinstance(max_memory, Mapping) else max_memory   # theirs converts in place
-            theirs = _their_map(original, model, device_map, given, hf_quantizer, *args, **kwargs)
+            quantizer = None if hf_quantizer is None else Unchecked(hf_quantizer)
+            theirs = baseline_map(lambda: original(model, device_map, given, quantizer, *args, **kwargs), model,
+                                  "transformers' own _get_device_map")
             result = self._device_map(model, budgets, device_map, hf_quantizer=hf_quantizer,
                                       no_split=getattr(model, "_no_split_modules", None),
                                       runtime={"loader": "transformers", "baseline": theirs})
@@ -233,7 +235,7 @@ class Patch:
                 hf_quantizer.validate_environment(device_map=result)
             return result
 
-        return _named(_get_device_map, original)
+        return named(_get_device_map, original)
 
     def _get_balanced_memory(self, original, namespace: str):
         """accelerate's ``get_balanced_memory``: the user's budgets, and the mode for the next map."""
@@ -243,9 +245,9 @@ class Patch:
                                 special_dtypes=None, low_zero=False, **_):
             mode = "balanced_low_0" if low_zero else "auto"
             self._pending[namespace] = mode
-            return _user_budgets(get_max_memory, max_memory, mode)
+            return user_budgets(get_max_memory, max_memory, mode)
 
-        return _named(get_balanced_memory, original)
+        return named(get_balanced_memory, original)
 
     def _infer_auto_device_map(self, original, namespace: str):
         """accelerate's ``infer_auto_device_map``, planning for the mode recorded by ``get_balanced_memory``."""
@@ -265,7 +267,7 @@ class Patch:
                 return self._device_map(model, budgets, mode, hf_quantizer=hf_quantizer,
                                         no_split=no_split_module_classes, runtime=runtime, verbose=verbose)
 
-        return _named(infer_auto_device_map, original)
+        return named(infer_auto_device_map, original)
 
     def _dispatch_model(self, original):
         """accelerate's ``dispatch_model``, then (``runtime="allocator"``) our offload runtime in place of its
@@ -285,7 +287,7 @@ class Patch:
                          type(model).__name__, runtime.prefetch, len(runtime.experts))
             return result
 
-        replacement = _named(dispatch_model, original)
+        replacement = named(dispatch_model, original)
         replacement.__doc__ = (f"allocator.integrations.transformers's replacement of "
                                f"{getattr(original, '__module__', '?')}.dispatch_model: "
                                "accelerate's, then allocator.offload.attach (runtime='allocator').")
@@ -296,24 +298,24 @@ class Patch:
         swaps: list[_Swap] = []
         if self.options.runtime == "allocator":   # from_pretrained and load_checkpoint_and_dispatch dispatch here
             for name in ("transformers.integrations.accelerate", "accelerate.big_modeling"):
-                module = _import(name)
+                module = optional_import(name)
                 if module is not None and hasattr(module, "dispatch_model"):
                     swaps.append(_Swap(module, "dispatch_model", self._dispatch_model(module.dispatch_model)))
-        tia = _import("transformers.integrations.accelerate")
-        modeling_utils = _import("transformers.modeling_utils")
+        tia = optional_import("transformers.integrations.accelerate")
+        modeling_utils = optional_import("transformers.modeling_utils")
         if tia is not None and hasattr(tia, "_get_device_map"):  # transformers 5
             replacement = self._get_device_map(tia._get_device_map)
             swaps.append(_Swap(tia, "_get_device_map", replacement))
             if modeling_utils is not None and hasattr(modeling_utils, "_get_device_map"):
                 swaps.append(_Swap(modeling_utils, "_get_device_map", replacement))
-        for module in (modeling_utils, _import("accelerate.big_modeling")):  # transformers 4 / accelerate
+        for module in (modeling_utils, optional_import("accelerate.big_modeling")):  # transformers 4 / accelerate
             if all(hasattr(module, name) for name in ("get_balanced_memory", "infer_auto_device_map")):
                 swaps.append(_Swap(module, "get_balanced_memory",
                                    self._get_balanced_memory(module.get_balanced_memory, module.__name__)))
                 swaps.append(_Swap(module, "infer_auto_device_map",
                                    self._infer_auto_device_map(module.infer_auto_device_map, module.__name__)))
         first = [_Swap(*swap) for swap in   # diffusers' from_pretrained (allocator.integrations.diffusers)
-                 diffusers_swaps(self._device_map, self._dispatch_model, _user_budgets, self.options.runtime)]
+                 diffusers_swaps(self._device_map, self._dispatch_model, self.options.runtime)]
         return first + swaps
 
 
@@ -454,63 +456,3 @@ def unpatch() -> Patch | None:
     handle = _ACTIVE[-1]
     handle.unpatch()
     return handle
-
-
-# -- helpers ------------------------------------------------------------------------------------------------------
-
-class _Unchecked:
-    """A quantizer as transformers' own planner sees it, without its ``validate_environment``: the baseline map is
-    computed, never loaded, so only the plan returned is validated (once)."""
-
-    def __init__(self, quantizer):
-        self._quantizer = quantizer
-
-    def __getattr__(self, name):
-        return getattr(self._quantizer, name)
-
-    def validate_environment(self, *args, **kwargs) -> None:
-        return None
-
-
-def _their_map(original, model, device_map, max_memory, hf_quantizer, *args, **kwargs) -> dict | None:
-    """The map transformers' own ``_get_device_map`` returns for this call: what the user gets unpatched, the floor of
-    the contract's rule 3 on this path (``PlanOptions.baseline``). ``None`` where transformers' planner fails (said
-    at INFO): the plan then keeps accelerate's floor, and the user gets a plan where unpatched they got an error."""
-    quantizer = None if hf_quantizer is None else _Unchecked(hf_quantizer)
-    try:
-        found = original(model, device_map, max_memory, quantizer, *args, **kwargs)
-    except Exception as err:   # noqa: BLE001 - any failure of their planner only drops the baseline, and is said
-        log.info("transformers' own _get_device_map fails for %s (%s: %s): planning without its map as the floor",
-                 type(model).__name__, type(err).__name__, err)
-        return None
-    return dict(found) if isinstance(found, Mapping) else None
-
-
-def _import(name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
-def _named(replacement: Callable, original: Callable) -> Callable:
-    replacement.__name__ = getattr(original, "__name__", replacement.__name__)
-    replacement.__qualname__ = getattr(original, "__qualname__", replacement.__qualname__)
-    replacement.__doc__ = (f"allocator.integrations.transformers's replacement of "
-                           f"{getattr(original, '__module__', '?')}.{replacement.__name__}: plans string device maps "
-                           "with allocator.plan (see allocator.integrations.transformers).")
-    replacement.__allocator_original__ = original
-    return replacement
-
-
-def _user_budgets(get_max_memory, max_memory, mode: str) -> dict:
-    """The library's normalisation of ``max_memory`` (a copy: accelerate converts strings in place), with its 90%
-    rule for a single accelerator when the user set nothing, and without its balancing. The caller's strings are
-    read first, for the warnings the library's conversion does not give (a lower-case "b" is bits)."""
-    warn_misread(max_memory)
-    budgets = dict(get_max_memory(dict(max_memory) if max_memory is not None else None))
-    if max_memory is None and mode != "sequential":
-        accelerators = [d for d, size in budgets.items() if is_accelerator(d) and size > 0]
-        if len(accelerators) == 1 and isinstance(accelerators[0], int):
-            budgets[accelerators[0]] = int(budgets[accelerators[0]] * 0.9)
-    return budgets
