@@ -21,7 +21,7 @@ ROW = re.compile(r"^\| `([^`]+)` \|", re.MULTILINE)
 NAMED = {"device_map": "<module>", "budgets": "<device>", "resident": "<device>", "peak": "<device>",
          "parts": "<device>", "estimate.steps": "<step>"}
 #: Values documented as a whole (their inner keys are the model's tensor names, shapes, or another object's schema).
-WHOLE = {"experts", "options.special_dtypes", "options.inputs", "options.profile", "options.expert_profile"}
+WHOLE = {"experts", "compute", "runtime.experts", "runtime.expert_mode", "options.special_dtypes", "options.inputs", "options.profile", "options.expert_profile"}
 
 
 def paths(value, prefix: str = "") -> set[str]:
@@ -49,7 +49,9 @@ def written():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     plans = [allocator.plan(model, {0: "600KiB", "cpu": "1GiB"}, generation=allocator.GenerationBudget(1, 64)),
-             allocator.plan(model, {0: "500KiB", "cpu": "1GiB"}, strategy="sequential")]
+             allocator.plan(model, {0: "500KiB", "cpu": "1GiB"}, strategy="sequential"),
+             allocator.plan(model, {0: "600KiB", "cpu": "1GiB"}, runtime="allocator",
+                            generation=allocator.GenerationBudget(1, 64))]
     assert any(p.violations for p in plans) and any(p.problem.generation for p in plans)
     return set().union(*(paths(p.to_dict()) for p in plans))
 
