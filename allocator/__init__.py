@@ -23,7 +23,7 @@ from .integrations.transformers import patch, unpatch
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES
-from .strategies.contract import contract_violations
+from .judge.contract import contract_violations
 from .evaluate.validate import Violation, validate
 
 __all__ = [

@@ -13,7 +13,7 @@ from torch import nn
 import allocator
 from allocator import InvalidOption, InvalidPlacement, PlanOptions
 from allocator.placement import Placement
-from allocator.strategies.ranking import best_valid, score
+from allocator.judge.ranking import best_valid, score
 
 LAYER = 64 * 64 * 4 + 64 * 4   # bytes of one nn.Linear(64, 64)
 

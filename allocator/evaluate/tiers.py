@@ -1,5 +1,5 @@
 """Where a map keeps bytes: the fastest tier, and the accelerators along the model (rules 2 and 3 of the contract
-read these; :mod:`allocator.strategies.contract` states the rules).
+read these; :mod:`allocator.judge.contract` states the rules).
 
 Notes
 -----

@@ -17,7 +17,7 @@ from ..strategies import STRATEGIES, run
 from ..evaluate.cost import priced
 from ..evaluate.experts import resident_bytes, routed_cost
 from ..evaluate.tiers import fast_bytes
-from ..strategies.witness import contract_main, floor
+from ..judge.witness import contract_main, floor
 from .explain import reasons
 from .schema import plan_to_dict, read, rebuild
 
