@@ -216,7 +216,8 @@ def _report(edges: list[Import]) -> str:
 
 def test_the_reader_finds_the_package():
     modules = module_names()
-    assert {"allocator", "allocator.api", "allocator.strategies", "allocator.strategies.sequential", "allocator.judge.witness"} <= set(modules)
+    assert {"allocator", "allocator.api", "allocator.strategies", "allocator.strategies.sequential",
+            "allocator.judge.witness"} <= set(modules)
     edges = imports(modules)
     assert any(e.source == "allocator.strategies.ilp" and e.target == "allocator.evaluate.memory" for e in edges)
     assert any(e.source == "allocator" and e.target == "allocator.api" for e in edges)

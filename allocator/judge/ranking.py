@@ -23,8 +23,8 @@ from ..evaluate.tiers import fast_bytes, order_violations
 from .contract import contract_violations
 from .witness import accelerate_map, contract_main, fill_memo, floor, main_candidates, witness
 
-__all__ = ["Best", "Tried", "best_fill", "best_of", "best_valid", "estimate_decides", "infeasible", "keeping_contract", "rank_key",
-           "ranked_by", "score"]
+__all__ = ["Best", "Tried", "best_fill", "best_of", "best_valid", "estimate_decides", "infeasible", "keeping_contract",
+           "rank_key", "ranked_by", "score"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8

@@ -239,7 +239,8 @@ def _empty_notes(devices: list[Device], cuts: Sequence[int], count: int, low_0: 
 
 def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) -> Placement:
     """``reserve``'s plan (the most bytes resident), its accelerator groups re-split by the balanced rule."""
-    base = best_fill(problem, reserve_candidates, "reserve")  # InfeasiblePlacement when nothing fits: allocator.plan adds the minimum budget
+    # reserve's plan; InfeasiblePlacement when nothing fits (allocator.plan adds the minimum budget)
+    base = best_fill(problem, reserve_candidates, "reserve")
     if not problem.budgets.accelerators:
         return _relabel(problem, base, name, "no accelerator in the budgets: reserve's plan over cpu and disk")
     lead = ("the accelerators together cannot hold the model in a contiguous split: "

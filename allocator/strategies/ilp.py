@@ -180,7 +180,8 @@ def _heuristic(problem: Problem, profile: Profile) -> dict | None:
     """The warm start and first cutoff: the best valid map of the fast strategies
     (:func:`allocator.judge.ranking.best_valid`, ranked under ``profile``), or ``None``."""
     ranked = problem if profile == problem.profile else replace(problem, profile=profile)
-    fast = [("sequential", lambda: accelerate_placement(ranked)), ("reserve", lambda: best_fill(ranked, reserve_candidates, "reserve")),
+    fast = [("sequential", lambda: accelerate_placement(ranked)),
+            ("reserve", lambda: best_fill(ranked, reserve_candidates, "reserve")),
             ("backfill", lambda: best_fill(ranked, backfill_candidates, "backfill"))]
     found = best_valid(ranked, fast)
     return found.placement.device_map if found.placement else None
