@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
+from ..memo import Key
 from ..budgets import Device
 from ..errors import AllocatorError
 from ..evaluate.cost import priced
@@ -35,6 +36,9 @@ from ..search.first_fit import Filled, Streams, every_main, fill_to_fixed_point,
 
 __all__ = ["EXACT_SECONDS", "Witness", "accelerate_map", "accelerate_placement", "admits", "contract_main",
            "admission", "exact_admits", "fill_memo", "floor", "main_candidates", "witness"]
+
+WITNESS = Key("witness")
+FILLS = Key("fill_memo")
 
 EXACT_SECONDS = 0.5
 """Deterministic seconds CP-SAT gets to decide whether an accelerator can be the main device, where no fill found a
@@ -125,7 +129,7 @@ class Witness:
 
 def witness(problem: Problem) -> Witness:
     """The witness of ``problem``, made once (the problem is frozen, so it does not change)."""
-    return problem.derived.once("witness", lambda: Witness(problem))
+    return problem.derived.once(WITNESS, lambda: Witness(problem))
 
 
 def _first_main(problem: Problem, valid: dict | None) -> tuple[Device, dict | None]:
@@ -236,4 +240,4 @@ def main_candidates(problem: Problem) -> list[Device]:
 
 def fill_memo(problem: Problem) -> dict:
     """The fills already made for this problem, by (main, reserve), shared by the witness and the fill strategies."""
-    return problem.derived.once("fill_memo", dict)
+    return problem.derived.once(FILLS, dict)
