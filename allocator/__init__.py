@@ -24,7 +24,7 @@ from .pipelines import PipelinePlan, plan_pipeline
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES
-from .strategies.contract import contract_violations
+from .judge.contract import contract_violations
 from .evaluate.validate import Violation, validate
 
 __all__ = [

@@ -17,9 +17,9 @@ from .problem import PlanOptions, Problem, build_problem
 from .report.minimum import empty_before_main, minimum_budget_error
 from .report.plan import Plan, finish
 from .strategies import STRATEGIES, resolve, run
-from .strategies.contract import contract_violations
+from .judge.contract import contract_violations
 from .strategies.experts import place_experts
-from .strategies.witness import witness
+from .judge.witness import witness
 
 __all__ = ["plan"]
 

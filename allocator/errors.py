@@ -107,7 +107,7 @@ class InvalidRuntime(AllocatorError):
 
 class BrokenContract(AllocatorError):
     """A strategy returned a plan that breaks the contract of ``device_map="auto"`` (main device, accelerators in
-    index order, never below accelerate: :mod:`allocator.strategies.contract`); ``objective="latency"`` accepts it."""
+    index order, never below accelerate: :mod:`allocator.judge.contract`); ``objective="latency"`` accepts it."""
 
 
 #: Libraries between a user's line and this package (``from_pretrained`` calls the planner through transformers'

@@ -119,7 +119,7 @@ class PlanOptions:
     # what decides
     objective: str = "contract"
     """What decides between valid plans. ``"contract"`` (the default): only plans that keep what every
-    ``device_map="auto"`` user relies on (:mod:`allocator.strategies.contract`: the first accelerator that can hold
+    ``device_map="auto"`` user relies on (:mod:`allocator.judge.contract`: the first accelerator that can hold
     anything is the main device, accelerators used in index order, never fewer bytes on them than accelerate's own
     valid map), ranked by the cost model among themselves. ``"latency"``: the cost model's estimate alone decides,
     over every device that could be main (the CPU included) and in any order of accelerators."""

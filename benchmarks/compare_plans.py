@@ -135,6 +135,14 @@ def plan_record(allocator, model, budget, strategy, **kwargs):
             [str(v) for v in p.violations], p.cost, p.placement.notes, p.strategy)
 
 
+def explain_record(allocator, model, budget, strategy):
+    """The text of ``Plan.explain()``: kept apart from the maps, as the words may change where the maps do not."""
+    try:
+        return allocator.plan(model, dict(budget), strategy=strategy).explain()
+    except Exception as err:
+        return ("error", type(err).__name__, str(err))
+
+
 def check_record(problem, device_map):
     from allocator.evaluate.cost import estimate
     from allocator.evaluate.validate import check
@@ -156,16 +164,19 @@ def run(args) -> dict:
     warnings.simplefilter("ignore")
     out = {}
     strategies = ("sequential", "backfill", "reserve")
+    zoo_strategies = strategies + tuple(s for s in args.zoo_also.split(",") if s)
     if not args.no_zoo:
-        for name in zoo.names():
+        for name in args.models.split(",") if args.models else zoo.names():
             model = zoo.build(name)
             problem = allocator.build_problem(model, {"cpu": 0})
             out["zoo-graph", name] = graph_record(problem.graph)
             total = problem.graph.total
             for scenario, fractions in SCENARIOS.items():
                 budget = {d: int(total * f) for d, f in fractions.items()}
-                for s in strategies:
+                for s in zoo_strategies:
                     out["zoo", name, scenario, s] = plan_record(allocator, model, budget, s)
+                    if args.explain:
+                        out["zoo-explain", name, scenario, s] = explain_record(allocator, model, budget, s)
             print(name, file=sys.stderr, flush=True)
     for seed in range(args.trees):
         rng = random.Random(seed)
@@ -227,7 +238,7 @@ MOVED = {
     "allocator.introspect": "allocator.model.blocks",
     "allocator.kernels": "allocator.evaluate.kernels",
     "allocator.kit": "allocator.strategies.kit",
-    "allocator.partition": "allocator.strategies.partition",
+    "allocator.partition": "allocator.search.partition",
     "allocator.quantization": "allocator.model.quantization",
     "allocator.rules": "allocator.rules.dispatch",
     "allocator.runs": "allocator.evaluate.runs",
@@ -268,6 +279,10 @@ def main() -> int:
     parser.add_argument("--out", help="pickle to write")
     parser.add_argument("--trees", type=int, default=300)
     parser.add_argument("--no-zoo", action="store_true")
+    parser.add_argument("--models", default="", help="zoo models to run, comma-separated (all when omitted)")
+    parser.add_argument("--zoo-also", default="", help="more strategies to run over the zoo, comma-separated "
+                        "(e.g. auto,ilp,balanced)")
+    parser.add_argument("--explain", action="store_true", help="record Plan.explain() over the zoo too")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
     if args.compare:

@@ -12,8 +12,9 @@ from torch import nn
 
 import allocator
 from allocator import InvalidOption, InvalidPlacement, PlanOptions
+from allocator.memo import Key
 from allocator.placement import Placement
-from allocator.strategies.ranking import best_valid, score
+from allocator.judge.ranking import best_valid, score
 
 LAYER = 64 * 64 * 4 + 64 * 4   # bytes of one nn.Linear(64, 64)
 
@@ -161,11 +162,14 @@ def test_best_valid_keeps_the_best_valid_candidate_and_says_what_became_of_the_o
 
 def test_a_problem_owns_what_is_derived_from_it():
     problem = allocator.build_problem(stack(), {0: 2 * LAYER, "cpu": 10**6})
-    calls = []
-    assert problem.derived.once("x", lambda: calls.append(1) or 7) == 7
-    assert problem.derived.once("x", lambda: calls.append(1) or 8) == 7 and calls == [1]
+    calls, x = [], Key("x")
+    assert problem.derived.once(x, lambda: calls.append(1) or 7) == 7
+    assert problem.derived.once(x, lambda: calls.append(1) or 8) == 7 and calls == [1]
     other = dataclasses.replace(problem, budgets=allocator.build_problem(stack(), {"cpu": 10**6}).budgets)
-    assert other.derived is not problem.derived and other.derived.once("x", lambda: 9) == 9
+    assert other.derived is not problem.derived and other.derived.once(x, lambda: 9) == 9
+    assert problem.derived.once(Key("x"), lambda: 10) == 10   # another module's "x" is another value
+    with pytest.raises(TypeError, match="memo.Key"):   # a value is never named by a bare string
+        problem.derived.once("x", lambda: 11)
     assert problem == dataclasses.replace(problem)   # derived values take no part in equality
 
 

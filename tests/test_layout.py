@@ -216,7 +216,8 @@ def _report(edges: list[Import]) -> str:
 
 def test_the_reader_finds_the_package():
     modules = module_names()
-    assert {"allocator", "allocator.api", "allocator.strategies", "allocator.strategies.sequential"} <= set(modules)
+    assert {"allocator", "allocator.api", "allocator.strategies", "allocator.strategies.sequential",
+            "allocator.judge.witness"} <= set(modules)
     edges = imports(modules)
     assert any(e.source == "allocator.strategies.ilp" and e.target == "allocator.evaluate.memory" for e in edges)
     assert any(e.source == "allocator" and e.target == "allocator.api" for e in edges)
@@ -291,6 +292,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "model": ("model/",),
     "problem": ("problem",),
     "evaluate": ("evaluate/",),
+    "search": ("search/",),
+    "judge": ("judge/",),
     "strategies": ("strategies/",),
     "report": ("report/",),
     "composition": ("api", "fit", "offload/", "pipelines/", "integrations/", ""),
@@ -346,3 +349,33 @@ def test_few_modules_at_the_top_and_none_too_long():
     long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+#: The modules of ``strategies/`` that are not strategies: the kit (what a caller's strategy is built from) and the
+#: experts pass (a transform of a placement, applied by ``plan``), and ``auto``, the one strategy that composes others.
+NOT_PROPOSERS = {"allocator.strategies", "allocator.strategies.kit", "allocator.strategies.experts"}
+COMPOSER = "allocator.strategies.auto"
+
+
+def strategy_imports(edges: list[Import]) -> list[str]:
+    """Imports of one strategy module by another, but ``auto``'s: each strategy proposes from the building blocks
+    (``search/``) and hands its candidates to the judge (``judge/``), and never runs another strategy."""
+    strategies = {e.source for e in edges if e.source.startswith("allocator.strategies.")} - NOT_PROPOSERS
+    targets = {e.target for e in edges if e.target.startswith("allocator.strategies.")} - NOT_PROPOSERS
+    return [f"  {e.source} imports {e.target} at line {e.line}" for e in edges
+            if e.source in strategies - {COMPOSER} and (e.target in targets or e.target == "allocator.strategies"
+                                                         and set(e.names) & {n.rsplit(".", 1)[-1] for n in targets})]
+
+
+def test_the_strategy_import_rule_finds_one():
+    edges = [Import("allocator.strategies.ilp", "allocator.strategies.reserve", (), 3, False, False),
+             Import("allocator.strategies.balanced", "allocator.strategies", ("reserve",), 4, False, False),
+             Import("allocator.strategies.auto", "allocator.strategies.ilp", (), 5, False, False)]
+    assert [line.split()[0] for line in strategy_imports(edges)] == ["allocator.strategies.ilp",
+                                                                     "allocator.strategies.balanced"]
+
+
+def test_no_strategy_imports_another():
+    found = strategy_imports(imports())
+    assert not found, "a strategy imports another (propose from search/, judge with judge/; only auto composes):\n" \
+        + "\n".join(found)

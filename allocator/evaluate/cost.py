@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..memo import Key
 from ..budgets import Device, is_accelerator, normalize_map
 from ..profile import COUNTED, Profile, counted_rates, flop_seconds, read_rates
 from ..model.flops import node_values
@@ -37,6 +38,12 @@ from .units import boundary_bytes, tensor_flops
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
            "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops", "counted_work",
            "boundaries"]
+
+TENSOR_FLOPS = Key("tensor flops")
+TENSOR_WORK = Key("tensor work")
+BOUNDARY_BYTES = Key("boundary bytes")
+READS = Key("reads")
+PRICED = Key("priced")
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +130,7 @@ def counted_flops(problem: Problem):
     ``None`` where nothing was counted: the compute term is then ``2 * tokens`` FLOP per parameter element."""
     if problem.node_flops is None:
         return None
-    return problem.derived.once("tensor flops", lambda: tensor_flops(problem.graph, problem.node_flops))
+    return problem.derived.once(TENSOR_FLOPS, lambda: tensor_flops(problem.graph, problem.node_flops))
 
 
 def counted_work(problem: Problem):
@@ -133,7 +140,7 @@ def counted_work(problem: Problem):
     complete."""
     if problem.node_flops is None:
         return None
-    return problem.derived.once("tensor work", lambda: tuple(
+    return problem.derived.once(TENSOR_WORK, lambda: tuple(
         tensor_flops(problem.graph, node_values(getattr(problem.flops, kind), problem.graph)) for kind in COUNTED))
 
 
@@ -143,7 +150,7 @@ def boundaries(problem: Problem):
     ``Profile.activation_bytes``."""
     if problem.node_flops is None:
         return None
-    return problem.derived.once("boundary bytes", lambda: boundary_bytes(
+    return problem.derived.once(BOUNDARY_BYTES, lambda: boundary_bytes(
         problem.graph, node_values(problem.flops.output_bytes, problem.graph)))
 
 
@@ -155,7 +162,7 @@ def _reads(problem: Problem, profile: Profile) -> tuple:
     flops = counted_flops(problem)
     if flops is None:
         return cols.reads(profile)
-    return problem.derived.once(f"reads {profile!r}", lambda: cols.reads(profile, flops, counted_work(problem)))
+    return problem.derived.once(READS(profile), lambda: cols.reads(profile, flops, counted_work(problem)))
 
 
 def change_seconds(profile: Profile, nbytes: int | None = None) -> float:
@@ -183,7 +190,7 @@ def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Co
 def priced(problem: Problem, device_map) -> Cost:
     """``estimate(problem, device_map)`` under the problem's profile; the last few results are remembered on the
     problem (:meth:`allocator.memo.Derived.recent`)."""
-    return problem.derived.recent("priced", device_map, lambda: estimate(problem, device_map))
+    return problem.derived.recent(PRICED, device_map, lambda: estimate(problem, device_map))
 
 
 def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Profile | None = None) -> Cost:

@@ -8,7 +8,7 @@ picks one or the other, here and only here (:func:`vectorised`).
 - run carving (:func:`key_runs`): a device map's keys as runs of tensors; keys side by side
   (:func:`side_by_side`, the usual map) are merged in numpy;
 - the first fit's stretch (:func:`fit_stretch`): how many groups in a row go to one device, under the seating rules
-  of :class:`allocator.strategies.room.Room`;
+  of :class:`allocator.search.room.Room`;
 - accelerate's stretch (:func:`in_a_row`): how many entries in a row ``sequential`` places on its current device;
 - the stream reserve (:func:`stream_reserve`): what offloaded units stream at once on the main device;
 - the members of seated groups (:func:`group_map`): a fill's unit map;
@@ -209,7 +209,7 @@ def stretchable(*columns: np.ndarray) -> bool:
 def fit_stretch(room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, offload: np.ndarray, j: int,
                 disk_ok: np.ndarray | None = None) -> int:
     """Seat as many of the groups given by the columns (seating order; :func:`stretchable`) as go, one after another,
-    to device ``j`` of ``room`` (:class:`allocator.strategies.room.Room`), charging ``room.free``; how many went.
+    to device ``j`` of ``room`` (:class:`allocator.search.room.Room`), charging ``room.free``; how many went.
     ``disk_ok``: which groups may go to disk (all where ``None``).
 
     Assuming every group goes to ``j``, the rule each must pass (every earlier device refuses it, ``j`` takes it) is a
@@ -253,7 +253,7 @@ def fit_stretch(room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, of
 
 
 def fit_stretch_reference(room, stay, pinned, size, offload, j: int, disk_ok=None) -> int:
-    """:func:`fit_stretch` as :meth:`allocator.strategies.room.Room.seat` of one group after another."""
+    """:func:`fit_stretch` as :meth:`allocator.search.room.Room.seat` of one group after another."""
     count = 0
     disk = _ints(disk_ok) if disk_ok is not None else [True] * len(stay)
     for s, p, n, o, d in zip(_ints(stay), _ints(pinned), _ints(size), _ints(offload), disk):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..memo import Key
 from ..budgets import Device
 from ..model.graph import ModelGraph
 from ..rules.dispatch import (
@@ -36,6 +37,8 @@ from .runs import Run, columns, expand, first_device, pieces, runs
 __all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs", "moves",
            "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "prefetch_of", "prefetch_reserve",
            "streamed_chain", "streams_held", "workspace"]
+
+RUNS = Key("runs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +77,7 @@ def extra_by_device(graph: ModelGraph, found: list, node_bytes: Mapping[int, int
 def map_runs(graph: ModelGraph, device_map: Mapping[str, Device]) -> list[Run]:
     """:func:`allocator.evaluate.runs.runs` of a map; the last few results are remembered with the graph
     (:meth:`allocator.memo.Derived.recent`)."""
-    return graph.derived.recent("runs", device_map, lambda: runs(graph, device_map))
+    return graph.derived.recent(RUNS, device_map, lambda: runs(graph, device_map))
 
 
 def tensor_devices(graph: ModelGraph, device_map: Mapping[str, Device]) -> list:

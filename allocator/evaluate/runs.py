@@ -18,6 +18,7 @@ from itertools import accumulate, repeat
 
 import numpy as np
 
+from ..memo import Key
 from ..profile import counted_rates, flop_seconds, read_rates
 from ..model import ModelGraph
 from .kernels import Run, key_runs
@@ -25,6 +26,8 @@ from ..rules.dispatch import moves, read_copy
 
 __all__ = ["Run", "Columns", "Moving", "columns", "runs", "key_orders", "pieces", "expand", "devices_in",
            "first_device", "as_array", "as_ints", "FEMTO"]
+
+COLUMNS = Key("columns")
 
 
 class Columns:
@@ -250,7 +253,7 @@ class Moving:
 
 def columns(graph: ModelGraph) -> Columns:
     """The :class:`Columns` of a graph, built once and kept with it (``graph.derived``)."""
-    return graph.derived.once("columns", lambda: Columns(graph))
+    return graph.derived.once(COLUMNS, lambda: Columns(graph))
 
 
 def runs(graph: ModelGraph, device_map: Mapping) -> list[Run]:

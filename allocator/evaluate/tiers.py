@@ -1,5 +1,5 @@
 """Where a map keeps bytes: the fastest tier, and the accelerators along the model (rules 2 and 3 of the contract
-read these; :mod:`allocator.strategies.contract` states the rules).
+read these; :mod:`allocator.judge.contract` states the rules).
 
 Notes
 -----
@@ -13,6 +13,7 @@ import bisect
 
 import numpy as np
 
+from ..memo import Key
 from ..budgets import Budgets, Device, is_accelerator
 from ..problem import Problem
 from .runs import Run, columns
@@ -20,6 +21,8 @@ from .units import problem_groups
 from .validate import Violation, check
 
 __all__ = ["accelerator_sequence", "fast_bytes", "fast_tier", "headroom", "order_violations", "pulled"]
+
+PULLED = Key("pulled")
 
 
 def fast_tier(budgets: Budgets) -> frozenset:
@@ -69,7 +72,7 @@ def pulled(problem: Problem) -> list[int]:
         chosen = later[keep]
         return sorted({t for a, b in zip(lo[chosen].tolist(), hi[chosen].tolist()) for t in range(a, b)})
 
-    return problem.derived.once("pulled", build)
+    return problem.derived.once(PULLED, build)
 
 
 def accelerator_sequence(problem: Problem, found: list[Run]) -> list[Device]:

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..memo import Key
 from ..model.graph import ModelGraph
 from ..problem import Problem
 from ..model.table import Record, Table, frozen, new_row, picklable, same
@@ -26,6 +27,9 @@ from .runs import as_array, as_ints, columns
 
 __all__ = ["Unit", "Group", "Units", "Groups", "units", "groups", "problem_groups", "disk_loadable", "unit_flops",
            "tensor_flops", "boundary_bytes"]
+
+GROUPS = Key("groups")
+DISK_LOADABLE = Key("disk_loadable")
 
 
 class Unit(Record):
@@ -251,7 +255,7 @@ def groups(g: ModelGraph, offload_buffers: bool = False, read_copies: bool = Fal
     Built once per graph and setting (every strategy asks, ``auto`` several times); immutable, so shared.
     """
     read_copies = read_copies and bool(g.stored)
-    return g.derived.once(f"groups offload_buffers={offload_buffers} read_copies={read_copies}",
+    return g.derived.once(GROUPS(offload_buffers, read_copies),
                           lambda: _groups(g, offload_buffers, read_copies))
 
 
@@ -265,7 +269,7 @@ def disk_loadable(problem: Problem) -> np.ndarray:
     """Whether the loading path (``options.loader``) loads every tensor of each group of :func:`problem_groups`
     right from disk (:func:`allocator.rules.loaders.loads_from_disk`): on accelerate's path not a tied tensor, nor a
     persistent buffer without ``offload_buffers=True``. A numpy bool array in group order, made once per problem."""
-    return problem.derived.once("disk_loadable", lambda: _disk_loadable(problem))
+    return problem.derived.once(DISK_LOADABLE, lambda: _disk_loadable(problem))
 
 
 def _disk_loadable(problem: Problem) -> np.ndarray:

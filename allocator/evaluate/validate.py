@@ -13,6 +13,7 @@ from itertools import filterfalse
 
 import numpy as np
 
+from ..memo import Key
 from ..budgets import format_bytes, normalize_map
 from ..gc_pause import gc_paused
 from ..problem import PlanOptions, Problem, build_problem
@@ -25,6 +26,8 @@ from .memory import (
 
 __all__ = ["Violation", "check", "experts_apart", "peak_parts", "routed_spans", "validate", "normalize_map",
            "format_bytes"]
+
+CHECKED = Key("check")
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ def check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memor
     O(nodes + tensors) for its :class:`allocator.evaluate.runs.Columns`). The last few results are remembered
     (:meth:`allocator.memo.Derived.recent`); each call returns its own copies.
     """
-    violations, memory = problem.derived.recent("check", device_map, lambda: _check(problem, device_map))
+    violations, memory = problem.derived.recent(CHECKED, device_map, lambda: _check(problem, device_map))
     return list(violations), replace(memory, peak=dict(memory.peak), generation=dict(memory.generation))
 
 

@@ -29,7 +29,7 @@ from ..budgets import format_bytes, parse_size
 from ..errors import InfeasiblePlacement, InvalidModel, InvalidOption
 from ..model import build_graph
 from ..model.blocks import find_layers, require_module
-from ..strategies.partition import least_feasible, parts, split
+from ..search.partition import least_feasible, parts, split
 
 __all__ = ["PipelineSplit", "contiguous_min_max", "pipeline_split_spec"]
 
@@ -70,7 +70,7 @@ def contiguous_min_max(sizes: Sequence[int], n: int, *, capacities: Sequence[int
     Method: binary search on the integer bottleneck ``B`` in ``[max(max(sizes), ceil(sum / n)), sum]``. For a
     given ``B`` the positions reachable by ``j`` parts, each within ``min(B, capacities[j])``, are computed
     from those reachable by ``j - 1`` with a two-pointer sweep over the prefix sums; ``B`` is feasible iff
-    ``len(sizes)`` is reachable by ``n`` parts (:func:`allocator.strategies.partition.split`, shared with the
+    ``len(sizes)`` is reachable by ``n`` parts (:func:`allocator.search.partition.split`, shared with the
     ``balanced`` strategy). This is exact where a greedy fill is not (with capacities, or when a part must be left an
     item).
 

@@ -24,7 +24,7 @@ from ..evaluate.memory import map_runs, offloaded_devices, prefetch_of
 from ..evaluate.cost import priced
 from ..evaluate.experts import expert_bytes, resident_bytes
 from ..report.minimum import why_empty
-from ..strategies.contract import contract_violations
+from ..judge.contract import contract_violations
 from ..evaluate.units import problem_groups
 from ..evaluate.validate import check, format_bytes
 

@@ -14,9 +14,9 @@ from ..evaluate.validate import check, format_bytes
 from ..placement import Decision, Placement
 from ..problem import Problem
 from ..strategies import run
-from ..strategies.first_fit import full_reserve
-from ..strategies.sequential import insufficient_memory
-from ..strategies.witness import contract_main
+from ..search.first_fit import full_reserve
+from ..search.accelerate import insufficient_memory
+from ..judge.witness import contract_main
 
 __all__ = ["empty_before_main", "main_minimum", "minimum_budget_error", "minimum_ram_error", "smallest", "why_empty",
            "with_budget"]

@@ -18,7 +18,7 @@ from ..evaluate.cost import priced
 from ..evaluate.compute import ComputePlan, cache_moves, decide, step_seconds   # issue #40: where units compute
 from ..evaluate.experts import resident_bytes, routed_cost
 from ..evaluate.tiers import fast_bytes
-from ..strategies.witness import contract_main, floor
+from ..judge.witness import contract_main, floor
 from .explain import reasons
 from .runtime import Runtime, decide_runtime
 from .schema import plan_to_dict, read, rebuild

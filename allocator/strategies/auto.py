@@ -3,7 +3,7 @@
 Runs ``sequential`` (accelerate), ``reserve`` and ``backfill``, then ``ilp`` warm-started from the best of them
 within a small deterministic budget (when OR-Tools imports and the model has at most ``ilp.MAX_UNITS`` groups), and
 keeps the valid plan with the lowest estimated seconds per forward among those that keep the contract
-(:mod:`allocator.strategies.contract`; every valid plan under ``objective="latency"``). Because accelerate's own map
+(:mod:`allocator.judge.contract`; every valid plan under ``objective="latency"``). Because accelerate's own map
 is a candidate where it keeps the contract, the result is never estimated slower than ``sequential`` there, never
 keeps fewer bytes on the accelerators than it wherever its map is valid, and it is never invalid: when nothing fits,
 :class:`allocator.InfeasiblePlacement` says the minimum budget.
@@ -24,8 +24,8 @@ from ..placement import Placement, note
 from ..problem import Problem, accelerators_up_to
 from ..evaluate.units import problem_groups
 from . import backfill, ilp, reserve
-from .witness import accelerate_placement
-from .ranking import Tried, best_valid, estimate_decides, infeasible, ranked_by
+from ..judge.witness import accelerate_placement
+from ..judge.ranking import Tried, best_valid, estimate_decides, infeasible, ranked_by
 
 __all__ = ["place", "choice_note"]
 

@@ -66,15 +66,16 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from ..budgets import Device
-from .partition import least_feasible, parts, prefix_sums, reachable, split
+from ..search.partition import least_feasible, parts, prefix_sums, reachable, split
 from ..placement import Decision, Placement, note
 from ..problem import Problem
 from ..evaluate.memory import device_of, main_device, workspace
 from ..evaluate.units import Group, problem_groups
 from ..budgets import format_bytes
 from ..evaluate.validate import check
-from . import reserve
-from .witness import contract_main
+from ..judge.ranking import best_fill
+from ..search.fills import reserve_candidates
+from ..judge.witness import contract_main
 
 __all__ = ["place", "place_low_0"]
 
@@ -238,7 +239,8 @@ def _empty_notes(devices: list[Device], cuts: Sequence[int], count: int, low_0: 
 
 def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) -> Placement:
     """``reserve``'s plan (the most bytes resident), its accelerator groups re-split by the balanced rule."""
-    base = reserve.place(problem)  # InfeasiblePlacement when nothing fits: allocator.plan adds the minimum budget
+    # reserve's plan; InfeasiblePlacement when nothing fits (allocator.plan adds the minimum budget)
+    base = best_fill(problem, reserve_candidates, "reserve")
     if not problem.budgets.accelerators:
         return _relabel(problem, base, name, "no accelerator in the budgets: reserve's plan over cpu and disk")
     lead = ("the accelerators together cannot hold the model in a contiguous split: "

@@ -37,7 +37,7 @@ from ..evaluate.tiers import accelerator_sequence, fast_bytes, fast_tier
 from ..evaluate.validate import check
 from ..placement import Decision, Placement
 from ..problem import Problem, step_problem
-from .witness import floor
+from ..judge.witness import floor
 
 __all__ = ["place_experts"]
 

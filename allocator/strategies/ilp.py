@@ -45,12 +45,12 @@ from ..problem import Problem
 from ..evaluate.memory import device_of, main_device, map_runs
 from ..evaluate.units import problem_groups
 from ..evaluate.validate import check
-from . import backfill, reserve
-from .cpsat import MAX_UNITS, NS, coarsen, home_weightless, model_inputs, solve_for_main
-from .ranking import best_valid, infeasible
+from ..search.fills import backfill_candidates, reserve_candidates
+from ..search.cpsat import MAX_UNITS, NS, coarsen, home_weightless, model_inputs, solve_for_main
+from ..judge.ranking import best_fill, best_valid, infeasible
 from ..evaluate.tiers import fast_bytes, order_violations
-from .contract import contract_violations
-from .witness import accelerate_map, accelerate_placement, floor, main_candidates
+from ..judge.contract import contract_violations
+from ..judge.witness import accelerate_map, accelerate_placement, floor, main_candidates
 
 __all__ = ["place"]
 
@@ -166,7 +166,7 @@ def _breaks_order_or_main(problem: Problem, device_map) -> bool:
 
 def _floor_to_keep(problem: Problem, incumbent) -> int:
     """The contract's floor (accelerate's bytes on the fastest tier) where a plan keeping the contract is known to
-    reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.strategies.ranking.best_of`."""
+    reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.judge.ranking.best_of`."""
     if not problem.options.contract:
         return 0
     need = floor(problem)
@@ -178,9 +178,10 @@ def _floor_to_keep(problem: Problem, incumbent) -> int:
 
 def _heuristic(problem: Problem, profile: Profile) -> dict | None:
     """The warm start and first cutoff: the best valid map of the fast strategies
-    (:func:`allocator.strategies.ranking.best_valid`, ranked under ``profile``), or ``None``."""
+    (:func:`allocator.judge.ranking.best_valid`, ranked under ``profile``), or ``None``."""
     ranked = problem if profile == problem.profile else replace(problem, profile=profile)
-    fast = [("sequential", lambda: accelerate_placement(ranked)), ("reserve", lambda: reserve.place(ranked)),
-            ("backfill", lambda: backfill.place(ranked))]
+    fast = [("sequential", lambda: accelerate_placement(ranked)),
+            ("reserve", lambda: best_fill(ranked, reserve_candidates, "reserve")),
+            ("backfill", lambda: best_fill(ranked, backfill_candidates, "backfill"))]
     found = best_valid(ranked, fast)
     return found.placement.device_map if found.placement else None

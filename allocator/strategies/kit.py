@@ -49,10 +49,10 @@ from ..evaluate.cost import Cost, estimate
 from ..errors import InfeasiblePlacement
 from ..placement import Placement
 from ..problem import Problem
-from .witness import accelerate_placement, main_candidates
-from .ranking import best_valid as rank
-from .first_fit import Streams
-from .room import Room
+from ..judge.witness import accelerate_placement, main_candidates
+from ..judge.ranking import best_valid as rank
+from ..search.first_fit import Streams
+from ..search.room import Room
 from ..evaluate.units import Group, Groups, disk_loadable, problem_groups
 from ..evaluate.validate import Violation, check as check_map
 

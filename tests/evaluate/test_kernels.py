@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from allocator.evaluate import kernels
 from allocator.problem import build_problem
 from allocator.evaluate.runs import columns, key_orders
-from allocator.strategies.first_fit import Streams
-from allocator.strategies.room import Room
+from allocator.search.first_fit import Streams
+from allocator.search.room import Room
 from allocator.evaluate.units import groups
 from trees import module_trees
 

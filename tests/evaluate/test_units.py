@@ -4,11 +4,11 @@
 is not
   split, take the direct tensors of every node that is), sizes summed tensor by tensor;
 - :func:`allocator.evaluate.units.groups` against connected components of the tie groups;
-- :class:`allocator.strategies.first_fit.Streams` against :func:`allocator.evaluate.memory.streamed_chain` of the unit
+- :class:`allocator.search.first_fit.Streams` against :func:`allocator.evaluate.memory.streamed_chain` of the unit
 map;
-- the runs and price of a fill's answer (:class:`allocator.strategies.first_fit.Filled`) against those of its map;
+- the runs and price of a fill's answer (:class:`allocator.search.first_fit.Filled`) against those of its map;
 - the first fit's stretches (:func:`allocator.evaluate.kernels.fit_stretch`) against the same fit one group at a time
-  (:meth:`allocator.strategies.room.Room.seat`).
+  (:meth:`allocator.search.room.Room.seat`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from allocator.problem import build_problem
 from allocator.evaluate.runs import runs
 from allocator.evaluate.memory import map_runs, moves_with_weights, offloaded_devices, streamed_chain
 from allocator.evaluate import kernels
-from allocator.strategies.first_fit import Filled, Streams, _seat_all, fill, unit_map
-from allocator.strategies.room import Room
-from allocator.strategies.witness import main_candidates
+from allocator.search.first_fit import Filled, Streams, _seat_all, fill, unit_map
+from allocator.search.room import Room
+from allocator.judge.witness import main_candidates
 from allocator.evaluate.units import Group, Groups, Unit, Units, groups, units
 from trees import module_trees
 

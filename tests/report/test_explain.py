@@ -147,7 +147,7 @@ def test_an_accelerator_too_small_for_generate_names_it_and_a_budget_that_works(
     """With a generation budget the main device also holds generate's activations and scores: the smallest budget
     the note states is above the budget given, and does make the accelerator the main device."""
     from allocator.report.minimum import main_minimum, with_budget as _with_budget
-    from allocator.strategies.witness import contract_main
+    from allocator.judge.witness import contract_main
 
     model = llama(vocab=1000)
     total = size_of(model)
@@ -167,7 +167,7 @@ def test_an_empty_accelerator_after_another_empty_one_states_a_budget_bounded_by
     bounded by the model's bytes, found by the errors' bisection, and does make GPU 1 the main device."""
     from allocator.model import zoo
     from allocator.report.minimum import main_minimum, with_budget as _with_budget
-    from allocator.strategies.witness import contract_main
+    from allocator.judge.witness import contract_main
 
     p = quiet_plan(zoo.build("segformer-b0"), {0: "1.3MiB", 1: "1.3MiB", "cpu": "1GiB"})
     assert p.main_device == "cpu"

@@ -1,4 +1,4 @@
-"""The contract of ``device_map="auto"`` (allocator.strategies.contract): the first accelerator that can hold anything
+"""The contract of ``device_map="auto"`` (allocator.judge.contract): the first accelerator that can hold anything
 is the main device, accelerators are used in index order, never fewer bytes on them than accelerate's valid map; every
 ``max_memory`` accelerate accepts plans; accelerate's warnings and log lines where its tests look for them;
 ``objective="latency"`` lifts the contract; where no valid plan exists, accelerate's map comes back flagged."""
@@ -18,7 +18,7 @@ from torch import nn
 import allocator
 from allocator.model import zoo
 from allocator.evaluate.tiers import accelerator_sequence
-from allocator.strategies.witness import contract_main
+from allocator.judge.witness import contract_main
 from allocator.evaluate.memory import map_runs
 
 transformers = pytest.importorskip("transformers")

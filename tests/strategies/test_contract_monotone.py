@@ -13,7 +13,7 @@ from torch import nn
 import allocator
 from allocator.evaluate.cost import estimate
 from allocator.model import zoo
-from allocator.strategies.witness import admits, exact_admits, witness
+from allocator.judge.witness import admits, exact_admits, witness
 
 
 def accelerator_bytes(plan) -> int:

@@ -15,7 +15,7 @@ from allocator.evaluate.cost import estimate
 from allocator.evaluate.experts import expert_bytes, resident_bytes, routed_cost
 from allocator.evaluate.memory import map_runs, tensor_devices
 from allocator.evaluate.tiers import fast_bytes, fast_tier
-from allocator.strategies.witness import floor
+from allocator.judge.witness import floor
 from allocator.evaluate.runs import columns
 from allocator.model import zoo
 from allocator.model.expert_profile import ExpertProfile

@@ -17,7 +17,7 @@ from allocator.placement import clean_device_map
 from allocator.rules.loaders import loads_disk_only
 from allocator.rules.dispatch import nested_keys
 from allocator.evaluate.validate import check
-from allocator.strategies.witness import witness
+from allocator.judge.witness import witness
 from infeasible import assert_true_minimum
 from trees import budgets, module_trees
 

@@ -21,10 +21,10 @@ from ..budgets import format_bytes
 from ..evaluate.validate import check
 from ..evaluate.tiers import fast_bytes, order_violations
 from .contract import contract_violations
-from .witness import accelerate_map, contract_main, floor, witness
+from .witness import accelerate_map, contract_main, fill_memo, floor, main_candidates, witness
 
-__all__ = ["Best", "Tried", "best_of", "best_valid", "estimate_decides", "infeasible", "keeping_contract", "rank_key",
-           "ranked_by", "score"]
+__all__ = ["Best", "Tried", "best_fill", "best_of", "best_valid", "estimate_decides", "infeasible", "keeping_contract",
+           "rank_key", "ranked_by", "score"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8
@@ -64,7 +64,7 @@ def _quick(problem: Problem, found) -> int:
 def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     """The best valid candidate by the cost model; raises when none is valid.
 
-    A candidate (:class:`allocator.strategies.first_fit.Filled`) gives its ``runs()``, its ``main`` device, its
+    A candidate (:class:`allocator.search.first_fit.Filled`) gives its ``runs()``, its ``main`` device, its
     ``device_map()`` and a ``note``. Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED`
     valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only the
     maps that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
@@ -118,6 +118,14 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
         f"{format_bytes(cost.resident_fast)} on the fastest tier, {cost.device_changes} device changes", "kept",
         devices=(main_device(device_map.values()),), bytes=cost.resident_fast,
         bound="estimate" if estimate_decides(problem) else "bytes"),))
+
+
+def best_fill(problem: Problem, candidates, strategy: str) -> Placement:
+    """:func:`best_of` over the fills ``candidates(problem, mains, memo)`` makes
+    (:mod:`allocator.search.fills`) under the main devices a strategy may use (:func:`main_candidates`), with the
+    problem's memo of fills: ``reserve``'s and ``backfill``'s plan, and the same plan wherever another strategy
+    starts from one of them."""
+    return best_of(problem, candidates(problem, main_candidates(problem), fill_memo(problem)), strategy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,8 +196,8 @@ def _broken_rule(problem: Problem, device_map, kinds) -> str:
 
 
 def keeping_contract(problem: Problem, candidates: list) -> list:
-    """The candidates (:class:`allocator.strategies.first_fit.Filled`) that keep the contract's main device, index order
-    and floor (:mod:`allocator.strategies.contract`); all of them under ``objective="latency"``. When none reaches the
+    """The candidates (:class:`allocator.search.first_fit.Filled`) that keep the contract's main device, index order
+    and floor (:mod:`allocator.judge.contract`); all of them under ``objective="latency"``. When none reaches the
     floor and accelerate's map cannot be kept instead (it breaks rule 1 or 2 itself), those that keep rules 1 and 2."""
     if not problem.options.contract:
         return list(candidates)
@@ -220,7 +228,7 @@ def _final(problem: Problem, candidate) -> dict:
 
 def _witness_instead(problem: Problem, strategy: str) -> Placement:
     """Where no candidate of a strategy keeps the contract: accelerate's own map where it keeps it, else the plan that
-    proved the contract's main device (:attr:`allocator.strategies.witness.Witness.main_plan`); raises where there is
+    proved the contract's main device (:attr:`allocator.judge.witness.Witness.main_plan`); raises where there is
     neither."""
     if problem.options.contract and accelerate_map(problem) is not None:
         return Placement(device_map=accelerate_map(problem), strategy=strategy, decisions=(note(

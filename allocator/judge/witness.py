@@ -3,7 +3,7 @@ per problem by :func:`witness` — accelerate's own placement (``sequential``), 
 main device (rule 1) and its floor (rule 3).
 
 :func:`allocator.plan` computes it as the step between building the problem and running the strategy; the strategies
-and the checker (:mod:`allocator.strategies.contract`) read it and never compute it again (it is kept on the problem,
+and the checker (:mod:`allocator.judge.contract`) read it and never compute it again (it is kept on the problem,
 :attr:`allocator.problem.Problem.derived`).
 
 Each part is computed when first asked for (a ``sequential`` plan never asks for the main device). The main device is
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
+from ..memo import Key
 from ..budgets import Device
 from ..errors import AllocatorError
 from ..evaluate.cost import priced
@@ -29,12 +30,15 @@ from ..evaluate.units import problem_groups
 from ..evaluate.validate import check
 from ..placement import Placement
 from ..problem import Problem, accelerators_up_to
-from . import sequential
-from .cpsat import MAX_UNITS, coarsen, model_inputs, solve_for_main
-from .first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
+from ..search import accelerate
+from ..search.cpsat import MAX_UNITS, coarsen, model_inputs, solve_for_main
+from ..search.first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
 
 __all__ = ["EXACT_SECONDS", "Witness", "accelerate_map", "accelerate_placement", "admits", "contract_main",
            "admission", "exact_admits", "fill_memo", "floor", "main_candidates", "witness"]
+
+WITNESS = Key("witness")
+FILLS = Key("fill_memo")
 
 EXACT_SECONDS = 0.5
 """Deterministic seconds CP-SAT gets to decide whether an accelerator can be the main device, where no fill found a
@@ -52,7 +56,7 @@ class Witness:
     @cached_property
     def _sequential(self) -> tuple[Placement | None, AllocatorError | None]:
         try:
-            return sequential.place(self.problem), None
+            return accelerate.place(self.problem), None
         except AllocatorError as err:
             return None, err
 
@@ -134,7 +138,7 @@ class Witness:
 
 def witness(problem: Problem) -> Witness:
     """The witness of ``problem``, made once (the problem is frozen, so it does not change)."""
-    return problem.derived.once("witness", lambda: Witness(problem))
+    return problem.derived.once(WITNESS, lambda: Witness(problem))
 
 
 def _first_main(problem: Problem, valid: dict | None) -> tuple[Device, dict | None]:
@@ -191,10 +195,10 @@ def _fills_admit(problem: Problem, main: Device) -> dict | None:
 
 def exact_admits(problem: Problem, main: Device, seconds: float = EXACT_SECONDS) -> bool | None:
     """Whether some valid plan that keeps the contract's index order has ``main`` as its main device, decided by the
-    CP-SAT model (:func:`allocator.strategies.cpsat.solve_for_main` with no bound on its objective): ``True`` with a
+    CP-SAT model (:func:`allocator.search.cpsat.solve_for_main` with no bound on its objective): ``True`` with a
     plan found (and checked by :func:`allocator.evaluate.validate.check`), ``False`` when CP-SAT proves none exists,
     ``None`` when it cannot tell within ``seconds`` of deterministic time, OR-Tools is not installed, or the groups had
-    to be merged to stay under :data:`allocator.strategies.cpsat.MAX_UNITS` and the merged model has no plan."""
+    to be merged to stay under :data:`allocator.search.cpsat.MAX_UNITS` and the merged model has no plan."""
     return _exact(problem, main, seconds)[0]
 
 
@@ -239,10 +243,10 @@ def accelerate_map(problem: Problem) -> dict | None:
 
 def main_candidates(problem: Problem) -> list[Device]:
     """The devices a strategy tries as main: :func:`contract_main` alone under the contract; every device that could
-    be main (:func:`allocator.strategies.first_fit.every_main`) under ``objective="latency"``."""
+    be main (:func:`allocator.search.first_fit.every_main`) under ``objective="latency"``."""
     return [contract_main(problem)] if problem.options.contract else every_main(problem)
 
 
 def fill_memo(problem: Problem) -> dict:
     """The fills already made for this problem, by (main, reserve), shared by the witness and the fill strategies."""
-    return problem.derived.once("fill_memo", dict)
+    return problem.derived.once(FILLS, dict)

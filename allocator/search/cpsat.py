@@ -1,5 +1,5 @@
 """The CP-SAT model of a placement for one main device (OR-Tools), shared by the ``ilp`` strategy
-(:mod:`allocator.strategies.ilp`: the lowest estimate) and the witness (:mod:`allocator.strategies.witness`: whether
+(:mod:`allocator.strategies.ilp`: the lowest estimate) and the witness (:mod:`allocator.judge.witness`: whether
 any valid plan has a given main device).
 
 Model, for a main device ``M``: one device per tie group; accelerators before ``M`` stay empty and ``M`` holds at

@@ -7,7 +7,7 @@ in ``R``; its buffers are charged to ``M``. Groups whose streamed chain exceeds 
 are seated first, as are lone tensors (accelerate cannot offload a tensor on its own) and, where disk is the only
 offload target, groups the loading path would not load right from disk (:func:`allocator.evaluate.units.disk_loadable`;
 with cpu as a target too they are only kept off disk). The rules are those of
-:class:`allocator.strategies.room.Room`, stated there once. The result is always re-checked by
+:class:`allocator.search.room.Room`, stated there once. The result is always re-checked by
 :func:`allocator.evaluate.validate.check`.
 
 The fill reads the group columns (:class:`allocator.evaluate.units.Groups`) and answers with a device per group; long
@@ -49,8 +49,8 @@ def every_main(problem: Problem) -> list[Device]:
 
 def fill(problem: Problem, found: Groups, main: Device, reserve: int) -> list | None:
     """The device of each group (in group order), or ``None`` when some group fits nowhere under this main device and
-    reserve: every group seated by :meth:`allocator.strategies.room.Room.seat` on :meth:`Room.of
-    <allocator.strategies.room.Room.of>` the problem. :func:`unit_map` turns the answer into a map of unit names.
+    reserve: every group seated by :meth:`allocator.search.room.Room.seat` on :meth:`Room.of
+    <allocator.search.room.Room.of>` the problem. :func:`unit_map` turns the answer into a map of unit names.
 
     Notes
     -----
@@ -83,7 +83,7 @@ def fill(problem: Problem, found: Groups, main: Device, reserve: int) -> list | 
 def _seat_all(room: Room, stay: np.ndarray, pinned: np.ndarray, size: np.ndarray, offload: np.ndarray,
               disk_ok: np.ndarray | None = None) -> list[int] | None:
     """The device index of each group (the columns in seating order) by :meth:`Room.seat
-    <allocator.strategies.room.Room.seat>`, or ``None`` when one fits nowhere (``disk_ok``: which may go to disk;
+    <allocator.search.room.Room.seat>`, or ``None`` when one fits nowhere (``disk_ok``: which may go to disk;
     all where ``None``).
 
     Long stretches of groups that all go to one device are seated at once
@@ -162,7 +162,7 @@ def _seat_in_index_order(room: Room, order: np.ndarray, stay: np.ndarray, pinned
 
 def _seating(found: Groups, reserve: int, also_stay: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The order :func:`fill` seats groups in — those that must stay resident first
-    (:meth:`allocator.strategies.room.Room.must_stay`, or ``also_stay``: groups the loading path would not load from
+    (:meth:`allocator.search.room.Room.must_stay`, or ``also_stay``: groups the loading path would not load from
     disk, where disk is the only offload target), then the rest, each in model order — and which must stay."""
     stays = Room.must_stay(found.array("stream"), found.array("resident_only"), reserve)
     if also_stay is not None:
@@ -180,7 +180,7 @@ def unit_map(found: Groups, where: list, reserve: int) -> dict:
 class Filled:
     """A fill's answer as a candidate plan: the device of each group (``where``, from :func:`fill`), the reserve it
     was made under and a note saying which. Its unit map and the map's runs are made when first asked for:
-    :func:`allocator.strategies.ranking.best_of` ranks and prices candidates from their runs and builds the map of the
+    :func:`allocator.judge.ranking.best_of` ranks and prices candidates from their runs and builds the map of the
     one it keeps."""
 
     __slots__ = ("problem", "found", "where", "reserve", "note", "_runs")

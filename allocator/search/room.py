@@ -1,7 +1,7 @@
 """The seating and charging rules of first fit, stated once: :class:`Room`, the free bytes of each device a fill may
 use, group by group.
 
-``backfill`` and ``reserve`` (:mod:`allocator.strategies.first_fit`) seat every group with :meth:`Room.seat` — long
+``backfill`` and ``reserve`` (:mod:`allocator.search.first_fit`) seat every group with :meth:`Room.seat` — long
 stretches at once with :func:`allocator.evaluate.kernels.fit_stretch`, its vectorised form, tested against it — and a
 new
 strategy can seat groups with it in any order it likes.

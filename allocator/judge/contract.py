@@ -5,7 +5,7 @@ default) every strategy but ``sequential`` (accelerate's algorithm, reproduced o
 keep accelerate's conventions:
 
 1. **Main device.** The main device (where offloaded units execute and where users send their inputs) is the first
-   accelerator, by index, on which some valid plan can execute (:attr:`allocator.strategies.witness.Witness.main`);
+   accelerator, by index, on which some valid plan can execute (:attr:`allocator.judge.witness.Witness.main`);
    the CPU executes only when no accelerator can. So no lower-index accelerator is left empty while a later one holds
    weights, unless no valid plan can use it (the plan's decisions say why).
 2. **Index order.** Along the model (execution order), the accelerator indices of resident units never decrease:
@@ -14,13 +14,13 @@ keep accelerate's conventions:
    the bias it shares) are not counted where they stand.
 3. **Never below accelerate.** Wherever ``sequential``'s map is valid, the plan keeps at least as many bytes on the
    fastest tier (the accelerators; RAM when there are none) as it does
-   (:attr:`allocator.strategies.witness.Witness.floor`). Where accelerate's map itself breaks rule 1 or 2 (it leaves
+   (:attr:`allocator.judge.witness.Witness.floor`). Where accelerate's map itself breaks rule 1 or 2 (it leaves
    GPU 0 empty, or places a module with its tie on an earlier accelerator) and no plan that keeps them reaches its
    bytes, the strategies return the best plan that keeps rules 1 and 2, and :func:`allocator.plan` logs a warning
    that names the shortfall: rules 1 and 2 come first. On ``from_pretrained`` (the baseline is transformers' own
    map, ``PlanOptions.baseline``), where that map keeps the whole model on the accelerators and the plan does too,
    the plan also leaves at least as much free memory on its fullest accelerator as that map
-   (:attr:`allocator.strategies.witness.Witness.headroom`): the headroom users rely on for activations and the KV
+   (:attr:`allocator.judge.witness.Witness.headroom`): the headroom users rely on for activations and the KV
    cache.
 
 Within these, plans are ranked by the cost model. ``objective="latency"`` lifts all three: the estimate alone decides,
@@ -30,7 +30,7 @@ over every device that could be main (the CPU included). A placement may be exem
 
 Notes
 -----
-The main device and the floor are the witness's (:mod:`allocator.strategies.witness`), computed once per problem;
+The main device and the floor are the witness's (:mod:`allocator.judge.witness`), computed once per problem;
 checking a map is O(keys).
 """
 
@@ -92,7 +92,7 @@ def contract_violations(problem: Problem, device_map: Mapping, *, exempt: frozen
 
 def floor_violations(problem: Problem, device_map: Mapping, found) -> list[Violation]:
     """Rule 3: fewer bytes on the fastest tier than the valid baseline (the map the user gets today on this path:
-    :attr:`allocator.strategies.witness.Witness.baseline`), or, where the baseline also keeps rules 1 and 2, more bytes
+    :attr:`allocator.judge.witness.Witness.baseline`), or, where the baseline also keeps rules 1 and 2, more bytes
     streamed per forward."""
     seen = witness(problem)
     have, need = fast_bytes(problem, found), seen.floor

@@ -1,4 +1,4 @@
-"""accelerate's view of a model, for :mod:`allocator.strategies.sequential`: the entries it walks (top-level
+"""accelerate's view of a model, for :mod:`allocator.search.accelerate`: the entries it walks (top-level
 modules, split into parameters and children as it splits them), their sizes by accelerate's accounting, and the
 largest remaining no-split layer it reserves room for, memoised per node.
 
