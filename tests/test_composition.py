@@ -65,7 +65,7 @@ def test_options_object_and_keywords_give_the_same_plan_and_keywords_win():
     options = PlanOptions(offload_buffers=True, clean_result=False)
     by_object = allocator.plan(model, budget, strategy="reserve", options=options)
     assert by_object.device_map == by_keywords.device_map
-    assert by_object.problem.options == options
+    assert by_object.problem.options == dataclasses.replace(options, dtype=torch.float32)  # the model's, resolved
     overridden = allocator.plan(model, budget, strategy="reserve", options=options, clean_result=True)
     assert overridden.problem.options.clean_result and overridden.problem.options.offload_buffers
     assert options.clean_result is False   # the caller's options are never changed
@@ -74,7 +74,8 @@ def test_options_object_and_keywords_give_the_same_plan_and_keywords_win():
 def test_validate_and_build_problem_take_the_same_options():
     model = stack(2)
     options = PlanOptions(offload_buffers=True)
-    assert allocator.build_problem(model, {"cpu": 10**6}, options=options).options is options
+    assert allocator.build_problem(model, {"cpu": 10**6}, options=options).options == dataclasses.replace(
+        options, dtype=torch.float32)   # the model's dtype, resolved once; the rest as given
     assert allocator.validate(model, {"0": "cpu", "1": "disk"}, {"cpu": 2 * LAYER}, options=options) == []
     assert [v.kind for v in allocator.validate(model, {"0": "cpu", "1": "disk"}, {"cpu": LAYER // 2},
                                                options=options)] == ["budget"]

@@ -325,10 +325,7 @@ def build_graph(
     one walk of the module tree, a second where a module lists an object twice, and
     :func:`~allocator.model.blocks.infer_blocks` when it runs. The cyclic garbage collector is paused meanwhile.
     """
-    import torch
-
-    if not isinstance(model, torch.nn.Module):
-        raise InvalidModel(f"expected a torch.nn.Module, got {type(model).__name__}.")
+    require_module(model)
     given = given_classes(no_split_module_classes)
     target = as_dtype(dtype, "dtype") if dtype is not None else None
     special = {key: as_dtype(value, f"special_dtypes[{key!r}]") for key, value in (special_dtypes or {}).items()}
@@ -428,6 +425,14 @@ class ModelIdentity:
     """The one floating dtype of the model's parameters and buffers, ``None`` where they have several or none."""
 
 
+def require_module(model) -> None:
+    """Raise :class:`InvalidModel` unless ``model`` is a ``torch.nn.Module``: the first check of every walk."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidModel(f"expected a torch.nn.Module, got {type(model).__name__}.")
+
+
 def identify(model) -> ModelIdentity:
     """The :class:`ModelIdentity` of ``model`` (one walk over its parameters and buffers; O(tensors)).
 
@@ -436,6 +441,7 @@ def identify(model) -> ModelIdentity:
     >>> found.model_class, found.parameters, str(found.dtype), len(found.digest)
     ('Linear', 10, 'torch.float32', 64)
     """
+    require_module(model)
     digest = hashlib.sha256()
     parameters = 0
     dtypes = set()
