@@ -14,6 +14,7 @@ from .evaluate.validate import check
 from .gc_pause import gc_paused
 from .placement import Decision, Placement
 from .problem import PlanOptions, Problem, build_problem
+from .report.decisions import sentence
 from .report.minimum import empty_before_main, minimum_budget_error
 from .report.plan import Plan, finish
 from .strategies import STRATEGIES, resolve, run
@@ -121,9 +122,7 @@ def _prefetched(problem: Problem, place) -> tuple[Problem, Placement]:
     plain = place(at[0])
     base = priced(at[0], plain.device_map)
     if main_device(plain.device_map.values()) == "cpu" and problem.options.profile is None:
-        return at[0], _said(plain, f"prefetch 0 of the {asked} asked for: the main device is the CPU, where making "
-                            "weights ready ahead competes with the forward for the same cores (pass a measured "
-                            "profile to plan with it)")
+        return at[0], _said(plain, "cpu-main", 0, asked)
     for depth in range(asked, 0, -1):
         try:
             deeper = place(at[depth])
@@ -133,14 +132,14 @@ def _prefetched(problem: Problem, place) -> tuple[Problem, Placement]:
         cost = priced(at[depth], deeper.device_map)
         if (cost.resident_fast, -cost.streamed_bytes) >= (base.resident_fast, -base.streamed_bytes) \
                 and not check(at[depth], deeper.device_map)[0]:
-            return at[depth], _said(deeper, f"prefetch {depth} of the {asked} asked for: the deepest that keeps as "
-                                    "many bytes on the fastest tier, streaming no more, as the plan without prefetch")
-    return at[0], _said(plain, f"prefetch 0 of the {asked} asked for: every deeper prefetch keeps fewer bytes on the "
-                        "fastest tier or streams more than the plan without it")
+            return at[depth], _said(deeper, "deepest", depth, asked)
+    return at[0], _said(plain, "no-deeper", 0, asked)
 
 
-def _said(placement: Placement, text: str) -> Placement:
-    return replace(placement, decisions=placement.decisions + (Decision("runtime", text, bound="budget"),))
+def _said(placement: Placement, reason: str, depth: int, asked: int) -> Placement:
+    """``placement`` with the ``"runtime"`` decision of its prefetch depth (``reason``: why that depth)."""
+    said = Decision("runtime", bound="budget", facts={"reason": reason, "prefetch": depth, "asked": asked})
+    return replace(placement, decisions=placement.decisions + (said,))
 
 
 def _placed(problem: Problem, strategy, builtin: bool) -> Placement:
@@ -192,12 +191,10 @@ def _accelerate_instead(problem: Problem, name: str, error: InfeasiblePlacement)
     theirs = witness(problem).accelerate
     if name == "sequential" or theirs is None:
         return None
-    message = (f"{error} No valid plan exists, so accelerate's own map is returned, as device_map='auto' would "
-               "return it: it breaks these budgets at runtime (Plan.valid is False, Plan.violations says how); "
-               "pass strict=True to raise instead.")
-    return replace(theirs, strategy=f"sequential (no valid {name} plan)",
-                   decisions=(Decision("fallback", message, bound="budget"),) + theirs.decisions,
-                   diagnostics=theirs.diagnostics + (("warning", message),))
+    fallback = Decision("fallback", bound="budget", facts={"reason": "infeasible", "strategy": name,
+                                                            "error": str(error)})
+    return replace(theirs, strategy=f"sequential (no valid {name} plan)", decisions=(fallback,) + theirs.decisions,
+                   diagnostics=theirs.diagnostics + (("warning", sentence(fallback)),))
 
 
 def _report(placement: Placement) -> None:

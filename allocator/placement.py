@@ -7,26 +7,37 @@ from dataclasses import dataclass, field
 
 from .budgets import Device
 
-__all__ = ["CONTRACT_RULES", "DECISION_KINDS", "Decision", "Placement", "clean_device_map", "note"]
+__all__ = ["CONTRACT_RULES", "DECISION_KINDS", "Decision", "Placement", "clean_device_map"]
 
 DECISION_KINDS = {
-    "assign": "units placed on a device, in the order the strategy placed them (accelerate's algorithm)",
+    "assign": "units placed on a device, in the order the strategy placed them (accelerate's algorithm); "
+              "``facts['tied']``: the first unit with the units tied to it",
     "full": "a device the strategy left because the next unit did not fit; ``bytes`` it kept free, ``bound`` why",
-    "empty": "accelerators that get nothing, and why (``devices``)",
+    "empty": "accelerators that get nothing, and why (``devices``; ``facts['reason']``: ``kept-free``, "
+             "``fewer-groups`` (``groups``, ``accelerators``), ``unbalanced``, ``cpu-main``, ``before-main`` "
+             "(``main``), ``after-main-unbalanced``, ``after-main-reserve-fits``)",
     "not-main": "an accelerator before the main device that admits no plan as main; ``bytes`` the budget it needs",
-    "split": "how the strategy cut the model over the devices",
-    "peaks": "the peak of each accelerator against its budget",
-    "kept": "which of a strategy's candidate plans it kept, and its estimate",
-    "choice": "which candidate strategy ``auto`` kept, against accelerate's map and the runner-up",
-    "fallback": "where no plan of the strategy keeps the rules or the contract: accelerate's own map instead",
-    "solver": "what the solver did (groups, main devices, whether it proved optimality)",
+    "split": "how the strategy cut the model over the devices (``facts['reason']``: ``contiguous``, ``re-split``, "
+             "``no-accelerator``, ``one-accelerator``, ``no-split-fits``, ``not-more-balanced``; ``method``, "
+             "``groups``, ``main``, ``low_0``)",
+    "peaks": "the peak of each accelerator against its budget (``facts['peaks']``: ``[device, peak, budget]`` rows)",
+    "kept": "which of a strategy's candidate plans it kept, and its estimate (``facts``: ``strategy``, ``candidates``, "
+            "``contract``, ``main``, ``reserve``, ``seconds``, ``changes``; ``bytes`` on the fastest tier)",
+    "choice": "which candidate strategy ``auto`` kept, against accelerate's map and the runner-up (``facts``: "
+              "``winner``, ``tried`` (what became of each), ``runner``, ``same_rank``, ``ranking``)",
+    "fallback": "where no plan of the strategy keeps the rules or the contract: accelerate's own map instead "
+                "(``facts['reason']``: ``contract``, ``main``, ``infeasible``; ``strategy``, ``main``, ``error``)",
+    "solver": "what the solver did (``facts['reason']`` ``solved``: ``groups``, ``mains``, ``seconds``, ``proven``, "
+              "``warm_start``; ``coarsened``: ``merges``, ``max_units``)",
     "experts": "where the routed experts of the mixture-of-experts layers live (``units``: the experts modules; "
                "``devices``: where the resident ones are; ``bytes``: theirs), and why (``bound``)",
-    "runtime": "what the plan reserves for our offload runtime (its prefetch depth), and why",
+    "runtime": "what the plan reserves for our offload runtime (``facts``: ``prefetch``, its depth, of ``asked``), and "
+               "why (``reason``: ``cpu-main``, ``deepest``, ``no-deeper``)",
     "pipeline": "how a pipeline's component was placed (whole on a device, or with a map of its own) and why, or what "
                 "diffusers' pipeline loading cannot express (:func:`allocator.plan_pipeline`)",
 }
-"""The kinds of :class:`Decision`, each with what it says. Code reads the fields, never the text."""
+"""The kinds of :class:`Decision`, each with what it says. Code reads the fields, never the text; the sentences are
+made from the kind and the fields in :mod:`allocator.report.decisions`."""
 
 CONTRACT_RULES = frozenset({"main", "order", "floor"})
 """The rules of the contract of ``device_map="auto"`` a placement may be exempt from
@@ -37,12 +48,15 @@ accelerate's bytes on the fastest tier)."""
 @dataclass(frozen=True, slots=True)
 class Decision:
     """One decision of a strategy, as data: what it is (``kind``, one of :data:`DECISION_KINDS`), the devices and
-    units it is about, the bytes involved and what bound it; ``text`` says it in a sentence for ``explain()``.
+    units it is about, the bytes involved, what bound it, and the other fields of its kind (``facts``: counts, names,
+    seconds; ``facts["reason"]`` names which case of the kind it is). Strategies record no sentences:
+    :mod:`allocator.report.decisions` says a decision from its kind and fields (``explain()``, ``to_dict()``).
 
-    >>> Decision("full", "0 full at layers.3", devices=(0,), units=("layers.3",), bytes=1024, bound="reserve").lines()
-    ['0 full at layers.3']
-    >>> Decision("assign", devices=("cpu",), units=("a", "b")).lines()
-    ['a -> cpu', 'b -> cpu']
+    ``text`` holds a sentence only where the decision comes from outside the built-in strategies (a caller's
+    strategy, a plan saved before its kind had fields); no code reads it but the report, which shows it as given.
+
+    >>> Decision("full", devices=(0,), units=("layers.3",), bytes=1024, bound="reserve").device
+    0
     """
 
     kind: str
@@ -54,18 +68,19 @@ class Decision:
     """What bound the decision: a budget (``"budget"``), the streaming reserve (``"reserve"``), a runtime rule or a
     rule of the contract (``"main"``, ``"order"``, ``"floor"``), the estimate (``"estimate"``); empty when nothing
     did."""
+    facts: Mapping = field(default_factory=dict, hash=False)
+    """The other fields of the decision's kind (JSON values: numbers, strings, lists, ``None``), e.g. ``"reason"``
+    (which case of the kind), ``"groups"``, ``"seconds"``."""
 
     @property
     def device(self) -> Device | None:
         """The one device the decision is about, or ``None``."""
         return self.devices[0] if len(self.devices) == 1 else None
 
-    def lines(self) -> list[str]:
-        """The decision as ``explain()`` lists it: its text, or for an ``"assign"`` without text one line per unit
-        (``"name -> device"``)."""
-        if self.text or self.kind != "assign":
-            return [self.text]
-        return [f"{unit} -> {self.devices[0]}" for unit in self.units]
+    @property
+    def reason(self) -> str:
+        """``facts["reason"]``: which case of its kind the decision is (``""`` where the kind has one)."""
+        return str(self.facts.get("reason", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +89,7 @@ class Placement:
 
     ``device_map`` maps module or tensor names (``""`` for the whole model) to a device: an accelerator index,
     ``"mps"``, ``"cpu"`` or ``"disk"``. ``decisions`` are the strategy's decisions in order, as data
-    (:class:`Decision`); ``notes`` says them as sentences.
+    (:class:`Decision`); :func:`allocator.report.decisions.notes` says them as sentences.
     """
 
     device_map: Mapping[str, Device]
@@ -98,11 +113,6 @@ class Placement:
     stay. Empty otherwise."""
 
     @property
-    def notes(self) -> tuple[str, ...]:
-        """The decisions as sentences, in order (:meth:`Decision.lines`)."""
-        return tuple(line for decision in self.decisions for line in decision.lines())
-
-    @property
     def algorithm(self) -> str:
         """:attr:`base`, or :attr:`strategy` where no base is named."""
         return self.base or self.strategy
@@ -115,11 +125,6 @@ class Placement:
     def of_kind(self, kind: str, device: Device | None = None) -> list[Decision]:
         """The decisions of ``kind`` (about ``device`` when given), in order."""
         return [d for d in self.decisions if d.kind == kind and (device is None or device in d.devices)]
-
-
-def note(text: str, kind: str = "split", **fields) -> Decision:
-    """A :class:`Decision` of ``kind`` that ``text`` says (a shorthand for strategies)."""
-    return Decision(kind, text, **fields)
 
 
 def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") -> dict:

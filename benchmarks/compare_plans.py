@@ -132,7 +132,17 @@ def plan_record(allocator, model, budget, strategy, **kwargs):
     except Exception as err:  # the error is an output too
         return ("error", type(err).__name__, str(err))
     return (list(p.device_map.items()), sorted(p.peak.items(), key=str), p.main_device, p.streamed,
-            [str(v) for v in p.violations], p.cost, p.placement.notes, p.strategy)
+            [str(v) for v in p.violations], p.cost, _notes(allocator, p.placement), p.strategy)
+
+
+def _notes(allocator, placement) -> tuple:
+    """A placement's decisions as sentences: ``Placement.notes`` before the sentences moved to ``report/``
+    (2026-12-05), :func:`allocator.report.decisions.notes` after."""
+    if hasattr(placement, "notes"):
+        return placement.notes
+    from allocator.report.decisions import notes
+
+    return notes(placement)
 
 
 def explain_record(allocator, model, budget, strategy):

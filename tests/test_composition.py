@@ -15,6 +15,7 @@ from allocator import InvalidOption, InvalidPlacement, PlanOptions
 from allocator.memo import Key
 from allocator.placement import Placement
 from allocator.judge.ranking import best_valid, score
+from allocator.report.decisions import outcome
 
 LAYER = 64 * 64 * 4 + 64 * 4   # bytes of one nn.Linear(64, 64)
 
@@ -147,7 +148,7 @@ def test_best_valid_keeps_the_best_valid_candidate_and_says_what_became_of_the_o
     found = best_valid(problem, candidates)
     keys = {name: score(problem, m) for name, m in maps.items() if not allocator.validate(model, m, budget)}
     assert found.name == max(("two-on-0", "one-on-0"), key=keys.__getitem__) == "two-on-0"
-    why = {t.name: t.why for t in found.tried}
+    why = {t.name: outcome(t) for t in found.tried}
     assert why["raises"] == "finds no plan (InfeasiblePlacement)"
     assert why["overflow"].startswith("is invalid: it breaks a runtime rule (budget)")
     assert why["all-cpu"].startswith("breaks the contract: it runs on 'cpu'")

@@ -41,9 +41,8 @@ def empty_accelerators(result) -> list[str]:
     accelerators = [d for d in result.problem.budgets.accelerators if not result.resident(d)]
     if not accelerators:
         return []
-    why = reasons(result)[0]
-    return [f"{d!r} is empty: " + next((s.partition(" holds nothing: ")[2] or s for s in why
-                                        if s.startswith(f"{d!r} holds nothing")), "nothing was placed on it")
+    empty = reasons(result).empty
+    return [f"{d!r} is empty: " + (empty[d][1] or empty[d][0] if d in empty else "nothing was placed on it")
             for d in accelerators]
 
 

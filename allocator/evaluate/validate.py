@@ -36,10 +36,17 @@ log = logging.getLogger(__name__)
 class Violation:
     """One broken rule. ``kind`` is one of ``coverage``, ``nested``, ``main-device``, ``unknown-device``,
     ``no-split``, ``tied``, ``unhooked``, ``budget``, ``device-object``, and on ``loader="accelerate"`` also
-    ``disk-only`` and ``unread-buffer`` (:mod:`allocator.rules` says which loading path each comes from)."""
+    ``disk-only`` and ``unread-buffer`` (:mod:`allocator.rules` says which loading path each comes from).
+    ``what`` says what is broken, ``fix`` how to mend it; ``message`` is both."""
 
     kind: str
-    message: str
+    what: str
+    fix: str = ""
+
+    @property
+    def message(self) -> str:
+        """What is broken, then how to mend it (``"what; fix"``)."""
+        return f"{self.what}; {self.fix}" if self.fix else self.what
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
@@ -66,13 +73,14 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     if objects and not loads_device_objects(problem.options.loader, device_map.values()):
         found.append(Violation("device-object", f"the map's values include {objects}: "
                                f"{_loader(problem.options.loader)} hands them to safetensors' safe_open, which "
-                               "takes device strings and indices only; map to 'cpu', 'disk' and integer "
+                               "takes device strings and indices only", "map to 'cpu', 'disk' and integer "
                                "accelerator indices, as allocator's plans do."))
     device_map = normalize_map(device_map)
     if spelled is not None:
         found.append(Violation("main-device", f"the accelerators are spelled {list(spelled)}: dispatch_model makes "
                                "the first of a set of them the main device (where offloaded modules run and stream "
-                               "their weights), and for strings that order changes with PYTHONHASHSEED; write integer "
+                               "their weights), and for strings that order changes with PYTHONHASHSEED",
+                               "write integer "
                                f"indices ({sorted({normalize_map({'': v})[''] for v in spelled}, key=str)}), as "
                                "allocator's plans do."))
     lone = set(filterfalse(g.node_index.__contains__, device_map))   # keys that name no module (no Python step)
@@ -93,8 +101,8 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
             continue   # no RAM budget: the CPU only executes what streams from disk, unbudgeted (accelerate's view)
         if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
-            found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory; give it one or "
-                                   "map nothing there."))
+            found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory",
+                                   "give it one or map nothing there."))
             continue
         limit = problem.budgets.limit(device)
         if limit is not None and used > limit:
@@ -110,7 +118,8 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
             exact = f" ({short} B)" if short >= 1024 else ""
             found.append(Violation(
                 "budget", f"device {device!r} needs {format_bytes(used)} ({used} B){extra} but its budget is "
-                f"{format_bytes(limit)} ({limit} B); raise it by {format_bytes(short)}{exact} or move modules off it."
+                f"{format_bytes(limit)} ({limit} B)",
+                f"raise it by {format_bytes(short)}{exact} or move modules off it."
             ))
     return found, memory
 
@@ -143,7 +152,7 @@ def _coverage(problem: Problem, runs) -> list[Violation]:
     if not count:
         return []
     names = [problem.graph.tensors.name[t] for t in first]
-    return [Violation("coverage", f"{count} tensors have no device, e.g. {names}; map them or a parent module.")]
+    return [Violation("coverage", f"{count} tensors have no device, e.g. {names}", "map them or a parent module.")]
 
 
 def _nested(device_map: dict, unknown: set) -> list[Violation]:
@@ -154,7 +163,7 @@ def _nested(device_map: dict, unknown: set) -> list[Violation]:
         return []
     shown = ", ".join(f"{b!r} ({device_map[b]!r}) under {a or '<root>'!r} ({device_map[a]!r})" for a, b in pairs[:3])
     return [Violation("nested", f"{len(pairs)} keys lie under another key of another device, e.g. {shown}: both "
-                      "loaders fail on them; map the outer module's other children instead of the outer module.")]
+                      "loaders fail on them", "map the outer module's other children instead of the outer module.")]
 
 
 def _loader_rules(problem: Problem, device_map: dict, runs) -> list[Violation]:
@@ -165,7 +174,7 @@ def _loader_rules(problem: Problem, device_map: dict, runs) -> list[Violation]:
     found = []
     if set(device_map.values()) == {"disk"} and not loads_disk_only(options.loader):
         found.append(Violation("disk-only", f"every key is mapped to 'disk': {_loader(options.loader)} cannot open "
-                               "the checkpoint for that device; keep at least one module on 'cpu' (or load with "
+                               "the checkpoint for that device", "keep at least one module on 'cpu' (or load with "
                                "from_pretrained, loader='transformers')."))
     if not reads_disk_buffers(options.loader, options.offload_buffers) and "disk" in device_map.values():
         is_param, persistent = _flags(problem)
@@ -174,7 +183,7 @@ def _loader_rules(problem: Problem, device_map: dict, runs) -> list[Violation]:
             names = [problem.graph.tensors.name[t] for t in first]
             found.append(Violation("unread-buffer", f"{count} persistent buffers are mapped to disk, e.g. {names}: "
                                    f"{_loader(options.loader)} never reads them without offload_buffers=True (they "
-                                   "keep their __init__ values); pass offload_buffers=True or map their modules to "
+                                   "keep their __init__ values)", "pass offload_buffers=True or map their modules to "
                                    "another device."))
     return found
 
@@ -199,10 +208,10 @@ def _ties(problem: Problem, device_map: dict, runs) -> list[Violation]:
         if tie_loads(loader, devices, others):
             continue
         if len(set(devices)) > 1:
-            found.append(Violation("tied", f"tied tensors are split across devices: {where}; {_loader(loader)} "
+            found.append(Violation("tied", f"tied tensors are split across devices: {where}", f"{_loader(loader)} "
                                    "loads them wrong there; map them to one device."))
         else:
-            found.append(Violation("tied", f"tied tensors are all on disk: {where}; the checkpoint stores the tie "
+            found.append(Violation("tied", f"tied tensors are all on disk: {where}", "the checkpoint stores the tie "
                                    f"once and {_loader(loader)} finds only that name on disk; map them to 'cpu' or "
                                    "load with from_pretrained (loader='transformers')."))
     return found

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 from ..evaluate.cost import Cost, estimate_runs, priced
 from ..errors import AllocatorError, InfeasiblePlacement
-from ..placement import Placement, note
+from ..placement import Decision, Placement
 from ..problem import Problem
 from ..evaluate.memory import main_device
-from ..budgets import format_bytes
 from ..evaluate.validate import check
 from ..evaluate.tiers import fast_bytes, order_violations
 from .contract import contract_violations
@@ -44,11 +43,12 @@ def rank_key(problem: Problem, cost: Cost) -> tuple:
 
 
 def ranked_by(problem: Problem) -> str:
-    """What ranks plans, in words, for the decisions."""
+    """What ranks plans (:func:`rank_key`), as a name the decisions record: ``"measured"`` (the estimate, from
+    measured rates), ``"latency"`` (the estimate, as asked) or ``"bytes"`` (bytes on the fastest tier, then bytes
+    streamed; the estimate breaks ties)."""
     if estimate_decides(problem):
-        return "the estimate decides (measured rates)" if problem.options.contract else "the estimate decides"
-    return ("bytes on the fastest tier, then bytes streamed per forward, decide (no measured profile: the estimate "
-            "only breaks ties)")
+        return "measured" if problem.options.contract else "latency"
+    return "bytes"
 
 
 def score(problem: Problem, device_map) -> tuple:
@@ -65,8 +65,9 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
     """The best valid candidate by the cost model; raises when none is valid.
 
     A candidate (:class:`allocator.search.first_fit.Filled`) gives its ``runs()``, its ``main`` device, its
-    ``device_map()`` and a ``note``. Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED`
-    valid ones are priced with the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only the
+    ``device_map()``, its ``reserve`` and the main device it was made ``under`` (the ``"kept"`` decision records
+    them). Candidates are ranked by bytes on the fastest tier; the first :data:`PRICED` valid ones are priced with
+    the cost model (:func:`allocator.evaluate.cost.estimate_runs`, from their runs). Only the
     maps that must be checked are built: with at most :data:`PRICED` candidates every valid one is priced, so they are
     checked from the best price down and the first valid one wins (usually one map and one check); with more, each is
     checked on the way, in ranked order.
@@ -86,7 +87,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
                 continue
             device_map = _final(problem, candidates[k])
             if not check(problem, device_map)[0]:
-                best = (key, device_map, candidates[k].note, costs[k])
+                best = (key, device_map, candidates[k], costs[k])
                 break
             failed.add(id(candidates[k]))
     else:
@@ -101,23 +102,17 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             cost = _cost(problem, candidates[k])
             key = (_streams_no_more(problem, cost), *rank_key(problem, cost))
             if best is None or key > best[0]:
-                best = (key, device_map, candidates[k].note, cost)
+                best = (key, device_map, candidates[k], cost)
     if best is None or (not best[0][0] and accelerate_map(problem) is not None):
         # none valid, or none streams no more than the baseline that keeps the contract (rule 3): the baseline
         return _witness_instead(problem, strategy)
-    key, device_map, said, cost = best
-    count = len({id(c) for c in candidates})
-    first = "the fastest" if estimate_decides(problem) else "the best"
-    kept = "its only candidate plan" if count == 1 else f"{first} of {count} candidate plans"
-    if problem.options.contract:
-        kept += " that keeps the contract" if count == 1 else " that keep the contract"
-    if count > 1 and not estimate_decides(problem):
-        kept += " by bytes on the fastest tier, then bytes streamed"
-    return Placement(device_map=device_map, strategy=strategy, decisions=(note(
-        f"{strategy} kept {kept} ({said}): estimated {cost.seconds * 1e3:.3f} ms per forward, "
-        f"{format_bytes(cost.resident_fast)} on the fastest tier, {cost.device_changes} device changes", "kept",
-        devices=(main_device(device_map.values()),), bytes=cost.resident_fast,
-        bound="estimate" if estimate_decides(problem) else "bytes"),))
+    key, device_map, kept, cost = best
+    return Placement(device_map=device_map, strategy=strategy, decisions=(Decision(
+        "kept", devices=(main_device(device_map.values()),), bytes=int(cost.resident_fast),
+        bound="estimate" if estimate_decides(problem) else "bytes",
+        facts={"strategy": strategy, "candidates": len({id(c) for c in candidates}),
+               "contract": problem.options.contract, "main": kept.under, "reserve": int(kept.reserve),
+               "seconds": cost.seconds, "changes": int(cost.device_changes)}),))
 
 
 def best_fill(problem: Problem, candidates, strategy: str) -> Placement:
@@ -130,15 +125,27 @@ def best_fill(problem: Problem, candidates, strategy: str) -> Placement:
 
 @dataclass(frozen=True, slots=True)
 class Tried:
-    """What became of one candidate of :func:`best_valid`: its estimate where it has one, and why it lost when it
-    could not win."""
+    """What became of one candidate of :func:`best_valid`, as data: its estimate where it has one, and why it lost
+    when it could not win (``outcome``; :mod:`allocator.report.decisions` says it in words)."""
 
     name: str
-    why: str = ""           # empty for a candidate that keeps every rule
+    outcome: str = ""
+    """``""`` for a candidate that keeps every rule; ``"error"`` (``detail``: the error's class), ``"invalid"``
+    (``detail``: the kind of the first runtime rule it breaks), ``"contract"`` (it breaks rule 1 or 2: ``kinds``,
+    and its ``main`` against the contract's ``wanted``), ``"short"`` (valid, but fewer bytes on the fastest tier than
+    the baseline)."""
+    detail: str = ""
     seconds: float | None = None
     eligible: bool = False  # valid and keeps rules 1 and 2 of the contract
     kinds: frozenset = frozenset()  # the contract rules it breaks ("contract-main", "contract-order", ...)
     key: tuple | None = None  # its ranking key (eligible candidates)
+    main: object = None     # its main device ("contract")
+    wanted: object = None   # the contract's main device ("contract")
+
+    def record(self) -> dict:
+        """The fields a decision keeps (JSON values): name, outcome, detail, seconds, main and wanted."""
+        return {"name": self.name, "outcome": self.outcome, "detail": self.detail, "seconds": self.seconds,
+                "main": self.main, "wanted": self.wanted}
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,31 +175,25 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
         try:
             placement = make()
         except AllocatorError as err:
-            tried.append(Tried(name, f"finds no plan ({type(err).__name__})"))
+            tried.append(Tried(name, "error", type(err).__name__))
             continue
         violations = check(problem, placement.device_map)[0]
         if violations:
-            tried.append(Tried(name, f"is invalid: it breaks a runtime rule ({violations[0].kind})"))
+            tried.append(Tried(name, "invalid", violations[0].kind))
             continue
         kinds = frozenset(v.kind for v in contract_violations(problem, placement.device_map))
         if kinds - {"contract-floor"}:
             seconds = priced(problem, placement.device_map).seconds
-            tried.append(Tried(name, f"breaks the contract: {_broken_rule(problem, placement.device_map, kinds)}",
-                               seconds, kinds=kinds))
+            tried.append(Tried(name, "contract", "main" if "contract-main" in kinds else "order", seconds,
+                               kinds=kinds, main=main_device(placement.device_map.values()),
+                               wanted=contract_main(problem)))
             continue
         key = (not kinds, *score(problem, placement.device_map))
-        tried.append(Tried(name, "keeps fewer bytes on the fastest tier than accelerate's map" if kinds else "",
-                           priced(problem, placement.device_map).seconds, eligible=True, kinds=kinds, key=key))
+        tried.append(Tried(name, "short" if kinds else "", "", priced(problem, placement.device_map).seconds,
+                           eligible=True, kinds=kinds, key=key))
         if best.key is None or key > best.key:
             best = Best(placement, name, key)
     return Best(best.placement, best.name, best.key, tuple(tried))
-
-
-def _broken_rule(problem: Problem, device_map, kinds) -> str:
-    if "contract-main" in kinds:
-        return (f"it runs on {main_device(device_map.values())!r}, not on the first accelerator that admits a plan "
-                f"({contract_main(problem)!r})")
-    return "it goes back to a lower accelerator index along the model"
 
 
 def keeping_contract(problem: Problem, candidates: list) -> list:
@@ -231,16 +232,14 @@ def _witness_instead(problem: Problem, strategy: str) -> Placement:
     proved the contract's main device (:attr:`allocator.judge.witness.Witness.main_plan`); raises where there is
     neither."""
     if problem.options.contract and accelerate_map(problem) is not None:
-        return Placement(device_map=accelerate_map(problem), strategy=strategy, decisions=(note(
-            f"no {strategy} plan keeps the contract (main device {contract_main(problem)!r}, accelerators in index "
-            "order, at least accelerate's bytes on them): accelerate's own map is kept", "fallback",
-            bound="contract"),))
+        return Placement(device_map=accelerate_map(problem), strategy=strategy, decisions=(Decision(
+            "fallback", bound="contract",
+            facts={"reason": "contract", "strategy": strategy, "main": contract_main(problem)}),))
     found = witness(problem).main_plan if problem.options.contract else None
     if found is None:
         raise infeasible(problem)
-    return Placement(device_map=found, strategy=strategy, decisions=(note(
-        f"no {strategy} plan has the contract's main device {contract_main(problem)!r}: the plan that proved it the "
-        "first accelerator that admits a plan is kept", "fallback", bound="main"),))
+    return Placement(device_map=found, strategy=strategy, decisions=(Decision(
+        "fallback", bound="main", facts={"reason": "main", "strategy": strategy, "main": contract_main(problem)}),))
 
 
 def infeasible(problem: Problem) -> InfeasiblePlacement:

@@ -184,7 +184,7 @@ def _fills_admit(problem: Problem, main: Device) -> dict | None:
         if where is None or (main, reserve) in tried:
             continue
         tried.add((main, reserve))
-        candidate = Filled(problem, found, where, reserve, "")
+        candidate = Filled(problem, found, where, reserve, main)
         if candidate.main != main:
             continue
         device_map = problem.cleaned(candidate.device_map())

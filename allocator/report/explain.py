@@ -16,6 +16,8 @@ O(keys)); models with more than :data:`MOVES_UP_TO` units are described without 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..budgets import format_ms, is_accelerator
@@ -24,11 +26,12 @@ from ..evaluate.memory import map_runs, offloaded_devices, prefetch_of
 from ..evaluate.cost import priced
 from ..evaluate.experts import expert_bytes, resident_bytes
 from ..report.minimum import why_empty
+from .decisions import balances, follows_accelerate, sentence
 from ..judge.contract import contract_violations
 from ..evaluate.units import problem_groups
 from ..evaluate.validate import check, format_bytes
 
-__all__ = ["reasons", "MOVES_UP_TO"]
+__all__ = ["Why", "reasons", "MOVES_UP_TO"]
 
 MOVES_UP_TO = 20_000
 """Above this many units, :func:`reasons` does not try a moved unit to say what moving it would break or cost."""
@@ -152,7 +155,7 @@ def _moved(plan, layout: _Layout, k: int, device) -> str:
     problem = plan.problem
     violations = check(problem, moved)[0]
     if violations:
-        return f"moving it there breaks a runtime rule ({violations[0].kind}: {violations[0].message.split(';')[0]})"
+        return f"moving it there breaks a runtime rule ({violations[0].kind}: {violations[0].what})"
     broken = [v for v in contract_violations(problem, moved, exempt=plan.placement.exempt)
               if v.kind != "contract-floor"]
     if broken:
@@ -164,20 +167,30 @@ def _moved(plan, layout: _Layout, k: int, device) -> str:
     if seconds >= plan.cost.seconds * (1 - 1e-9):
         text = (f"moving it there is estimated {format_ms(seconds)} per forward, no faster than this plan "
                 f"({format_ms(plan.cost.seconds)})")
-        if _strategy(plan) in ("balanced", "balanced_low_0"):
+        if balances(plan.placement):
             text += "; balanced evens out the accelerators' peak / budget instead of filling them in order"
         return text
-    why = {"sequential": "accelerate's algorithm keeps room for the largest layer and never returns to a device it "
-           "has left"}.get(_strategy(plan), f"{_strategy(plan)} did not find that plan")
+    why = ("accelerate's algorithm keeps room for the largest layer and never returns to a device it has left"
+           if follows_accelerate(plan.placement) else f"{_strategy(plan)} did not find that plan")
     return f"moving it there is valid and estimated faster ({format_ms(seconds)} per forward): {why}"
 
 
 def _room(plan, layout: _Layout, device, full: set) -> str:
     """Why ``device`` holds no more: a clause starting with ``"; "`` (empty when nothing is placed after it)."""
+    parts = _room_parts(plan, layout, device, full)
+    if parts is None:
+        return ""
+    is_full, clause = parts
+    return f"; it is full: {clause}" if is_full else f"; {clause}"
+
+
+def _room_parts(plan, layout: _Layout, device, full: set) -> tuple[bool, str] | None:
+    """Why ``device`` holds no more: whether it is full, and the clause that says why; ``None`` when nothing is
+    placed after it."""
     later = layout.after(device)
     limit = plan.problem.budgets.limit(device)
     if not later or limit is None:
-        return ""
+        return None
     room = limit - plan.peak.get(device, 0)
     need = {k: layout.increment(k, device) for k in later}
     smallest = min(later, key=need.__getitem__)
@@ -185,21 +198,22 @@ def _room(plan, layout: _Layout, device, full: set) -> str:
         full.add(device)
         left = format_bytes(max(room, 0))
         if len(later) == 1:
-            text = (f"; it is full: the only unit placed after it, '{layout.name(smallest)}', needs "
+            text = (f"the only unit placed after it, '{layout.name(smallest)}', needs "
                     f"{format_bytes(need[smallest])}, more than the {left} left")
         else:
-            text = (f"; it is full: the {left} left hold none of the {_units(len(later))} placed after it (the "
+            text = (f"the {left} left hold none of the {_units(len(later))} placed after it (the "
                     f"smallest, '{layout.name(smallest)}', needs {format_bytes(need[smallest])})")
         if device == layout.main and plan.streamed and need[smallest] <= room + plan.streamed:
             text += f"; it would fit without the {format_bytes(plan.streamed)} streaming reserve"
-        return text
+        return True, text
     first = next(k for k in later if need[k] <= room)
     then = f"'{layout.name(first)}' ({format_bytes(need[first])}, on {layout.where[first]!r})"
     if later[0] != first:
-        return (f"; of the {_units(len(later))} placed after it, the first in model order, '{layout.name(later[0])}' "
-                f"({format_bytes(need[later[0]])}), does not fit the {format_bytes(room)} left; {then} would, but "
-                f"{_moved(plan, layout, first, device)}")
-    return f"; the {format_bytes(room)} left would hold {then}, but {_moved(plan, layout, first, device)}"
+        return False, (f"of the {_units(len(later))} placed after it, the first in model order, "
+                       f"'{layout.name(later[0])}' ({format_bytes(need[later[0]])}), does not fit the "
+                       f"{format_bytes(room)} left; {then} would, but "
+                       f"{_moved(plan, layout, first, device)}")
+    return False, f"the {format_bytes(room)} left would hold {then}, but {_moved(plan, layout, first, device)}"
 
 
 def _holding(plan, layout: _Layout, device, full: set) -> str:
@@ -228,45 +242,54 @@ def _holding(plan, layout: _Layout, device, full: set) -> str:
 
 
 def _said(plan, kind: str, device, used: set) -> str | None:
-    """The text of the first decision of ``kind`` about ``device``, marked as said (left out of the list of decisions
-    that follows the "why"); ``None`` where the strategy made none."""
+    """The sentence of the first decision of ``kind`` about ``device``, marked as said (by identity: left out of the
+    list of decisions that follows the "why"); ``None`` where the strategy made none."""
     found = plan.placement.of_kind(kind, device)
     if not found:
         return None
-    used.add(found[0].text)
-    return found[0].text
+    used.add(id(found[0]))
+    return sentence(found[0])
 
 
-def _empty(plan, layout: _Layout, device, full: set, used: set) -> str | None:
+def _empty(plan, layout: _Layout, device, full: set, used: set) -> tuple[str, str] | None:
+    """Why ``device`` holds nothing: the sentence, and the reason after ``"holds nothing: "`` (``""`` where the
+    sentence says why in another shape); ``None`` where there is nothing to say."""
     p = plan.problem
     main = layout.main
     accelerators = p.budgets.accelerators
+
+    def because(clause: str) -> tuple[str, str]:
+        return f"{device!r} holds nothing: {clause}", clause
+
     if device in accelerators and (main not in accelerators or accelerators.index(device) < accelerators.index(main)):
         said = _said(plan, "not-main", device, used)
         if said is not None:
-            return f"{device!r} holds nothing: {said}"
+            return because(said)
         if plan.placement.accelerates:
             full_at = plan.placement.of_kind("full", device)
-            return (f"{device!r} holds nothing: accelerate's algorithm moved past it"
-                    + (f" ({full_at[0].text})" if full_at else ""))
+            return because("accelerate's algorithm moved past it"
+                           + (f" ({sentence(full_at[0])})" if full_at else ""))
         if "main" in plan.placement.exempt:
-            return f"{device!r} holds nothing: {_strategy(plan)} keeps the first accelerator free for generate()"
+            return because(f"{_strategy(plan)} keeps the first accelerator free for generate()")
         if not p.options.contract:
-            return (f"{device!r} holds nothing: under objective latency the estimate chose main device {main!r}, and "
-                    f"anything on {device!r} would make it the main device")
-        return f"{device!r} holds nothing: {why_empty(p, device)}"
+            return because(f"under objective latency the estimate chose main device {main!r}, and anything on "
+                           f"{device!r} would make it the main device")
+        return because(why_empty(p, device))
     if device == "disk":
         return None
     if device == "cpu" and p.budgets.limit("cpu") is None:
-        return ("'cpu' holds nothing: max_memory gives no RAM budget, so offloaded units go to disk, as in accelerate"
-                if layout.on("disk") else None)
+        return because("max_memory gives no RAM budget, so offloaded units go to disk, as in accelerate") \
+            if layout.on("disk") else None
     if not layout.after(device):
-        return f"{device!r} holds nothing: the model fits on the devices before it"
-    room = _room(plan, layout, device, full).replace("; it is full: ", ": ", 1)
+        return because("the model fits on the devices before it")
+    parts = _room_parts(plan, layout, device, full)
     said = _said(plan, "empty", device, used)
-    if said is not None:
-        return f"{device!r} holds nothing{room}; {said}"
-    return f"{device!r} holds nothing{room}"
+    if parts is not None and parts[0]:   # full: the room is the reason
+        clause = parts[1] + (f"; {said}" if said is not None else "")
+        return because(clause)
+    text = f"{device!r} holds nothing" + (f"; {parts[1]}" if parts is not None else "") \
+        + (f"; {said}" if said is not None else "")
+    return text, ""
 
 
 def _offloaded(plan, layout: _Layout, full: set) -> str | None:
@@ -334,17 +357,28 @@ def _experts(plan, used: set) -> str | None:
                                                                                   key=lambda x: order.get(x[0], 99)))
     text = f"routed experts: {where}"
     for decision in plan.placement.of_kind("experts"):
-        used.add(decision.text)
-        text += f"; {decision.text}"
+        used.add(id(decision))
+        text += f"; {sentence(decision)}"
     return text
 
 
-def reasons(plan) -> tuple[list[str], set[str]]:
-    """The sentences of the "why" section of ``plan.explain()``, and the strategy notes they already say (left out of
-    the list of decisions that follows)."""
+class Why(NamedTuple):
+    """The "why" of a plan (:func:`reasons`): its sentences, the decisions they already say (by ``id``: left out of
+    the list of decisions that follows them), and for each device that holds nothing, its sentence and the reason
+    after ``"holds nothing: "`` (``""`` where the sentence says why in another shape)."""
+
+    lines: list[str]
+    said: set[int]
+    empty: dict
+
+
+def reasons(plan) -> Why:
+    """The sentences of the "why" section of ``plan.explain()``, with the decisions they already say and why each
+    empty device holds nothing (:class:`Why`)."""
     layout = _Layout(plan)
-    used: set[str] = set()
+    used: set[int] = set()
     full: set = set()
+    empty: dict = {}
     out = [_main_sentence(plan, layout)]
     budgets = plan.problem.budgets
     if not plan.problem.graph.total:
@@ -359,16 +393,17 @@ def reasons(plan) -> tuple[list[str], set[str]]:
             out.append(f"{device!r} holds {format_bytes(plan.resident(device))} of experts modules (the routed "
                        "experts below)")
         else:
-            line = _empty(plan, layout, device, full, used)
-            if line:
-                out.append(line)
+            said = _empty(plan, layout, device, full, used)
+            if said:
+                out.append(said[0])
+                empty[device] = said
     out += [s for s in (_offloaded(plan, layout, full), _reserve(plan), _experts(plan, used)) if s]
     out += _computes(plan)   # issue #40: where offloaded units compute, per phase
     choice = plan.placement.of_kind("choice")
     if choice:
-        out.append(choice[0].text)
-        used.add(choice[0].text)
-    return out, used
+        out.append(sentence(choice[0]))
+        used.add(id(choice[0]))
+    return Why(out, used, empty)
 
 
 def _span(units: list[str]) -> str:

@@ -19,6 +19,7 @@ from ..evaluate.compute import ComputePlan, cache_moves, decide, step_seconds   
 from ..evaluate.experts import resident_bytes, routed_cost
 from ..evaluate.tiers import fast_bytes
 from ..judge.witness import contract_main, floor
+from .decisions import lines as decision_lines
 from .explain import reasons
 from .runtime import Runtime, decide_runtime
 from .schema import plan_to_dict, read, rebuild
@@ -201,10 +202,11 @@ class Plan:
         if self.problem.generation is not None:
             lines.append(f"  {self.problem.generation.summary()}")
         lines += [f"  violation {v}" for v in self.violations]
-        why, said = reasons(self)
+        why = reasons(self)
         lines.append("why:")
-        lines += [f"  - {sentence}" for sentence in why]
-        notes = [note for note in self.placement.notes if note not in said]
+        lines += [f"  - {sentence}" for sentence in why.lines]
+        notes = [line for decision in self.placement.decisions if id(decision) not in why.said
+                 for line in decision_lines(decision)]
         if notes:
             lines.append(f"decisions of {self.placement.algorithm}:")
         lines += [f"  - {note}" for note in notes[:200]]

@@ -16,7 +16,8 @@ against a model before anything is loaded::
      "estimate": {"seconds": ..., "streamed_per_forward_bytes": ..., "disk_bytes": ..., "device_changes": ...,
                   "resident_fast": ..., "steps": {"prefill": ...}},
      "options": {"objective": "contract", "dtype": "bfloat16", "generation": {...}, ...},
-     "decisions": [{"kind": "kept", "text": "...", "devices": [0], "units": [], "bytes": null, "bound": ""}],
+     "decisions": [{"kind": "kept", "text": "...", "devices": [0], "units": [], "bytes": null, "bound": "",
+                    "facts": {...}}],
      "violations": [{"kind": "budget", "message": "..."}],
      "experts": null,
      "runtime": {"name": "allocator", "main_device": 0, "prefetch": 1, "experts": {}, "expert_mode": {},
@@ -55,6 +56,7 @@ from ..placement import Decision, Placement
 from ..problem import PlanOptions, Problem, build_problem
 from ..profile import Profile
 from .runtime import Runtime
+from .decisions import sentence
 
 __all__ = ["SCHEMA", "READS", "SavedPlan", "plan_to_dict", "model_record", "read", "rebuild", "device_key",
            "device_of"]
@@ -197,14 +199,29 @@ def _same_model(saved: Mapping, problem: Problem) -> None:
 
 
 def _decision(decision: Decision) -> dict:
-    """A :class:`allocator.placement.Decision` as JSON: its fields, devices and units as lists."""
-    return {"kind": decision.kind, "text": decision.text, "devices": list(decision.devices),
-            "units": list(decision.units), "bytes": decision.bytes, "bound": decision.bound}
+    """A :class:`allocator.placement.Decision` as JSON: its fields, devices and units as lists, the fields of its
+    kind (``facts``), and its sentence (``text``, :func:`allocator.report.decisions.sentence`)."""
+    return {"kind": decision.kind, "text": sentence(decision), "devices": list(decision.devices),
+            "units": list(decision.units), "bytes": decision.bytes, "bound": decision.bound,
+            "facts": _json(dict(decision.facts))}
+
+
+def _json(value):
+    """``value`` with its tuples as lists, as JSON reads it back."""
+    if isinstance(value, Mapping):
+        return {str(k): _json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json(v) for v in value]
+    return value
 
 
 def _decision_of(data: Mapping) -> Decision:
-    return Decision(str(data.get("kind", "split")), str(data.get("text", "")), devices=tuple(data.get("devices", ())),
-                    units=tuple(data.get("units", ())), bytes=data.get("bytes"), bound=str(data.get("bound", "")))
+    """A decision read back: from its kind and fields where it has ``facts`` (its sentence is made from them again),
+    else with its saved ``text``."""
+    facts = data.get("facts") or {}
+    return Decision(str(data.get("kind", "split")), "" if facts else str(data.get("text", "")),
+                    devices=tuple(data.get("devices", ())), units=tuple(data.get("units", ())),
+                    bytes=data.get("bytes"), bound=str(data.get("bound", "")), facts=dict(facts))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -34,7 +34,6 @@ from ..problem import Problem
 from .accelerate_view import EntryQueue, EntryTree
 from ..rules.versions import accelerate_at_least
 from ..evaluate.runs import as_array, columns
-from ..evaluate.validate import format_bytes
 
 __all__ = ["place"]
 
@@ -190,8 +189,8 @@ def place(problem: Problem) -> Placement:
                     entries.remove(tied)
                 device_map[tied[0]] = device
             tied_names = tuple(e[0] for e in tied_entries)
-            decisions.append(Decision("assign", f"{name} -> {device} with {list(tied_names)}" if tied_names else "",
-                                      devices=(device,), units=(name,) + tied_names))
+            decisions.append(Decision("assign", devices=(device,), units=(name,) + tied_names,
+                                      facts={"tied": True} if tied_names else {}))
             continue
 
         if partners and used[device] + module_size <= limit:
@@ -228,9 +227,8 @@ def place(problem: Problem) -> Placement:
         if used[device] == 0:
             minimum[device] = size_with_ties + reserved
         used[device] += reserved
-        decisions.append(Decision("full", f"{device} full at {name} ({format_bytes(reserved)} kept free for the "
-                                  "largest layer, as accelerate does); next device", devices=(device,), units=(name,),
-                                  bytes=reserved, bound="reserve" if reserved else "budget"))
+        decisions.append(Decision("full", devices=(device,), units=(name,), bytes=reserved,
+                                  bound="reserve" if reserved else "budget"))
         current += 1
         entries.push([entry])
 

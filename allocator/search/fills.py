@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..budgets import Device, format_bytes
+from ..budgets import Device
 from ..evaluate.units import problem_groups
 from ..problem import Problem
 from .first_fit import Filled, Streams, fill_to_fixed_point, largest_stream, reserve_sizes
@@ -33,8 +33,7 @@ def reserve_candidates(problem: Problem, mains: Iterable[Device], memo: dict) ->
             where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
             if where is not None:
                 if (main, reserve) not in made:   # several starts may settle on one reserve: one candidate
-                    note = f"main device {main!r}, streaming reserve {format_bytes(reserve)}"
-                    made[main, reserve] = Filled(problem, found, where, reserve, note)
+                    made[main, reserve] = Filled(problem, found, where, reserve, main)
                 candidates.append(made[main, reserve])
     return candidates
 
@@ -48,6 +47,5 @@ def backfill_candidates(problem: Problem, mains: Iterable[Device], memo: dict) -
     for main in mains:
         where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
         if where is not None:
-            note = f"main device {main!r}, streaming reserve {format_bytes(reserve)}"
-            candidates.append(Filled(problem, found, where, reserve, note))
+            candidates.append(Filled(problem, found, where, reserve, main))
     return candidates

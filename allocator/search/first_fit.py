@@ -178,15 +178,15 @@ def unit_map(found: Groups, where: list, reserve: int) -> dict:
 
 
 class Filled:
-    """A fill's answer as a candidate plan: the device of each group (``where``, from :func:`fill`), the reserve it
-    was made under and a note saying which. Its unit map and the map's runs are made when first asked for:
+    """A fill's answer as a candidate plan: the device of each group (``where``, from :func:`fill`), the reserve and
+    the main device it was made under (``under``). Its unit map and the map's runs are made when first asked for:
     :func:`allocator.judge.ranking.best_of` ranks and prices candidates from their runs and builds the map of the
     one it keeps."""
 
-    __slots__ = ("problem", "found", "where", "reserve", "note", "_runs")
+    __slots__ = ("problem", "found", "where", "reserve", "under", "_runs")
 
-    def __init__(self, problem: Problem, found: Groups, where: list, reserve: int, note: str):
-        self.problem, self.found, self.where, self.reserve, self.note = problem, found, where, reserve, note
+    def __init__(self, problem: Problem, found: Groups, where: list, reserve: int, under: Device):
+        self.problem, self.found, self.where, self.reserve, self.under = problem, found, where, reserve, under
         self._runs = None
 
     @property

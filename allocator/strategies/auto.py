@@ -19,18 +19,18 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from ..budgets import format_ms
-from ..placement import Placement, note
+from ..placement import Decision, Placement
 from ..problem import Problem, accelerators_up_to
 from ..evaluate.units import problem_groups
 from . import backfill, ilp, reserve
 from ..judge.witness import accelerate_placement
 from ..judge.ranking import Tried, best_valid, estimate_decides, infeasible, ranked_by
 
-__all__ = ["place", "choice_note"]
+__all__ = ["place", "choice"]
 
 log = logging.getLogger(__name__)
-CANDIDATES = {"sequential": accelerate_placement, "reserve": reserve.place, "backfill": backfill.place}
+BASELINE = "sequential"   # the candidate that is accelerate's own map
+CANDIDATES = {BASELINE: accelerate_placement, "reserve": reserve.place, "backfill": backfill.place}
 ILP_SECONDS = ilp.TIME_LIMIT
 
 
@@ -70,53 +70,21 @@ def place(problem: Problem) -> Placement:
     used = set(placement.device_map.values())
     if problem.budgets.accelerators and not used - {"cpu", "disk"}:
         log.info("no accelerator plan is valid or faster; running everything from RAM (cpu as main device)")
-    choice = note(choice_note(found.name, found.tried, ranked_by(problem)), "choice",
-                  bound="estimate" if estimate_decides(problem) else "bytes")
+    chose = choice(found.name, found.tried, ranked_by(problem),
+                   bound="estimate" if estimate_decides(problem) else "bytes")
     return Placement(device_map=placement.device_map, strategy=f"auto:{placement.strategy}", base=placement.algorithm,
-                     decisions=(choice,) + placement.decisions, optimal=placement.optimal)
+                     decisions=(chose,) + placement.decisions, optimal=placement.optimal)
 
 
 
-def _against(seconds: float, other: float) -> str:
-    """``"12.3 % faster"``: how ``seconds`` compares with ``other``."""
-    if other <= 0 or abs(seconds - other) <= 1e-12 + 1e-9 * other:
-        return "as fast as"
-    change = (other - seconds) / other
-    percent = abs(change) * 100
-    number = f"{percent:.1f}" if percent >= 0.1 else f"{percent:.2g}"
-    return f"{number} % {'faster' if change > 0 else 'slower'} than"
-
-
-def choice_note(winner: str, tried: tuple[Tried, ...], ranking: str = "") -> str:
-    """One sentence: the candidate kept, its estimate, the margin over accelerate's map (``sequential``) and over the
-    runner-up (the next by rank), what became of the others, and what ranked them (``ranking``)."""
+def choice(winner: str, tried: tuple[Tried, ...], ranking: str = "", bound: str = "") -> Decision:
+    """The ``"choice"`` decision: the candidate kept, what became of every candidate (:meth:`Tried.record`, in the
+    order tried), the runner-up (the next by rank among the others that keep the rules, accelerate's map aside) and
+    whether it ranks the same, what ranked them (``ranking``: :func:`allocator.judge.ranking.ranked_by`), and which
+    candidate is accelerate's map (``baseline``)."""
     chosen = next(t for t in tried if t.name == winner)
-    text = f"auto chose {winner}: estimated {format_ms(chosen.seconds)} per forward"
-    if chosen.why:
-        text += f" (it {chosen.why}, and no candidate keeps as many)"
-    theirs = next((t for t in tried if t.name == "sequential"), None)
-    if winner == "sequential":
-        text += ", accelerate's own map"
-    elif theirs is not None and theirs.seconds is not None:
-        text += (f", {_against(chosen.seconds, theirs.seconds)} accelerate's map (sequential, "
-                 f"{format_ms(theirs.seconds)})" + (f", which {theirs.why}" if theirs.why else ""))
-    elif theirs is not None:
-        text += f"; accelerate's map (sequential) {theirs.why}"
-    others = [t for t in tried if t.name not in (winner, "sequential" if winner != "sequential" else "")]
+    others = [t for t in tried if t.name not in (winner, BASELINE)]
     rivals = sorted((t for t in others if t.eligible and t.key is not None), key=lambda t: t.key, reverse=True)
-    if rivals:
-        runner = rivals[0]
-        if runner.key == chosen.key:
-            text += (f"; {runner.name} ranks the same, and {winner} comes first on the ties (the order of the "
-                     "candidates)")
-        elif _against(chosen.seconds, runner.seconds) == "as fast as":
-            text += (f"; {runner.name} is estimated the same, and {winner} comes first on the ties (more bytes on "
-                     "the fastest tier, fewer device changes, then the order of the candidates)")
-        else:
-            text += f"; the runner-up, {runner.name}, is estimated {format_ms(runner.seconds)} ({winner} " \
-                    f"{_against(chosen.seconds, runner.seconds)} it)"
-    rest = [f"{t.name} {format_ms(t.seconds)}" + (f" ({t.why})" if t.why else "") if t.eligible else f"{t.name} {t.why}"
-            for t in others if not rivals or t is not rivals[0]]
-    if rest:
-        text += "; the others: " + ", ".join(rest)
-    return text + (f"; {ranking}" if ranking else "")
+    return Decision("choice", bound=bound, facts={
+        "winner": winner, "tried": [t.record() for t in tried], "runner": rivals[0].name if rivals else None,
+        "same_rank": bool(rivals) and rivals[0].key == chosen.key, "ranking": ranking, "baseline": BASELINE})

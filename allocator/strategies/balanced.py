@@ -23,7 +23,7 @@ minimised exactly over all contiguous splits that fit the budgets:
 Among the optimal splits, one that gives every accelerator a group is preferred, with the earliest devices as light
 as possible (cuts as early as possible, the first first): GPU 0 also holds the inputs and what ``generate()`` adds.
 When no optimal split gives every accelerator something (fewer groups than accelerators, or a budget too small for
-the group at its position), the last accelerators are left empty, and the plan's notes say so. Then adjacent devices
+the group at its position), the last accelerators are left empty, and the plan's decisions say so. Then adjacent devices
 are evened out: two neighbours are re-split while that lowers the larger of their two fills, so devices that the
 largest fill does not constrain are not left uneven (the largest fill never rises).
 
@@ -67,11 +67,10 @@ from fractions import Fraction
 
 from ..budgets import Device
 from ..search.partition import least_feasible, parts, prefix_sums, reachable, split
-from ..placement import Decision, Placement, note
+from ..placement import Decision, Placement
 from ..problem import Problem
 from ..evaluate.memory import device_of, main_device, workspace
 from ..evaluate.units import Group, problem_groups
-from ..budgets import format_bytes
 from ..evaluate.validate import check
 from ..judge.ranking import best_fill
 from ..search.fills import reserve_candidates
@@ -211,9 +210,7 @@ def _all_resident(problem: Problem, found: list[Group], devices: list[Device], l
     for device, run in zip(devices, parts(cuts, len(found))):
         for k in run:
             placed.update(dict.fromkeys(found[k].names, device))
-    notes = [note(f"all {len(found)} tie groups resident on the accelerators: contiguous split in model order"
-                  + (", the first accelerator as light as possible, the others balanced" if low_0 else
-                     ", the largest peak / budget minimised"), devices=tuple(devices))]
+    notes = [_split(devices, "contiguous", groups=len(found), low_0=low_0)]
     notes += _empty_notes(devices, cuts, len(found), low_0)
     return _checked(problem, placed, name, notes)
 
@@ -224,16 +221,13 @@ def _empty_notes(devices: list[Device], cuts: Sequence[int], count: int, low_0: 
         if len(run):
             continue
         if j == 0 and low_0:
-            text, bound = (f"device {device!r} gets nothing: the other accelerators hold the rest of the model "
-                           "(balanced_low_0 keeps the first accelerator free for generate())"), "main"
+            reason, bound = "kept-free", "main"
         elif count < len(devices):
-            text, bound = (f"device {device!r} gets nothing: there are {count} tie groups for {len(devices)} "
-                           "accelerators"), ""
+            reason, bound = "fewer-groups", ""
         else:
-            text, bound = (f"device {device!r} gets nothing: no split that gives every accelerator a group is as "
-                           "balanced within the budgets (a budget is too small for the groups at its position)"), \
-                "budget"
-        out.append(note(text, "empty", devices=(device,), bound=bound))
+            reason, bound = "unbalanced", "budget"
+        out.append(Decision("empty", devices=(device,), bound=bound,
+                            facts={"reason": reason, "groups": count, "accelerators": len(devices)}))
     return out
 
 
@@ -242,13 +236,11 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     # reserve's plan; InfeasiblePlacement when nothing fits (allocator.plan adds the minimum budget)
     base = best_fill(problem, reserve_candidates, "reserve")
     if not problem.budgets.accelerators:
-        return _relabel(problem, base, name, "no accelerator in the budgets: reserve's plan over cpu and disk")
-    lead = ("the accelerators together cannot hold the model in a contiguous split: "
-            "reserve's plan keeps the most resident")
+        return _relabel(problem, base, name, "no-accelerator")
     main = main_device(base.device_map.values())
     devices = [d for d in problem.budgets.accelerators if isinstance(d, int) and isinstance(main, int) and d >= main]
     if len(devices) < 2:
-        return _relabel(problem, base, name, f"{lead}; main device {main!r}, no other accelerator to balance with")
+        return _relabel(problem, base, name, "one-accelerator", main=main)
     where = [device_of(g.names[0], base.device_map) for g in found]
     resident = [k for k, d in enumerate(where) if d in devices]
     memory = check(problem, base.device_map)[1]
@@ -258,8 +250,7 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     offsets = [extra] + _workspace(problem, len(devices))[1:]  # the main device's peak already holds its own
     cuts = splitter([load(found[k]) for k in resident], budgets, offsets, 1)
     if cuts is None:
-        return _relabel(problem, base, name,
-                        f"{lead}; no contiguous split of its {len(resident)} resident groups fits: kept as is")
+        return _relabel(problem, base, name, "no-split-fits", groups=len(resident))
     placed = {}
     for k, device in enumerate(where):
         if device is not None:   # a group the base map leaves out (a non-persistent buffer) stays out
@@ -267,16 +258,12 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
     for device, run in zip(devices, parts(cuts, len(resident))):
         for i in run:
             placed.update(dict.fromkeys(found[resident[i]].names, device))
-    said = note(f"{lead}; its {len(resident)} resident groups re-split contiguously over {devices}, main device "
-                f"{main!r} charged {format_bytes(extra)} for offloaded buffers and streaming", devices=tuple(devices))
+    said = _split(devices, "re-split", nbytes=extra, groups=len(resident), main=main)
     balanced = _checked(problem, placed, name, [said])
     if balanced is None or not _no_worse(problem, balanced, base, main, low_0):
-        return _relabel(problem, base, name,
-                        f"{lead}; re-splitting its resident groups is not more balanced: kept as is")
+        return _relabel(problem, base, name, "not-more-balanced")
     return Placement(device_map=balanced.device_map, strategy=name, exempt=_exempt(name),
-                     decisions=balanced.decisions + _idle(problem, balanced.device_map, "no contiguous split of the "
-                                                          "resident groups that gives them one is as balanced within "
-                                                          "the budgets"))
+                     decisions=balanced.decisions + _idle(problem, balanced.device_map, "after-main-unbalanced"))
 
 
 def _exempt(name: str) -> frozenset:
@@ -284,26 +271,31 @@ def _exempt(name: str) -> frozenset:
     return frozenset({"main"}) if name == "balanced_low_0" else frozenset()
 
 
+def _split(devices, reason: str, nbytes: int | None = None, **facts) -> Decision:
+    """A ``"split"`` decision of this strategy (``facts["method"]`` is ``"balanced"``): how it cut the model over
+    ``devices``, the case ``reason`` names."""
+    return Decision("split", devices=tuple(devices), bytes=None if nbytes is None else int(nbytes),
+                    facts={"reason": reason, "method": "balanced", **facts})
+
+
 def _idle(problem: Problem, device_map, why_after: str) -> tuple[Decision, ...]:
-    """A note naming the accelerators that get nothing in a plan with offloaded groups, and why."""
+    """A decision naming the accelerators that get nothing in a plan with offloaded groups, and why (``why_after``:
+    the reason of those after the main device)."""
     used = set(device_map.values())
     idle = [d for d in problem.budgets.accelerators if d not in used]
     main = main_device(used)
     if not idle:
         return ()
     if main in ("cpu", "disk"):
-        return (note(f"accelerators {idle} get nothing: no plan with one of them as the main device fits, or none "
-                     "is estimated faster than running everything from RAM", "empty", devices=tuple(idle),
-                     bound="main"),)
+        return (Decision("empty", devices=tuple(idle), bound="main", facts={"reason": "cpu-main"}),)
     before = [d for d in idle if isinstance(d, int) and isinstance(main, int) and d < main]
     after = [d for d in idle if d not in before]
     out = []
     if before:
-        out.append(note(f"accelerators {before} get nothing: holding anything would make one of them the main "
-                        f"device, which keeps room for the streaming reserve; the plan with {main!r} as main keeps "
-                        "more resident", "empty", devices=tuple(before), bound="main"))
+        out.append(Decision("empty", devices=tuple(before), bound="main", facts={"reason": "before-main",
+                                                                                  "main": main}))
     if after:
-        out.append(note(f"accelerators {after} get nothing: {why_after}", "empty", devices=tuple(after)))
+        out.append(Decision("empty", devices=tuple(after), facts={"reason": why_after}))
     return tuple(out)
 
 
@@ -320,10 +312,11 @@ def _no_worse(problem: Problem, new: Placement, old: Placement, main: Device, lo
     return _fill(problem, new.device_map, focus) <= _fill(problem, old.device_map, focus)
 
 
-def _relabel(problem: Problem, base: Placement, name: str, said: str) -> Placement:
+def _relabel(problem: Problem, base: Placement, name: str, reason: str, **facts) -> Placement:
+    """``reserve``'s plan kept as it is, with why (``reason``: the case of the ``"split"`` decision)."""
     return Placement(device_map=base.device_map, strategy=name, optimal=None, exempt=_exempt(name),
-                     decisions=(note(said, devices=tuple(problem.budgets.accelerators)),) + base.decisions
-                     + _idle(problem, base.device_map, "reserve's plan fits before them"))
+                     decisions=(_split(problem.budgets.accelerators, reason, **facts),) + base.decisions
+                     + _idle(problem, base.device_map, "after-main-reserve-fits"))
 
 
 def _checked(problem: Problem, placed: dict, name: str, notes: list[Decision]) -> Placement | None:
@@ -333,11 +326,7 @@ def _checked(problem: Problem, placed: dict, name: str, notes: list[Decision]) -
     if violations:  # the split's loads disagree with the validator's peaks: fall back rather than return it
         log.debug("balanced split rejected by the validator: %s", violations[:3])
         return None
-    peaks = ", ".join(f"{d!r} {format_bytes(memory.peak[d])} of {format_bytes(problem.budgets.limit(d))}"
-                      f" ({memory.peak[d] / problem.budgets.limit(d):.0%})" if problem.budgets.limit(d) else
-                      f"{d!r} {format_bytes(memory.peak[d])}"
-                      for d in problem.budgets.accelerators if d in memory.peak)
+    shown = [d for d in problem.budgets.accelerators if d in memory.peak]
+    peaks = [[d, int(memory.peak[d]), problem.budgets.limit(d)] for d in shown]
     return Placement(device_map=device_map, strategy=name, exempt=_exempt(name),
-                     decisions=tuple(notes) + (note(f"accelerator peaks: {peaks}", "peaks",
-                                                    devices=tuple(d for d in problem.budgets.accelerators
-                                                                  if d in memory.peak)),))
+                     decisions=tuple(notes) + (Decision("peaks", devices=tuple(shown), facts={"peaks": peaks}),))

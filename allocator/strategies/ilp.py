@@ -40,7 +40,7 @@ from dataclasses import replace
 
 from ..evaluate.cost import Profile, estimate
 from ..errors import AllocatorError
-from ..placement import Placement, note
+from ..placement import Decision, Placement
 from ..problem import Problem
 from ..evaluate.memory import device_of, main_device, map_runs
 from ..evaluate.units import problem_groups
@@ -133,10 +133,10 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if best is None or (incumbent is not None and best[0] / NS > incumbent[0] + slack / NS):
         # CP-SAT found nothing at or below the hint: the hint is the plan (optimal when every main was proven)
         objective, main, placed = incumbent[0] * NS, main_device(incumbent[1].values()), incumbent[1]
-        kept = "; no better plan than the warm start"
+        warm = True
     else:
         objective, main, placed = best
-        kept = ""
+        warm = False
     objective /= NS
     homed = home_weightless(found, placed, main) if main in problem.budgets.order else placed
     if problem.options.contract and order_violations(problem, map_runs(g, homed)):
@@ -150,13 +150,12 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     violations = check(problem, device_map)[0]
     if violations:
         raise AllocatorError(f"ilp produced an invalid plan (a modelling bug, please report): {violations[:3]}")
-    notes = [f"CP-SAT over {len(found)} groups for main devices {mains}: best main {main!r}, "
-             f"estimated {objective * 1e3:.6f} ms per forward, "
-             f"{'proven optimal' if proven else 'not proven optimal'}{kept}"]
+    decisions = [Decision("solver", devices=(main,), bound="estimate", facts={
+        "reason": "solved", "groups": len(found), "mains": list(mains), "seconds": objective, "proven": proven,
+        "warm_start": warm})]
     if merged:
-        notes.append(f"coarsened: {merged} merges of consecutive units to stay under {max_units} groups")
-    return Placement(device_map=device_map, strategy="ilp", decisions=tuple(note(n, "solver") for n in notes),
-                     optimal=proven and not merged)
+        decisions.append(Decision("solver", facts={"reason": "coarsened", "merges": merged, "max_units": max_units}))
+    return Placement(device_map=device_map, strategy="ilp", decisions=tuple(decisions), optimal=proven and not merged)
 
 
 def _breaks_order_or_main(problem: Problem, device_map) -> bool:

@@ -99,7 +99,8 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
     found = rank(problem, candidates)
     if found.placement is None:
         raise InfeasiblePlacement(f"no candidate plan of {problem.graph.model_class} is valid under these budgets: "
-                                  + "; ".join(f"{t.name} {t.why}" for t in found.tried))
+                                  + "; ".join(f"{t.name} ({t.outcome}{f': {t.detail}' if t.detail else ''})"
+                                              for t in found.tried))
     return found.placement
 
 

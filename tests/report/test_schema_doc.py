@@ -22,7 +22,7 @@ NAMED = {"device_map": "<module>", "budgets": "<device>", "resident": "<device>"
          "parts": "<device>", "estimate.steps": "<step>"}
 #: Values documented as a whole (their inner keys are the model's tensor names, shapes, or another object's schema).
 WHOLE = {"experts", "compute", "runtime.experts", "runtime.expert_mode", "options.special_dtypes", "options.inputs",
-         "options.profile", "options.expert_profile"}
+         "options.profile", "options.expert_profile", "decisions[].facts"}
 
 
 def paths(value, prefix: str = "") -> set[str]:

@@ -27,6 +27,7 @@ from allocator.evaluate.memory import device_of
 from allocator.strategies import STRATEGIES
 from allocator.evaluate.units import groups
 from allocator.evaluate.validate import check
+from allocator.report.decisions import notes
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -223,7 +224,7 @@ def test_offloads_only_what_the_accelerators_cannot_hold_and_balances_the_rest()
     assert resident == sum(base.resident(d) for d in range(3))  # not a byte less resident than reserve's plan
     fill = max(accelerator_peaks(ours).values())
     assert fill <= max(accelerator_peaks(base).values())
-    assert any("cannot hold the model" in note for note in ours.placement.notes)
+    assert any("cannot hold the model" in note for note in notes(ours.placement))
 
 
 @pytest.mark.parametrize("name", zoo.names()[::5])
@@ -244,7 +245,7 @@ def test_idle_accelerators_are_explained():
     total = total_of(model)
     plan = allocator.plan(model, {0: int(.15 * total), 1: int(.15 * total), "cpu": 2 * total}, strategy="balanced")
     assert plan.valid and plan.main_device == "cpu"
-    assert any(note.startswith("accelerators [0, 1] get nothing") for note in plan.placement.notes)
+    assert any(note.startswith("accelerators [0, 1] get nothing") for note in notes(plan.placement))
 
 
 def test_no_accelerator_delegates_to_reserve():
@@ -296,7 +297,7 @@ def test_low_0_leaves_the_first_accelerator_empty_when_the_others_hold_the_model
     total = total_of(model)
     plan = allocator.plan(model, {0: total, 1: total, 2: total, "cpu": total}, strategy="balanced_low_0")
     assert plan.valid and set(plan.device_map.values()) == {1, 2}
-    assert any("gets nothing" in note for note in plan.placement.notes)
+    assert any("gets nothing" in note for note in notes(plan.placement))
 
 
 @pytest.mark.parametrize("strategy", ["balanced", "balanced_low_0"])

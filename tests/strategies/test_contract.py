@@ -90,7 +90,7 @@ def test_a_first_gpu_too_small_to_be_main_is_left_empty_and_explained(caplog):
     assert p.valid and p.main_device == 1 and 0 not in p.device_map.values()
     assert contract_main(p.problem) == 1
     assert any("insufficient memory" in r.getMessage() and "- 0:" in r.getMessage() for r in caplog.records)
-    notes = "\n".join(p.placement.notes)
+    notes = "\n".join(allocator.report.decisions.notes(p.placement))
     assert "accelerator 0" in notes and "it needs at least" in notes
     # the budget the note names does make GPU 0 the main device, 1 % less does not
     minimum = allocator.report.minimum.main_minimum(p.problem, 0)
