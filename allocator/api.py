@@ -10,7 +10,7 @@ from dataclasses import replace
 from .errors import AllocatorError, BrokenContract, InfeasiblePlacement, InvalidPlacement, warn_caller
 from .evaluate.cost import priced
 from .evaluate.memory import main_device, prefetch_of
-from .evaluate.validate import check
+from .judge.verdict import is_valid, violations as broken_rules
 from .gc_pause import gc_paused
 from .placement import Decision, Placement
 from .problem import PlanOptions, Problem, build_problem
@@ -131,7 +131,7 @@ def _prefetched(problem: Problem, place) -> tuple[Problem, Placement]:
             continue
         cost = priced(at[depth], deeper.device_map)
         if (cost.resident_fast, -cost.streamed_bytes) >= (base.resident_fast, -base.streamed_bytes) \
-                and not check(at[depth], deeper.device_map)[0]:
+                and is_valid(at[depth], deeper.device_map):
             return at[depth], _said(deeper, "deepest", depth, asked)
     return at[0], _said(plain, "no-deeper", 0, asked)
 
@@ -166,7 +166,7 @@ def _check_rules_and_contract(problem: Problem, placement: Placement) -> None:
     the floor only where they must."""
     if placement.accelerates:
         return
-    violations = check(problem, placement.device_map)[0]
+    violations = broken_rules(problem, placement.device_map)
     if violations:
         raise InvalidPlacement(
             f"strategy {placement.strategy!r} returned a map that breaks the runtime rules: "

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from .api import plan
 from .budgets import format_bytes, parse_budgets
 from .errors import AllocatorError, InfeasiblePlacement, InvalidOption
-from .evaluate.validate import check, peak_parts
+from .evaluate.validate import peak_parts
+from .judge.verdict import is_valid, memory
 from .model.generation import DECODER_POSITIONS, GenerationBudget, attention_words, generation_needs
 from .problem import PlanOptions, Problem, build_problem
 from .report.plan import Plan
@@ -273,7 +274,7 @@ class _Search:
         self.tries += 1
         accelerators = problem.budgets.accelerators
         whole = {"": accelerators[0]}
-        if not check(problem, whole)[0]:
+        if is_valid(problem, whole):
             return whole
         if len(accelerators) == 1:
             return None
@@ -281,7 +282,7 @@ class _Search:
             found = run(self.strategy, problem).device_map
         except InfeasiblePlacement:
             return None
-        if set(found.values()) <= set(accelerators) and not check(problem, found)[0]:
+        if set(found.values()) <= set(accelerators) and is_valid(problem, found):
             return found
         return None
 
@@ -314,22 +315,22 @@ class _Search:
             return None, "positions", f"the search stops at {limit:,} {what}"
         base_map = fitted.device_map if fitted is not None else {"": self.base.budgets.accelerators[0]}
         over = self.problem(best + 1) if best else self.problem(2 if self.max_length is None else 1)
-        memory = check(over, base_map)[1]
-        parts = peak_parts(over, base_map, memory)
+        needs = memory(over, base_map)
+        parts = peak_parts(over, base_map, needs)
         limits = over.budgets.limits
-        device = max((d for d in memory.peak if d in limits and limits[d]),
-                     key=lambda d: memory.peak[d] / limits[d], default=self.base.budgets.accelerators[0])
+        device = max((d for d in needs.peak if d in limits and limits[d]),
+                     key=lambda d: needs.peak[d] / limits[d], default=self.base.budgets.accelerators[0])
         mine = parts.get(device, {})
         shown = " + ".join(f"{k} {format_bytes(mine.get(k, 0))}" for k in ("weights",) + TERMS[:3])
         if not best:
             return device, "weights", (f"not even {2 if self.max_length is None else 1} {what} fit on the "
                                        f"accelerators: device {device!r} would need {shown} = "
-                                       f"{format_bytes(memory.peak[device])} of {format_bytes(limits[device])}")
+                                       f"{format_bytes(needs.peak[device])} of {format_bytes(limits[device])}")
         half = self.problem(max(best // 2, 2 if self.max_length is None else 1))
-        before = peak_parts(half, base_map, check(half, base_map)[1]).get(device, {})
+        before = peak_parts(half, base_map, memory(half, base_map)).get(device, {})
         term = max(TERMS[:3], key=lambda k: mine.get(k, 0) - before.get(k, 0))
         names = {"cache": "the KV cache grows", "activations": "the activations grow", "logits": "the logits grow"}
         return device, term, (f"device {device!r}: at {best + 1:,} {what} its peak would be {shown} = "
-                              f"{format_bytes(memory.peak[device])}, over its budget of "
+                              f"{format_bytes(needs.peak[device])}, over its budget of "
                               f"{format_bytes(limits[device])}; {names[term]} the most with the "
                               f"{'context' if self.max_length is None else 'batch'}")

@@ -379,3 +379,53 @@ def test_no_strategy_imports_another():
     found = strategy_imports(imports())
     assert not found, "a strategy imports another (propose from search/, judge with judge/; only auto composes):\n" \
         + "\n".join(found)
+
+
+#: The modules that may call the validator (``allocator.evaluate.validate.check``), issue #38: its own module
+#: (``validate()``), the judge's one door to it (``judge/verdict.py``: every other module judges maps there), and the
+#: experts pass, which another issue is rewriting (it is to go through the judge too).
+VALIDATOR = "allocator.evaluate.validate"
+CHECKERS = {VALIDATOR, "allocator.judge.verdict", "allocator.strategies.experts"}
+
+
+def check_callers(sources: dict[str, str], modules: dict[str, Path]) -> dict[str, int]:
+    """The modules of ``sources`` (module name -> source) that call ``check`` of the validator, with how many calls:
+    ``check(...)`` under any name it is imported as, and ``v.check(...)`` where ``v`` names the validator module."""
+    found = {}
+    for name, source in sources.items():
+        tree = ast.parse(source)
+        names, modules_as = ({"check"} if name == VALIDATOR else set()), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(name, node.level, node.module, modules)
+                if target == VALIDATOR:
+                    names |= {a.asname or a.name for a in node.names if a.name == "check"}
+                elif target == VALIDATOR.rpartition(".")[0]:
+                    modules_as |= {a.asname or a.name for a in node.names if a.name == "validate"}
+            elif isinstance(node, ast.Import):
+                modules_as |= {a.asname for a in node.names if a.name == VALIDATOR and a.asname}
+        calls = sum(1 for node in ast.walk(tree) if isinstance(node, ast.Call) and (
+            isinstance(node.func, ast.Name) and node.func.id in names
+            or isinstance(node.func, ast.Attribute) and node.func.attr == "check"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id in modules_as))
+        if calls:
+            found[name] = calls
+    return found
+
+
+def test_the_check_caller_rule_finds_each_form():
+    modules = module_names()
+    sources = {"allocator.strategies.ilp": "from ..evaluate.validate import check as judge\njudge(p, m)\n",
+               "allocator.report.plan": "from ..evaluate import validate\nvalidate.check(p, m)[0]\n",
+               "allocator.fit": "from .evaluate.validate import check\nx = [check(p, a), check(p, b)]\n",
+               "allocator.api": "from .judge.verdict import is_valid\nis_valid(p, m)\ncheck = 1\n"}
+    assert check_callers(sources, modules) == {"allocator.strategies.ilp": 1, "allocator.report.plan": 1,
+                                               "allocator.fit": 2}
+
+
+def test_check_is_called_from_three_modules_at_most():
+    modules = module_names()
+    found = check_callers({name: path.read_text() for name, path in modules.items()}, modules)
+    assert set(found) <= CHECKERS and len(found) <= 3, (
+        "check() is called outside the judge's door (allocator/judge/verdict.py: judged, violations, is_valid, "
+        f"memory): {sorted(set(found) - CHECKERS)}")

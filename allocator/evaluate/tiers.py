@@ -18,9 +18,9 @@ from ..budgets import Budgets, Device, is_accelerator
 from ..problem import Problem
 from .runs import Run, columns
 from .units import problem_groups
-from .validate import Violation, check
+from .validate import Violation
 
-__all__ = ["accelerator_sequence", "fast_bytes", "fast_tier", "headroom", "order_violations", "pulled"]
+__all__ = ["accelerator_sequence", "fast_bytes", "fast_tier", "order_violations", "pulled"]
 
 PULLED = Key("pulled")
 
@@ -35,25 +35,6 @@ def fast_bytes(problem: Problem, found: list[Run]) -> int:
     fast = fast_tier(problem.budgets)
     counted = columns(problem.graph).sum_counted
     return sum(counted[run.end] - counted[run.start] for run in found if run.device in fast)
-
-
-def headroom(problem: Problem, device_map) -> int | None:
-    """The least free memory a map leaves on any budgeted accelerator at its peak (budget minus peak, an empty
-    accelerator leaving its whole budget), where the map keeps every tensor on the accelerators; else ``None`` (the
-    headroom half of rule 3 applies only where the model fits on the accelerators).
-
-    >>> import torch.nn as nn
-    >>> from allocator.problem import build_problem
-    >>> problem = build_problem(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {0: 1000, 1: 1000})
-    >>> headroom(problem, {"0": 0, "1": 1}), headroom(problem, {"": 0}), headroom(problem, {"0": 0, "1": "cpu"})
-    (712, 424, None)
-    """
-    if not all(is_accelerator(d) for d in device_map.values()):
-        return None
-    peak = check(problem, device_map)[1].peak
-    limits = [(d, problem.budgets.limit(d)) for d in problem.budgets.accelerators]
-    free = [limit - peak.get(d, 0) for d, limit in limits if limit is not None]
-    return min(free) if free else None
 
 
 def pulled(problem: Problem) -> list[int]:

@@ -41,7 +41,8 @@ from collections.abc import Mapping
 from ..budgets import Device
 from ..evaluate.cost import priced
 from ..evaluate.memory import main_device, map_runs
-from ..evaluate.tiers import fast_bytes, headroom, order_violations
+from ..evaluate.tiers import fast_bytes, order_violations
+from .verdict import headroom
 from ..evaluate.validate import Violation, format_bytes
 from ..placement import CONTRACT_RULES
 from ..problem import Problem

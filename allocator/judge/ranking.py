@@ -17,7 +17,7 @@ from ..errors import AllocatorError, InfeasiblePlacement
 from ..placement import Decision, Placement
 from ..problem import Problem
 from ..evaluate.memory import main_device
-from ..evaluate.validate import check
+from .verdict import is_valid, violations as broken_rules
 from ..evaluate.tiers import fast_bytes, order_violations
 from .contract import contract_violations
 from .witness import accelerate_map, contract_main, fill_memo, floor, main_candidates, witness
@@ -86,7 +86,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             if id(candidates[k]) in failed:
                 continue
             device_map = _final(problem, candidates[k])
-            if not check(problem, device_map)[0]:
+            if is_valid(problem, device_map):
                 best = (key, device_map, candidates[k], costs[k])
                 break
             failed.add(id(candidates[k]))
@@ -96,7 +96,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
             if priced >= PRICED:
                 break
             device_map = _final(problem, candidates[k])
-            if check(problem, device_map)[0]:
+            if not is_valid(problem, device_map):
                 continue
             priced += 1
             cost = _cost(problem, candidates[k])
@@ -177,7 +177,7 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
         except AllocatorError as err:
             tried.append(Tried(name, "error", type(err).__name__))
             continue
-        violations = check(problem, placement.device_map)[0]
+        violations = broken_rules(problem, placement.device_map)
         if violations:
             tried.append(Tried(name, "invalid", violations[0].kind))
             continue

@@ -25,9 +25,9 @@ from ..budgets import Device
 from ..errors import AllocatorError
 from ..evaluate.cost import priced
 from ..evaluate.memory import main_device, map_runs
-from ..evaluate.tiers import fast_bytes, headroom, order_violations
+from ..evaluate.tiers import fast_bytes, order_violations
 from ..evaluate.units import problem_groups
-from ..evaluate.validate import check
+from .verdict import headroom, is_valid
 from ..placement import Placement
 from ..problem import Problem, accelerators_up_to
 from ..search import accelerate
@@ -82,7 +82,7 @@ class Witness:
     def valid_map(self) -> dict | None:
         """The baseline where it keeps the runtime rules, else ``None``."""
         theirs = self.baseline
-        if theirs is None or check(self.problem, theirs)[0]:
+        if theirs is None or not is_valid(self.problem, theirs):
             return None
         return theirs
 
@@ -94,7 +94,7 @@ class Witness:
     @cached_property
     def headroom(self) -> int | None:
         """Rule 3 on ``from_pretrained``: the least free memory transformers' own valid map leaves on any accelerator,
-        where it keeps the whole model on the accelerators (:func:`allocator.evaluate.tiers.headroom`); ``None``
+        where it keeps the whole model on the accelerators (:func:`allocator.judge.verdict.headroom`); ``None``
         elsewhere (no transformers map given, not valid, or something offloaded)."""
         if self.problem.options.baseline is None or self.valid_map is None:
             return None
@@ -188,7 +188,7 @@ def _fills_admit(problem: Problem, main: Device) -> dict | None:
         if candidate.main != main:
             continue
         device_map = problem.cleaned(candidate.device_map())
-        if not check(problem, device_map)[0]:
+        if is_valid(problem, device_map):
             return device_map
     return None
 
@@ -213,7 +213,7 @@ def _exact(problem: Problem, main: Device, seconds: float = EXACT_SECONDS) -> tu
     if solved.placed is None:
         return (False if solved.proven and not merged else None), None
     placed = problem.cleaned(solved.placed)
-    if main_device(placed.values()) != main or check(problem, placed)[0]:
+    if main_device(placed.values()) != main or not is_valid(problem, placed):
         return None, None
     return True, placed
 

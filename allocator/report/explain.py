@@ -29,7 +29,8 @@ from ..report.minimum import why_empty
 from .decisions import balances, follows_accelerate, sentence
 from ..judge.contract import contract_violations
 from ..evaluate.units import problem_groups
-from ..evaluate.validate import check, format_bytes
+from ..evaluate.validate import format_bytes
+from ..judge.verdict import memory, violations as broken_rules
 
 __all__ = ["Why", "reasons", "MOVES_UP_TO"]
 
@@ -153,7 +154,7 @@ def _moved(plan, layout: _Layout, k: int, device) -> str:
     for j in found.member_range(k):
         moved[found.units.name[found.array("members")[j]]] = device
     problem = plan.problem
-    violations = check(problem, moved)[0]
+    violations = broken_rules(problem, moved)
     if violations:
         return f"moving it there breaks a runtime rule ({violations[0].kind}: {violations[0].what})"
     broken = [v for v in contract_violations(problem, moved, exempt=plan.placement.exempt)
@@ -324,7 +325,7 @@ def _offloaded(plan, layout: _Layout, full: set) -> str | None:
 def _reserve(plan) -> str | None:
     if not plan.streamed:
         return None
-    chain = check(plan.problem, plan.device_map)[1].chain
+    chain = memory(plan.problem, plan.device_map).chain
     if not chain:
         who = ""
     elif len(chain) == 1:

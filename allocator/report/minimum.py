@@ -10,7 +10,8 @@ from ..budgets import Budgets, Device
 from ..errors import InfeasiblePlacement
 from ..evaluate.memory import main_device, streams_held, workspace
 from ..evaluate.units import problem_groups
-from ..evaluate.validate import check, format_bytes
+from ..evaluate.validate import format_bytes
+from ..judge.verdict import is_valid, memory
 from ..placement import Decision, Placement
 from ..problem import Problem
 from ..strategies import run
@@ -53,7 +54,7 @@ def _feasible(problem: Problem, strategy) -> bool:
         placement = run(strategy, problem)
     except InfeasiblePlacement:
         return False
-    return not check(problem, placement.device_map)[0]
+    return is_valid(problem, placement.device_map)
 
 
 def main_minimum(problem: Problem, device) -> int:
@@ -114,7 +115,7 @@ def minimum_ram_error(problem: Problem, strategy) -> InfeasiblePlacement:
     g = problem.graph
     low = problem.budgets.limit("cpu") or 0
     relaxed = _with_ram(problem, 2**62)
-    candidates = [check(relaxed, {"": "disk"})[1].peak.get("cpu", 0), check(relaxed, {"": "cpu"})[1].peak["cpu"]]
+    candidates = [memory(relaxed, {"": "disk"}).peak.get("cpu", 0), memory(relaxed, {"": "cpu"}).peak["cpu"]]
     # above the budget that failed: a strategy whose feasibility is not monotone (auto, ilp) may plan at a smaller
     # one, but the advice is a budget that works from the one given
     high, ceiling = max(min(candidates), low + 1), max(4 * max(candidates), 2 * low) + 1

@@ -10,7 +10,8 @@ from ..errors import AllocatorError
 from ..evaluate.cost import Cost
 from ..evaluate.memory import map_runs
 from ..evaluate.runs import columns
-from ..evaluate.validate import Violation, check, format_bytes, peak_parts
+from ..evaluate.validate import Violation, format_bytes, peak_parts
+from ..judge.verdict import judged
 from ..placement import Placement
 from ..problem import Problem, step_problem
 from ..strategies import STRATEGIES, run
@@ -282,7 +283,7 @@ class Plan:
 def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
     """The plan of a placement: its map checked against the runtime rules, its peaks and parts per device, and its
     estimate, each computed once; ``asked`` names the strategy the caller asked for."""
-    violations, memory = check(problem, placement.device_map)
+    violations, memory = judged(problem, placement.device_map)
     parts = peak_parts(problem, placement.device_map, memory)
     resident = resident_bytes(problem, placement)
     for device, nbytes in resident.items():   # experts the runtime keeps resident

@@ -71,7 +71,7 @@ from ..placement import Decision, Placement
 from ..problem import Problem
 from ..evaluate.memory import device_of, main_device, workspace
 from ..evaluate.units import Group, problem_groups
-from ..evaluate.validate import check
+from ..judge.verdict import judged, memory as needs
 from ..judge.ranking import best_fill
 from ..search.fills import reserve_candidates
 from ..judge.witness import contract_main
@@ -243,7 +243,7 @@ def _with_offload(problem: Problem, found: list[Group], low_0: bool, name: str) 
         return _relabel(problem, base, name, "one-accelerator", main=main)
     where = [device_of(g.names[0], base.device_map) for g in found]
     resident = [k for k, d in enumerate(where) if d in devices]
-    memory = check(problem, base.device_map)[1]
+    memory = needs(problem, base.device_map)
     extra = memory.peak[main] - sum(load(found[k]) for k in resident if where[k] == main)
     budgets = [problem.budgets.limit(d) or 0 for d in devices]
     splitter = _low_first if low_0 else _balance
@@ -301,7 +301,7 @@ def _idle(problem: Problem, device_map, why_after: str) -> tuple[Decision, ...]:
 
 def _fill(problem: Problem, device_map, device: Device | None = None) -> float:
     """The largest ``peak / budget`` over the accelerators (or ``device``'s), by the validator's rules."""
-    peak = check(problem, device_map)[1].peak
+    peak = needs(problem, device_map).peak
     fills = [peak[d] / (problem.budgets.limit(d) or 1) for d in peak
              if d in problem.budgets.accelerators and (device is None or d == device)]
     return max(fills, default=0.0)
@@ -322,7 +322,7 @@ def _relabel(problem: Problem, base: Placement, name: str, reason: str, **facts)
 def _checked(problem: Problem, placed: dict, name: str, notes: list[Decision]) -> Placement | None:
     """The placement of a unit map if the validator accepts it, with each accelerator's peak in the notes."""
     device_map = problem.cleaned(placed)
-    violations, memory = check(problem, device_map)
+    violations, memory = judged(problem, device_map)
     if violations:  # the split's loads disagree with the validator's peaks: fall back rather than return it
         log.debug("balanced split rejected by the validator: %s", violations[:3])
         return None

@@ -44,7 +44,7 @@ from ..placement import Decision, Placement
 from ..problem import Problem
 from ..evaluate.memory import device_of, main_device, map_runs
 from ..evaluate.units import problem_groups
-from ..evaluate.validate import check
+from ..judge.verdict import is_valid, violations as broken_rules
 from ..search.fills import backfill_candidates, reserve_candidates
 from ..search.cpsat import MAX_UNITS, NS, coarsen, home_weightless, model_inputs, solve_for_main
 from ..judge.ranking import best_fill, best_valid, infeasible
@@ -96,7 +96,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if hint is None:
         hint = _heuristic(problem, profile)
     incumbent = None  # (estimated seconds, device map): the hint, kept when CP-SAT finds nothing better
-    if hint is not None and not check(problem, hint)[0] and not _breaks_order_or_main(problem, hint):
+    if hint is not None and is_valid(problem, hint) and not _breaks_order_or_main(problem, hint):
         incumbent = (estimate(problem, hint, profile).seconds, dict(hint))
     need = _floor_to_keep(problem, incumbent)
     mains = main_candidates(problem)
@@ -147,7 +147,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
         objective = estimate(problem, homed, profile).seconds
     placed = homed
     device_map = problem.cleaned(placed)
-    violations = check(problem, device_map)[0]
+    violations = broken_rules(problem, device_map)
     if violations:
         raise AllocatorError(f"ilp produced an invalid plan (a modelling bug, please report): {violations[:3]}")
     decisions = [Decision("solver", devices=(main,), bound="estimate", facts={

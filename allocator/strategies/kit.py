@@ -54,7 +54,8 @@ from ..judge.ranking import best_valid as rank
 from ..search.first_fit import Streams
 from ..search.room import Room
 from ..evaluate.units import Group, Groups, disk_loadable, problem_groups
-from ..evaluate.validate import Violation, check as check_map
+from ..evaluate.validate import Violation
+from ..judge.verdict import violations as broken_rules
 
 __all__ = ["Cost", "Group", "Groups", "InfeasiblePlacement", "Placement", "Problem", "Room", "Violation",
            "accelerate_placement", "best_valid", "check", "device_map", "estimate", "fill", "main_candidates", "seat",
@@ -83,7 +84,7 @@ def device_map(problem: Problem, found: Groups, devices: Sequence[Device]) -> di
 def check(problem: Problem, placed) -> list[Violation]:
     """The runtime rules ``placed`` (a device map) breaks for ``problem``: empty when it is valid
     (:func:`allocator.evaluate.validate.check`, without its memory report)."""
-    return check_map(problem, placed)[0]
+    return broken_rules(problem, placed)
 
 
 def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Placement]]]) -> Placement:

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import transformers.modeling_utils as modeling_utils  # noqa: E402
 
 import allocator  # noqa: E402
-from allocator.evaluate.tiers import headroom  # noqa: E402
+from allocator.judge.verdict import headroom  # noqa: E402
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}   # float32 logits of two loads (RAM/disk offload against RAM)
 
