@@ -17,7 +17,7 @@ from .problem import PlanOptions, Problem, build_problem
 from .report.decisions import sentence
 from .report.minimum import empty_before_main, minimum_budget_error
 from .report.plan import Plan, finish
-from .strategies import STRATEGIES, resolve, run
+from .strategies import BUILT_IN, resolve, run
 from .judge.contract import contract_violations
 from .strategies.experts import place_experts
 from .judge.witness import witness
@@ -86,7 +86,7 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
     """
     options = PlanOptions.of(options, **keywords)
     name, place = resolve(strategy)
-    builtin = any(place is known for known in STRATEGIES.values())
+    builtin = place in BUILT_IN   # a strategy registered later is cleaned and judged like a callable
     with gc_paused():  # planning makes many acyclic objects; each collection would walk the model and graph too
         problem = build_problem(model, max_memory, options=options)   # 1. the model, read once
         problem, placement = _prefetched(problem, lambda at: _placement(at, strategy, builtin))   # 2.-4.

@@ -9,7 +9,7 @@ from ..placement import Placement
 from ..problem import Problem
 from . import auto, backfill, balanced, ilp, reserve, sequential
 
-__all__ = ["STRATEGIES", "resolve"]
+__all__ = ["BUILT_IN", "STRATEGIES", "resolve"]
 
 Strategy = Callable[..., Placement]
 
@@ -22,7 +22,12 @@ STRATEGIES: dict[str, Strategy] = {
     "balanced": balanced.place,
     "balanced_low_0": balanced.place_low_0,
 }
-"""Strategy name to ``place`` function."""
+"""Strategy name to ``place`` function: the one place a strategy is registered (a stranger's too)."""
+
+BUILT_IN = frozenset(STRATEGIES.values())
+"""The built-in strategies' functions, which return their maps cleaned and say what they are exempt from; a strategy
+registered in :data:`STRATEGIES` later, or passed as a callable, is cleaned and judged by :func:`allocator.plan`
+as it stands (exempt from nothing)."""
 
 
 def resolve(strategy: str | Strategy) -> tuple[str, Strategy]:
