@@ -22,9 +22,9 @@ SMALL = {
 }
 
 
-def small_model(family: str, layers: int = 2, **extra):
-    """A real model of ``family`` from a small config, built on the CPU (seeded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def small_config(family: str, layers: int = 2, **extra):
+    """The small config of ``family`` (``SMALL``): hidden 64, vocab 128, top-2, ``layers`` layers."""
+    from transformers import AutoConfig
 
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, head_dim=16)
@@ -32,6 +32,13 @@ def small_model(family: str, layers: int = 2, **extra):
     if family == "gpt_oss":
         base["layer_types"] = ["full_attention"] * layers
     base.update(extra)
-    config = AutoConfig.for_model(family, **base)
+    return AutoConfig.for_model(family, **base)
+
+
+def small_model(family: str, layers: int = 2, **extra):
+    """A real model of ``family`` from a small config, built on the CPU (seeded)."""
+    from transformers import AutoModelForCausalLM
+
+    config = small_config(family, layers, **extra)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()

@@ -5,6 +5,7 @@
     allocator plan SOURCE [--max-memory 0=20GiB,1=20GiB,cpu=64GiB] [--dtype bf16] [--strategy auto]
                           [--compare] [--explain] [--json FILE|-] [--from-json FILE] [--plot FILE] [--profile FILE]
                           [--inputs input_ids=1x512] [--generation 1,4096] [--optimize prefill|decode]
+                          [--runtime accelerate|allocator] [--expert-profile FILE] [--prefetch N]
                           [--trust-remote-code] [--quiet]
     allocator plan --list
     allocator fit SOURCE --max-memory 0=24GiB [--batch-size 1 | --batch --context 8192] [--target 65536]
@@ -33,6 +34,7 @@ import warnings
 
 from .. import __version__
 from ..errors import MAX_MESSAGE, AllocatorError, one_line
+from ..problem import RUNTIMES
 from ..strategies import STRATEGIES
 from .commands import cmd_demo, cmd_fit, cmd_plan, cmd_profile
 
@@ -87,6 +89,16 @@ def _parser() -> argparse.ArgumentParser:
                         "decoding step: needs --inputs and --generation)")
     p.add_argument("--generation", metavar="BATCH,MAX_LENGTH[,PROMPT]",
                    help="keep room for generate: KV cache, logits and activations (allocator.GenerationBudget)")
+    p.add_argument("--runtime", default="accelerate", choices=RUNTIMES,
+                   help="what will run the offloaded weights: accelerate (default: accelerate's hooks, as "
+                        "from_pretrained loads) or allocator (allocator.offload, as patch(runtime='allocator') loads: "
+                        "routed experts placed one by one, prefetch); prints where each expert and every-token part "
+                        "went")
+    p.add_argument("--expert-profile", metavar="FILE",
+                   help="with --runtime allocator: routing counts saved by allocator.profile_experts(...).save(FILE); "
+                        "the most used experts are kept resident (default: uniform use)")
+    p.add_argument("--prefetch", type=int, metavar="N",
+                   help="with --runtime allocator: offloaded modules made ready ahead (default: the plan decides)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model folder's own code, for a config whose auto_map names it")
     p.add_argument("--quiet", action="store_true", help="no status line on stderr while the model is built and planned")
