@@ -116,6 +116,20 @@ def test_every_token_parts_say_where_each_part_went(capsys, qwen):
     assert sum(sum(per.values()) for per, _ in found.values()) + experts == total
 
 
+def test_tied_embeddings_are_counted_once():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = small_config("qwen3_moe", layers=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    result = allocator.plan(model, {"cpu": "400KiB"}, runtime="allocator")
+    found = every_token_bytes(result, model)
+    experts = sum(layer.num_experts * layer.expert_bytes for layer in result.problem.moe)
+    assert sum(sum(per.values()) for per, _ in found.values()) + experts == result.problem.graph.total
+    assert "head" not in found   # the head's weight is the embeddings': counted there
+
+
 def test_json_holds_the_experts_and_the_runtime(capsys, qwen):
     folder, _, _, budget = qwen
     ours = data_of(capsys, folder, "--max-memory", budget, "--runtime", "allocator")
