@@ -42,3 +42,15 @@ def small_model(family: str, layers: int = 2, **extra):
     config = small_config(family, layers, **extra)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def save_tokenizer(folder, vocab_size: int = 128) -> None:
+    """A word-level tokenizer of ``vocab_size`` words (``w0`` ... and ``[UNK]`` as id 0) saved in ``folder``: what
+    ``AutoTokenizer.from_pretrained(folder)`` reads, made without a download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(folder)

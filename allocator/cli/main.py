@@ -1,4 +1,5 @@
-"""Command line: ``allocator plan``, ``allocator fit``, ``allocator demo`` and ``allocator profile``.
+"""Command line: ``allocator plan``, ``allocator fit``, ``allocator demo``, ``allocator profile`` and
+``allocator profile-experts``.
 
 ::
 
@@ -12,7 +13,12 @@
                          [--margin 0.1] [--limit-positions] [--json FILE|-] [--quiet]
     allocator demo [--model t5-base] [--strategy auto]
     allocator profile [--out FILE] [--folder DIR]
+    allocator profile-experts FOLDER --prompts FILE --out FILE [--max-new-tokens N] [--max-memory ...]
+                              [--trust-remote-code] [--quiet]
     allocator --version
+
+``profile-experts`` is the one command that reads weights: it loads ``FOLDER`` (saved with ``save_pretrained``, its
+tokenizer beside it), runs it on each line of ``--prompts`` and writes the routing counts ``--expert-profile`` reads.
 
 ``SOURCE`` is a local model folder holding a ``config.json``, a ``config.json`` path, or a built-in example
 (``allocator plan --list``). Models are built from their config on the meta device: nothing is downloaded and no
@@ -37,6 +43,7 @@ from ..errors import MAX_MESSAGE, AllocatorError, one_line
 from ..problem import RUNTIMES
 from ..strategies import STRATEGIES
 from .commands import cmd_demo, cmd_fit, cmd_plan, cmd_profile
+from .record import cmd_profile_experts
 
 __all__ = ["main"]
 
@@ -58,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     strategies = ", ".join(STRATEGIES)
     parser = _Parser(prog="allocator", description="Plan where each part of a model lives: accelerators, RAM, disk.")
     parser.add_argument("--version", action="version", version=f"allocator {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,fit,demo,profile}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,fit,demo,profile,profile-experts}")
     p = sub.add_parser("plan", help="plan a model folder, a config.json or a built-in example",
                        description="Plan a model built on the meta device from its config (nothing is downloaded).")
     p.add_argument("source", nargs="?", help="a folder with config.json, a config.json, or a built-in example name")
@@ -131,6 +138,20 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--folder", metavar="DIR",
                    help="where the disk test file is written (default: the temporary folder); use the disk that "
                         "will hold offloaded weights")
+    e = sub.add_parser("profile-experts", help="record how often each routed expert is picked on your prompts",
+                       description="Load a mixture-of-experts model folder with its weights and tokenizer, run it on "
+                                   "each line of --prompts, and write the routing counts that 'allocator plan "
+                                   "--runtime allocator --expert-profile FILE' reads (allocator.profile_experts).")
+    e.add_argument("source", metavar="FOLDER", help="a folder saved with save_pretrained, weights and tokenizer")
+    e.add_argument("--prompts", metavar="FILE", required=True, help="a UTF-8 text file, one prompt per line")
+    e.add_argument("--out", metavar="FILE", required=True, help="where the expert profile is written (JSON)")
+    e.add_argument("--max-new-tokens", type=int, default=0, metavar="N",
+                   help="also count the routing of N tokens generated greedily after each prompt (default 0)")
+    e.add_argument("--max-memory", metavar="DEV=SIZE,...",
+                   help="budgets the model is loaded under (device_map='auto' with allocator's plan; default: what "
+                        "this machine has)")
+    e.add_argument("--trust-remote-code", action="store_true", help="let transformers run the folder's own code")
+    e.add_argument("--quiet", action="store_true", help="no status line on stderr")
     return parser
 
 
@@ -141,7 +162,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    commands = {"plan": cmd_plan, "fit": cmd_fit, "demo": cmd_demo, "profile": cmd_profile}
+    commands = {"plan": cmd_plan, "fit": cmd_fit, "demo": cmd_demo, "profile": cmd_profile,
+                "profile-experts": cmd_profile_experts}
     # The report states violations itself: keep the library's warnings about them off stderr, without touching
     # the caller's logging configuration (main also runs inside notebooks and tests).
     library = logging.getLogger("allocator")
