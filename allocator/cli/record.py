@@ -114,7 +114,7 @@ def summary(profile: ExpertProfile, prompts: int) -> str:
 
     >>> print(summary(ExpertProfile({"a": (6, 1, 1, 0), "b": (2, 2, 2, 2)}, tokens=4), 1))
     4 tokens over 1 prompt; 2 mixture-of-experts layers of 4 experts
-    the most used quarter of each layer's experts took 50%-75% of its routings (25% if routing were uniform)
+    the most used quarter of each layer's experts took 25%-75% of its routings (25% if routing were uniform)
     """
     rows = [sorted(row, reverse=True) for row in profile.counts.values() if sum(row)]
     sizes = sorted({len(row) for row in profile.counts.values()})
