@@ -12,7 +12,14 @@ hidden sizes and layers scaled down to run here; float32, random weights (seeded
 - ``ours-experts``: ``plan(runtime="allocator")`` (experts as units: all that runs for every token in RAM, experts
   modules on disk, the RAM left holding experts, uniform use) and ``attach``: only the routed experts are read;
 - ``ours-profiled``: the same with ``expert_profile=allocator.profile_experts(ram model, [the prompt and the greedy
-  tokens of the reference])``.
+  tokens of the reference])``;
+- ``ours-patch``: the path users take, ``with allocator.patch(runtime="allocator"): from_pretrained(device_map="auto",
+  max_memory=...)``: the plan is made inside ``from_pretrained`` and the runtime attached with it
+  (``allocator.offload.runtime_of(model)`` returns it); ``ours-patch-profiled`` the same with ``expert_profile=``.
+
+``vs_transformers`` is the ``transformers`` row's warm decode time over the row's, measured in the same run;
+``resident_experts`` the experts the attached runtime keeps resident and ``resident_share`` the share of the routed
+experts it ran that were resident (``Traffic.resident / Traffic.routed`` over the row's forwards).
 
 All loaded with ``experts_implementation="eager"`` (the runtime's experts implementation replaces it where it
 attaches). Measured per row, one thread for torch, ``torch.no_grad``: prefill of a ``--prompt``-token prompt (median
@@ -161,6 +168,8 @@ def measure(name: str, family: str, fields: dict, args, work: Path) -> list[dict
         "ours-experts": lambda off: _attached(folder, off, allocator.plan(meta, budget, runtime="allocator")),
         "ours-profiled": lambda off: _attached(folder, off, allocator.plan(meta, budget, runtime="allocator",
                                                                             expert_profile=profile)),
+        "ours-patch": lambda off: _patched(folder, off, budget),
+        "ours-patch-profiled": lambda off: _patched(folder, off, budget, expert_profile=profile),
     }
     for row, make in configs.items():
         with tempfile.TemporaryDirectory(dir=work) as off:
@@ -173,9 +182,19 @@ def measure(name: str, family: str, fields: dict, args, work: Path) -> list[dict
             if runtime is not None:
                 offload.detach(model)
             del model
+    theirs = next(r["decode_ms"] for r in rows if r["row"] == "transformers")
+    for r in rows:
+        r["vs_transformers"] = round(theirs / r["decode_ms"], 2) if r["decode_ms"] else ""
     if args.standin and name.startswith("qwen3"):
         rows += standin(name, folder, meta, budget, prompt, args, work)
     return rows
+
+
+def _patched(folder, off, budget, **keywords):
+    """The path users take: ``patch(runtime="allocator")`` around ``from_pretrained(device_map="auto")``."""
+    with allocator.patch(runtime="allocator", **keywords):
+        model = _load(folder, "auto", off, max_memory=budget)
+    return model, offload.runtime_of(model)
 
 
 def _attached(folder, off, plan, experts=None):
@@ -184,15 +203,16 @@ def _attached(folder, off, plan, experts=None):
 
 
 def _row(model, row, total, budget, prefill_s, warm, cold, reads, got, want, runtime) -> dict:
-    resident = ""
+    resident = share = ""
     if runtime is not None and runtime.experts:
         resident = sum(len(r.rows) for r in runtime.experts.values())
+        share = round(runtime.traffic.resident / runtime.traffic.routed, 3) if runtime.traffic.routed else 0.0
     return dict(model=model, row=row, model_mib=round(total / 2 ** 20, 1),
                 ram_budget_mib=round(budget["cpu"] / 2 ** 20, 1),
                 prefill_ms=round(prefill_s * 1e3, 2), decode_ms=round(statistics.median(warm) * 1e3, 2),
                 decode_cold_ms=round(statistics.median(cold) * 1e3, 2) if cold else "",
                 disk_kib_per_token=round(statistics.mean(reads) / 1024, 1) if reads else "",
-                resident_experts=resident, tokens_equal=got == want)
+                resident_experts=resident, resident_share=share, tokens_equal=got == want)
 
 
 def standin(name, folder, meta, budget, prompt, args, work) -> list[dict]:

@@ -22,9 +22,9 @@ SMALL = {
 }
 
 
-def small_model(family: str, layers: int = 2, **extra):
-    """A real model of ``family`` from a small config, built on the CPU (seeded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def small_config(family: str, layers: int = 2, **extra):
+    """The small config of ``family`` (``SMALL``): hidden 64, vocab 128, top-2, ``layers`` layers."""
+    from transformers import AutoConfig
 
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, head_dim=16)
@@ -32,6 +32,25 @@ def small_model(family: str, layers: int = 2, **extra):
     if family == "gpt_oss":
         base["layer_types"] = ["full_attention"] * layers
     base.update(extra)
-    config = AutoConfig.for_model(family, **base)
+    return AutoConfig.for_model(family, **base)
+
+
+def small_model(family: str, layers: int = 2, **extra):
+    """A real model of ``family`` from a small config, built on the CPU (seeded)."""
+    from transformers import AutoModelForCausalLM
+
+    config = small_config(family, layers, **extra)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def save_tokenizer(folder, vocab_size: int = 128) -> None:
+    """A word-level tokenizer of ``vocab_size`` words (``w0`` ... and ``[UNK]`` as id 0) saved in ``folder``: what
+    ``AutoTokenizer.from_pretrained(folder)`` reads, made without a download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(folder)

@@ -1,5 +1,7 @@
-"""benchmarks/moe.py --smoke (issue #33): every row's greedy tokens equal the in-RAM model's; the stand-in copies
-exactly the routed experts that are not resident, or (computed on the CPU) none."""
+"""benchmarks/moe.py --smoke (issues #33, #39): every row's greedy tokens equal the in-RAM model's; the rows through
+``patch(runtime="allocator")`` + ``from_pretrained`` keep the same experts resident and serve the same share of routed
+experts from them as ``plan`` + ``attach``; the stand-in copies exactly the routed experts that are not resident, or
+(computed on the CPU) none."""
 
 from __future__ import annotations
 
@@ -27,9 +29,16 @@ def test_moe_benchmark_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(tmp_path / "moe_smoke.csv", newline="") as fh:
         rows = {r["row"]: r for r in csv.DictReader(fh)}
-    assert {"ram", "transformers", "ours-whole", "ours-experts", "ours-profiled"} <= set(rows)
-    assert all(rows[r]["tokens_equal"] == "True" for r in ("transformers", "ours-whole", "ours-experts",
-                                                           "ours-profiled"))
+    ours = ("ours-whole", "ours-experts", "ours-profiled", "ours-patch", "ours-patch-profiled")
+    assert {"ram", "transformers", *ours} <= set(rows)
+    assert all(rows[r]["tokens_equal"] == "True" for r in ("transformers", *ours))
+    for patched, explicit in (("ours-patch", "ours-experts"), ("ours-patch-profiled", "ours-profiled")):
+        for key in ("resident_experts", "resident_share", "disk_kib_per_token"):
+            assert rows[patched][key] == rows[explicit][key], (patched, key)
+    assert int(rows["ours-patch"]["resident_experts"]) > 0
+    assert float(rows["ours-patch-profiled"]["resident_share"]) > float(rows["ours-patch"]["resident_share"])
+    assert float(rows["transformers"]["vs_transformers"]) == 1.0
+    assert all(float(rows[r]["vs_transformers"]) > 0 for r in ours)
     fetch, compute = rows["standin-fetch"], rows["standin-compute"]
     assert float(fetch["copied_kib_per_token"]) == float(fetch["routed_nonresident_kib_per_token"]) > 0
     assert float(compute["copied_kib_per_token"]) == 0 < float(compute["activations_kib_per_token"])

@@ -1,9 +1,13 @@
-"""Command line: ``allocator plan``, ``allocator fit``, ``allocator demo`` and ``allocator profile``
-(:mod:`allocator.cli.main` holds the parser; see its notes for the commands and their options).
+"""Command line: ``allocator plan``, ``allocator fit``, ``allocator demo``, ``allocator profile`` and
+``allocator profile-experts`` (:mod:`allocator.cli.main` holds the parser; see its notes for the commands and their
+options).
 
 - :mod:`~allocator.cli.arguments`: the parsers of ``--max-memory``, ``--generation``, ``--inputs``, ``--dtype``;
 - :mod:`~allocator.cli.render`: device tables, the comparison with accelerate, plots;
+- :mod:`~allocator.cli.moe`: what ``plan --runtime allocator`` prints: the runtime, the experts per layer, the
+  every-token parts;
 - :mod:`~allocator.cli.commands`: one function per command;
+- :mod:`~allocator.cli.record`: ``allocator profile-experts`` (the one command that loads weights);
 - :mod:`~allocator.cli.main`: the argparse parser and :func:`main`.
 
 Models are built by :func:`allocator.model.load.load_model` (library code: a folder, a ``config.json`` or a built-in

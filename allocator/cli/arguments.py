@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 
 from ..budgets import parse_budgets, small_bare_number
-from ..errors import InvalidBudget, InvalidOption
+from ..errors import InvalidBudget, InvalidOption, one_line
+from ..model.expert_profile import ExpertProfile
+from ..model.experts import find_experts
 from ..model.generation import GenerationBudget
 from ..profile import Profile
 
-__all__ = ["parse_generation", "parse_inputs", "parse_max_memory", "load_profile", "check_writable"]
+__all__ = ["parse_generation", "parse_inputs", "parse_max_memory", "load_profile", "load_expert_profile",
+           "check_writable"]
 
 
 def parse_generation(text: str):
@@ -99,6 +102,44 @@ def parse_max_memory(text: str) -> dict:
 def load_profile(path: str):
     """The :class:`~allocator.Profile` stored in ``path`` by ``allocator profile --out`` (:meth:`Profile.load`)."""
     return Profile.load(path)
+
+
+def load_expert_profile(path: str, model) -> ExpertProfile:
+    """The :class:`~allocator.ExpertProfile` in ``path`` (``--expert-profile``), checked against ``model``: it must
+    name the model's mixture-of-experts layers with their numbers of experts.
+
+    Raises
+    ------
+    InvalidOption
+        A file that cannot be read or is not an expert profile, a model without mixture-of-experts layers, or a
+        profile of another model (no layer in common, or another number of experts).
+    """
+    hint = "record one for this model with allocator.profile_experts(model, batches).save(FILE)"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as err:
+        raise InvalidOption(f"--expert-profile {path}: cannot read it ({one_line(err)}); {hint}.") from None
+    try:
+        profile = ExpertProfile.from_json(text)
+    except InvalidOption as err:   # JSON, of another kind: the reader's own words say which format it expects
+        raise InvalidOption(f"--expert-profile {path}: {err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:   # not JSON, or its counts malformed
+        raise InvalidOption(f"--expert-profile {path} is not an expert profile ({one_line(err)}); {hint}.") from None
+    layers = {layer.experts: layer.num_experts for layer in find_experts(model)}
+    if not layers:
+        raise InvalidOption(f"--expert-profile {path}: {type(model).__name__} has no mixture-of-experts layer, so "
+                            "there are no experts to place; drop --expert-profile.")
+    common = [name for name in profile.counts if name in layers]
+    if not common:
+        raise InvalidOption(f"--expert-profile {path} names none of {type(model).__name__}'s mixture-of-experts "
+                            f"layers (it names {', '.join(sorted(profile.counts)[:2]) or 'none'}, the model has "
+                            f"{next(iter(layers))}, ...): it was recorded on another model; {hint}.")
+    for name in common:
+        if len(profile.counts[name]) != layers[name]:
+            raise InvalidOption(f"--expert-profile {path} counts {len(profile.counts[name])} experts for {name}, "
+                                f"which has {layers[name]}: it was recorded on another model; {hint}.")
+    return profile
 
 
 def check_writable(path: str | None, flag: str) -> None:

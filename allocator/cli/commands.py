@@ -19,7 +19,10 @@ from ..report.schema import SCHEMA, read
 from ..problem import build_problem
 from ..profile import Profile
 from ..strategies import resolve
-from .arguments import check_writable, load_profile, parse_generation, parse_inputs, parse_max_memory
+from .arguments import (
+    check_writable, load_expert_profile, load_profile, parse_generation, parse_inputs, parse_max_memory,
+)
+from .moe import runtime_report
 from .status import Status
 from .render import (
     align, align_left, budget_spec, compare_text, device_table, dtype_line, dtype_name, empty_accelerators,
@@ -76,6 +79,7 @@ def cmd_plan(args) -> int:
     if args.from_json is not None and args.max_memory is not None:
         raise InvalidOption("--from-json checks a saved plan under the budgets it was made with; drop --max-memory "
                             "(or plan again without --from-json).")
+    _check_runtime_flags(args)
     saved = read_saved(args.from_json) if args.from_json is not None else None
     max_memory = parse_max_memory(args.max_memory) if args.max_memory is not None else None
     resolve(args.strategy)
@@ -92,9 +96,11 @@ def cmd_plan(args) -> int:
         ours = Plan.from_dict(saved, loaded.model, **keep)
     else:
         status.say(f"planning {args.source}...")
+        runtime = dict(runtime=args.runtime, prefetch=args.prefetch, expert_profile=(
+            load_expert_profile(args.expert_profile, loaded.model) if args.expert_profile is not None else None))
         try:
             ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True,
-                        **options)
+                        **options, **runtime)
         except InfeasiblePlacement as err:
             raise _with_tokens(err, loaded.model, max_memory, options, args.strategy) from None
     theirs = _baseline(loaded.model, max_memory, options) if args.compare and saved is None else None
@@ -129,6 +135,23 @@ def cmd_plan(args) -> int:
         print(f"\nthe saved plan breaks {len(ours.violations)} runtime rule(s) on this model (listed above)")
         return 1
     return 0
+
+
+def _check_runtime_flags(args) -> None:
+    """``--expert-profile`` and ``--prefetch`` say what our runtime does: they need ``--runtime allocator``; a saved
+    plan (``--from-json``) carries its runtime."""
+    given = [flag for flag, value in (("--expert-profile", args.expert_profile), ("--prefetch", args.prefetch))
+             if value is not None]
+    if args.from_json is not None and (given or args.runtime != "accelerate"):
+        raise InvalidOption(f"--from-json checks a saved plan with the runtime it was made for; drop "
+                            f"{' and '.join(given or ['--runtime'])} (or plan again without --from-json).")
+    if given and args.runtime != "allocator":
+        raise InvalidOption(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --runtime allocator: "
+                            "they say what allocator's offload runtime does (accelerate's hooks keep experts with "
+                            "their module and prefetch nothing).")
+    if args.prefetch is not None and args.prefetch < 0:
+        raise InvalidOption(f"--prefetch is a number of offloaded modules made ready ahead, 0 or more, got "
+                            f"{args.prefetch}; e.g. --prefetch 1.")
 
 
 def cmd_fit(args) -> int:
@@ -249,6 +272,9 @@ def _report(args, loaded, ours, patterns, default_budgets: bool) -> None:
     if ours.problem.generation is not None:
         print()
         print(generation_table(ours))
+    if ours.runtime.streams:
+        print()
+        print(runtime_report(ours, loaded.model))
     if args.explain:
         print()
         print(ours.explain())

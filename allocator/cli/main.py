@@ -1,17 +1,24 @@
-"""Command line: ``allocator plan``, ``allocator fit``, ``allocator demo`` and ``allocator profile``.
+"""Command line: ``allocator plan``, ``allocator fit``, ``allocator demo``, ``allocator profile`` and
+``allocator profile-experts``.
 
 ::
 
     allocator plan SOURCE [--max-memory 0=20GiB,1=20GiB,cpu=64GiB] [--dtype bf16] [--strategy auto]
                           [--compare] [--explain] [--json FILE|-] [--from-json FILE] [--plot FILE] [--profile FILE]
                           [--inputs input_ids=1x512] [--generation 1,4096] [--optimize prefill|decode]
+                          [--runtime accelerate|allocator] [--expert-profile FILE] [--prefetch N]
                           [--trust-remote-code] [--quiet]
     allocator plan --list
     allocator fit SOURCE --max-memory 0=24GiB [--batch-size 1 | --batch --context 8192] [--target 65536]
                          [--margin 0.1] [--limit-positions] [--json FILE|-] [--quiet]
     allocator demo [--model t5-base] [--strategy auto]
     allocator profile [--out FILE] [--folder DIR]
+    allocator profile-experts FOLDER --prompts FILE --out FILE [--max-new-tokens N] [--max-memory ...]
+                              [--trust-remote-code] [--quiet]
     allocator --version
+
+``profile-experts`` is the one command that reads weights: it loads ``FOLDER`` (saved with ``save_pretrained``, its
+tokenizer beside it), runs it on each line of ``--prompts`` and writes the routing counts ``--expert-profile`` reads.
 
 ``SOURCE`` is a local model folder holding a ``config.json``, a ``config.json`` path, or a built-in example
 (``allocator plan --list``). Models are built from their config on the meta device: nothing is downloaded and no
@@ -33,8 +40,10 @@ import warnings
 
 from .. import __version__
 from ..errors import MAX_MESSAGE, AllocatorError, one_line
+from ..problem import RUNTIMES
 from ..strategies import STRATEGIES
 from .commands import cmd_demo, cmd_fit, cmd_plan, cmd_profile
+from .record import cmd_profile_experts
 
 __all__ = ["main"]
 
@@ -56,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     strategies = ", ".join(STRATEGIES)
     parser = _Parser(prog="allocator", description="Plan where each part of a model lives: accelerators, RAM, disk.")
     parser.add_argument("--version", action="version", version=f"allocator {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,fit,demo,profile}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,fit,demo,profile,profile-experts}")
     p = sub.add_parser("plan", help="plan a model folder, a config.json or a built-in example",
                        description="Plan a model built on the meta device from its config (nothing is downloaded).")
     p.add_argument("source", nargs="?", help="a folder with config.json, a config.json, or a built-in example name")
@@ -87,6 +96,16 @@ def _parser() -> argparse.ArgumentParser:
                         "decoding step: needs --inputs and --generation)")
     p.add_argument("--generation", metavar="BATCH,MAX_LENGTH[,PROMPT]",
                    help="keep room for generate: KV cache, logits and activations (allocator.GenerationBudget)")
+    p.add_argument("--runtime", default="accelerate", choices=RUNTIMES,
+                   help="what will run the offloaded weights: accelerate (default: accelerate's hooks, as "
+                        "from_pretrained loads) or allocator (allocator.offload, as patch(runtime='allocator') loads: "
+                        "routed experts placed one by one, prefetch); prints where each expert and every-token part "
+                        "went")
+    p.add_argument("--expert-profile", metavar="FILE",
+                   help="with --runtime allocator: routing counts saved by allocator.profile_experts(...).save(FILE); "
+                        "the most used experts are kept resident (default: uniform use)")
+    p.add_argument("--prefetch", type=int, metavar="N",
+                   help="with --runtime allocator: offloaded modules made ready ahead (default: the plan decides)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model folder's own code, for a config whose auto_map names it")
     p.add_argument("--quiet", action="store_true", help="no status line on stderr while the model is built and planned")
@@ -119,6 +138,20 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--folder", metavar="DIR",
                    help="where the disk test file is written (default: the temporary folder); use the disk that "
                         "will hold offloaded weights")
+    e = sub.add_parser("profile-experts", help="record how often each routed expert is picked on your prompts",
+                       description="Load a mixture-of-experts model folder with its weights and tokenizer, run it on "
+                                   "each line of --prompts, and write the routing counts that 'allocator plan "
+                                   "--runtime allocator --expert-profile FILE' reads (allocator.profile_experts).")
+    e.add_argument("source", metavar="FOLDER", help="a folder saved with save_pretrained, weights and tokenizer")
+    e.add_argument("--prompts", metavar="FILE", required=True, help="a UTF-8 text file, one prompt per line")
+    e.add_argument("--out", metavar="FILE", required=True, help="where the expert profile is written (JSON)")
+    e.add_argument("--max-new-tokens", type=int, default=0, metavar="N",
+                   help="also count the routing of N tokens generated greedily after each prompt (default 0)")
+    e.add_argument("--max-memory", metavar="DEV=SIZE,...",
+                   help="budgets the model is loaded under (device_map='auto' with allocator's plan; default: what "
+                        "this machine has)")
+    e.add_argument("--trust-remote-code", action="store_true", help="let transformers run the folder's own code")
+    e.add_argument("--quiet", action="store_true", help="no status line on stderr")
     return parser
 
 
@@ -129,7 +162,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    commands = {"plan": cmd_plan, "fit": cmd_fit, "demo": cmd_demo, "profile": cmd_profile}
+    commands = {"plan": cmd_plan, "fit": cmd_fit, "demo": cmd_demo, "profile": cmd_profile,
+                "profile-experts": cmd_profile_experts}
     # The report states violations itself: keep the library's warnings about them off stderr, without touching
     # the caller's logging configuration (main also runs inside notebooks and tests).
     library = logging.getLogger("allocator")
