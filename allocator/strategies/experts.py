@@ -90,11 +90,13 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         return _kept(placement, _why_not(problem, units, homes, layers))
     moved, mapped = found
     memory = check(problem, mapped)[1]
-    limit = problem.budgets.limit(main)
-    room = (limit - memory.peak.get(main, 0)) if limit is not None else 0
-    experts, resident, chosen = _residents(problem, layers, mapped, main, max(room, 0))
+    holders = [d for d in problem.budgets.accelerators if problem.budgets.limit(d) is not None] or [main]
+    rooms = {d: max(problem.budgets.limit(d) - memory.peak.get(d, 0), 0) if problem.budgets.limit(d) is not None
+             else 0 for d in holders}
+    experts, held = _residents(problem, layers, mapped, rooms)
     tier = fast_tier(problem.budgets)
-    have = fast_bytes(problem, map_runs(problem.graph, mapped)) + (resident if main in tier else 0)
+    resident, chosen = sum(b for b, _ in held.values()), sum(n for _, n in held.values())
+    have = fast_bytes(problem, map_runs(problem.graph, mapped)) + sum(b for d, (b, _) in held.items() if d in tier)
     need = floor(problem)
     if have < need:
         return _kept(placement, f"apart from their layers the experts would leave {format_bytes(need - have)} "
@@ -104,10 +106,12 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         return _kept(placement, worse)
     total = sum(m.num_experts for m in layers)
     source = "the expert profile" if problem.expert_profile is not None else "uniform use (no expert profile)"
+    on = ", ".join(f"{n} on {d!r} ({format_bytes(b)})" for d, (b, n) in held.items() if n)
     text = (f"experts of {len(layers)} mixture-of-experts layers as units: attention, norms, routers and shared "
             f"experts first ({moved} modules moved to {_target(problem, dense, main)!r}), then {chosen} of {total} "
-            f"experts resident on {main!r} ({format_bytes(resident)}, most used per byte by {source}); the others "
-            f"stay on {sorted({d for row in experts.values() for d in row if d != main}, key=str)} and the runtime "
+            f"experts resident, most used per byte by {source}, over the accelerators in index order: "
+            f"{on or 'none'}; the others stay on "
+            f"{sorted({d for row in experts.values() for d in row if d not in held}, key=str)} and the runtime "
             "fetches or computes them where they live when routed")
     result = replace(placement, device_map=problem.cleaned(mapped), experts=experts,
                      exempt=placement.exempt | {"floor"})
@@ -115,7 +119,8 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     text += (f"; estimated {ours.seconds * 1e3:.3f} ms per forward of {step_tokens(problem)} tokens "
              f"({format_bytes(ours.streamed_bytes)} streamed), against {theirs.seconds * 1e3:.3f} ms "
              f"({format_bytes(theirs.streamed_bytes)}) with the experts in their layers")
-    decision = Decision("experts", text, devices=(main,), units=tuple(m.experts for m in layers), bytes=resident,
+    decision = Decision("experts", text, devices=tuple(d for d, (_, n) in held.items() if n) or (main,),
+                        units=tuple(m.experts for m in layers), bytes=resident,
                         bound="budget")
     return replace(result, decisions=placement.decisions + (decision,))
 
@@ -267,10 +272,11 @@ def _largest(n: int, ok) -> int | None:
     return lo
 
 
-def _residents(problem: Problem, layers, mapped: dict, main: Device, room: int) -> tuple[dict, int, int]:
-    """Each experts module's devices per expert, the resident bytes and how many: the experts with the most
-    expected routings per byte (``top_k`` x share / bytes) while they fit in ``room`` on ``main``; ties go round
-    the layers (expert index first), so uniform use spreads residents evenly."""
+def _residents(problem: Problem, layers, mapped: dict, rooms: dict) -> tuple[dict, dict]:
+    """Each experts module's devices per expert, and per device of ``rooms`` (free bytes per accelerator in index
+    order, or the CPU main device) the resident bytes and count: the experts with the most expected routings per
+    byte (``top_k`` x share / bytes), each on the first device in order where it still fits; ties go round the
+    layers (expert index first), so uniform use spreads residents evenly."""
     sizes = [expert_bytes(problem, m) for m in layers]
     value, order_layer, order_expert = [], [], []
     for li, m in enumerate(layers):
@@ -282,12 +288,18 @@ def _residents(problem: Problem, layers, mapped: dict, main: Device, room: int) 
     value, order_layer, order_expert = map(np.concatenate, (value, order_layer, order_expert))
     order = np.lexsort((order_layer, order_expert, -value))
     rows = [[device_of(m.experts, mapped)] * m.num_experts for m in layers]
-    used = chosen = 0
+    free = dict(rooms)
+    held = {d: (0, 0) for d in rooms}
     for k in order:
         li, e = int(order_layer[k]), int(order_expert[k])
-        if value[k] < 0 or used + sizes[li] > room:
+        if value[k] < 0:
             continue
-        rows[li][e] = main
-        used += sizes[li]
-        chosen += 1
-    return {m.experts: tuple(row) for m, row in zip(layers, rows)}, used, chosen
+        device = next((d for d in free if free[d] >= sizes[li]), None)
+        if device is None:
+            if all(free[d] < min(sizes) for d in free):
+                break
+            continue
+        rows[li][e] = device
+        free[device] -= sizes[li]
+        held[device] = (held[device][0] + sizes[li], held[device][1] + 1)
+    return {m.experts: tuple(row) for m, row in zip(layers, rows)}, held
