@@ -84,13 +84,16 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         return placement
     main = memory.main
     units, homes = _units(problem, dense, layers)
-    homes_cpu = "cpu" if is_accelerator(main) and problem.budgets.limit("cpu") is not None else "disk"
-    found = _with_experts_away(problem, units, homes, layers, main, homes_cpu)
+    # every experts module is read from its file (mapped to disk): the runtime keeps each expert where the plan
+    # puts it (an accelerator, RAM, or the file), so an expert is counted once, where it lives
+    found = _with_experts_away(problem, units, homes, layers, main, "disk")
     if found is None:
         return _kept(placement, _why_not(problem, units, homes, layers))
     moved, mapped = found
     memory = check(problem, mapped)[1]
     holders = [d for d in problem.budgets.accelerators if problem.budgets.limit(d) is not None] or [main]
+    if is_accelerator(main) and problem.budgets.limit("cpu") is not None:
+        holders.append("cpu")   # then RAM (the runtime holds those slices there), then disk
     rooms = {d: max(problem.budgets.limit(d) - memory.peak.get(d, 0), 0) if problem.budgets.limit(d) is not None
              else 0 for d in holders}
     experts, held = _residents(problem, layers, mapped, rooms)
@@ -108,8 +111,8 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     source = "the expert profile" if problem.expert_profile is not None else "uniform use (no expert profile)"
     on = ", ".join(f"{n} on {d!r} ({format_bytes(b)})" for d, (b, n) in held.items() if n)
     text = (f"experts of {len(layers)} mixture-of-experts layers as units: attention, norms, routers and shared "
-            f"experts first ({moved} modules moved to {_target(problem, dense, main)!r}), then {chosen} of {total} "
-            f"experts resident, most used per byte by {source}, over the accelerators in index order: "
+            f"experts first ({moved} modules moved to the accelerator before them), then {chosen} of {total} "
+            f"experts resident, most used per byte by {source}, over the accelerators in index order, then RAM: "
             f"{on or 'none'}; the others stay on "
             f"{sorted({d for row in experts.values() for d in row if d not in held}, key=str)} and the runtime "
             "fetches or computes them where they live when routed")
@@ -205,6 +208,20 @@ def _target(problem: Problem, dense: dict, main: Device) -> Device:
     return sequence[-1] if sequence else main
 
 
+def _targets(units, homes, offloaded, last: Device) -> list:
+    """Per unit, where an offloaded every-token part goes: the accelerator of the last resident every-token part
+    before it (index order holds along the model), the first accelerator the map uses before any; ``last`` (the
+    main device) where the map uses none."""
+    resident = [h for (_, is_experts), h in zip(units, homes) if not is_experts and h not in offloaded]
+    current = resident[0] if resident else last
+    out = []
+    for (_, is_experts), home in zip(units, homes):
+        if not is_experts and home not in offloaded:
+            current = home
+        out.append(current)
+    return out
+
+
 def _map(units, devices) -> dict:
     return {name: device for (name, _), device in zip(units, devices) if device is not None}
 
@@ -213,8 +230,8 @@ def _with_experts_away(problem: Problem, units, homes, layers, main: Device, awa
     """The map with every experts module on ``away`` (the last ones on disk where RAM is short) and the largest
     prefix of the other offloaded units moved to the target device that keeps every runtime rule; ``None`` where no
     such map exists. Returns ``(units moved, map)``."""
-    target = _target(problem, dict(zip((u for u, _ in units), homes)), main)
     offloaded = offloaded_devices(main)
+    targets = _targets(units, homes, offloaded, _target(problem, dict(zip((u for u, _ in units), homes)), main))
     experts_at = [i for i, (_, is_experts) in enumerate(units) if is_experts]
 
     def devices(on_away: int, moved: int) -> list:
@@ -226,7 +243,7 @@ def _with_experts_away(problem: Problem, units, homes, layers, main: Device, awa
             if not is_experts and out[i] in offloaded:
                 if count >= moved:
                     break
-                out[i] = target
+                out[i] = targets[i]
                 count += 1
         return out
 
