@@ -109,7 +109,7 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         return _kept(placement, worse)
     total = sum(m.num_experts for m in layers)
     source = "the expert profile" if problem.expert_profile is not None else "uniform use (no expert profile)"
-    on = ", ".join(f"{n} on {d!r} ({format_bytes(b)})" for d, (b, n) in held.items() if n)
+    on = ", ".join(f"{n} resident on {d!r} ({format_bytes(b)})" for d, (b, n) in held.items() if n)
     text = (f"experts of {len(layers)} mixture-of-experts layers as units: attention, norms, routers and shared "
             f"experts first ({moved} modules moved to the accelerator before them), then {chosen} of {total} "
             f"experts resident, most used per byte by {source}, over the accelerators in index order, then RAM: "
