@@ -34,9 +34,9 @@ from ..rules.dispatch import (
 )
 from .runs import Run, columns, expand, first_device, pieces, runs
 
-__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "fetch_chunk", "fetch_reserves", "main_device", "map_runs", "moves",
-           "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "prefetch_of", "prefetch_reserve",
-           "runs_on", "streamed_chain", "streams_held", "workspace"]
+__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "fetch_chunk", "fetch_reserves", "main_device",
+           "map_runs", "moves", "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "prefetch_of",
+           "prefetch_reserve", "runs_on", "streamed_chain", "streams_held", "workspace"]
 
 RUNS = Key("runs")
 

@@ -187,7 +187,7 @@ def test_experts_over_two_stand_in_accelerators_equal_eager(saved, mode):
     try:
         assert {r.home for r in runtime.experts.values()} == {0, 1}
         _same(ref, model)
-        t, size = runtime.traffic, _expert_bytes(runtime)
+        t = runtime.traffic
         assert t.routed == t.resident + t.fetched + t.computed + t.remote and t.resident > 0
         copies = [n for kind, *rest in runtime.device.log if kind == "copy" for n in rest]
         widest = max(m[0].numel() * m.element_size() for r in runtime.experts.values() for m in r.metas.values())
