@@ -270,8 +270,8 @@ def _why_not(problem: Problem, units, homes, layers) -> str:
     first = violations[0]
     extra = ""
     if first.kind == "no-split":
-        extra = (" (offloaded modules execute on the main device under accelerate's hooks, so a layer kept on "
-                 "another accelerator cannot leave its experts)")
+        extra = (" (list-type experts, or experts sharing tensors, stream to the main device under accelerate's "
+                 "hooks, so a layer kept on another accelerator keeps them; fused ones run for the layer's device)")
     return f"apart from their layers the experts break a runtime rule: {first}{extra}"
 
 
