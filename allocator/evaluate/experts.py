@@ -27,8 +27,7 @@ from .cost import Cost, copy_seconds, read_seconds
 from .memory import device_of, main_device, offloaded_devices
 from .runs import columns
 
-__all__ = ["expert_bytes", "expert_numel", "expert_shares", "resident_bytes", "routed_cost",
-           "step_tokens"]
+__all__ = ["expert_bytes", "expert_numel", "expert_shares", "resident_bytes", "routed_cost", "step_tokens"]
 
 log = logging.getLogger(__name__)
 

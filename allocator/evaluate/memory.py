@@ -27,16 +27,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..memo import Key
-from ..budgets import Device
+from ..budgets import Device, is_accelerator
 from ..model.graph import ModelGraph
 from ..rules.dispatch import (
     device_of, executes_on, hooks_attach, main_device, moves, moves_with_weights, offloaded_devices,
 )
 from .runs import Run, columns, expand, first_device, pieces, runs
 
-__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "main_device", "map_runs", "moves",
-           "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "prefetch_of", "prefetch_reserve",
-           "streamed_chain", "streams_held", "workspace"]
+__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "fetch_chunk", "fetch_reserves", "main_device",
+           "map_runs", "moves", "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "prefetch_of",
+           "prefetch_reserve", "runs_on", "streamed_chain", "streams_held", "workspace"]
 
 RUNS = Key("runs")
 
@@ -298,4 +298,47 @@ def _generation_bytes(graph: ModelGraph, found: list[Run], main: Device, offload
     executing = {executes_on(run.device, main, offloaded, hooks) for run in found if run.device is not None} | {main}
     for device in executing - {"disk"}:
         out[device] = out.get(device, 0) + workspace(graph, main=device == main)
+    return out
+
+
+def runs_on(problem, device_map: Mapping) -> dict:
+    """Experts module name -> the device its routed experts run for (the device of its layer, where the runtime
+    computes resident experts and brings fetched ones): the device of the layer's router where that is an
+    accelerator, else the main device (offloaded modules execute there). Only fused experts modules offloaded by
+    ``device_map`` (those :mod:`allocator.offload.experts` runs expert by expert) are named."""
+    main = main_device(set(device_map.values()))
+    offloaded = offloaded_devices(main)
+    out = {}
+    for layer in problem.moe:
+        if layer.kind != "fused" or layer.common or layer.experts not in problem.graph.node_index:
+            continue
+        if device_of(layer.experts, device_map) not in offloaded:
+            continue
+        router = device_of(layer.router or layer.block, device_map)
+        out[layer.experts] = router if router is not None and is_accelerator(router) else main
+    return out
+
+
+def fetch_chunk(layer) -> int:
+    """Experts the runtime fetches into one reused buffer at a time for ``layer`` (an
+    :class:`allocator.model.experts.MoELayer`) on an accelerator other than the main device: those a decoding step of
+    4 sequences can route (``4 * top_k``), at most all of them; a longer call fetches in turns of that many."""
+    return max(1, min(layer.num_experts, 4 * (layer.top_k or 1)))
+
+
+def fetch_reserves(problem, device_map: Mapping) -> dict:
+    """Bytes the runtime holds on each accelerator other than the main device for the routed experts it fetches
+    there (:func:`runs_on`): the largest :func:`fetch_chunk` of experts among the layers that run there. The main
+    device's share is in the streamed chain (:func:`allocator.evaluate.memory.peaks`)."""
+    main = main_device(set(device_map.values()))
+    layers = {m.experts: m for m in problem.moe}
+    cols = columns(problem.graph)
+    out: dict = {}
+    for name, device in runs_on(problem, device_map).items():
+        if device == main:
+            continue
+        layer = layers[name]
+        node = problem.graph.node_index[name]
+        whole = int(sum(problem.graph.tensors.nbytes[cols.first[node]:cols.last[node]]))
+        out[device] = max(out.get(device, 0), whole // layer.num_experts * fetch_chunk(layer))
     return out

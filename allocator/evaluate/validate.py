@@ -21,7 +21,8 @@ from ..rules.dispatch import ambiguous_main_device, device_objects, hooks_attach
 from ..rules.loaders import loads_device_objects, loads_disk_only, reads_disk_buffers, tie_loads
 from .runs import columns, devices_in
 from .memory import (
-    Memory, device_of, executes_on, extra_by_device, main_device, map_runs, offloaded_devices, peaks, prefetch_of,
+    Memory, device_of, executes_on, extra_by_device, fetch_reserves, main_device, map_runs, offloaded_devices, peaks,
+    prefetch_of,
 )
 
 __all__ = ["Violation", "check", "experts_apart", "peak_parts", "routed_spans", "validate", "normalize_map",
@@ -96,6 +97,8 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     found += _ties(problem, device_map, runs)
     memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers,
                    prefetch=prefetch_of(problem.options), skip=routed_spans(problem))
+    for device, nbytes in fetch_reserves(problem, device_map).items():   # routed experts fetched off the main device
+        memory.peak[device] = memory.peak.get(device, 0) + nbytes
     placed = set(device_map.values())
     for device, used in memory.peak.items():
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
@@ -308,29 +311,40 @@ def routed_spans(problem: Problem) -> tuple:
 
 
 def experts_apart(problem: Problem, runs: list, start: int, end: int, main) -> bool:
-    """Whether tensors ``start:end`` all execute on ``main``, with routed experts modules (``problem.moe``, read with
-    ``runtime="allocator"``) apart from the rest: the tensors outside experts modules on one device, ``main`` or
-    offloaded (:func:`allocator.rules.dispatch.offloaded_devices`), those inside on ``main`` or offloaded.
-    accelerate's hooks run an offloaded module on the main device, so such a module is not split across the
-    devices it executes on."""
+    """Whether tensors ``start:end`` all execute on one device, with routed experts modules (``problem.moe``, read
+    with ``runtime="allocator"``) apart from the rest: the tensors outside experts modules on one device, those inside
+    on that device or offloaded (:func:`allocator.rules.dispatch.offloaded_devices`). accelerate's hooks run an
+    offloaded module on the main device; the allocator runtime runs the routed experts of a fused experts module for
+    the device of its layer (:func:`allocator.evaluate.experts.runs_on`), so a layer resident on another accelerator
+    may offload those (not list-type experts, which accelerate's hooks stream to the main device)."""
     if not problem.moe or main is None:
         return False
     g = problem.graph
     cols = columns(g)
-    inside = [(cols.first[g.node_index[m.experts]], cols.last[g.node_index[m.experts]]) for m in problem.moe
-              if m.experts in g.node_index]
+    every = [(cols.first[g.node_index[m.experts]], cols.last[g.node_index[m.experts]]) for m in problem.moe
+             if m.experts in g.node_index]
     away = offloaded_devices(main)
-    rest = set()
+    rest = _apart(runs, start, end, every, away)[0]
+    if len(rest) > 1:
+        return False
+    executes = next(iter(rest)) if rest and not rest <= away else main
+    rest, experts_on = _apart(runs, start, end, every if executes == main else routed_spans(problem), away)
+    return len(rest) <= 1 and experts_on <= {executes}
+
+
+def _apart(runs: list, start: int, end: int, inside: list, away) -> tuple[set, set]:
+    """The devices of tensors ``start:end`` outside the ``inside`` ranges, and those inside them not in ``away``."""
+    rest, experts_on = set(), set()
     for run in runs:
         a, b = max(run.start, start), min(run.end, end)
         if a >= b:
             continue
         if any(lo <= a and b <= hi for lo, hi in inside):
-            if run.device != main and run.device not in away:
-                return False
+            if run.device not in away:
+                experts_on.add(run.device)
         else:
             rest.add(run.device)
-    return len(rest) <= 1 and rest <= {main} | away
+    return rest, experts_on
 
 
 def peak_parts(problem: Problem, device_map: Mapping, memory: Memory) -> dict:

@@ -102,6 +102,9 @@ class _CudaBackend:
 class _StandInBackend:
     """A CPU stand-in for a GPU: 'copies' are clones, streams and events log what they are asked to do."""
 
+    #: its "device" memory is RAM: every accelerator of a plan run on it is the CPU
+    on_host = True
+
     def __init__(self):
         self.log: list[tuple] = []
         self.staged = 0

@@ -101,6 +101,10 @@ class Traffic:
         Experts run: all of them, those resident, those fetched, those computed on the CPU.
     calls : int
         Forwards of experts modules.
+    remote : int
+        Experts resident on another accelerator than their layer's, computed there (activations moved).
+    peer : int
+        Bytes of experts resident on another accelerator copied to their layer's device (fetched from there).
     """
 
     copied: int = 0
@@ -111,6 +115,8 @@ class Traffic:
     fetched: int = 0
     computed: int = 0
     calls: int = 0
+    remote: int = 0
+    peer: int = 0
 
 
 @dataclass
@@ -135,6 +141,14 @@ class RoutedExperts:
         Parameter name -> ``[R, ...]`` tensor of the resident experts' slices on the main device.
     rows : dict
         Expert -> its row in :attr:`resident`.
+    home : object
+        The plan's device of the layer (:attr:`allocator.report.runtime.Runtime.runs_on`), where resident experts
+        run and fetched ones are brought; :attr:`main` is its torch device.
+    remote : dict
+        Expert -> ``(torch device, row)`` for experts resident on another accelerator (their slices in
+        :attr:`remote_tensors`): computed there or fetched, chosen per call.
+    chunk : int or None
+        Offloaded experts fetched into the reused buffer at a time (``None``: all routed ones at once).
     """
 
     layer: MoELayer
@@ -149,6 +163,10 @@ class RoutedExperts:
     resident: dict = field(default_factory=dict)
     rows: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)
+    home: object = None
+    remote: dict = field(default_factory=dict)
+    remote_tensors: dict = field(default_factory=dict)
+    chunk: int | None = None
 
     @property
     def accelerator(self) -> bool:
@@ -206,6 +224,42 @@ class RoutedExperts:
         index = torch.tensor(experts, dtype=torch.long)
         for name in self.sources:
             self.resident[name] = self._cast(self.host(name).index_select(0, index), name).to(self.main)
+
+    def keep_elsewhere(self, where: dict, torch_device) -> None:
+        """Hold the experts resident on other accelerators there (``where``: expert -> plan device;
+        ``torch_device`` maps a plan device to a torch device), and the slices of experts the plan keeps in RAM
+        (``"cpu"``) of a module read from its file in this process's memory (:meth:`MappedFile.keep`), so that
+        they are read from RAM, not the disk."""
+        import torch
+
+        by_device: dict = {}
+        for e, d in where.items():
+            by_device.setdefault(d, []).append(e)
+        for d, experts in by_device.items():
+            target = torch_device(d)
+            index = torch.tensor(experts, dtype=torch.long)
+            for name in self.sources:
+                self.remote_tensors[(d, name)] = self._cast(self.host(name).index_select(0, index), name).to(target)
+            self.remote.update({e: (d, target, i) for i, e in enumerate(experts)})
+        if not self.accelerator:
+            return
+        ram = [e for e, d in enumerate(self.where) if d == "cpu"]
+        for source in self.sources.values():
+            if source.file is None:
+                continue
+            per = (source.end - source.start) // self.layer.num_experts
+            for e in ram:
+                source.file.keep(source.start + e * per, source.start + (e + 1) * per)
+
+    def _peer_computes_there(self, tokens: int) -> bool:
+        """Whether an expert resident on another accelerator with ``tokens`` routed to it runs there (its
+        activations moved at ``device_to_device``) rather than being fetched (its slices moved): the cheaper
+        under ``mode="auto"``; the same compute either way."""
+        if self.mode != "auto":
+            return self.mode == "compute"
+        size = sum(self.metas[n][0].numel() * self.metas[n].element_size() for n in self.metas)
+        moved = 2 * tokens * self.layer.hidden * self.metas[next(iter(self.metas))].element_size()
+        return moved < size
 
     def _fetch(self, experts: list[int]) -> dict:
         """The slices of ``experts`` on the main device: one gather per tensor into a reused buffer (views into the
@@ -268,25 +322,43 @@ class RoutedExperts:
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             positions = {e: torch.where(top_k_index == e) for e in hit}
-        here = [e for e in hit if e not in self.rows and self._computes_here(e, int(positions[e][0].numel()))]
-        fetched = self._fetch([e for e in hit if e not in self.rows and e not in here]) if len(here) < len(
-            [e for e in hit if e not in self.rows]) else {}
+        away = [e for e in hit if e not in self.rows]
+        here = [e for e in away if e not in self.remote and self._computes_here(e, int(positions[e][0].numel()))]
+        there = [e for e in away if e in self.remote and self._peer_computes_there(int(positions[e][0].numel()))]
+        to_fetch = [e for e in away if e not in here and e not in there and e not in self.remote]
+        chunk = self.chunk or max(len(to_fetch), 1)
+        fetched: dict = {}
         for e in hit:   # in the eager forward's order: experts ascending
             token_idx, top_k_pos = positions[e]
+            moved_to = None
             if e in self.rows:
                 tensors = {n: t[self.rows[e]:self.rows[e] + 1] for n, t in self.resident.items()}
                 self.traffic.resident += 1
+            elif e in self.remote:
+                d, target, row = self.remote[e]
+                tensors = {n: self.remote_tensors[(d, n)][row:row + 1] for n in self.sources}
+                if e in there:
+                    moved_to = target
+                    self.traffic.remote += 1
+                else:   # fetched from the accelerator that holds it to the layer's
+                    tensors = {n: t.to(self.main) for n, t in tensors.items()}
+                    self.traffic.peer += sum(t.numel() * t.element_size() for t in tensors.values())
+                    self.traffic.fetched += 1
             elif e in here:
                 tensors = {n: self._cast(self.host(n)[e:e + 1], n) for n in self.sources}
+                moved_to = "cpu"
                 self.traffic.computed += 1
             else:
+                if e not in fetched.get(next(iter(self.sources)), {}):   # the next turn into the reused buffer
+                    start = to_fetch.index(e)
+                    fetched = self._fetch(to_fetch[start:start + chunk])
                 tensors = {n: fetched[n][e] for n in self.sources}
                 self.traffic.fetched += 1
             self.traffic.routed += 1
             states = hidden_states[token_idx]
             weights = top_k_weights[token_idx, top_k_pos, None]
-            if e in here:
-                states, weights = states.to("cpu"), weights.to("cpu")
+            if moved_to is not None:
+                states, weights = states.to(moved_to), weights.to(moved_to)
                 self.traffic.activations += 2 * states.numel() * states.element_size() + weights.numel() * \
                     weights.element_size()
             index = torch.zeros((states.shape[0], 1), dtype=top_k_index.dtype, device=states.device)
@@ -303,7 +375,9 @@ class ExpertsHook:
 
     def __init__(self, routed: RoutedExperts, original):
         self.routed, self.original = routed, original
-        self.execution_device, self.io_same_device = original.execution_device, original.io_same_device
+        self.io_same_device = original.io_same_device
+        # the layer's device (Runtime.runs_on): the main device, or another accelerator holding the layer
+        self.execution_device = original.execution_device if routed.home in (None, "main") else routed.main
         self.skip_keys = original.skip_keys
         self.input_device = None
 
@@ -330,13 +404,16 @@ class ExpertsHook:
 
 
 def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode="auto",
-                  traffic: Traffic | None = None) -> dict:
+                  traffic: Traffic | None = None, layout: Mapping | None = None) -> dict:
     """For each offloaded fused experts module of ``model`` that the runtime can run expert by expert: its
     :class:`RoutedExperts`, keyed by ``id(module)``. ``hooks`` are ``(name, module, hook)`` of accelerate's
     offloading hooks; ``placed`` maps experts module names to the device of each expert (``Plan.experts``), those on
     ``resident_on`` (the plan's main device) being kept on the main device; experts of modules it does not name are
     all offloaded. ``mode`` is one of :data:`MODES` for every module, or a dict of them per experts module name
-    (``Runtime.expert_mode``; ``"auto"`` for a module it does not name).
+    (``Runtime.expert_mode``; ``"auto"`` for a module it does not name). ``layout`` gives per experts module name
+    the plan's ``{"runs_on": device, "fetch_chunk": n}`` (:attr:`allocator.report.runtime.Runtime.runs_on`): the
+    layer's device, where resident experts run (default ``resident_on``); experts on another accelerator are kept
+    there.
 
     A module is left to whole-module streaming where its children hold tensors (a norm shared by its experts), its
     hook streams tensors of other modules, or it runs in a dtype its file does not hold as float.
@@ -359,18 +436,31 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
                 break
             sources[pname], metas[pname] = source_of(hook.weights_map, pname, files), meta
         else:
-            main = str(hook.execution_device)
+            plan = (layout or {}).get(name, {})
+            home = plan.get("runs_on", resident_on)
+            main = str(hook.execution_device) if home in (None, "main", resident_on) else _torch(home, device)
             main = f"cuda:{main}" if main.isdigit() else main
             where = placed.get(name, ("offloaded",) * layer.num_experts)
             routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic,
-                                   modes.get(name, "auto") if isinstance(mode, Mapping) else mode)
-            routed.keep([e for e, d in enumerate(where) if resident_on is not None and d == resident_on])
+                                   modes.get(name, "auto") if isinstance(mode, Mapping) else mode, home=home,
+                                   chunk=plan.get("fetch_chunk"))
+            routed.keep([e for e, d in enumerate(where) if home is not None and d == home])
+            routed.keep_elsewhere({e: d for e, d in enumerate(where) if isinstance(d, int) and not isinstance(
+                d, bool) and d != home}, lambda d: _torch(d, device))
             routed.random_access()
             out[id(module)] = routed
     if out:
         log.info("allocator runtime: %d experts modules run expert by expert (%s resident experts)", len(out),
                  sum(len(r.rows) for r in out.values()))
     return out
+
+
+def _torch(plan_device, device) -> str:
+    """The torch device of a plan's accelerator index for the runtime's ``device``: ``cuda:i`` on a GPU, ``cpu``
+    for a device whose copies stay in RAM (:class:`allocator.offload.StandInDevice`, :class:`HostDevice`)."""
+    if getattr(device, "kind", "cpu") == "cpu" or getattr(getattr(device, "backend", None), "on_host", False):
+        return "cpu"
+    return f"cuda:{plan_device}"
 
 
 def bytes_per_expert(routed: RoutedExperts) -> int:

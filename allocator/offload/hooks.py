@@ -125,10 +125,10 @@ class Attached:
         self.traffic = Traffic()
         self.experts: dict = {}
         if experts is not None:
-            placed, resident_on = experts
+            placed, resident_on, layout = experts
             hooks = [(name, module, h) for name, module, _, _, h in _offload_hooks(model)]
             self.experts = routed_layers(model, hooks, placed, resident_on, device=device, files=self.files,
-                                         mode=expert_mode, traffic=self.traffic)
+                                         mode=expert_mode, traffic=self.traffic, layout=layout)
         for name, module, _, _, h in _offload_hooks(model):
             if id(module) in self.experts:
                 continue
@@ -275,13 +275,18 @@ def _runtime_in(plan) -> Runtime | None:
 
 
 def _experts_of(spec: Runtime | None, experts):
-    """``(experts module -> device of each expert, the device of resident ones)`` for :class:`Attached`, or ``None``
-    without expert awareness."""
+    """``(experts module -> device of each expert, the main device, the plan's layout of each experts module)`` for
+    :class:`Attached`, or ``None`` without expert awareness. The layout is ``{"runs_on": device, "fetch_chunk": n}``
+    per experts module (:attr:`allocator.report.runtime.Runtime.runs_on`, ``fetch_chunk``)."""
     if experts is False:
         return None
     if experts is None or experts is True:
-        return ({}, None) if spec is None else (dict(spec.experts), spec.main_device)
-    return dict(experts), "main"
+        if spec is None:
+            return {}, None, {}
+        layout = {name: {"runs_on": spec.runs_on.get(name, spec.main_device),
+                         "fetch_chunk": spec.fetch_chunk.get(name)} for name in spec.experts}
+        return dict(spec.experts), spec.main_device, layout
+    return dict(experts), "main", {}
 
 
 def runtime_of(model) -> Attached | None:

@@ -288,7 +288,8 @@ def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
     resident = resident_bytes(problem, placement)
     for device, nbytes in resident.items():   # experts the runtime keeps resident
         memory.peak[device] = memory.peak.get(device, 0) + nbytes
-        parts.setdefault(device, {"weights": 0})["weights"] = parts[device].get("weights", 0) + nbytes
+        row = parts.setdefault(device, {"weights": 0})
+        row["weights"] = row.get("weights", 0) + nbytes
     hybrid = _hybrid(problem, placement, memory, parts)   # issue #40: allocator runtime, accelerator main only
     return Plan(
         device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,

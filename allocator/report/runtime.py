@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..budgets import Device
+from ..budgets import Device, normalize_map
 from ..errors import InvalidOption
-from ..evaluate.memory import prefetch_of
+from ..evaluate.memory import fetch_chunk, prefetch_of, runs_on
 
 __all__ = ["EXPERT_MODES", "Runtime", "decide_runtime"]
 
@@ -47,6 +47,14 @@ class Runtime:
         there), ``"expert_cache"`` (recently routed experts kept, :attr:`expert_cache`).
     expert_cache : int
         Routed experts the runtime keeps on the main device after they ran (0: none).
+    runs_on : dict
+        Experts module name -> the device its layer executes on, where the runtime computes the experts resident
+        there and brings fetched ones (:func:`allocator.evaluate.memory.runs_on`): the main device, or another
+        accelerator holding that layer. An expert resident on a third accelerator is computed there (the
+        activations moved) or fetched, chosen per call.
+    fetch_chunk : dict
+        Experts module name -> how many offloaded experts one fetch gathers into its reused buffer on a device other
+        than the main device (:func:`allocator.evaluate.memory.fetch_chunk`); absent: all routed ones at once.
     """
 
     name: str = "accelerate"
@@ -56,6 +64,8 @@ class Runtime:
     expert_mode: Mapping = field(default_factory=dict)
     buffers: Mapping = field(default_factory=dict)
     expert_cache: int = 0
+    runs_on: Mapping = field(default_factory=dict)
+    fetch_chunk: Mapping = field(default_factory=dict)
 
     @property
     def streams(self) -> bool:
@@ -73,7 +83,8 @@ class Runtime:
         return {"name": self.name, "main_device": self.main_device, "prefetch": self.prefetch,
                 "experts": {k: list(v) for k, v in self.experts.items()},
                 "expert_mode": dict(self.expert_mode), "buffers": {k: int(v) for k, v in self.buffers.items()},
-                "expert_cache": self.expert_cache}
+                "expert_cache": self.expert_cache, "runs_on": dict(self.runs_on),
+                "fetch_chunk": {k: int(v) for k, v in self.fetch_chunk.items()}}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Runtime:
@@ -91,7 +102,8 @@ class Runtime:
                   experts={k: tuple(v) for k, v in (data.get("experts") or {}).items()},
                   expert_mode=dict(data.get("expert_mode") or {}),
                   buffers={k: int(v) for k, v in (data.get("buffers") or {}).items()},
-                  expert_cache=int(data.get("expert_cache", 0)))
+                  expert_cache=int(data.get("expert_cache", 0)), runs_on=dict(data.get("runs_on") or {}),
+                  fetch_chunk={k: int(v) for k, v in (data.get("fetch_chunk") or {}).items()})
         bad = sorted({m for m in out.expert_mode.values() if m not in EXPERT_MODES})
         if out.name not in ("allocator", "accelerate") or bad or out.prefetch < 0 or out.expert_cache < 0:
             raise InvalidOption(f"the plan's runtime section is not one this version reads ({dict(data)!r}); "
@@ -107,8 +119,11 @@ def decide_runtime(problem, placement, memory, experts_bytes: int = 0) -> Runtim
     if options.runtime != "allocator":
         return Runtime(name=options.runtime, main_device=memory.main)
     experts = {k: tuple(v) for k, v in placement.experts.items()}
+    layers = {m.experts: m for m in problem.moe}
+    runs = {k: v for k, v in runs_on(problem, normalize_map(placement.device_map)).items() if k in experts}
     return Runtime(name="allocator", main_device=memory.main, prefetch=prefetch_of(options),
                    experts=experts, expert_mode={name: "auto" for name in experts},
                    buffers={"streamed": memory.streamed, "prefetch": memory.prefetch, "experts": experts_bytes,
                             "expert_cache": 0},
-                   expert_cache=0)
+                   expert_cache=0, runs_on=runs,
+                   fetch_chunk={k: fetch_chunk(layers[k]) for k, d in runs.items() if d != memory.main})

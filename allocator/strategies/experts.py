@@ -84,17 +84,22 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         return placement
     main = memory.main
     units, homes = _units(problem, dense, layers)
-    homes_cpu = "cpu" if is_accelerator(main) and problem.budgets.limit("cpu") is not None else "disk"
-    found = _with_experts_away(problem, units, homes, layers, main, homes_cpu)
+    # every experts module is read from its file (mapped to disk): the runtime keeps each expert where the plan
+    # puts it (an accelerator, RAM, or the file), so an expert is counted once, where it lives
+    found = _with_experts_away(problem, units, homes, layers, main, "disk")
     if found is None:
         return _kept(placement, _why_not(problem, units, homes, layers))
     moved, mapped = found
     memory = check(problem, mapped)[1]
-    limit = problem.budgets.limit(main)
-    room = (limit - memory.peak.get(main, 0)) if limit is not None else 0
-    experts, resident, chosen = _residents(problem, layers, mapped, main, max(room, 0))
+    holders = [d for d in problem.budgets.accelerators if problem.budgets.limit(d) is not None] or [main]
+    if is_accelerator(main) and problem.budgets.limit("cpu") is not None:
+        holders.append("cpu")   # then RAM (the runtime holds those slices there), then disk
+    rooms = {d: max(problem.budgets.limit(d) - memory.peak.get(d, 0), 0) if problem.budgets.limit(d) is not None
+             else 0 for d in holders}
+    experts, held = _residents(problem, layers, mapped, rooms)
     tier = fast_tier(problem.budgets)
-    have = fast_bytes(problem, map_runs(problem.graph, mapped)) + (resident if main in tier else 0)
+    resident, chosen = sum(b for b, _ in held.values()), sum(n for _, n in held.values())
+    have = fast_bytes(problem, map_runs(problem.graph, mapped)) + sum(b for d, (b, _) in held.items() if d in tier)
     need = floor(problem)
     if have < need:
         return _kept(placement, f"apart from their layers the experts would leave {format_bytes(need - have)} "
@@ -104,10 +109,12 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         return _kept(placement, worse)
     total = sum(m.num_experts for m in layers)
     source = "the expert profile" if problem.expert_profile is not None else "uniform use (no expert profile)"
+    on = ", ".join(f"{n} resident on {d!r} ({format_bytes(b)})" for d, (b, n) in held.items() if n)
     text = (f"experts of {len(layers)} mixture-of-experts layers as units: attention, norms, routers and shared "
-            f"experts first ({moved} modules moved to {_target(problem, dense, main)!r}), then {chosen} of {total} "
-            f"experts resident on {main!r} ({format_bytes(resident)}, most used per byte by {source}); the others "
-            f"stay on {sorted({d for row in experts.values() for d in row if d != main}, key=str)} and the runtime "
+            f"experts first ({moved} modules moved to the accelerator before them), then {chosen} of {total} "
+            f"experts resident, most used per byte by {source}, over the accelerators in index order, then RAM: "
+            f"{on or 'none'}; the others stay on "
+            f"{sorted({d for row in experts.values() for d in row if d not in held}, key=str)} and the runtime "
             "fetches or computes them where they live when routed")
     result = replace(placement, device_map=problem.cleaned(mapped), experts=experts,
                      exempt=placement.exempt | {"floor"})
@@ -115,7 +122,8 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     text += (f"; estimated {ours.seconds * 1e3:.3f} ms per forward of {step_tokens(problem)} tokens "
              f"({format_bytes(ours.streamed_bytes)} streamed), against {theirs.seconds * 1e3:.3f} ms "
              f"({format_bytes(theirs.streamed_bytes)}) with the experts in their layers")
-    decision = Decision("experts", text, devices=(main,), units=tuple(m.experts for m in layers), bytes=resident,
+    decision = Decision("experts", text, devices=tuple(d for d, (_, n) in held.items() if n) or (main,),
+                        units=tuple(m.experts for m in layers), bytes=resident,
                         bound="budget")
     return replace(result, decisions=placement.decisions + (decision,))
 
@@ -200,6 +208,20 @@ def _target(problem: Problem, dense: dict, main: Device) -> Device:
     return sequence[-1] if sequence else main
 
 
+def _targets(units, homes, offloaded, last: Device) -> list:
+    """Per unit, where an offloaded every-token part goes: the accelerator of the last resident every-token part
+    before it (index order holds along the model), the first accelerator the map uses before any; ``last`` (the
+    main device) where the map uses none."""
+    resident = [h for (_, is_experts), h in zip(units, homes) if not is_experts and h not in offloaded]
+    current = resident[0] if resident else last
+    out = []
+    for (_, is_experts), home in zip(units, homes):
+        if not is_experts and home not in offloaded:
+            current = home
+        out.append(current)
+    return out
+
+
 def _map(units, devices) -> dict:
     return {name: device for (name, _), device in zip(units, devices) if device is not None}
 
@@ -208,8 +230,8 @@ def _with_experts_away(problem: Problem, units, homes, layers, main: Device, awa
     """The map with every experts module on ``away`` (the last ones on disk where RAM is short) and the largest
     prefix of the other offloaded units moved to the target device that keeps every runtime rule; ``None`` where no
     such map exists. Returns ``(units moved, map)``."""
-    target = _target(problem, dict(zip((u for u, _ in units), homes)), main)
     offloaded = offloaded_devices(main)
+    targets = _targets(units, homes, offloaded, _target(problem, dict(zip((u for u, _ in units), homes)), main))
     experts_at = [i for i, (_, is_experts) in enumerate(units) if is_experts]
 
     def devices(on_away: int, moved: int) -> list:
@@ -221,7 +243,7 @@ def _with_experts_away(problem: Problem, units, homes, layers, main: Device, awa
             if not is_experts and out[i] in offloaded:
                 if count >= moved:
                     break
-                out[i] = target
+                out[i] = targets[i]
                 count += 1
         return out
 
@@ -248,8 +270,8 @@ def _why_not(problem: Problem, units, homes, layers) -> str:
     first = violations[0]
     extra = ""
     if first.kind == "no-split":
-        extra = (" (offloaded modules execute on the main device under accelerate's hooks, so a layer kept on "
-                 "another accelerator cannot leave its experts)")
+        extra = (" (list-type experts, or experts sharing tensors, stream to the main device under accelerate's "
+                 "hooks, so a layer kept on another accelerator keeps them; fused ones run for the layer's device)")
     return f"apart from their layers the experts break a runtime rule: {first}{extra}"
 
 
@@ -267,10 +289,11 @@ def _largest(n: int, ok) -> int | None:
     return lo
 
 
-def _residents(problem: Problem, layers, mapped: dict, main: Device, room: int) -> tuple[dict, int, int]:
-    """Each experts module's devices per expert, the resident bytes and how many: the experts with the most
-    expected routings per byte (``top_k`` x share / bytes) while they fit in ``room`` on ``main``; ties go round
-    the layers (expert index first), so uniform use spreads residents evenly."""
+def _residents(problem: Problem, layers, mapped: dict, rooms: dict) -> tuple[dict, dict]:
+    """Each experts module's devices per expert, and per device of ``rooms`` (free bytes per accelerator in index
+    order, or the CPU main device) the resident bytes and count: the experts with the most expected routings per
+    byte (``top_k`` x share / bytes), each on the first device in order where it still fits; ties go round the
+    layers (expert index first), so uniform use spreads residents evenly."""
     sizes = [expert_bytes(problem, m) for m in layers]
     value, order_layer, order_expert = [], [], []
     for li, m in enumerate(layers):
@@ -282,12 +305,18 @@ def _residents(problem: Problem, layers, mapped: dict, main: Device, room: int) 
     value, order_layer, order_expert = map(np.concatenate, (value, order_layer, order_expert))
     order = np.lexsort((order_layer, order_expert, -value))
     rows = [[device_of(m.experts, mapped)] * m.num_experts for m in layers]
-    used = chosen = 0
+    free = dict(rooms)
+    held = {d: (0, 0) for d in rooms}
     for k in order:
         li, e = int(order_layer[k]), int(order_expert[k])
-        if value[k] < 0 or used + sizes[li] > room:
+        if value[k] < 0:
             continue
-        rows[li][e] = main
-        used += sizes[li]
-        chosen += 1
-    return {m.experts: tuple(row) for m, row in zip(layers, rows)}, used, chosen
+        device = next((d for d in free if free[d] >= sizes[li]), None)
+        if device is None:
+            if all(free[d] < min(sizes) for d in free):
+                break
+            continue
+        rows[li][e] = device
+        free[device] -= sizes[li]
+        held[device] = (held[device][0] + sizes[li], held[device][1] + 1)
+    return {m.experts: tuple(row) for m, row in zip(layers, rows)}, held

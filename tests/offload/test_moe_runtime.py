@@ -167,3 +167,34 @@ def test_registered_implementation_falls_back_to_eager(saved):
     w = torch.rand(3, 2)
     with torch.no_grad():
         assert_same_output(experts_forward(module, h, idx, w), eager_forward(module)(module, h, idx, w))
+
+
+@pytest.mark.parametrize("mode", ["fetch", "compute", "auto"])
+def test_experts_over_two_stand_in_accelerators_equal_eager(saved, mode):
+    """Issue #39: a plan's experts over two accelerators, RAM and disk, and layers on either accelerator
+    (``Runtime.runs_on``), run on the stand-in: an expert resident on the other accelerator is computed there or
+    fetched from there per call; the offloaded ones are fetched in turns of ``fetch_chunk``; equal to eager."""
+    from allocator.report.runtime import Runtime
+
+    folder, ref = saved["qwen3_moe"]
+    _, model = _offloaded(folder, ref)
+    layers = find_experts(model)
+    rows = {m.experts: (0, 1, "cpu") + ("disk",) * (m.num_experts - 3) for m in layers}
+    homes = {m.experts: i % 2 for i, m in enumerate(layers)}
+    spec = Runtime(name="allocator", main_device=0, experts=rows, expert_mode={k: mode for k in rows},
+                   runs_on=homes, fetch_chunk={k: 2 for k in rows})
+    runtime = attach(model, spec, device="stand-in")
+    try:
+        assert {r.home for r in runtime.experts.values()} == {0, 1}
+        _same(ref, model)
+        t = runtime.traffic
+        assert t.routed == t.resident + t.fetched + t.computed + t.remote and t.resident > 0
+        copies = [n for kind, *rest in runtime.device.log if kind == "copy" for n in rest]
+        widest = max(m[0].numel() * m.element_size() for r in runtime.experts.values() for m in r.metas.values())
+        assert t.fetched == 0 or max(copies) <= 2 * widest           # fetched in turns of fetch_chunk=2 experts
+        if mode == "fetch":
+            assert t.remote == 0 and t.peer > 0 and t.computed == 0
+        if mode == "compute":
+            assert t.remote > 0 and t.peer == 0 and t.computed > 0
+    finally:
+        detach(model)
