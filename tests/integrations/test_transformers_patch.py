@@ -277,7 +277,9 @@ def test_runtime_allocator_restores_every_attribute_it_replaced(how):
     originals = {(m, a): getattr(m, a) for m, a in RESTORED}
     handle = hf.patch(runtime="allocator")
     try:
-        assert {f"{m.__name__}.{a}" for m, a in RESTORED} == set(handle.patched)
+        ours = {f"{m.__name__}.{a}" for m, a in RESTORED}
+        assert ours <= set(handle.patched)  # diffusers' loaders too where diffusers is installed
+        assert all(name.startswith("diffusers.") for name in set(handle.patched) - ours)
         assert all(getattr(m, a) is not o for (m, a), o in originals.items())
         if how == "raise":
             with pytest.raises(RuntimeError, match="boom"):
