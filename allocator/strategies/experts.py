@@ -31,7 +31,8 @@ import numpy as np
 from ..budgets import Device, format_bytes, is_accelerator, normalize_map
 from ..evaluate.cost import priced
 from ..evaluate.experts import expert_bytes, expert_shares, routed_cost, step_tokens
-from ..evaluate.memory import device_of, map_runs, offloaded_devices, tensor_devices
+from ..errors import InvalidOption
+from ..evaluate.memory import device_of, expert_cache_reserve, map_runs, offloaded_devices, tensor_devices
 from ..evaluate.runs import columns
 from ..evaluate.tiers import accelerator_sequence, fast_bytes, fast_tier
 from ..evaluate.validate import check
@@ -96,6 +97,7 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         holders.append("cpu")   # then RAM (the runtime holds those slices there), then disk
     rooms = {d: max(problem.budgets.limit(d) - memory.peak.get(d, 0), 0) if problem.budgets.limit(d) is not None
              else 0 for d in holders}
+    rooms[main] = _cache_room(problem, mapped, main, rooms.get(main, 0))
     experts, held = _residents(problem, layers, mapped, rooms)
     tier = fast_tier(problem.budgets)
     resident, chosen = sum(b for b, _ in held.values()), sum(n for _, n in held.values())
@@ -126,6 +128,25 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
                         units=tuple(m.experts for m in layers), bytes=resident,
                         bound="budget")
     return replace(result, decisions=placement.decisions + (decision,))
+
+
+def _cache_room(problem: Problem, mapped: dict, main: Device, room: int) -> int:
+    """The room left to resident experts on the main device once the expert cache the caller asked for
+    (``PlanOptions.expert_cache``, :func:`allocator.evaluate.memory.expert_cache_reserve`) has its slots: the cache
+    takes room from resident experts only, after every part that runs for every token is placed.
+
+    Raises
+    ------
+    InvalidOption
+        The slots do not fit in the room the every-token parts leave on the main device.
+    """
+    slots, nbytes = expert_cache_reserve(problem, mapped)
+    if nbytes <= room:
+        return room - nbytes
+    fit = room // (nbytes // slots)
+    raise InvalidOption(f"expert_cache={slots} needs {format_bytes(nbytes)} on the main device {main!r}, which has "
+                        f"{format_bytes(room)} left after the parts that run for every token: pass expert_cache="
+                        f"{fit} or less, or raise {main!r}'s budget by {format_bytes(nbytes - room)}.")
 
 
 def _disk_bytes(problem: Problem, device_map: dict, experts: dict) -> int:
