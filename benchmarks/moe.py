@@ -22,7 +22,8 @@ On the Qwen3 shape a copy with *skewed routing* (``<shape>-skewed``: in every la
 ``patch(runtime="allocator")`` without (``ours-patch``) and with the expert cache (``ours-patch-cache``,
 ``expert_cache=`` 2 x layers x top-k slots, or the most that fit): ``hit_rate`` is ``Traffic.cache_hits`` over the
 offloaded experts looked up, ``read_kib_per_token`` the bytes of non-resident expert slices read per decode token
-(``Traffic.read``; exact, counted by the runtime), ``cache_slots`` the plan's ``Runtime.expert_cache``.
+(``Traffic.read``; exact, counted by the runtime, over the decode steps after the prompt's), ``cache_slots`` the plan's
+``Runtime.expert_cache``; then the cold decode as above (the cache's pages are kept, as resident experts' are).
 
 ``vs_transformers`` is the ``transformers`` row's warm decode time over the row's, measured in the same run;
 ``resident_experts`` the experts the attached runtime keeps resident and ``resident_share`` the share of the routed
@@ -256,7 +257,8 @@ def cached(name, family, fields, budget, prompt, args, work) -> list[dict]:
                     slots //= 2
             got, warm, counts = _decode_counted(model, prompt, args.tokens, runtime.traffic)
             read, hits, misses = counts
-            r = _row(name, row, total, budget, 0.0, warm, [], [], got, want, runtime)
+            _, cold, reads = decode(model, prompt, args.tokens, cold=True, files=_files(folder, off), runtime=runtime)
+            r = _row(name, row, total, budget, 0.0, warm, cold, reads, got, want, runtime)
             r.update(prefill_ms="", cache_slots=runtime.plan.expert_cache if runtime.plan else 0,
                      hit_rate=round(hits / (hits + misses), 3) if hits + misses else "",
                      read_kib_per_token=round(read / len(warm) / 1024, 1))
