@@ -21,7 +21,8 @@ On the Qwen3 shape a copy with *skewed routing* (``<shape>-skewed``: in every la
 "hot" experts scaled by 3, the others by 0.3, so the hot experts win most top-k choices) runs decode through
 ``patch(runtime="allocator")`` without (``ours-patch``) and with the expert cache (``ours-patch-cache``,
 ``expert_cache=`` 2 x layers x top-k slots, or the most that fit): ``hit_rate`` is ``Traffic.cache_hits`` over the
-offloaded experts looked up, ``read_kib_per_token`` the bytes of non-resident expert slices read per decode token
+offloaded experts looked up; ``-profiled`` the same with ``expert_profile=`` of that model on the prompt and its greedy
+tokens (the hot experts resident), ``read_kib_per_token`` the bytes of non-resident expert slices read per decode token
 (``Traffic.read``; exact, counted by the runtime, over the decode steps after the prompt's), ``cache_slots`` the plan's
 ``Runtime.expert_cache``; then the cold decode as above (the cache's pages are kept, as resident experts' are).
 
@@ -242,16 +243,18 @@ def cached(name, family, fields, budget, prompt, args, work) -> list[dict]:
     skewed(build(family, fields)).save_pretrained(folder)
     ref = _load(folder)
     want, _, _ = decode(ref, prompt, args.tokens)
+    profile = allocator.profile_experts(ref, [torch.cat([prompt, torch.tensor([want])], dim=1)])
     layers = find_experts(ref)
     slots = 2 * len(layers) * (layers[0].top_k or 1)
     total = sum(t.numel() * t.element_size() for t in ref.state_dict().values())
     rows = []
-    for row in ("ours-patch", "ours-patch-cache"):
+    for row in ("ours-patch", "ours-patch-cache", "ours-patch-profiled", "ours-patch-profiled-cache"):
+        keywords = {"expert_profile": profile} if "profiled" in row else {}
         with tempfile.TemporaryDirectory(dir=work) as off:
             while True:
                 try:
-                    model, runtime = _patched(folder, off, budget, **({"expert_cache": slots} if row.endswith(
-                        "cache") else {}))
+                    model, runtime = _patched(folder, off, budget, **keywords, **({"expert_cache": slots} if
+                                                                                  row.endswith("cache") else {}))
                     break
                 except InvalidOption:   # fewer slots fit in the room the every-token parts leave
                     slots //= 2
