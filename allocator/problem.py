@@ -103,6 +103,12 @@ class PlanOptions:
     default): :func:`allocator.plan` chooses the depth, up to :data:`allocator.evaluate.memory.PLANNED_PREFETCH`:
     the deepest that keeps the placement of the plan without prefetch, and 0 on a CPU main device unless a measured
     ``profile`` is given. A depth given here is planned as given."""
+    expert_cache: int = 0
+    """With ``runtime="allocator"`` on a mixture of experts: slots on the main device for a cache of recently routed
+    experts (least recently used out first; :mod:`allocator.offload.expert_cache`), each the size of the largest
+    expert. Its bytes are part of the main device's peak and come out of the room the plan would give resident
+    experts (the least used per byte), never out of the parts that run for every token. 0 (the default): no cache;
+    the plan is the one without this option."""
     expert_profile: ExpertProfile | str | os.PathLike | None = None
     """With ``runtime="allocator"`` on a mixture of experts: how often each expert is routed on the user's data
     (:func:`allocator.profile_experts`, or the path of a profile it saved); the most used experts per byte stay
@@ -156,6 +162,9 @@ class PlanOptions:
                                           or self.prefetch < 0):
             raise InvalidOption(f"prefetch must be a non-negative integer (offloaded modules made ready ahead), got "
                                 f"{self.prefetch!r}.")
+        if not isinstance(self.expert_cache, int) or isinstance(self.expert_cache, bool) or self.expert_cache < 0:
+            raise InvalidOption(f"expert_cache must be a non-negative integer (expert slots on the main device), got "
+                                f"{self.expert_cache!r}.")
         if self.objective not in OBJECTIVES:
             raise InvalidOption(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}.")
         if isinstance(self.profile, (str, os.PathLike)):

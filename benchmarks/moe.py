@@ -17,6 +17,15 @@ hidden sizes and layers scaled down to run here; float32, random weights (seeded
   max_memory=...)``: the plan is made inside ``from_pretrained`` and the runtime attached with it
   (``allocator.offload.runtime_of(model)`` returns it); ``ours-patch-profiled`` the same with ``expert_profile=``.
 
+On the Qwen3 shape a copy with *skewed routing* (``<shape>-skewed``: in every layer the router's rows of 8 seeded
+"hot" experts scaled by 3, the others by 0.3, so the hot experts win most top-k choices) runs decode through
+``patch(runtime="allocator")`` without (``ours-patch``) and with the expert cache (``ours-patch-cache``,
+``expert_cache=`` 2 x layers x top-k slots, or the most that fit): ``hit_rate`` is ``Traffic.cache_hits`` over the
+offloaded experts looked up; ``-profiled`` the same with ``expert_profile=`` of that model on the prompt and its greedy
+tokens (the hot experts resident), ``read_kib_per_token`` the bytes of non-resident expert slices read per decode token
+(``Traffic.read``; exact, counted by the runtime, over the decode steps after the prompt's), ``cache_slots`` the plan's
+``Runtime.expert_cache``; then the cold decode as above (the cache's pages are kept, as resident experts' are).
+
 ``vs_transformers`` is the ``transformers`` row's warm decode time over the row's, measured in the same run;
 ``resident_experts`` the experts the attached runtime keeps resident and ``resident_share`` the share of the routed
 experts it ran that were resident (``Traffic.resident / Traffic.routed`` over the row's forwards).
@@ -187,6 +196,78 @@ def measure(name: str, family: str, fields: dict, args, work: Path) -> list[dict
         r["vs_transformers"] = round(theirs / r["decode_ms"], 2) if r["decode_ms"] else ""
     if args.standin and name.startswith("qwen3"):
         rows += standin(name, folder, meta, budget, prompt, args, work)
+    if name.startswith("qwen3"):
+        rows += cached(name, family, fields, budget, prompt, args, work)
+    return rows
+
+
+def skewed(model, hot: int = 8, seed: int = 3):
+    """``model`` with every router biased to ``hot`` seeded experts (their rows scaled by 3, the others by 0.3)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in find_experts(model):
+            gate = model.get_submodule(layer.router).weight
+            chosen = torch.randperm(layer.num_experts, generator=generator)[:hot]
+            scale = torch.full((layer.num_experts, 1), 0.3)
+            scale[chosen] = 3.0
+            gate.mul_(scale)
+    return model
+
+
+def _decode_counted(model, prompt, tokens: int, traffic):
+    """Greedy tokens, seconds per decode step, and ``(bytes read, cache hits, misses)`` over the decode steps after
+    the prompt's (the prompt's step fills the cache and is not counted)."""
+    from transformers import DynamicCache
+
+    out, times = [], []
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        ids = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        out.append(int(ids))
+        before = (traffic.read, traffic.cache_hits, traffic.cache_misses)
+        for _ in range(tokens - 1):
+            t0 = time.perf_counter()
+            ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - t0)
+            out.append(int(ids))
+    after = (traffic.read, traffic.cache_hits, traffic.cache_misses)
+    return out, times, tuple(a - b for a, b in zip(after, before))
+
+
+def cached(name, family, fields, budget, prompt, args, work) -> list[dict]:
+    """Decode with skewed routing through ``patch(runtime="allocator")``, without and with the expert cache: hit
+    rate and bytes of non-resident experts read per token (``Traffic``)."""
+    from allocator.errors import InvalidOption
+
+    name, folder = f"{name}-skewed", work / f"{name}-skewed"
+    skewed(build(family, fields)).save_pretrained(folder)
+    ref = _load(folder)
+    want, _, _ = decode(ref, prompt, args.tokens)
+    profile = allocator.profile_experts(ref, [torch.cat([prompt, torch.tensor([want])], dim=1)])
+    layers = find_experts(ref)
+    slots = 2 * len(layers) * (layers[0].top_k or 1)
+    total = sum(t.numel() * t.element_size() for t in ref.state_dict().values())
+    rows = []
+    for row in ("ours-patch", "ours-patch-cache", "ours-patch-profiled", "ours-patch-profiled-cache"):
+        keywords = {"expert_profile": profile} if "profiled" in row else {}
+        with tempfile.TemporaryDirectory(dir=work) as off:
+            while True:
+                try:
+                    model, runtime = _patched(folder, off, budget, **keywords, **({"expert_cache": slots} if
+                                                                                  row.endswith("cache") else {}))
+                    break
+                except InvalidOption:   # fewer slots fit in the room the every-token parts leave
+                    slots //= 2
+            got, warm, counts = _decode_counted(model, prompt, args.tokens, runtime.traffic)
+            read, hits, misses = counts
+            _, cold, reads = decode(model, prompt, args.tokens, cold=True, files=_files(folder, off), runtime=runtime)
+            r = _row(name, row, total, budget, 0.0, warm, cold, reads, got, want, runtime)
+            r.update(prefill_ms="", cache_slots=runtime.plan.expert_cache if runtime.plan else 0,
+                     hit_rate=round(hits / (hits + misses), 3) if hits + misses else "",
+                     read_kib_per_token=round(read / len(warm) / 1024, 1))
+            rows.append(r)
+            offload.detach(model)
+            del model
     return rows
 
 

@@ -34,7 +34,8 @@ from ..rules.dispatch import (
 )
 from .runs import Run, columns, expand, first_device, pieces, runs
 
-__all__ = ["Memory", "device_of", "executes_on", "extra_by_device", "fetch_chunk", "fetch_reserves", "main_device",
+__all__ = ["Memory", "device_of", "executes_on", "expert_cache_reserve", "extra_by_device", "fetch_chunk",
+           "fetch_reserves", "main_device",
            "map_runs", "moves", "moves_with_weights", "tensor_devices", "offloaded_devices", "peaks", "prefetch_of",
            "prefetch_reserve", "runs_on", "streamed_chain", "streams_held", "workspace"]
 
@@ -342,3 +343,26 @@ def fetch_reserves(problem, device_map: Mapping) -> dict:
         whole = int(sum(problem.graph.tensors.nbytes[cols.first[node]:cols.last[node]]))
         out[device] = max(out.get(device, 0), whole // layer.num_experts * fetch_chunk(layer))
     return out
+
+
+def expert_cache_reserve(problem, device_map: Mapping) -> tuple[int, int]:
+    """``(slots, bytes)`` of the allocator runtime's cache of recently routed experts on the main device
+    (:mod:`allocator.offload.expert_cache`) for ``device_map``: ``PlanOptions.expert_cache`` slots, each the size of
+    the largest expert among the layers whose routed experts run on the main device (:func:`runs_on`); ``(0, 0)``
+    where no such layer exists or no cache is asked for. The plan adds these bytes to the main device's peak
+    (:func:`allocator.report.plan.finish`) and takes them from the room its resident experts may use
+    (:mod:`allocator.strategies.experts`), so the runtime never holds more than the plan counted."""
+    slots = problem.options.expert_cache if problem.options.runtime == "allocator" else 0
+    if not slots or not problem.moe:
+        return 0, 0
+    main = main_device(set(device_map.values()))
+    layers = {m.experts: m for m in problem.moe}
+    cols = columns(problem.graph)
+    size = 0
+    for name, device in runs_on(problem, device_map).items():
+        if device != main:
+            continue
+        node = problem.graph.node_index[name]
+        whole = int(sum(problem.graph.tensors.nbytes[cols.first[node]:cols.last[node]]))
+        size = max(size, whole // layers[name].num_experts)
+    return (slots, slots * size) if size else (0, 0)

@@ -346,9 +346,11 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device
         ``size_fn``, ``infer_no_split``, ``profile``, ``runtime`` and ``prefetch`` (``runtime="allocator"``: the maps
         reserve the prefetch of :mod:`allocator.offload`, and every model ``dispatch_model`` offloads, from
         ``from_pretrained`` or ``load_checkpoint_and_dispatch``, runs our offload runtime instead of accelerate's
-        hooks, ``prefetch`` modules ahead), ``generation`` (an :class:`allocator.GenerationBudget`: room for
-        ``generate``'s KV cache, logits and activations), ``objective`` (``"contract"``, the default, or
-        ``"latency"``: see :func:`allocator.plan`), ``strict`` (``True``: raise where no valid plan exists, instead of
+        hooks, ``prefetch`` modules ahead), ``expert_profile`` and ``expert_cache`` (slots for recently routed
+        experts on the main device, :mod:`allocator.offload.expert_cache`), ``generation`` (an
+        :class:`allocator.GenerationBudget`: room for ``generate``'s KV cache, logits and activations),
+        ``objective`` (``"contract"``, the default, or ``"latency"``: see :func:`allocator.plan`), ``strict``
+        (``True``: raise where no valid plan exists, instead of
         loading accelerate's own map as transformers would). What accelerate's ``infer_auto_device_map`` is called with
         (``offload_buffers``, ``clean_result``, ``fallback_allocation``, and ``dtype`` / ``special_dtypes`` when
         not ``None``) wins over these: it describes how the model will really be loaded.

@@ -26,12 +26,13 @@ it made, and :func:`runtime_of` returns the runtime attached to a model with its
 
 Mixtures of experts: an offloaded fused experts module runs expert by expert (:mod:`.experts`, registered with
 transformers' ``ExpertsInterface`` as ``"allocator"``): only the experts its router picks are read, resident ones
-(``Plan.experts``) from the main device, the others fetched or computed where their weights live.
+(``Plan.experts``) from the main device, the others fetched or computed where their weights live; with
+``Plan.runtime.expert_cache`` slots, the last ones routed are kept on the main device (:mod:`.expert_cache`).
 
 The runtime is four modules: :mod:`.files` (the mapped files and where each tensor's bytes are), :mod:`.devices`
 (the main devices that make weights ready), :mod:`.scheduler` (the tensors and modules moved, and their order) and
-:mod:`.hooks` (the hooks on the model, :func:`attach`, :func:`detach`, :func:`dispatch`), with :mod:`.experts` beside
-them.
+:mod:`.hooks` (the hooks on the model, :func:`attach`, :func:`detach`, :func:`dispatch`), with :mod:`.experts` and
+:mod:`.expert_cache` beside them.
 """
 
 from __future__ import annotations

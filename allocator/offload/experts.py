@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidRuntime
 from ..model.experts import MoELayer, find_experts
 from ..profile import Profile
+from .expert_cache import ExpertCache, in_place, look_up, store
 from .files import MappedFiles, source_of
 
 __all__ = ["MODES", "NAME", "ExpertsHook", "RoutedExperts", "Traffic", "eager_forward", "experts_forward",
@@ -105,6 +106,9 @@ class Traffic:
         Experts resident on another accelerator than their layer's, computed there (activations moved).
     peer : int
         Bytes of experts resident on another accelerator copied to their layer's device (fetched from there).
+    cache_hits, cache_misses : int
+        Offloaded experts found in the runtime's cache of recently routed experts (:mod:`.expert_cache`: nothing read
+        for them, and not counted in ``fetched``), and not found there; both 0 without a cache.
     """
 
     copied: int = 0
@@ -117,6 +121,8 @@ class Traffic:
     calls: int = 0
     remote: int = 0
     peer: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
 
 
 @dataclass
@@ -149,6 +155,8 @@ class RoutedExperts:
         :attr:`remote_tensors`): computed there or fetched, chosen per call.
     chunk : int or None
         Offloaded experts fetched into the reused buffer at a time (``None``: all routed ones at once).
+    cache : ExpertCache or None
+        The runtime's cache of recently routed experts (:mod:`.expert_cache`), for a layer run on the main device.
     """
 
     layer: MoELayer
@@ -167,6 +175,7 @@ class RoutedExperts:
     remote: dict = field(default_factory=dict)
     remote_tensors: dict = field(default_factory=dict)
     chunk: int | None = None
+    cache: ExpertCache | None = None
 
     @property
     def accelerator(self) -> bool:
@@ -312,9 +321,10 @@ class RoutedExperts:
             hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < count]
         if self.in_place:   # one eager call over views of the whole tensors: only the routed slices are read
             away = [e for e in hit if e not in self.rows]
-            self._advise(away)
             self.traffic.routed += len(hit)
             self.traffic.resident += len(hit) - len(away)
+            away = away if self.cache is None else in_place(self, away)   # cache hits: nothing read
+            self._advise(away)
             self.traffic.fetched += len(away)
             self.traffic.read += len(away) * bytes_per_expert(self)
             return eager(_One(module, {n: self.host(n) for n in self.sources}, count), hidden_states, top_k_index,
@@ -323,6 +333,8 @@ class RoutedExperts:
         with torch.no_grad():
             positions = {e: torch.where(top_k_index == e) for e in hit}
         away = [e for e in hit if e not in self.rows]
+        cached = {} if self.cache is None else look_up(self, [e for e in away if e not in self.remote])
+        away = [e for e in away if e not in cached]
         here = [e for e in away if e not in self.remote and self._computes_here(e, int(positions[e][0].numel()))]
         there = [e for e in away if e in self.remote and self._peer_computes_there(int(positions[e][0].numel()))]
         to_fetch = [e for e in away if e not in here and e not in there and e not in self.remote]
@@ -334,6 +346,8 @@ class RoutedExperts:
             if e in self.rows:
                 tensors = {n: t[self.rows[e]:self.rows[e] + 1] for n, t in self.resident.items()}
                 self.traffic.resident += 1
+            elif e in cached:   # a copy on the main device, kept after an earlier call fetched it
+                tensors = cached[e]
             elif e in self.remote:
                 d, target, row = self.remote[e]
                 tensors = {n: self.remote_tensors[(d, n)][row:row + 1] for n in self.sources}
@@ -352,6 +366,8 @@ class RoutedExperts:
                 if e not in fetched.get(next(iter(self.sources)), {}):   # the next turn into the reused buffer
                     start = to_fetch.index(e)
                     fetched = self._fetch(to_fetch[start:start + chunk])
+                    if self.cache is not None:
+                        store(self, fetched)
                 tensors = {n: fetched[n][e] for n in self.sources}
                 self.traffic.fetched += 1
             self.traffic.routed += 1
@@ -404,7 +420,8 @@ class ExpertsHook:
 
 
 def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode="auto",
-                  traffic: Traffic | None = None, layout: Mapping | None = None) -> dict:
+                  traffic: Traffic | None = None, layout: Mapping | None = None,
+                  cache: ExpertCache | None = None) -> dict:
     """For each offloaded fused experts module of ``model`` that the runtime can run expert by expert: its
     :class:`RoutedExperts`, keyed by ``id(module)``. ``hooks`` are ``(name, module, hook)`` of accelerate's
     offloading hooks; ``placed`` maps experts module names to the device of each expert (``Plan.experts``), those on
@@ -413,7 +430,7 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
     (``Runtime.expert_mode``; ``"auto"`` for a module it does not name). ``layout`` gives per experts module name
     the plan's ``{"runs_on": device, "fetch_chunk": n}`` (:attr:`allocator.report.runtime.Runtime.runs_on`): the
     layer's device, where resident experts run (default ``resident_on``); experts on another accelerator are kept
-    there.
+    there. ``cache`` (:mod:`.expert_cache`) serves the layers run on the main device.
 
     A module is left to whole-module streaming where its children hold tensors (a norm shared by its experts), its
     hook streams tensors of other modules, or it runs in a dtype its file does not hold as float.
@@ -443,7 +460,8 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
             where = placed.get(name, ("offloaded",) * layer.num_experts)
             routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic,
                                    modes.get(name, "auto") if isinstance(mode, Mapping) else mode, home=home,
-                                   chunk=plan.get("fetch_chunk"))
+                                   chunk=plan.get("fetch_chunk"),
+                                   cache=cache if cache is not None and home in (None, "main", resident_on) else None)
             routed.keep([e for e, d in enumerate(where) if home is not None and d == home])
             routed.keep_elsewhere({e: d for e, d in enumerate(where) if isinstance(d, int) and not isinstance(
                 d, bool) and d != home}, lambda d: _torch(d, device))

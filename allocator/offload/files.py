@@ -85,6 +85,16 @@ class MappedFile:
         view[:] = bytes(view)
         self.kept.append((start, end))
 
+    def release(self, start: int, end: int) -> None:
+        """Give back bytes ``start:end`` held by :meth:`keep`: the whole pages inside the range are dropped from the
+        process (``MADV_DONTNEED``: read from the file again when touched); a page it shares with a neighbour stays
+        private, with the same bytes."""
+        if (start, end) in self.kept:
+            self.kept.remove((start, end))
+        lo, hi = start + (-start) % PAGE, end - end % PAGE
+        if self.mm is not None and hi > lo and hasattr(mmap, "MADV_DONTNEED"):
+            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def advise(self, start: int, end: int) -> None:
         """Ask the kernel to read ``start:end`` in (asynchronous read-ahead)."""
         if self.mm is None or end <= start or not hasattr(mmap, "MADV_WILLNEED"):

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import InvalidOption, InvalidRuntime, warn_caller
 from ..report.runtime import Runtime
 from .devices import HostDevice, StandInDevice, StreamDevice
+from .expert_cache import ExpertCache
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
 from .hybrid import HybridHook, unit_phases
@@ -114,6 +115,9 @@ class Attached:
         What those moved: bytes copied and read, activations moved, experts run.
     plan : Runtime or None
         What the plan decided for this runtime (:attr:`allocator.Plan.runtime`), ``None`` when attached without one.
+    cache : ExpertCache or None
+        The cache of recently routed experts on the main device (``Runtime.expert_cache`` slots,
+        :mod:`allocator.offload.expert_cache`); ``None`` without one.
     """
 
     def __init__(self, model, *, prefetch: int, device, experts=None, expert_mode="auto", plan=None):
@@ -124,11 +128,14 @@ class Attached:
         self.units: list[OffloadedModule] = []
         self.traffic = Traffic()
         self.experts: dict = {}
+        self.cache = None
         if experts is not None:
             placed, resident_on, layout = experts
             hooks = [(name, module, h) for name, module, _, _, h in _offload_hooks(model)]
+            slots = plan.expert_cache if plan is not None else 0
+            self.cache = ExpertCache(slots) if slots else None
             self.experts = routed_layers(model, hooks, placed, resident_on, device=device, files=self.files,
-                                         mode=expert_mode, traffic=self.traffic, layout=layout)
+                                         mode=expert_mode, traffic=self.traffic, layout=layout, cache=self.cache)
         for name, module, _, _, h in _offload_hooks(model):
             if id(module) in self.experts:
                 continue
@@ -152,7 +159,8 @@ class Attached:
         return {"prefetch": self.prefetch, "device": type(self.device).__name__,
                 "units": [u.name for u in self.units],
                 "experts": {r.layer.experts: {"where": tuple(r.where), "resident": tuple(sorted(r.rows)),
-                                              "mode": r.mode} for r in self.experts.values()}}
+                                              "mode": r.mode} for r in self.experts.values()},
+                "expert_cache": self.cache.slots if self.cache is not None else 0}
 
     # --- accounting -------------------------------------------------------------------------------------------
     def _count(self, nbytes: int) -> None:

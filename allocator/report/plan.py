@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from ..budgets import ByDevice, Device, canonical
 from ..errors import AllocatorError
 from ..evaluate.cost import Cost
-from ..evaluate.memory import map_runs
+from ..evaluate.memory import expert_cache_reserve, map_runs
 from ..evaluate.runs import columns
 from ..evaluate.validate import Violation, format_bytes, peak_parts
 from ..judge.verdict import judged
@@ -290,13 +290,18 @@ def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
         memory.peak[device] = memory.peak.get(device, 0) + nbytes
         row = parts.setdefault(device, {"weights": 0})
         row["weights"] = row.get("weights", 0) + nbytes
+    cache = expert_cache_reserve(problem, placement.device_map) if placement.experts else (0, 0)
+    if cache[1]:   # the runtime's cache of recently routed experts, on the main device
+        memory.peak[memory.main] = memory.peak.get(memory.main, 0) + cache[1]
+        row = parts.setdefault(memory.main, {"weights": 0})
+        row["weights"] = row.get("weights", 0) + cache[1]   # "weights" holds the runtime's reserves
     hybrid = _hybrid(problem, placement, memory, parts)   # issue #40: allocator runtime, accelerator main only
     return Plan(
         device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
         main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
         placement=placement, cost=_priced(problem, placement), parts=ByDevice(parts),
         prefetch=memory.prefetch, asked=asked, hybrid=hybrid,
-        runtime=decide_runtime(problem, placement, memory, resident.get(memory.main, 0)),
+        runtime=decide_runtime(problem, placement, memory, resident.get(memory.main, 0), cache),
     )
 
 

@@ -111,10 +111,11 @@ class Runtime:
         return out
 
 
-def decide_runtime(problem, placement, memory, experts_bytes: int = 0) -> Runtime:
+def decide_runtime(problem, placement, memory, experts_bytes: int = 0, cache: tuple = (0, 0)) -> Runtime:
     """The :class:`Runtime` of a checked placement: ``memory`` is its :class:`allocator.evaluate.memory.Memory`
     (main device, streamed chain, prefetch reserve), ``experts_bytes`` the routed experts resident on the main
-    device."""
+    device, ``cache`` the expert cache's ``(slots, bytes)`` there
+    (:func:`allocator.evaluate.memory.expert_cache_reserve`)."""
     options = problem.options
     if options.runtime != "allocator":
         return Runtime(name=options.runtime, main_device=memory.main)
@@ -124,6 +125,6 @@ def decide_runtime(problem, placement, memory, experts_bytes: int = 0) -> Runtim
     return Runtime(name="allocator", main_device=memory.main, prefetch=prefetch_of(options),
                    experts=experts, expert_mode={name: "auto" for name in experts},
                    buffers={"streamed": memory.streamed, "prefetch": memory.prefetch, "experts": experts_bytes,
-                            "expert_cache": 0},
-                   expert_cache=0, runs_on=runs,
+                            "expert_cache": int(cache[1])},
+                   expert_cache=int(cache[0]), runs_on=runs,
                    fetch_chunk={k: fetch_chunk(layers[k]) for k, d in runs.items() if d != memory.main})

@@ -67,8 +67,8 @@ READS = ("allocator.plan/1", SCHEMA)
 """The versions :func:`read` reads (module notes: what changed from ``/1``)."""
 
 #: Options written under ``"options"`` as they are (booleans, names, integers).
-PLAIN_OPTIONS = ("objective", "optimize", "loader", "runtime", "prefetch", "offload_buffers", "discover_no_split",
-                 "infer_no_split", "fallback_allocation", "clean_result")
+PLAIN_OPTIONS = ("objective", "optimize", "loader", "runtime", "prefetch", "expert_cache", "offload_buffers",
+                 "discover_no_split", "infer_no_split", "fallback_allocation", "clean_result")
 #: Options that cannot be written as JSON; a plan made with them is re-validated only when they are passed again.
 UNSAVED = ("hf_quantizer", "size_fn")
 

@@ -31,7 +31,8 @@ import numpy as np
 from ..budgets import Device, format_bytes, is_accelerator, normalize_map
 from ..evaluate.cost import priced
 from ..evaluate.experts import expert_bytes, expert_shares, routed_cost, step_tokens
-from ..evaluate.memory import device_of, map_runs, offloaded_devices, tensor_devices
+from ..errors import InvalidOption
+from ..evaluate.memory import device_of, expert_cache_reserve, map_runs, offloaded_devices, tensor_devices
 from ..evaluate.runs import columns
 from ..evaluate.tiers import accelerator_sequence, fast_bytes, fast_tier
 from ..evaluate.validate import check
@@ -96,24 +97,28 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         holders.append("cpu")   # then RAM (the runtime holds those slices there), then disk
     rooms = {d: max(problem.budgets.limit(d) - memory.peak.get(d, 0), 0) if problem.budgets.limit(d) is not None
              else 0 for d in holders}
+    rooms[main] = _cache_room(problem, mapped, main, rooms.get(main, 0))
     experts, held = _residents(problem, layers, mapped, rooms)
     tier = fast_tier(problem.budgets)
     resident, chosen = sum(b for b, _ in held.values()), sum(n for _, n in held.values())
-    have = fast_bytes(problem, map_runs(problem.graph, mapped)) + sum(b for d, (b, _) in held.items() if d in tier)
+    slots, cached = expert_cache_reserve(problem, mapped)   # experts the cache holds on the main device, as residents
+    have = fast_bytes(problem, map_runs(problem.graph, mapped)) + sum(b for d, (b, _) in held.items() if d in tier) \
+        + (cached if main in tier else 0)
     need = floor(problem)
     if have < need:
         return _kept(placement, f"apart from their layers the experts would leave {format_bytes(need - have)} "
                                 "fewer on the fastest tier than accelerate's map (the contract's floor)")
-    worse = _worse(problem, placement, dense, mapped, experts, have)
+    worse = _worse(problem, placement, dense, mapped, experts, have, cached if main == "cpu" else 0)
     if worse:
         return _kept(placement, worse)
     total = sum(m.num_experts for m in layers)
     source = "the expert profile" if problem.expert_profile is not None else "uniform use (no expert profile)"
     on = ", ".join(f"{n} resident on {d!r} ({format_bytes(b)})" for d, (b, n) in held.items() if n)
+    cache = f", and {slots} slots ({format_bytes(cached)}) for recently routed experts on {main!r}" if slots else ""
     text = (f"experts of {len(layers)} mixture-of-experts layers as units: attention, norms, routers and shared "
             f"experts first ({moved} modules moved to the accelerator before them), then {chosen} of {total} "
             f"experts resident, most used per byte by {source}, over the accelerators in index order, then RAM: "
-            f"{on or 'none'}; the others stay on "
+            f"{on or 'none'}{cache}; the others stay on "
             f"{sorted({d for row in experts.values() for d in row if d not in held}, key=str)} and the runtime "
             "fetches or computes them where they live when routed")
     result = replace(placement, device_map=problem.cleaned(mapped), experts=experts,
@@ -126,6 +131,25 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
                         units=tuple(m.experts for m in layers), bytes=resident,
                         bound="budget")
     return replace(result, decisions=placement.decisions + (decision,))
+
+
+def _cache_room(problem: Problem, mapped: dict, main: Device, room: int) -> int:
+    """The room left to resident experts on the main device once the expert cache the caller asked for
+    (``PlanOptions.expert_cache``, :func:`allocator.evaluate.memory.expert_cache_reserve`) has its slots: the cache
+    takes room from resident experts only, after every part that runs for every token is placed.
+
+    Raises
+    ------
+    InvalidOption
+        The slots do not fit in the room the every-token parts leave on the main device.
+    """
+    slots, nbytes = expert_cache_reserve(problem, mapped)
+    if nbytes <= room:
+        return room - nbytes
+    fit = room // (nbytes // slots)
+    raise InvalidOption(f"expert_cache={slots} needs {format_bytes(nbytes)} on the main device {main!r}, which has "
+                        f"{format_bytes(room)} left after the parts that run for every token: pass expert_cache="
+                        f"{fit} or less, or raise {main!r}'s budget by {format_bytes(nbytes - room)}.")
 
 
 def _disk_bytes(problem: Problem, device_map: dict, experts: dict) -> int:
@@ -141,11 +165,13 @@ def _disk_bytes(problem: Problem, device_map: dict, experts: dict) -> int:
     return total
 
 
-def _worse(problem: Problem, placement: Placement, dense: dict, mapped: dict, experts: dict, have: int) -> str:
+def _worse(problem: Problem, placement: Placement, dense: dict, mapped: dict, experts: dict, have: int,
+           cached: int = 0) -> str:
     """Why the expert-granular map is worse than the dense one it came from (more bytes on disk, fewer on the fastest
     tier, or a slower estimate), in words; ``""`` where it is not. Asking for our runtime never places worse than
-    not asking."""
-    ours_disk, dense_disk = _disk_bytes(problem, mapped, experts), _disk_bytes(problem, dense, {})
+    not asking. ``cached``: bytes of disk experts the expert cache holds in RAM (a CPU main device), counted as
+    resident ones are (the estimate does not price the cache: its hits depend on the order of routing)."""
+    ours_disk, dense_disk = _disk_bytes(problem, mapped, experts) - cached, _disk_bytes(problem, dense, {})
     if ours_disk > dense_disk:
         return (f"apart from their layers the experts would put {format_bytes(ours_disk)} on disk against "
                 f"{format_bytes(dense_disk)} with the experts in their layers (the whole experts modules leave the "
