@@ -48,10 +48,25 @@ def _ilp_available(problem: Problem) -> bool:
     return len(problem_groups(problem)) <= ilp.MAX_UNITS
 
 
+def _bytes_to_keep(problem: Problem, found) -> int:
+    """Where bytes on the fastest tier rank first (:func:`allocator.judge.ranking.rank_key`, no measured profile,
+    the contract kept), the best candidate's bytes there: ``ilp`` then solves for the fastest plan among those that
+    keep as many, the one candidate that can beat it in the judge's ranking, on two accelerators or more (where
+    the heuristic fills leave the most room); else 0 (the estimate ranks first, and
+    ``ilp`` minimises it over every plan that keeps the contract's floor)."""
+    if (found.placement is None or estimate_decides(problem) or found.key is None or not found.key[0]
+            or len(problem.budgets.accelerators) < 2):
+        return 0
+    return int(found.key[1])
+
+
 def place(problem: Problem) -> Placement:
     """The best valid plan of ``sequential``, ``reserve``, ``backfill``, ``auto``'s plan without the last accelerator
     (under the contract, with two or more: offering one more accelerator never makes the plan rank lower) and a
-    time-boxed ``ilp``."""
+    time-boxed ``ilp``; then, with two accelerators or more where bytes rank first, ``ilp`` again from the best so
+    far, keeping its bytes on the fastest tier (:func:`_bytes_to_keep`): the fastest plan among those that keep as
+    many, which the ranking takes only where it wins. Each ``ilp`` gets ``ILP_SECONDS`` deterministic seconds (one
+    worker, fixed seed), so the plan does not depend on the machine's speed."""
     candidates = [(name, lambda strategy=strategy: strategy(problem)) for name, strategy in CANDIDATES.items()]
     if problem.options.baseline is not None:   # the map the user gets today on this path: a plan too
         candidates.append(("transformers", lambda: Placement(problem.cleaned(problem.options.baseline),
@@ -64,6 +79,11 @@ def place(problem: Problem) -> Placement:
         hint = found.placement.device_map if found.placement else None
         found = best_valid(problem, [("ilp", lambda: ilp.place(problem, time_limit=ILP_SECONDS, hint=hint))],
                            than=found)
+        keep = _bytes_to_keep(problem, found)
+        if keep:   # the exact candidate of the bytes-first ranking, from the best so far: never ranks lower
+            best = found.placement.device_map
+            found = best_valid(problem, [("ilp at the best bytes", lambda: ilp.place(
+                problem, time_limit=ILP_SECONDS, hint=best, keep=keep))], than=found)
     if found.placement is None:
         raise infeasible(problem)
     placement = found.placement

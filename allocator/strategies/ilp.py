@@ -60,7 +60,7 @@ TIME_LIMIT = 1.0  # deterministic seconds for CP-SAT per plan; see ``place``
 
 
 def place(problem: Problem, *, profile: Profile | None = None, time_limit: float = TIME_LIMIT,
-          max_units: int = MAX_UNITS, hint=None) -> Placement:
+          max_units: int = MAX_UNITS, hint=None, keep: int = 0) -> Placement:
     """Solve for the plan with the lowest estimated cost per forward.
 
     Parameters
@@ -77,6 +77,10 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     hint : dict, optional
         A device map to warm-start from and to beat; when omitted, the best valid plan of ``sequential``,
         ``reserve`` and ``backfill``.
+    keep : int
+        Bytes the plan must keep on the fastest tier, beyond the contract's floor (``auto`` passes its best
+        candidate's, so that where bytes rank first the solver looks for the fastest plan among those that keep as
+        many: the exact candidate of the judge's ranking). A hint below it is not used as the warm start.
 
     Returns
     -------
@@ -96,9 +100,10 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if hint is None:
         hint = _heuristic(problem, profile)
     incumbent = None  # (estimated seconds, device map): the hint, kept when CP-SAT finds nothing better
-    if hint is not None and is_valid(problem, hint) and not _breaks_order_or_main(problem, hint):
+    if hint is not None and is_valid(problem, hint) and not _breaks_order_or_main(problem, hint) \
+            and fast_bytes(problem, map_runs(g, hint)) >= keep:
         incumbent = (estimate(problem, hint, profile).seconds, dict(hint))
-    need = _floor_to_keep(problem, incumbent)
+    need = max(_floor_to_keep(problem, incumbent), keep)
     mains = main_candidates(problem)
     hinted = main_device(hint.values()) if hint else None
     # The other mains first, bounded by the hint's cost (most are pruned at once); the hint's main gets the time
