@@ -28,7 +28,13 @@ def test_moe_benchmark_smoke(tmp_path):
                                                                       os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(tmp_path / "moe_smoke.csv", newline="") as fh:
-        rows = {r["row"]: r for r in csv.DictReader(fh)}
+        every = list(csv.DictReader(fh))
+    # the skewed-routing copy (model "<shape>-skewed") reuses the row names ours-patch...: compare the plain model's
+    rows = {r["row"]: r for r in every if not r["model"].endswith("-skewed")}
+    skewed = {r["row"]: r for r in every if r["model"].endswith("-skewed")}
+    # the smoke shape's cache is smaller than one step's routed experts, so hits are not asserted here
+    # (tests/offload/test_expert_cache.py does); its rows run and keep the tokens
+    assert all(skewed[r]["tokens_equal"] == "True" for r in ("ours-patch", "ours-patch-cache"))
     ours = ("ours-whole", "ours-experts", "ours-profiled", "ours-patch", "ours-patch-profiled")
     assert {"ram", "transformers", *ours} <= set(rows)
     assert all(rows[r]["tokens_equal"] == "True" for r in ("transformers", *ours))
