@@ -116,9 +116,9 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
-def decode(model, prompt, tokens: int, *, cold: bool = False, files=(), runtime=None):
+def decode(model, prompt, tokens: int, *, cold: bool = False, files=(), runtime=None, on_step=None):
     """Greedy tokens, seconds per step and bytes read from the block device per step (cold: caches dropped before
-    each step)."""
+    each step); ``on_step(i)``, when given, is called after step ``i`` (0 is the prompt's)."""
     from transformers import DynamicCache
 
     out, times, reads = [], [], []
@@ -135,6 +135,8 @@ def decode(model, prompt, tokens: int, *, cold: bool = False, files=(), runtime=
             reads.append(_read_bytes() - r0)
             out.append(int(nxt))
             ids = nxt
+            if on_step is not None:
+                on_step(len(out) - 1)
     return out, times, reads
 
 
@@ -217,21 +219,12 @@ def skewed(model, hot: int = 8, seed: int = 3):
 def _decode_counted(model, prompt, tokens: int, traffic):
     """Greedy tokens, seconds per decode step, and ``(bytes read, cache hits, misses)`` over the decode steps after
     the prompt's (the prompt's step fills the cache and is not counted)."""
-    from transformers import DynamicCache
+    def counters():
+        return traffic.read, traffic.cache_hits, traffic.cache_misses
 
-    out, times = [], []
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        ids = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        out.append(int(ids))
-        before = (traffic.read, traffic.cache_hits, traffic.cache_misses)
-        for _ in range(tokens - 1):
-            t0 = time.perf_counter()
-            ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            times.append(time.perf_counter() - t0)
-            out.append(int(ids))
-    after = (traffic.read, traffic.cache_hits, traffic.cache_misses)
-    return out, times, tuple(a - b for a, b in zip(after, before))
+    marks = []
+    out, times, _ = decode(model, prompt, tokens, on_step=lambda step: marks.append(counters()) if step == 0 else None)
+    return out, times[1:], tuple(a - b for a, b in zip(counters(), marks[0]))
 
 
 def cached(name, family, fields, budget, prompt, args, work) -> list[dict]:
