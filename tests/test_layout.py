@@ -290,7 +290,7 @@ def test_no_private_name_from_another_module():
 LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": ("errors", "gc_pause", "memo", "logs", "budgets", "placement", "profile", "rules/"),
     "model": ("model/",),
-    "problem": ("problem",),
+    "problem": ("problem/",),
     "evaluate": ("evaluate/",),
     "search": ("search/",),
     "judge": ("judge/",),
