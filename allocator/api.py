@@ -114,14 +114,13 @@ def _prefetched(problem: Problem, place) -> tuple[Problem, Placement]:
     profile is given (prefetch there competes with the forward for the same cores and memory bandwidth). Asking for
     our runtime never gives a worse placement than not asking. A depth the caller gives (``prefetch=k``) is planned
     as given; under accelerate's hooks, one plan."""
-    asked = prefetch_of(problem.options)
-    if not asked or problem.options.prefetch is not None:   # accelerate's hooks, or the depth the caller chose
+    asked = prefetch_of(problem.runtime)
+    if not asked or problem.runtime.prefetch is not None:   # accelerate's hooks, or the depth the caller chose
         return problem, place(problem)
-    at = {depth: replace(problem, options=replace(problem.options, prefetch=depth))
-          for depth in range(asked + 1)}
+    at = {depth: problem.with_options(prefetch=depth) for depth in range(asked + 1)}
     plain = place(at[0])
     base = priced(at[0], plain.device_map)
-    if main_device(plain.device_map.values()) == "cpu" and problem.options.profile is None:
+    if main_device(plain.device_map.values()) == "cpu" and not problem.cost.measured:
         return at[0], _said(plain, "cpu-main", 0, asked)
     for depth in range(asked, 0, -1):
         try:
@@ -150,7 +149,7 @@ def _placed(problem: Problem, strategy, builtin: bool) -> Placement:
         placement = run(strategy, problem)
     except InfeasiblePlacement as err:
         error = err if err.minimum is not None else minimum_budget_error(problem, strategy)
-        placement = None if problem.options.strict else _accelerate_instead(problem, resolve(strategy)[0], error)
+        placement = None if problem.deciding.strict else _accelerate_instead(problem, resolve(strategy)[0], error)
         if placement is None:
             raise error from None
         return placement

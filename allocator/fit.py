@@ -263,7 +263,7 @@ class _Search:
         """The base problem with the generation budget of ``value`` folded into its graph, as the builder folds it."""
         budget = self.budget(value)
         base = self.base
-        needs = generation_needs(self.model, base.graph, budget, dtype=base.options.dtype)
+        needs = generation_needs(self.model, base.graph, budget, dtype=base.reading.dtype)
         graph = dataclasses.replace(base.graph, extra=needs.node_bytes(), workspace=needs.activations,
                                     main_workspace=needs.scores)
         return dataclasses.replace(base, graph=graph, generation=needs,

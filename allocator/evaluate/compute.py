@@ -159,7 +159,7 @@ def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | 
     -----
     O(tensors + cache nodes). The choices are estimates from ``problem.profile``.
     """
-    if problem.options.runtime != "allocator" or not is_accelerator(main):
+    if problem.runtime.name != "allocator" or not is_accelerator(main):
         return None
     device_map = normalize_map(device_map)
     offloaded = [k for k, d in device_map.items() if d in ("cpu", "disk")]

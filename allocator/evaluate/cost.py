@@ -107,7 +107,7 @@ def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: in
     """
     run_on = main if device in ("cpu", "disk") else device
     return (read_seconds(profile, run_on, nbytes, numel, flops, counted)
-            + copy_seconds(profile, main, device, offload, tensors, runtime=problem.options.runtime))
+            + copy_seconds(profile, main, device, offload, tensors, runtime=problem.runtime.name))
 
 
 def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
@@ -116,7 +116,7 @@ def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> 
     :func:`estimate` is the sum of this over the tensors plus the changes of executing device; ``ilp`` prices its
     groups with it, so its objective is the estimate.
     """
-    moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.options.offload_buffers)
+    moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.placing.offload_buffers)
     numel = tensor.numel if tensor.is_param and tensor.counted else 0
     counted, work = counted_flops(problem), counted_work(problem)
     at = problem.graph.tensor_index[tensor.name]
@@ -205,7 +205,7 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
     profile = profile or problem.profile
     g = problem.graph
     cols = columns(g)
-    mov = cols.moving(problem.options.offload_buffers)
+    mov = cols.moving(problem.placing.offload_buffers)
     cpu_reads, accelerator_reads = _reads(problem, profile)
     offloaded = offloaded_devices(main)
     tier = fast_tier(problem.budgets)
@@ -236,7 +236,7 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
                 changes += 1
                 change_time += change_seconds(profile, None if crossing is None else int(crossing[last_end]))
             last, last_end = run_on, b
-    runtime = problem.options.runtime
+    runtime = problem.runtime.name
     seconds = reads / FEMTO + sum(copy_seconds(profile, main, d, nbytes, count, runtime=runtime)
                                   for d, (nbytes, count) in moved.items())
     seconds += change_time

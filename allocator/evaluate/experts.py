@@ -84,7 +84,7 @@ def step_tokens(problem: Problem) -> int:
     """Tokens one priced forward routes: the elements of the counted ``input_ids`` (batch x sequence; one per
     sequence for a decoding step), else of those of ``PlanOptions.inputs``, else ``Profile.tokens``."""
     counted = problem.flops
-    inputs = counted.inputs if counted is not None else problem.options.inputs
+    inputs = counted.inputs if counted is not None else problem.cost.inputs
     if isinstance(inputs, Mapping):
         for name, shape in inputs.items():
             shape = tuple(getattr(shape, "shape", shape))
@@ -115,7 +115,7 @@ def routed_cost(problem: Problem, placement: Placement, base: Cost) -> Cost:
     offloaded = offloaded_devices(main)
     run_on = "cpu" if not is_accelerator(main) else main
     tokens = step_tokens(problem)
-    runtime = problem.options.runtime
+    runtime = problem.runtime.name
     seconds, streamed, disk = base.seconds, float(base.streamed_bytes), float(base.disk_bytes)
     for layer in problem.moe:
         where = placement.experts.get(layer.experts)

@@ -162,21 +162,22 @@ PLANNED_PREFETCH = 1
 a problem built with ``prefetch=None`` reserves for."""
 
 
-def prefetch_of(options) -> int:
-    """How many offloaded modules the runtime of ``options`` (a :class:`allocator.PlanOptions`) makes ready ahead:
-    its ``prefetch`` with ``runtime="allocator"`` (:data:`PLANNED_PREFETCH` where it is left to the plan), 0 with
-    accelerate's hooks."""
-    if options.runtime != "allocator":
+def prefetch_of(runtime) -> int:
+    """How many offloaded modules ``runtime`` (a problem's :class:`allocator.problem.slices.RuntimeOptions`) makes
+    ready ahead: its ``prefetch`` with ``runtime="allocator"`` (:data:`PLANNED_PREFETCH` where it is left to the
+    plan), 0 with accelerate's hooks."""
+    if runtime.name != "allocator":
         return 0
-    return PLANNED_PREFETCH if options.prefetch is None else options.prefetch
+    return PLANNED_PREFETCH if runtime.prefetch is None else runtime.prefetch
 
 
-def streams_held(options, reserve: int) -> int:
-    """What a streaming reserve ``reserve`` (the largest chain a fill may stream) costs on the main device under the
-    runtime of ``options``: ``reserve`` for accelerate's hooks, ``(1 + prefetch) * reserve`` for the allocator
-    runtime, since each module made ready ahead streams at most one chain's worth. An upper bound of
-    :func:`prefetch_reserve` plus the chain, so that a fill charging it stays valid; works on CP-SAT expressions."""
-    return reserve * (1 + prefetch_of(options))
+def streams_held(runtime, reserve: int) -> int:
+    """What a streaming reserve ``reserve`` (the largest chain a fill may stream) costs on the main device under
+    ``runtime`` (a problem's :class:`allocator.problem.slices.RuntimeOptions`): ``reserve`` for accelerate's hooks,
+    ``(1 + prefetch) * reserve`` for the allocator runtime, since each module made ready ahead streams at most one
+    chain's worth. An upper bound of :func:`prefetch_reserve` plus the chain, so that a fill charging it stays valid;
+    works on CP-SAT expressions."""
+    return reserve * (1 + prefetch_of(runtime))
 
 
 def prefetch_reserve(graph: ModelGraph, found: list[Run], offloaded, k: int, *, offload_buffers: bool = False,
@@ -352,7 +353,7 @@ def expert_cache_reserve(problem, device_map: Mapping) -> tuple[int, int]:
     where no such layer exists or no cache is asked for. The plan adds these bytes to the main device's peak
     (:func:`allocator.report.plan.finish`) and takes them from the room its resident experts may use
     (:mod:`allocator.strategies.experts`), so the runtime never holds more than the plan counted."""
-    slots = problem.options.expert_cache if problem.options.runtime == "allocator" else 0
+    slots = problem.runtime.expert_cache if problem.runtime.name == "allocator" else 0
     if not slots or not problem.moe:
         return 0, 0
     main = main_device(set(device_map.values()))

@@ -262,25 +262,25 @@ def groups(g: ModelGraph, offload_buffers: bool = False, read_copies: bool = Fal
 def problem_groups(problem: Problem) -> Groups:
     """:func:`groups` of a problem's graph under its options (``offload_buffers``) and
     :attr:`~allocator.problem.Problem.read_copies`: the units every strategy places."""
-    return groups(problem.graph, problem.options.offload_buffers, problem.read_copies)
+    return groups(problem.graph, problem.placing.offload_buffers, problem.read_copies)
 
 
 def disk_loadable(problem: Problem) -> np.ndarray:
-    """Whether the loading path (``options.loader``) loads every tensor of each group of :func:`problem_groups`
+    """Whether the loading path (``problem.placing.loader``) loads every tensor of each group of :func:`problem_groups`
     right from disk (:func:`allocator.rules.loaders.loads_from_disk`): on accelerate's path not a tied tensor, nor a
     persistent buffer without ``offload_buffers=True``. A numpy bool array in group order, made once per problem."""
     return problem.derived.once(DISK_LOADABLE, lambda: _disk_loadable(problem))
 
 
 def _disk_loadable(problem: Problem) -> np.ndarray:
-    found, options, g = problem_groups(problem), problem.options, problem.graph
-    if options.loader == "transformers" or not len(found):
+    found, placing, g = problem_groups(problem), problem.placing, problem.graph
+    if placing.loader == "transformers" or not len(found):
         return np.ones(len(found), dtype=bool)
     cols = columns(g)
     tied = np.zeros(len(cols.is_param), dtype=bool)
     index = g.tensor_index
     tied[[index[n] for group in g.all_tie_groups() for n in group if n in index]] = True
-    loads = np.fromiter((loads_from_disk(options.loader, p, q, t, options.offload_buffers)
+    loads = np.fromiter((loads_from_disk(placing.loader, p, q, t, placing.offload_buffers)
                          for p, q, t in zip(cols.is_param.tolist(), cols.persistent.tolist(), tied.tolist())),
                         dtype=bool, count=len(tied))
     bad = np.concatenate([[0], np.cumsum(~loads)])

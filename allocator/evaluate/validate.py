@@ -71,9 +71,9 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     found: list[Violation] = []
     spelled = ambiguous_main_device(device_map.values()) if isinstance(device_map, Mapping) else None
     objects = device_objects(device_map.values()) if isinstance(device_map, Mapping) else []
-    if objects and not loads_device_objects(problem.options.loader, device_map.values()):
+    if objects and not loads_device_objects(problem.placing.loader, device_map.values()):
         found.append(Violation("device-object", f"the map's values include {objects}: "
-                               f"{_loader(problem.options.loader)} hands them to safetensors' safe_open, which "
+                               f"{_loader(problem.placing.loader)} hands them to safetensors' safe_open, which "
                                "takes device strings and indices only", "map to 'cpu', 'disk' and integer "
                                "accelerator indices, as allocator's plans do."))
     device_map = normalize_map(device_map)
@@ -95,8 +95,8 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
     found += _no_split(problem, runs, main_device(set(device_map.values())))
     found += _unhooked(problem, device_map, lone)
     found += _ties(problem, device_map, runs)
-    memory = peaks(g, runs, device_map.values(), offload_buffers=problem.options.offload_buffers,
-                   prefetch=prefetch_of(problem.options), skip=routed_spans(problem))
+    memory = peaks(g, runs, device_map.values(), offload_buffers=problem.placing.offload_buffers,
+                   prefetch=prefetch_of(problem.runtime), skip=routed_spans(problem))
     for device, nbytes in fetch_reserves(problem, device_map).items():   # routed experts fetched off the main device
         memory.peak[device] = memory.peak.get(device, 0) + nbytes
     placed = set(device_map.values())
@@ -170,22 +170,22 @@ def _nested(device_map: dict, unknown: set) -> list[Violation]:
 
 
 def _loader_rules(problem: Problem, device_map: dict, runs) -> list[Violation]:
-    """What the loading path (``options.loader``) cannot load: a map on disk alone, persistent buffers on disk that
-    are never read (:func:`allocator.rules.loaders.loads_disk_only`,
+    """What the loading path (``problem.placing.loader``) cannot load: a map on disk alone, persistent buffers on disk
+    that are never read (:func:`allocator.rules.loaders.loads_disk_only`,
     :func:`allocator.rules.loaders.reads_disk_buffers`)."""
-    options = problem.options
+    placing = problem.placing
     found = []
-    if set(device_map.values()) == {"disk"} and not loads_disk_only(options.loader):
-        found.append(Violation("disk-only", f"every key is mapped to 'disk': {_loader(options.loader)} cannot open "
+    if set(device_map.values()) == {"disk"} and not loads_disk_only(placing.loader):
+        found.append(Violation("disk-only", f"every key is mapped to 'disk': {_loader(placing.loader)} cannot open "
                                "the checkpoint for that device", "keep at least one module on 'cpu' (or load with "
                                "from_pretrained, loader='transformers')."))
-    if not reads_disk_buffers(options.loader, options.offload_buffers) and "disk" in device_map.values():
+    if not reads_disk_buffers(placing.loader, placing.offload_buffers) and "disk" in device_map.values():
         is_param, persistent = _flags(problem)
         count, first = _count(persistent & ~is_param, runs, lambda run: run.device == "disk")
         if count:
             names = [problem.graph.tensors.name[t] for t in first]
             found.append(Violation("unread-buffer", f"{count} persistent buffers are mapped to disk, e.g. {names}: "
-                                   f"{_loader(options.loader)} never reads them without offload_buffers=True (they "
+                                   f"{_loader(placing.loader)} never reads them without offload_buffers=True (they "
                                    "keep their __init__ values)", "pass offload_buffers=True or map their modules to "
                                    "another device."))
     return found
@@ -193,7 +193,7 @@ def _loader_rules(problem: Problem, device_map: dict, runs) -> list[Violation]:
 
 def _ties(problem: Problem, device_map: dict, runs) -> list[Violation]:
     """Tie groups the loading path cannot load where the map puts them (:func:`allocator.rules.loaders.tie_loads`)."""
-    g, loader = problem.graph, problem.options.loader
+    g, loader = problem.graph, problem.placing.loader
     groups = g.all_tie_groups()
     if not groups:
         return []
@@ -223,7 +223,7 @@ def _ties(problem: Problem, device_map: dict, runs) -> list[Violation]:
 def _disk_weights_outside(problem: Problem, runs, group) -> bool:
     """Whether the map sends a checkpoint tensor outside ``group`` to disk (what accelerate's loader writes)."""
     is_param, persistent = _flags(problem)
-    written = moves(is_param, persistent, problem.options.offload_buffers).copy()
+    written = moves(is_param, persistent, problem.placing.offload_buffers).copy()
     index = problem.graph.tensor_index
     for name in group:
         if name in index:
@@ -239,7 +239,7 @@ def _unhooked(problem: Problem, device_map: dict, lone) -> list[Violation]:
     g = problem.graph
     main = main_device(device_map.values())
     offloaded = offloaded_devices(main) if hooks_attach(device_map.values()) else ()
-    ob = problem.options.offload_buffers
+    ob = problem.placing.offload_buffers
     t = g.tensors
     bad = [k for k, d in device_map.items() if k in lone and d in offloaded and k in g.tensor_index
            and moves(t.is_param[g.tensor_index[k]], t.persistent[g.tensor_index[k]], ob)] if lone else []

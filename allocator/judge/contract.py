@@ -81,7 +81,7 @@ def contract_violations(problem: Problem, device_map: Mapping, *, exempt: frozen
     >>> contract_violations(problem, {"0": 0, "1": 0, "2": 1, "3": 1})
     []
     """
-    if not problem.options.contract or exempt >= CONTRACT_RULES or not len(problem.graph.tensors.name):
+    if not problem.deciding.contract or exempt >= CONTRACT_RULES or not len(problem.graph.tensors.name):
         return []   # lifted, accelerate's own map, or a model without tensors (nothing lives anywhere)
     found = map_runs(problem.graph, device_map)
     out = [] if "main" in exempt else main_violations(problem, device_map)
@@ -97,7 +97,7 @@ def floor_violations(problem: Problem, device_map: Mapping, found) -> list[Viola
     streamed per forward."""
     seen = witness(problem)
     have, need = fast_bytes(problem, found), seen.floor
-    theirs = "transformers' map" if problem.options.baseline is not None else "accelerate's valid map"
+    theirs = "transformers' map" if problem.deciding.baseline is not None else "accelerate's valid map"
     if have < need:
         return [Violation("contract-floor", f"the plan keeps {format_bytes(have)} on the fastest tier, less than "
                           f"{theirs} ({format_bytes(need)}); objective='latency' lifts this.")]

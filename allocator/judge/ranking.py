@@ -32,7 +32,7 @@ PRICED = 8
 def estimate_decides(problem: Problem) -> bool:
     """Whether the estimate ranks plans first: its rates were measured (``PlanOptions.profile``), or the caller asked
     for it (``objective="latency"``)."""
-    return problem.options.profile is not None or not problem.options.contract
+    return problem.cost.measured or not problem.deciding.contract
 
 
 def rank_key(problem: Problem, cost: Cost) -> tuple:
@@ -47,7 +47,7 @@ def ranked_by(problem: Problem) -> str:
     measured rates), ``"latency"`` (the estimate, as asked) or ``"bytes"`` (bytes on the fastest tier, then bytes
     streamed; the estimate breaks ties)."""
     if estimate_decides(problem):
-        return "measured" if problem.options.contract else "latency"
+        return "measured" if problem.deciding.contract else "latency"
     return "bytes"
 
 
@@ -111,7 +111,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
         "kept", devices=(main_device(device_map.values()),), bytes=int(cost.resident_fast),
         bound="estimate" if estimate_decides(problem) else "bytes",
         facts={"strategy": strategy, "candidates": len({id(c) for c in candidates}),
-               "contract": problem.options.contract, "main": kept.under, "reserve": int(kept.reserve),
+               "contract": problem.deciding.contract, "main": kept.under, "reserve": int(kept.reserve),
                "seconds": cost.seconds, "changes": int(cost.device_changes)}),))
 
 
@@ -200,7 +200,7 @@ def keeping_contract(problem: Problem, candidates: list) -> list:
     """The candidates (:class:`allocator.search.first_fit.Filled`) that keep the contract's main device, index order
     and floor (:mod:`allocator.judge.contract`); all of them under ``objective="latency"``. When none reaches the
     floor and accelerate's map cannot be kept instead (it breaks rule 1 or 2 itself), those that keep rules 1 and 2."""
-    if not problem.options.contract:
+    if not problem.deciding.contract:
         return list(candidates)
     main = contract_main(problem)
     keep = [c for c in candidates if c.main == main and not order_violations(problem, c.runs())]
@@ -212,7 +212,7 @@ def keeping_contract(problem: Problem, candidates: list) -> list:
 def _streams_no_more(problem: Problem, cost: Cost) -> bool:
     """Rule 3's second half: streams no more per forward than the valid baseline (always, where there is none or the
     contract is lifted)."""
-    seen = witness(problem) if problem.options.contract else None
+    seen = witness(problem) if problem.deciding.contract else None
     return seen is None or seen.fallback is None or cost.streamed_bytes <= seen.streamed
 
 
@@ -231,11 +231,11 @@ def _witness_instead(problem: Problem, strategy: str) -> Placement:
     """Where no candidate of a strategy keeps the contract: accelerate's own map where it keeps it, else the plan that
     proved the contract's main device (:attr:`allocator.judge.witness.Witness.main_plan`); raises where there is
     neither."""
-    if problem.options.contract and accelerate_map(problem) is not None:
+    if problem.deciding.contract and accelerate_map(problem) is not None:
         return Placement(device_map=accelerate_map(problem), strategy=strategy, decisions=(Decision(
             "fallback", bound="contract",
             facts={"reason": "contract", "strategy": strategy, "main": contract_main(problem)}),))
-    found = witness(problem).main_plan if problem.options.contract else None
+    found = witness(problem).main_plan if problem.deciding.contract else None
     if found is None:
         raise infeasible(problem)
     return Placement(device_map=found, strategy=strategy, decisions=(Decision(

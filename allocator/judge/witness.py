@@ -74,8 +74,8 @@ class Witness:
     def baseline(self) -> dict | None:
         """The map the user gets today on this path: ``PlanOptions.baseline`` where given (transformers' own map on
         ``from_pretrained``), else accelerate's (``sequential``'s); ``None`` where that fails."""
-        if self.problem.options.baseline is not None:
-            return dict(self.problem.options.baseline)
+        if self.problem.deciding.baseline is not None:
+            return dict(self.problem.deciding.baseline)
         return None if self.accelerate is None else dict(self.accelerate.device_map)
 
     @cached_property
@@ -96,7 +96,7 @@ class Witness:
         """Rule 3 on ``from_pretrained``: the least free memory transformers' own valid map leaves on any accelerator,
         where it keeps the whole model on the accelerators (:func:`allocator.judge.verdict.headroom`); ``None``
         elsewhere (no transformers map given, not valid, or something offloaded)."""
-        if self.problem.options.baseline is None or self.valid_map is None:
+        if self.problem.deciding.baseline is None or self.valid_map is None:
             return None
         return headroom(self.problem, self.valid_map)
 
@@ -244,7 +244,7 @@ def accelerate_map(problem: Problem) -> dict | None:
 def main_candidates(problem: Problem) -> list[Device]:
     """The devices a strategy tries as main: :func:`contract_main` alone under the contract; every device that could
     be main (:func:`allocator.search.first_fit.every_main`) under ``objective="latency"``."""
-    return [contract_main(problem)] if problem.options.contract else every_main(problem)
+    return [contract_main(problem)] if problem.deciding.contract else every_main(problem)
 
 
 def fill_memo(problem: Problem) -> dict:

@@ -78,6 +78,12 @@ class Problem:
         for name, kind in SLICES.items():   # once per problem: a replace() with other options makes new ones
             object.__setattr__(self, name, kind.of(self.options))
 
+    def with_options(self, **changes) -> Problem:
+        """This problem with ``changes`` to its options (:meth:`PlanOptions.of`) and their slices made anew; what
+        was built from the options (the graph, the FLOP counts) is kept as built, so change only what decides, costs
+        or runs a plan (``objective``, ``prefetch``)."""
+        return dataclasses.replace(self, options=PlanOptions.of(self.options, **changes))
+
     @property
     def read_copies(self) -> bool:
         """Whether streamed chains count the copies hooks read cast tensors into

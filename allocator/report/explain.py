@@ -132,7 +132,7 @@ def _main_sentence(plan, layout: _Layout) -> str:
     if "main" in plan.placement.exempt:
         return (f"main device {main!r}: {_strategy(plan)} keeps the first accelerator as light as possible on purpose "
                 "(the contract's rule 1 does not apply to it)")
-    if not p.options.contract:
+    if not p.deciding.contract:
         return f"main device {main!r}: under objective latency the cost model's estimate alone chose it"
     if is_accelerator(main):
         return (f"main device {main!r}: inputs go there and offloaded modules execute there; the contract makes it "
@@ -272,7 +272,7 @@ def _empty(plan, layout: _Layout, device, full: set, used: set) -> tuple[str, st
                            + (f" ({sentence(full_at[0])})" if full_at else ""))
         if "main" in plan.placement.exempt:
             return because(f"{_strategy(plan)} keeps the first accelerator free for generate()")
-        if not p.options.contract:
+        if not p.deciding.contract:
             return because(f"under objective latency the estimate chose main device {main!r}, and anything on "
                            f"{device!r} would make it the main device")
         return because(why_empty(p, device))
@@ -334,7 +334,7 @@ def _reserve(plan) -> str | None:
         who = f", set by {', '.join(repr(c) for c in chain)} together (nested hooks are active at once)"
     ahead = ""
     if plan.prefetch:
-        k = prefetch_of(plan.problem.options)
+        k = prefetch_of(plan.problem.runtime)
         ahead = (f"; and {format_bytes(plan.prefetch)} for the allocator runtime's prefetch (the {k} largest "
                  f"offloaded module{'s' if k > 1 else ''}, made ready while another runs)")
     return (f"streaming reserve on {plan.main_device!r}: {format_bytes(plan.streamed)}, kept free there for the "

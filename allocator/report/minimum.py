@@ -151,7 +151,7 @@ def why_empty(problem: Problem, device: Device) -> str:
     limit = b.limit(device) or 0
     if limit == 0:
         return f"accelerator {device!r} has a budget of 0"
-    need = streams_held(problem.options, full_reserve(problem))
+    need = streams_held(problem.runtime, full_reserve(problem))
     smallest = min((s for s in problem_groups(problem).size if s), default=0)
     g = problem.graph
     generate = g.workspace + g.main_workspace
@@ -167,7 +167,7 @@ def empty_before_main(problem: Problem, placement: Placement) -> Placement:
     :class:`~allocator.placement.Decision` each, with the budget that would make it the main device
     (:func:`main_minimum`), and accelerate's "insufficient memory" log line. A placement exempt from rule 1 is
     returned as it is."""
-    if not problem.options.contract or "main" in placement.exempt:
+    if not problem.deciding.contract or "main" in placement.exempt:
         return placement
     main = main_device(placement.device_map.values())
     accelerators = problem.budgets.accelerators

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..budgets import ByDevice, Device, canonical
 from ..errors import AllocatorError
@@ -124,7 +124,7 @@ class Plan:
         one decoding step), as :class:`Cost`; ``{"prefill": cost}`` when nothing was counted. :attr:`cost` is the
         one ``options.optimize`` names."""
         steps = self.problem.steps or {"prefill": None}
-        return {step: self.cost if step == self.problem.options.optimize else
+        return {step: self.cost if step == self.problem.cost.optimize else
                 _priced(step_problem(self.problem, step), self.placement) for step in steps}
 
     @property
@@ -144,7 +144,7 @@ class Plan:
                     f"(1, 512)}} or inputs='default' to count FLOPs on the meta device)")
         shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in counted.inputs.items())
         source = "the config's defaults" if counted.defaults else "the inputs given"
-        if self.problem.options.optimize == "decode":
+        if self.problem.cost.optimize == "decode":
             source = f"one decoding step of {source}, the whole KV cache read"
         if self.problem.node_flops is None:
             return (f"compute term estimated: 2 x params x {tokens} tokens; the count at {shapes} ({source}) is "
@@ -187,7 +187,7 @@ class Plan:
                  + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal")),
                  f"  {self.compute_term()}"]
         if len(self.problem.steps) > 1:
-            lines.append(f"  {self.per_step()}; objectives price the {self.problem.options.optimize}")
+            lines.append(f"  {self.per_step()}; objectives price the {self.problem.cost.optimize}")
         for device in budgets.order:
             if device not in self.peak:
                 continue
@@ -220,7 +220,7 @@ class Plan:
         """Which objective decided: under ``"contract"`` its main device and floor (accelerate's bytes on the fastest
         tier, and this plan's); under ``"latency"`` what the contract would have chosen instead."""
         problem = self.problem
-        if problem.options.contract:
+        if problem.deciding.contract:
             need = floor(problem)
             have = fast_bytes(problem, map_runs(problem.graph, self.device_map))
             return ("objective contract: main device the first accelerator that admits a plan "
@@ -231,7 +231,7 @@ class Plan:
         fell_back = self.placement.accelerates and self.asked != "sequential"   # accelerate's map, as no plan fits
         if self.asked not in STRATEGIES or fell_back:
             return line
-        contract = replace(self.problem, options=replace(self.problem.options, objective="contract"))
+        contract = self.problem.with_options(objective="contract")
         try:
             other = finish(contract, run(self.asked, contract))
         except AllocatorError:

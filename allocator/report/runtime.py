@@ -116,13 +116,13 @@ def decide_runtime(problem, placement, memory, experts_bytes: int = 0, cache: tu
     (main device, streamed chain, prefetch reserve), ``experts_bytes`` the routed experts resident on the main
     device, ``cache`` the expert cache's ``(slots, bytes)`` there
     (:func:`allocator.evaluate.memory.expert_cache_reserve`)."""
-    options = problem.options
-    if options.runtime != "allocator":
-        return Runtime(name=options.runtime, main_device=memory.main)
+    runtime = problem.runtime
+    if runtime.name != "allocator":
+        return Runtime(name=runtime.name, main_device=memory.main)
     experts = {k: tuple(v) for k, v in placement.experts.items()}
     layers = {m.experts: m for m in problem.moe}
     runs = {k: v for k, v in runs_on(problem, normalize_map(placement.device_map)).items() if k in experts}
-    return Runtime(name="allocator", main_device=memory.main, prefetch=prefetch_of(options),
+    return Runtime(name="allocator", main_device=memory.main, prefetch=prefetch_of(runtime),
                    experts=experts, expert_mode={name: "auto" for name in experts},
                    buffers={"streamed": memory.streamed, "prefetch": memory.prefetch, "experts": experts_bytes,
                             "expert_cache": int(cache[1])},

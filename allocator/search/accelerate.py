@@ -114,14 +114,14 @@ def place(problem: Problem) -> Placement:
     Returns
     -------
     Placement
-        ``device_map`` is exactly accelerate's (cleaned when ``problem.options.clean_result``).
+        ``device_map`` is exactly accelerate's (cleaned when ``problem.placing.clean_result``).
 
     Raises
     ------
     UnsupportedByAccelerate
         Where accelerate itself raises on this input.
     """
-    g, budgets, opts = problem.graph, problem.budgets, problem.options
+    g, budgets, placing = problem.graph, problem.budgets, problem.placing
     tree = EntryTree(problem)
     devices = list(budgets.order)
     limits = budgets.limits
@@ -217,7 +217,7 @@ def place(problem: Problem) -> Placement:
                 max_layer, max_names = tree.max_layer(entries.modules())
                 continue
 
-        if used[device] == 0 and opts.fallback_allocation and device != "disk":
+        if used[device] == 0 and placing.fallback_allocation and device != "disk":
             fallback_limit = limits[device] - max(max_layer, size_with_ties)
             found, rest = _fallback(tree, entries.in_order(), fallback_limit - used[device], tied_groups)
             if found is not None:
@@ -257,7 +257,7 @@ def _buffer_warning(problem: Problem, device_map: dict, used: dict) -> str | Non
     """accelerate's warning when the buffers of modules mapped to cpu/disk (which stay on the main device) fit no
     accelerator's remaining budget (``infer_auto_device_map``, accelerate/utils/modeling.py); ``None`` when they do."""
     g, budgets = problem.graph, problem.budgets
-    if problem.options.offload_buffers or not budgets.accelerators:
+    if problem.placing.offload_buffers or not budgets.accelerators:
         return None
     t = g.tensors
     buffer = np.where(~np.asarray(t.is_param, dtype=bool) & (as_array(t.canonical) == np.arange(len(t.name))),

@@ -129,7 +129,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
                     model.Add(x[k, d] == 0)
     for k in no_disk:   # what the loader would not load right from disk (allocator.rules.loaders.loads_from_disk)
         model.Add(x[k, "disk"] == 0)
-    if "disk" in devices and found and not loads_disk_only(problem.options.loader):
+    if "disk" in devices and found and not loads_disk_only(problem.placing.loader):
         model.Add(sum(x[k, "disk"] for k in range(len(found))) <= len(found) - 1)
 
     # The exact streaming reserve. Only whole-module units are ever offloaded (tensor units are resident-only) and
@@ -150,7 +150,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
         limit = b.limit(d)
         if d == main:
             resident = sum(grp.size * x[k, d] for k, grp in enumerate(found))
-            model.Add(resident + pinned + streams_held(problem.options, reserve) + workspace(g, main=True) <= limit)
+            model.Add(resident + pinned + streams_held(problem.runtime, reserve) + workspace(g, main=True) <= limit)
             if is_accelerator(d):
                 model.Add(sum(x[k, d] for k in range(len(found))) >= 1)
         elif d in targets:
@@ -168,7 +168,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
     # The contract: resident groups take accelerators in index order along the model. A level per group that never
     # decreases in model order; a group on an executing device has that device's level (offloaded groups follow it).
     executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
-    if problem.options.contract and len(executing) > 1:
+    if problem.deciding.contract and len(executing) > 1:
         level = [model.NewIntVar(0, len(executing) - 1, f"level{k}") for k in range(len(found))]
         for k in range(1, len(found)):
             model.Add(level[k] >= level[k - 1])

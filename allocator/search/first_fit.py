@@ -69,7 +69,7 @@ def fill(problem: Problem, found: Groups, main: Device, reserve: int) -> list | 
     seats = stays[order], *(found.array(c)[order] for c in ("pinned", "size", "offload"))
     disk = None if disk_ok is None else disk_ok[order]
     # the contract: accelerators in index order along the model (only matters with two or more that execute)
-    if problem.options.contract and room.targets.count(False) > 1:
+    if problem.deciding.contract and room.targets.count(False) > 1:
         chosen = _seat_in_index_order(room, order, *seats, disk)
     else:
         chosen = _seat_all(room, *seats, disk)
@@ -237,7 +237,7 @@ def full_reserve(problem: Problem) -> int:
     """The reserve that streams anything: the largest chain if every weight were offloaded."""
     if not problem.graph.nodes:
         return 0
-    return columns(problem.graph).moving(problem.options.offload_buffers, problem.read_copies).chain[0]
+    return columns(problem.graph).moving(problem.placing.offload_buffers, problem.read_copies).chain[0]
 
 
 class Streams:

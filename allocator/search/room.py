@@ -80,7 +80,7 @@ class Room:
         devices = [d for d in devices if d in b.order]   # main first
         offloaded = offloaded_devices(main)
         free = [b.limit(d) if b.limit(d) is not None else math.inf for d in devices]
-        free[0] -= streams_held(problem.options, reserve)   # with prefetch, the modules made ready ahead too
+        free[0] -= streams_held(problem.runtime, reserve)   # with prefetch, the modules made ready ahead too
         # Generation: every device that runs something holds activations; the main device also the next-token scores.
         # A device left with negative room gets nothing, so it runs nothing and needs no workspace.
         for j, d in enumerate(devices):

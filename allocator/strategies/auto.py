@@ -68,11 +68,11 @@ def place(problem: Problem) -> Placement:
     many, which the ranking takes only where it wins. Each ``ilp`` gets ``ILP_SECONDS`` deterministic seconds (one
     worker, fixed seed), so the plan does not depend on the machine's speed."""
     candidates = [(name, lambda strategy=strategy: strategy(problem)) for name, strategy in CANDIDATES.items()]
-    if problem.options.baseline is not None:   # the map the user gets today on this path: a plan too
-        candidates.append(("transformers", lambda: Placement(problem.cleaned(problem.options.baseline),
+    if problem.deciding.baseline is not None:   # the map the user gets today on this path: a plan too
+        candidates.append(("transformers", lambda: Placement(problem.cleaned(problem.deciding.baseline),
                                                              "transformers")))
     accelerators = problem.budgets.accelerators
-    if problem.options.contract and len(accelerators) > 1:
+    if problem.deciding.contract and len(accelerators) > 1:
         candidates.append((f"auto without accelerator {accelerators[-1]!r}", lambda: _without_last(problem)))
     found = best_valid(problem, candidates)
     if _ilp_available(problem):

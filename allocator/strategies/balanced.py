@@ -187,7 +187,7 @@ def _place(problem: Problem, *, low_0: bool) -> Placement:
     name = "balanced_low_0" if low_0 else "balanced"
     found = problem_groups(problem).records()
     accelerators = list(problem.budgets.accelerators)
-    if accelerators and problem.options.contract and not low_0 and found:
+    if accelerators and problem.deciding.contract and not low_0 and found:
         # the contract: the first accelerator that admits a plan is the main device, so it holds a group
         main = contract_main(problem)
         accelerators = accelerators[accelerators.index(main):] if main in accelerators else []
@@ -202,7 +202,7 @@ def _all_resident(problem: Problem, found: list[Group], devices: list[Device], l
     budgets = [problem.budgets.limit(d) or 0 for d in devices]
     loads = [load(g) for g in found]
     splitter = _low_first if low_0 else _balance
-    first_min = 1 if problem.options.contract and not low_0 and found else 0
+    first_min = 1 if problem.deciding.contract and not low_0 and found else 0
     cuts = splitter(loads, budgets, _workspace(problem, len(devices)), first_min)
     if cuts is None:
         return None

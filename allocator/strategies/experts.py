@@ -76,7 +76,7 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     >>> sum(row.count("cpu") for row in placed.experts.values())    # three resident experts per layer
     24
     """
-    if not problem.moe or problem.options.runtime != "allocator" or placement.accelerates:
+    if not problem.moe or problem.runtime.name != "allocator" or placement.accelerates:
         return placement
     layers = [m for m in problem.moe if m.experts in problem.graph.node_index]
     dense = normalize_map(placement.device_map)

@@ -144,7 +144,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
         warm = False
     objective /= NS
     homed = home_weightless(found, placed, main) if main in problem.budgets.order else placed
-    if problem.options.contract and order_violations(problem, map_runs(g, homed)):
+    if problem.deciding.contract and order_violations(problem, map_runs(g, homed)):
         # on the main device, a buffers-only module that runs after units on later accelerators would break their
         # index order: offloaded to RAM instead (the same memory: its buffers stay on the main device)
         homed = home_weightless(found, placed, main, home="cpu") if "cpu" in problem.budgets.order else placed
@@ -171,7 +171,7 @@ def _breaks_order_or_main(problem: Problem, device_map) -> bool:
 def _floor_to_keep(problem: Problem, incumbent) -> int:
     """The contract's floor (accelerate's bytes on the fastest tier) where a plan keeping the contract is known to
     reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.judge.ranking.best_of`."""
-    if not problem.options.contract:
+    if not problem.deciding.contract:
         return 0
     need = floor(problem)
     if accelerate_map(problem) is not None:

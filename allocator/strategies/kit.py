@@ -174,7 +174,7 @@ def seat(problem: Problem, found: Groups, order: Sequence[int], main: Device, re
         stays, disk_ok = stays | ~disk_ok, np.ones(n, dtype=bool)
     size, offload, pinned = (found.array(c).tolist() for c in ("size", "offload", "pinned"))
     stays, disk_ok = stays.tolist(), disk_ok.tolist()
-    ordered = problem.options.contract and room.targets.count(False) > 1
+    ordered = problem.deciding.contract and room.targets.count(False) > 1
     below, above = _Bound(n, max, -1), _Bound(n, min, n)   # executing device index by model position
     seats: list = [None] * n
     for k in [k for k in order if stays[k]] + [k for k in order if not stays[k]]:
