@@ -382,10 +382,10 @@ def test_no_strategy_imports_another():
 
 
 #: The modules that may call the validator (``allocator.evaluate.validate.check``), issue #38: its own module
-#: (``validate()``), the judge's one door to it (``judge/verdict.py``: every other module judges maps there), and the
-#: experts pass, which another issue is rewriting (it is to go through the judge too).
+#: (``validate()``) and the judge's one door to it (``judge/verdict.py``: every other module, the experts pass
+#: included, judges maps there with ``judged``, ``violations``, ``is_valid``, ``memory``).
 VALIDATOR = "allocator.evaluate.validate"
-CHECKERS = {VALIDATOR, "allocator.judge.verdict", "allocator.strategies.experts"}
+CHECKERS = {VALIDATOR, "allocator.judge.verdict"}
 
 
 def check_callers(sources: dict[str, str], modules: dict[str, Path]) -> dict[str, int]:
@@ -423,9 +423,29 @@ def test_the_check_caller_rule_finds_each_form():
                                                "allocator.fit": 2}
 
 
-def test_check_is_called_from_three_modules_at_most():
+def test_check_is_called_from_the_validator_and_the_judge_only():
     modules = module_names()
     found = check_callers({name: path.read_text() for name, path in modules.items()}, modules)
-    assert set(found) <= CHECKERS and len(found) <= 3, (
+    assert set(found) <= CHECKERS and len(found) <= 2, (
         "check() is called outside the judge's door (allocator/judge/verdict.py: judged, violations, is_valid, "
         f"memory): {sorted(set(found) - CHECKERS)}")
+
+
+def check_importers(edges: list[Import]) -> list[str]:
+    """The modules that import the validator's ``check``, or the validator module whole (through which they could
+    call it under any name)."""
+    return sorted({e.source for e in edges if e.target == VALIDATOR and ("check" in e.names or not e.names)})
+
+
+def test_the_check_importer_rule_finds_each_form():
+    edges = [Import("allocator.strategies.experts", VALIDATOR, ("check",), 1, False, False),
+             Import("allocator.report.plan", VALIDATOR, (), 2, False, False),           # import the module whole
+             Import("allocator.judge.contract", VALIDATOR, ("Violation", "format_bytes"), 3, False, False)]
+    assert check_importers(edges) == ["allocator.report.plan", "allocator.strategies.experts"]
+
+
+def test_only_the_judge_imports_check():
+    found = check_importers(imports())
+    assert set(found) <= CHECKERS - {VALIDATOR} and len(found) <= 1, (
+        "modules import the validator's check outside the judge's door (import judged, violations, is_valid or "
+        f"memory from allocator/judge/verdict.py): {sorted(set(found) - CHECKERS)}")

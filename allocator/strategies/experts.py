@@ -35,9 +35,9 @@ from ..errors import InvalidOption
 from ..evaluate.memory import device_of, expert_cache_reserve, map_runs, offloaded_devices, tensor_devices
 from ..evaluate.runs import columns
 from ..evaluate.tiers import accelerator_sequence, fast_bytes, fast_tier
-from ..evaluate.validate import check
 from ..placement import Decision, Placement
 from ..problem import Problem, step_problem
+from ..judge.verdict import is_valid, judged
 from ..judge.witness import floor
 
 __all__ = ["place_experts"]
@@ -80,7 +80,7 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         return placement
     layers = [m for m in problem.moe if m.experts in problem.graph.node_index]
     dense = normalize_map(placement.device_map)
-    violations, memory = check(problem, dense)
+    violations, memory = judged(problem, dense)
     if violations or not layers:
         return placement
     main = memory.main
@@ -91,7 +91,7 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     if found is None:
         return _kept(placement, _why_not(problem, units, homes, layers))
     moved, mapped = found
-    memory = check(problem, mapped)[1]
+    memory = judged(problem, mapped)[1]
     holders = [d for d in problem.budgets.accelerators if problem.budgets.limit(d) is not None] or [main]
     if is_accelerator(main) and problem.budgets.limit("cpu") is not None:
         holders.append("cpu")   # then RAM (the runtime holds those slices there), then disk
@@ -274,7 +274,7 @@ def _with_experts_away(problem: Problem, units, homes, layers, main: Device, awa
         return out
 
     def valid(on_away: int, moved: int) -> bool:
-        return not check(problem, _map(units, devices(on_away, moved)))[0]
+        return is_valid(problem, _map(units, devices(on_away, moved)))
 
     on_away = _largest(len(experts_at), lambda k: valid(k, 0)) if away != "disk" else len(experts_at)
     if on_away is None:
@@ -290,7 +290,7 @@ def _why_not(problem: Problem, units, homes, layers) -> str:
     """The real reason no map with the experts modules apart exists: the first rule the map with every experts
     module on disk and nothing else moved breaks."""
     out = [("disk" if is_experts else home) for (_, is_experts), home in zip(units, homes)]
-    violations = check(problem, _map(units, out))[0]
+    violations = judged(problem, _map(units, out))[0]
     if not violations:
         return "no map with the experts modules apart keeps every runtime rule"
     first = violations[0]
