@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import numpy as np
+
 from .errors import InvalidOption
 
-__all__ = ["Profile", "read_rates", "flop_seconds", "COUNTED", "counted_rates"]
+__all__ = ["Profile", "read_rates", "flop_seconds", "COUNTED", "counted_rates", "read_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +350,24 @@ def counted_rates(profile: Profile, run_on) -> tuple[float, float, float, float]
         return (profile.cpu_op_latency, 1 / profile.cpu_memory, 1 / profile.cpu_pointwise, 1 / profile.cpu_strided)
     per_byte = 1 / profile.accelerator_memory
     return profile.accelerator_op_latency, per_byte, per_byte, per_byte
+
+
+def read_seconds(profile: Profile, run_on, nbytes, numel, flops=None, counted: tuple = ()):
+    """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
+    (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger;
+    plus the ``counted`` work (one amount per kind of :data:`COUNTED`: ops, bytes written, bytes of functions per
+    element, bytes interpolated across memory layouts) at :func:`counted_rates`.
+
+    The cost model's one read-or-compute term: of one piece of the model (numbers in, a float out), or of every
+    tensor of a graph at once (numpy float64 arrays of one entry per tensor in, elementwise, the same float64
+    products: :meth:`allocator.evaluate.runs.Columns.read_seconds`, which both the estimate and the CP-SAT objective
+    sum)."""
+    per_byte, per_element = read_rates(profile, run_on)
+    compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
+    seconds = np.maximum(nbytes * per_byte, compute)
+    for amount, rate in zip(counted, counted_rates(profile, run_on)):
+        seconds = seconds + amount * rate
+    return seconds if isinstance(seconds, np.ndarray) else float(seconds)
 
 
 def _timings(fn, repeats: int) -> list[float]:

@@ -17,7 +17,14 @@ its ops without a FLOP formula write memory traffic at the executing device's me
 count: ``2 * tokens`` FLOP per parameter element, no op term, the fixed activation.
 
 Default bandwidths are named constants with their source in :mod:`allocator.profile`;
-:meth:`Profile.measure` measures this machine. :func:`read_rates` is that module's, re-exported here.
+:meth:`Profile.measure` measures this machine. :func:`read_rates` and :func:`read_seconds` (the read-or-compute
+term) are that module's, re-exported here.
+
+One path prices a map: each tensor's read-or-compute seconds are computed once, for every tensor at once
+(:func:`tensor_reads`, from :func:`read_seconds`), and what a hook streams from the same columns
+(:class:`allocator.evaluate.runs.Moving`, :func:`copy_seconds`); :func:`estimate_runs` sums them over a map's runs,
+and :func:`tensor_seconds` (the CP-SAT objective's price of one tensor) reads one entry. A new term goes into
+:func:`read_seconds` or :func:`copy_seconds`, and both follow.
 """
 
 from __future__ import annotations
@@ -27,22 +34,22 @@ from dataclasses import dataclass
 
 from ..memo import Key
 from ..budgets import Device, is_accelerator, normalize_map
-from ..profile import COUNTED, Profile, counted_rates, flop_seconds, read_rates
+from ..profile import COUNTED, Profile, read_rates, read_seconds
 from ..model.flops import node_values
 from ..problem import Problem
 from .runs import FEMTO, Run, columns
-from .memory import main_device, map_runs, moves_with_weights, offloaded_devices
+from .memory import main_device, map_runs, offloaded_devices
 from .tiers import fast_tier
 from .units import boundary_bytes, tensor_flops
 
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
-           "execute_seconds", "tensor_seconds", "change_seconds", "counted_flops", "counted_work",
-           "boundaries"]
+           "tensor_seconds", "tensor_reads", "change_seconds", "counted_flops", "counted_work", "boundaries"]
 
 TENSOR_FLOPS = Key("tensor flops")
 TENSOR_WORK = Key("tensor work")
 BOUNDARY_BYTES = Key("boundary bytes")
 READS = Key("reads")
+TENSOR_READS = Key("tensor reads")
 PRICED = Key("priced")
 
 log = logging.getLogger(__name__)
@@ -57,22 +64,6 @@ class Cost:
     disk_bytes: int         # of which read from disk
     device_changes: int     # changes of executing device along the model
     resident_fast: int      # bytes resident on the fastest tier
-
-
-def read_seconds(profile: Profile, run_on, nbytes: int, numel: int, flops: float | None = None,
-                 counted: tuple = ()) -> float:
-    """Seconds to read ``nbytes`` of weights where they execute (``run_on``), or to compute with ``numel`` of them
-    (``2 * tokens`` FLOP each, :func:`read_rates`; ``flops`` FLOPs instead where they were counted): the larger;
-    plus the ``counted`` work (one amount per kind of :data:`allocator.profile.COUNTED`: ops, bytes written,
-    bytes of functions per element, bytes interpolated across memory layouts) at
-    :func:`allocator.profile.counted_rates`."""
-    per_byte, per_element = read_rates(profile, run_on)
-    compute = numel * per_element if flops is None else flops * flop_seconds(profile, run_on)
-    seconds = max(nbytes * per_byte, compute)
-    for amount, rate in zip(counted, counted_rates(profile, run_on)):
-        if amount:
-            seconds = seconds + amount * rate
-    return seconds
 
 
 def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, runtime: str = "accelerate") -> float:
@@ -99,30 +90,35 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, 
     return seconds
 
 
-def execute_seconds(problem: Problem, main, profile: Profile, device, nbytes: int, numel: int, offload: int,
-                    tensors: int = 0, flops: float | None = None, counted: tuple = ()) -> float:
-    """Seconds one piece of the model costs per forward on ``device`` with ``main`` as the main device:
-    :func:`read_seconds` where it executes (offloaded pieces execute on the main device) plus
-    :func:`copy_seconds` of the ``offload`` bytes in ``tensors`` tensors its hooks stream (0 when not streamed).
-    """
-    run_on = main if device in ("cpu", "disk") else device
-    return (read_seconds(profile, run_on, nbytes, numel, flops, counted)
-            + copy_seconds(profile, main, device, offload, tensors, runtime=problem.runtime.name))
-
-
 def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
-    """Seconds one tensor of the graph costs per forward on ``device`` with ``main`` as the main device.
-
-    :func:`estimate` is the sum of this over the tensors plus the changes of executing device; ``ilp`` prices its
-    groups with it, so its objective is the estimate.
+    """Seconds one tensor of the graph costs per forward on ``device`` with ``main`` as the main device: its term of
+    :func:`estimate_runs`, from the same columns (its read-or-compute seconds where it executes,
+    :func:`tensor_reads`, plus :func:`copy_seconds` of what its hook streams, ``Moving``). The sum over a map's
+    tensors plus its changes of device is :func:`estimate` (to float rounding); ``ilp`` prices its groups with it,
+    so its objective is the estimate.
     """
-    moves = device in offloaded_devices(main) and moves_with_weights(tensor, problem.placing.offload_buffers)
-    numel = tensor.numel if tensor.is_param and tensor.counted else 0
-    counted, work = counted_flops(problem), counted_work(problem)
     at = problem.graph.tensor_index[tensor.name]
-    flops = None if counted is None else float(counted[at])
-    return execute_seconds(problem, main, profile, device, tensor.nbytes, numel, tensor.nbytes if moves else 0,
-                           int(moves), flops, tuple(float(v[at]) for v in work or ()))
+    cpu, accelerator = tensor_reads(problem, profile)
+    seconds = float((cpu if (main if device in ("cpu", "disk") else device) == "cpu" else accelerator)[at])
+    if device not in offloaded_devices(main):
+        return seconds
+    mov = columns(problem.graph).moving(problem.placing.offload_buffers)
+    count = int(mov.sum_count[at + 1] - mov.sum_count[at])
+    return seconds + copy_seconds(profile, main, device, int(mov.nbytes[at]), count, runtime=problem.runtime.name)
+
+
+def tensor_reads(problem: Problem, profile: Profile) -> tuple:
+    """Each tensor's read-or-compute seconds on the CPU and on an accelerator under ``profile``
+    (:meth:`allocator.evaluate.runs.Columns.read_seconds`, with the counted FLOPs and work where there are some): the
+    one per-tensor term :func:`tensor_seconds` reads and :func:`estimate_runs` sums (as femtosecond prefix sums,
+    :meth:`allocator.evaluate.runs.Columns.reads`). Made once per
+    graph and profile without counted FLOPs, else once per problem and profile."""
+    cols = columns(problem.graph)
+    flops = counted_flops(problem)
+    if flops is None:
+        return cols.read_seconds(profile)
+    return problem.derived.once(TENSOR_READS(profile), lambda: cols.read_seconds(profile, flops,
+                                                                                counted_work(problem)))
 
 
 def counted_flops(problem: Problem):

@@ -19,7 +19,7 @@ from itertools import accumulate, repeat
 import numpy as np
 
 from ..memo import Key
-from ..profile import counted_rates, flop_seconds, read_rates
+from ..profile import read_seconds
 from ..model import ModelGraph
 from .kernels import Run, key_runs
 from ..rules.dispatch import moves, read_copy
@@ -77,6 +77,7 @@ class Columns:
         self._graph = weakref.ref(graph)
         self._moving: dict = {}
         self._reads: dict = {}
+        self._seconds: dict = {}
         self.cache: dict = {}   # the arrays below, made when first asked for
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,39 +103,44 @@ class Columns:
             found = self._moving[key] = Moving(self, self._graph(), *key)
         return found
 
-    def reads(self, profile, flops=None, counted=None) -> tuple[list[int], list[int]]:
-        """Prefix sums of each tensor's read-or-compute time in femtoseconds (``allocator.evaluate.cost.read_seconds``,
-        from
-        :func:`allocator.profile.read_rates`), on the CPU and on an accelerator. Integers, so that a sum does
-        not depend on how a map cuts it into runs; Python ints where a time passes an int64 (9,223 s).
+    def read_seconds(self, profile, flops=None, counted=None) -> tuple[np.ndarray, np.ndarray]:
+        """Each tensor's read-or-compute seconds (:func:`allocator.profile.read_seconds`, elementwise over the
+        columns) on the CPU and on an accelerator, as float64 arrays: the one per-tensor term that :meth:`reads`
+        sums for the estimate and ``allocator.evaluate.cost.tensor_seconds`` reads for the CP-SAT objective.
 
         ``flops`` (FLOPs per tensor, float64, :func:`allocator.evaluate.units.tensor_flops`) replaces the parameter
         rule's compute term, and ``counted`` (per tensor, spread the same way, one array per kind of
         :data:`allocator.profile.COUNTED`) adds that work at :func:`allocator.profile.counted_rates`; those
-        sums are not kept here (the problem keeps them)."""
+        arrays are not kept here (the problem keeps them), the others once per profile."""
+        if flops is None:
+            found = self._seconds.get(profile)
+            if found is None:
+                found = self._seconds[profile] = self._seconds_of(profile, None, ())
+            return found
+        return self._seconds_of(profile, np.asarray(flops, dtype=np.float64),
+                                [np.asarray(v, dtype=np.float64) for v in counted or ()])
+
+    def _seconds_of(self, profile, flops, counted) -> tuple:
+        nbytes = np.array(self.nbytes, dtype=np.float64)
+        numel = np.frombuffer(self.numel, dtype=np.int64).astype(np.float64)
+        return tuple(read_seconds(profile, on, nbytes, numel, flops, counted) for on in ("cpu", 0))
+
+    def reads(self, profile, flops=None, counted=None) -> tuple[list[int], list[int]]:
+        """Prefix sums of :meth:`read_seconds` in femtoseconds, on the CPU and on an accelerator. Integers, so that
+        a sum does not depend on how a map cuts it into runs; Python ints where a time passes an int64 (9,223 s)."""
         if flops is not None:
-            work = [np.asarray(v, dtype=np.float64) for v in counted or ()]
-            return self._femtos(profile, np.asarray(flops, dtype=np.float64), work)
+            return tuple(_femtos(seconds) for seconds in self.read_seconds(profile, flops, counted))
         found = self._reads.get(profile)
         if found is None:
-            found = self._reads[profile] = self._femtos(profile, None, ())
+            found = self._reads[profile] = tuple(_femtos(seconds) for seconds in self.read_seconds(profile))
         return found
 
-    def _femtos(self, profile, flops, counted) -> tuple:
-        nbytes, numel = np.array(self.nbytes, dtype=np.float64), np.frombuffer(self.numel, dtype=np.int64) \
-            .astype(np.float64)
-        found = []
-        for on in ("cpu", 0):
-            per_byte, per_element = read_rates(profile, on)
-            compute = numel * per_element if flops is None else flops * flop_seconds(profile, on)
-            # read_seconds of each tensor, vectorised (the same float64 products, so the same values)
-            seconds = np.maximum(nbytes * per_byte, compute)
-            for amounts, rate in zip(counted, counted_rates(profile, on)):
-                seconds = seconds + amounts * rate
-            femtos = np.rint(seconds * FEMTO)
-            wide = len(femtos) and femtos.max() >= 2.0**62   # astype would wrap: exact Python ints instead
-            found.append(_prefix([int(f) for f in femtos] if wide else femtos.astype(np.int64)))
-        return tuple(found)
+
+def _femtos(seconds: np.ndarray):
+    """The prefix sums of ``seconds`` (float64, one per tensor), each rounded to femtoseconds first."""
+    femtos = np.rint(seconds * FEMTO)
+    wide = len(femtos) and femtos.max() >= 2.0**62   # astype would wrap: exact Python ints instead
+    return _prefix([int(f) for f in femtos] if wide else femtos.astype(np.int64))
 
 
 FEMTO = 1e15
