@@ -23,14 +23,16 @@ term) are that module's, re-exported here.
 One path prices a map: each tensor's read-or-compute seconds are computed once, for every tensor at once
 (:func:`tensor_reads`, from :func:`read_seconds`), and what a hook streams from the same columns
 (:class:`allocator.evaluate.runs.Moving`, :func:`copy_seconds`); :func:`estimate_runs` sums them over a map's runs,
-and :func:`tensor_seconds` (the CP-SAT objective's price of one tensor) reads one entry. A new term goes into
-:func:`read_seconds` or :func:`copy_seconds`, and both follow.
+and :func:`device_seconds` (the CP-SAT objective's price of each tensor on a device) adds them elementwise. A new
+term goes into :func:`read_seconds` or :func:`copy_seconds`, and both follow.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..memo import Key
 from ..budgets import Device, is_accelerator, normalize_map
@@ -43,13 +45,15 @@ from .tiers import fast_tier
 from .units import boundary_bytes, tensor_flops
 
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
-           "tensor_seconds", "tensor_reads", "change_seconds", "counted_flops", "counted_work", "boundaries"]
+           "tensor_seconds", "device_seconds", "tensor_reads", "change_seconds", "counted_flops", "counted_work",
+           "boundaries"]
 
 TENSOR_FLOPS = Key("tensor flops")
 TENSOR_WORK = Key("tensor work")
 BOUNDARY_BYTES = Key("boundary bytes")
 READS = Key("reads")
 TENSOR_READS = Key("tensor reads")
+DEVICE_SECONDS = Key("device seconds")
 PRICED = Key("priced")
 
 log = logging.getLogger(__name__)
@@ -75,7 +79,10 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, 
     (``offload_tensor_latency`` to the CPU, ``accelerator_tensor_latency`` to an accelerator: an ``empty_cache`` per
     tensor), plus ``disk_tensor_latency`` from disk (a ``safe_open`` per tensor). With :mod:`allocator.offload`
     (``runtime="allocator"``) every file is mapped once, so there is no per-tensor open, and no cache is emptied:
-    ``offload_tensor_latency`` per tensor on any main device, an upper bound of its swap (not measured on its own)."""
+    ``offload_tensor_latency`` per tensor on any main device, an upper bound of its swap (not measured on its own).
+
+    ``offload`` and ``tensors`` are numbers, or numpy arrays of one entry per tensor (elementwise:
+    :func:`device_seconds`)."""
     seconds = 0.0
     run_on = main if device in ("cpu", "disk") else device
     ours = runtime == "allocator"
@@ -91,20 +98,31 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, 
 
 
 def tensor_seconds(problem: Problem, main, profile: Profile, tensor, device) -> float:
-    """Seconds one tensor of the graph costs per forward on ``device`` with ``main`` as the main device: its term of
-    :func:`estimate_runs`, from the same columns (its read-or-compute seconds where it executes,
-    :func:`tensor_reads`, plus :func:`copy_seconds` of what its hook streams, ``Moving``). The sum over a map's
-    tensors plus its changes of device is :func:`estimate` (to float rounding); ``ilp`` prices its groups with it,
-    so its objective is the estimate.
-    """
-    at = problem.graph.tensor_index[tensor.name]
+    """Seconds one tensor of the graph costs per forward on ``device`` with ``main`` as the main device: its entry of
+    :func:`device_seconds`."""
+    return device_seconds(problem, main, profile, device)[problem.graph.tensor_index[tensor.name]]
+
+
+def device_seconds(problem: Problem, main, profile: Profile, device) -> list[float]:
+    """Seconds each tensor of the graph costs per forward on ``device`` with ``main`` as the main device, one per
+    tensor: its term of :func:`estimate_runs`, from the same columns (its read-or-compute seconds where it executes,
+    :func:`tensor_reads`, plus :func:`copy_seconds` of what its hook streams, ``Moving``, elementwise). The sum over
+    a map's tensors plus its changes of device is :func:`estimate` (to float rounding); the CP-SAT model
+    (``ilp``, the witness) prices its groups with it, so its objective is the estimate. Made once per problem,
+    main device, device and profile."""
+    return problem.derived.once(DEVICE_SECONDS(main, device, profile),
+                                lambda: _device_seconds(problem, main, profile, device))
+
+
+def _device_seconds(problem: Problem, main, profile: Profile, device) -> list[float]:
     cpu, accelerator = tensor_reads(problem, profile)
-    seconds = float((cpu if (main if device in ("cpu", "disk") else device) == "cpu" else accelerator)[at])
-    if device not in offloaded_devices(main):
-        return seconds
-    mov = columns(problem.graph).moving(problem.placing.offload_buffers)
-    count = int(mov.sum_count[at + 1] - mov.sum_count[at])
-    return seconds + copy_seconds(profile, main, device, int(mov.nbytes[at]), count, runtime=problem.runtime.name)
+    seconds = cpu if (main if device in ("cpu", "disk") else device) == "cpu" else accelerator
+    if device in offloaded_devices(main):
+        mov = columns(problem.graph).moving(problem.placing.offload_buffers)
+        nbytes = np.asarray(mov.nbytes_array(), dtype=np.float64)
+        count = np.diff(np.asarray(mov.sum_count, dtype=np.float64))
+        seconds = seconds + copy_seconds(profile, main, device, nbytes, count, runtime=problem.runtime.name)
+    return seconds.tolist()
 
 
 def tensor_reads(problem: Problem, profile: Profile) -> tuple:

@@ -106,7 +106,7 @@ class Columns:
     def read_seconds(self, profile, flops=None, counted=None) -> tuple[np.ndarray, np.ndarray]:
         """Each tensor's read-or-compute seconds (:func:`allocator.profile.read_seconds`, elementwise over the
         columns) on the CPU and on an accelerator, as float64 arrays: the one per-tensor term that :meth:`reads`
-        sums for the estimate and ``allocator.evaluate.cost.tensor_seconds`` reads for the CP-SAT objective.
+        sums for the estimate and ``allocator.evaluate.cost.device_seconds`` adds to for the CP-SAT objective.
 
         ``flops`` (FLOPs per tensor, float64, :func:`allocator.evaluate.units.tensor_flops`) replaces the parameter
         rule's compute term, and ``counted`` (per tensor, spread the same way, one array per kind of

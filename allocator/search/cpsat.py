@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..budgets import is_accelerator
-from ..evaluate.cost import Profile, boundaries, change_seconds, tensor_seconds
+from ..evaluate.cost import Profile, boundaries, change_seconds, device_seconds
 from ..evaluate.memory import offloaded_devices, streams_held, workspace
 from ..evaluate.runs import columns
 from ..evaluate.tiers import fast_tier
@@ -184,8 +184,8 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
 
     # Objective: the estimate, tensor by tensor (reads, copies, per-tensor latencies), and the changes of executing
     # device, in picoseconds.
-    cost = [{d: int(round(sum(tensor_seconds(problem, main, profile, g.tensors[t], d) for t in tensors[k]) * NS))
-             for d in devices} for k in range(len(found))]
+    prices = {d: device_seconds(problem, main, profile, d) for d in devices}
+    cost = [{d: int(round(sum(prices[d][t] for t in tensors[k]) * NS)) for d in devices} for k in range(len(found))]
     terms = [cost[k][d] * x[k, d] for k in range(len(found)) for d in devices if cost[k][d]]
     changes = len(executing) > 1
     switches = []  # (k1, k2, boolean): a change of executing device between consecutive groups k1 and k2

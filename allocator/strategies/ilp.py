@@ -6,7 +6,7 @@ offloaded, which is the largest ``stream`` of an offloaded group (only whole-mod
 root-to-leaf chain crosses one unit at most), as a staircase of booleans — plus the buffers of offloaded groups; RAM
 holds cpu-offloaded weights; a disk budget holds disk weights when given. The objective is
 :func:`allocator.evaluate.cost.estimate` in picoseconds, priced tensor by tensor with
-:func:`allocator.evaluate.cost.tensor_seconds`
+:func:`allocator.evaluate.cost.device_seconds`
 (reads, copies, per-tensor latencies) plus each change of executing device between consecutive units, so a plan's
 objective is its estimate up to rounding.
 
