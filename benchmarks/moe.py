@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 import allocator
+from allocator.model.cache_kwarg import cache_keyword
 from allocator import offload
 from allocator.model.experts import find_experts
 
@@ -129,7 +130,7 @@ def decode(model, prompt, tokens: int, *, cold: bool = False, files=(), runtime=
             if cold:
                 _drop(files, runtime)
             r0, t0 = _read_bytes(), time.perf_counter()
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             times.append(time.perf_counter() - t0)
             reads.append(_read_bytes() - r0)
@@ -310,12 +311,12 @@ def standin(name, folder, meta, budget, prompt, args, work) -> list[dict]:
             size = sum(m[0].numel() * m.element_size() for m in size.metas.values())
             with torch.no_grad():
                 cache = DynamicCache(config=model.config)
-                model(input_ids=prompt, past_key_values=cache, use_cache=True)
+                model(input_ids=prompt, **{cache_keyword(model): cache}, use_cache=True)
                 ids = prompt[:, -1:]
                 copied0, act0 = runtime.traffic.copied, runtime.traffic.activations
                 routed.clear()
                 for _ in range(args.tokens):
-                    ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(
+                    ids = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits[:, -1].argmax(
                         -1, keepdim=True)
             for h in hooks:
                 h.remove()
