@@ -162,8 +162,8 @@ def _worse(problem: Problem, placement: Placement, dense: dict, mapped: dict, ex
     """Why the expert-granular map is worse than the dense one it came from (more bytes on disk, fewer on the fastest
     tier, or a slower estimate), as the facts of the ``"experts"`` decision; ``{}`` where it is not. Asking for our
     runtime never places worse than not asking. ``cached``: bytes of disk experts the expert cache holds in RAM (a
-    CPU main device), counted as resident ones are (the estimate does not price the cache: its hits depend on the
-    order of routing)."""
+    CPU main device), counted as resident ones are on the tiers (the estimate prices its hits,
+    :func:`allocator.evaluate.experts.routed_cost`)."""
     ours_disk, dense_disk = _disk_bytes(problem, mapped, experts) - cached, _disk_bytes(problem, dense, {})
     if ours_disk > dense_disk:
         return {"reason": "disk", "bytes": ours_disk, "dense_bytes": dense_disk}
