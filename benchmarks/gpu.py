@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 import allocator
+from allocator.model.cache_kwarg import cache_keyword
 from allocator.evaluate.memory import main_device, tensor_devices
 from allocator.evaluate.validate import check
 
@@ -419,7 +420,7 @@ def measure_moe(args, device: Device, workdir: Path, deadline) -> list[dict]:
                         copied0 = runtime.traffic.copied if runtime else 0
                     device.sync()
                     t0 = time.perf_counter()
-                    ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(
+                    ids = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits[:, -1].argmax(
                         -1, keepdim=True)
                     device.sync()
                     if i:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 import allocator
+from allocator.model.cache_kwarg import cache_keyword
 from allocator import offload
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,11 +73,11 @@ def _greedy(model, prompt, tokens: int):
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         t0 = time.perf_counter()
-        first = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
+        first = model(input_ids=prompt, **{cache_keyword(model): cache}, use_cache=True).logits
         t1 = time.perf_counter()
         ids, logits, out = first[:, -1:].argmax(-1), [], []
         for _ in range(tokens):
-            step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            step = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits
             logits.append(step)
             ids = step[:, -1:].argmax(-1)
             out.append(int(ids))
@@ -112,13 +113,13 @@ def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *
                 cache = DynamicCache(config=model.config)
                 s0, a0 = staged(), runtime.traffic.activations
                 t0 = time.perf_counter()
-                first = model(input_ids=ids_in, past_key_values=cache, use_cache=True).logits
+                first = model(input_ids=ids_in, **{cache_keyword(model): cache}, use_cache=True).logits
                 sync()
                 t1 = time.perf_counter()
                 s1, a1 = staged(), runtime.traffic.activations
                 ids, logits, out = first[:, -1:].argmax(-1), [], []
                 for _ in range(tokens):
-                    step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+                    step = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits
                     logits.append(step)
                     ids = step[:, -1:].argmax(-1)
                     out.append(int(ids))

@@ -60,7 +60,9 @@ from pathlib import Path
 import torch
 
 import allocator
+from allocator.model.cache_kwarg import cache_keyword
 from allocator import offload
+from allocator.evaluate.experts import cache_hit_rate
 from allocator.model.experts import find_experts
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,12 +90,17 @@ SMOKE = {"qwen3-moe": ("qwen3_moe", dict(hidden_size=64, moe_intermediate_size=3
 VOCAB = 512
 
 
-def build(family: str, fields: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_config(family: str, fields: dict):
+    from transformers import AutoConfig
 
-    config = AutoConfig.for_model(family, vocab_size=VOCAB, max_position_embeddings=512, **fields)
+    return AutoConfig.for_model(family, vocab_size=VOCAB, max_position_embeddings=512, **fields)
+
+
+def build(family: str, fields: dict):
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(build_config(family, fields)).eval()
 
 
 def _files(*folders) -> list[str]:
@@ -129,7 +136,7 @@ def decode(model, prompt, tokens: int, *, cold: bool = False, files=(), runtime=
             if cold:
                 _drop(files, runtime)
             r0, t0 = _read_bytes(), time.perf_counter()
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             times.append(time.perf_counter() - t0)
             reads.append(_read_bytes() - r0)
@@ -203,6 +210,17 @@ def measure(name: str, family: str, fields: dict, args, work: Path) -> list[dict
     return rows
 
 
+def cache_rows(name: str, family: str, fields: dict, args, work: Path) -> list[dict]:
+    """Only the skewed-routing rows (:func:`cached`) of ``name``, under the budget :func:`measure` gives it."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(build_config(family, fields))
+    total = allocator.build_problem(meta, {"cpu": 0}).graph.total
+    prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    return cached(name, family, fields, {"cpu": int(args.ram * total)}, prompt, args, work)
+
+
 def skewed(model, hot: int = 8, seed: int = 3):
     """``model`` with every router biased to ``hot`` seeded experts (their rows scaled by 3, the others by 0.3)."""
     generator = torch.Generator().manual_seed(seed)
@@ -230,6 +248,8 @@ def _decode_counted(model, prompt, tokens: int, traffic):
 def cached(name, family, fields, budget, prompt, args, work) -> list[dict]:
     """Decode with skewed routing through ``patch(runtime="allocator")``, without and with the expert cache: hit
     rate and bytes of non-resident experts read per token (``Traffic``)."""
+    from transformers import AutoModelForCausalLM
+
     from allocator.errors import InvalidOption
 
     name, folder = f"{name}-skewed", work / f"{name}-skewed"
@@ -240,6 +260,8 @@ def cached(name, family, fields, budget, prompt, args, work) -> list[dict]:
     layers = find_experts(ref)
     slots = 2 * len(layers) * (layers[0].top_k or 1)
     total = sum(t.numel() * t.element_size() for t in ref.state_dict().values())
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(ref.config)
     rows = []
     for row in ("ours-patch", "ours-patch-cache", "ours-patch-profiled", "ours-patch-profiled-cache"):
         keywords = {"expert_profile": profile} if "profiled" in row else {}
@@ -257,11 +279,29 @@ def cached(name, family, fields, budget, prompt, args, work) -> list[dict]:
             r = _row(name, row, total, budget, 0.0, warm, cold, reads, got, want, runtime)
             r.update(prefill_ms="", cache_slots=runtime.plan.expert_cache if runtime.plan else 0,
                      hit_rate=round(hits / (hits + misses), 3) if hits + misses else "",
+                     hit_rate_estimate=_estimated_hit_rate(meta, budget, keywords, runtime, profile),
                      read_kib_per_token=round(read / len(warm) / 1024, 1))
             rows.append(r)
             offload.detach(model)
             del model
     return rows
+
+
+def _estimated_hit_rate(meta, budget, keywords, runtime, routing):
+    """The cost model's *estimate* of the cache's hit rate for the plan the runtime runs
+    (:func:`allocator.evaluate.experts.cache_hit_rate`: Che's approximation for LRU), from the routing the row really
+    sees (``routing``: the profile of the skewed model on the prompt and its greedy tokens), one token per step;
+    ``""`` without a cache. The plan is made again on the meta device with the row's options (the one ``patch()``
+    made: the runtime's experts are checked equal to it)."""
+    slots = runtime.plan.expert_cache if runtime.plan else 0
+    if not slots:
+        return ""
+    ours = allocator.plan(meta, budget, runtime="allocator", expert_cache=slots, **keywords)
+    assert {k: tuple(v) for k, v in ours.experts.items()} == {k: tuple(v) for k, v in runtime.plan.experts.items()}
+    problem = allocator.build_problem(meta, budget, runtime="allocator", expert_cache=slots, expert_profile=routing,
+                                      profile=allocator.Profile(tokens=1))
+    rate = cache_hit_rate(problem, ours.placement)
+    return round(rate, 3) if rate is not None else ""
 
 
 def _patched(folder, off, budget, **keywords):
@@ -310,12 +350,12 @@ def standin(name, folder, meta, budget, prompt, args, work) -> list[dict]:
             size = sum(m[0].numel() * m.element_size() for m in size.metas.values())
             with torch.no_grad():
                 cache = DynamicCache(config=model.config)
-                model(input_ids=prompt, past_key_values=cache, use_cache=True)
+                model(input_ids=prompt, **{cache_keyword(model): cache}, use_cache=True)
                 ids = prompt[:, -1:]
                 copied0, act0 = runtime.traffic.copied, runtime.traffic.activations
                 routed.clear()
                 for _ in range(args.tokens):
-                    ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(
+                    ids = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits[:, -1].argmax(
                         -1, keepdim=True)
             for h in hooks:
                 h.remove()
@@ -389,6 +429,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-standin", dest="standin", action="store_false")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--estimates", action="store_true", help="only the cost-model estimates at real sizes")
+    ap.add_argument("--cache-only", action="store_true",
+                    help="only the skewed-routing rows (expert cache: hit rate measured and estimated) of the Qwen3 "
+                         "shape")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     quiet()
@@ -411,6 +454,10 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name, (family, fields) in shapes.items():
+            if args.cache_only:
+                if name.startswith("qwen3"):
+                    rows += cache_rows(name, family, fields, args, Path(work))
+                continue
             rows += measure(name, family, fields, args, Path(work))
             print(f"{name}: done", file=sys.stderr)
     command = "python benchmarks/moe.py " + " ".join(argv if argv is not None else sys.argv[1:])

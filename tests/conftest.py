@@ -15,8 +15,17 @@ settings.load_profile("default")
 def pytest_configure(config):
     """``ALLOCATOR_TEST_THREADS=n`` runs the suite's in-process torch work on ``n`` threads (``torch.set_num_threads``):
     outputs of two code paths are compared within float tolerance, so results must hold on 1 thread and on 2
-    (``ALLOCATOR_TEST_THREADS=1 pytest ...``); unset, torch's own default."""
+    (``ALLOCATOR_TEST_THREADS=1 pytest ...``).
+
+    Unset, a pytest-xdist worker (``make test`` runs ``-n 2``) uses 1 thread, and so do the processes its tests start
+    (``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, where the caller did not set them): two workers of torch's default
+    thread count on a 2-core machine spin on each other's cores, and small forwards then run many times slower. A run
+    without workers keeps torch's own default."""
     threads = os.environ.get("ALLOCATOR_TEST_THREADS")
+    if not threads and os.environ.get("PYTEST_XDIST_WORKER"):
+        threads = "1"
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, "1")
     if threads:
         import torch
 

@@ -38,8 +38,10 @@ def test_moe_benchmark_smoke(tmp_path):
     ours = ("ours-whole", "ours-experts", "ours-profiled", "ours-patch", "ours-patch-profiled")
     assert {"ram", "transformers", *ours} <= set(rows)
     assert all(rows[r]["tokens_equal"] == "True" for r in ("transformers", *ours))
+    # the runtime's own counts are equal; disk_kib_per_token (/proc/self/io) depends on the page cache and readahead
+    # under other processes' load, so it is not compared (tests/offload/test_plan_runtime.py compares every counter)
     for patched, explicit in (("ours-patch", "ours-experts"), ("ours-patch-profiled", "ours-profiled")):
-        for key in ("resident_experts", "resident_share", "disk_kib_per_token"):
+        for key in ("resident_experts", "resident_share"):
             assert rows[patched][key] == rows[explicit][key], (patched, key)
     assert int(rows["ours-patch"]["resident_experts"]) > 0
     assert float(rows["ours-patch-profiled"]["resident_share"]) > float(rows["ours-patch"]["resident_share"])

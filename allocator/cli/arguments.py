@@ -12,8 +12,8 @@ from ..model.experts import find_experts
 from ..model.generation import GenerationBudget
 from ..profile import Profile
 
-__all__ = ["parse_generation", "parse_inputs", "parse_max_memory", "load_profile", "load_expert_profile",
-           "check_writable"]
+__all__ = ["check_expert_cache", "parse_generation", "parse_inputs", "parse_max_memory", "load_profile",
+           "load_expert_profile", "check_writable"]
 
 
 def parse_generation(text: str):
@@ -148,3 +148,17 @@ def check_writable(path: str | None, flag: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise InvalidOption(f"{flag} {path}: folder {folder} does not exist.")
+
+
+def check_expert_cache(slots: int, model) -> int:
+    """``--expert-cache N``: ``N`` where ``model`` has mixture-of-experts layers to cache experts of.
+
+    Raises
+    ------
+    InvalidOption
+        A model without mixture-of-experts layers.
+    """
+    if not find_experts(model):
+        raise InvalidOption(f"--expert-cache {slots}: {type(model).__name__} has no mixture-of-experts layer, so "
+                            "there are no routed experts to cache; drop --expert-cache.")
+    return slots

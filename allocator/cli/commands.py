@@ -20,7 +20,8 @@ from ..problem import build_problem
 from ..profile import Profile
 from ..strategies import resolve
 from .arguments import (
-    check_writable, load_expert_profile, load_profile, parse_generation, parse_inputs, parse_max_memory,
+    check_expert_cache, check_writable, load_expert_profile, load_profile, parse_generation, parse_inputs,
+    parse_max_memory,
 )
 from .moe import runtime_report
 from .status import Status
@@ -98,6 +99,8 @@ def cmd_plan(args) -> int:
         status.say(f"planning {args.source}...")
         runtime = dict(runtime=args.runtime, prefetch=args.prefetch, expert_profile=(
             load_expert_profile(args.expert_profile, loaded.model) if args.expert_profile is not None else None))
+        if args.expert_cache:
+            runtime["expert_cache"] = check_expert_cache(args.expert_cache, loaded.model)
         try:
             ours = plan(loaded.model, max_memory, strategy=args.strategy, objective=args.objective, strict=True,
                         **options, **runtime)
@@ -138,10 +141,10 @@ def cmd_plan(args) -> int:
 
 
 def _check_runtime_flags(args) -> None:
-    """``--expert-profile`` and ``--prefetch`` say what our runtime does: they need ``--runtime allocator``; a saved
-    plan (``--from-json``) carries its runtime."""
-    given = [flag for flag, value in (("--expert-profile", args.expert_profile), ("--prefetch", args.prefetch))
-             if value is not None]
+    """``--expert-profile``, ``--prefetch`` and ``--expert-cache`` say what our runtime does: they need ``--runtime
+    allocator``; a saved plan (``--from-json``) carries its runtime."""
+    given = [flag for flag, value in (("--expert-profile", args.expert_profile), ("--prefetch", args.prefetch),
+                                      ("--expert-cache", args.expert_cache)) if value is not None]
     if args.from_json is not None and (given or args.runtime != "accelerate"):
         raise InvalidOption(f"--from-json checks a saved plan with the runtime it was made for; drop "
                             f"{' and '.join(given or ['--runtime'])} (or plan again without --from-json).")
@@ -152,6 +155,9 @@ def _check_runtime_flags(args) -> None:
     if args.prefetch is not None and args.prefetch < 0:
         raise InvalidOption(f"--prefetch is a number of offloaded modules made ready ahead, 0 or more, got "
                             f"{args.prefetch}; e.g. --prefetch 1.")
+    if args.expert_cache is not None and args.expert_cache < 0:
+        raise InvalidOption(f"--expert-cache is a number of routed experts kept on the main device, 0 or more, got "
+                            f"{args.expert_cache}; e.g. --expert-cache 96.")
 
 
 def cmd_fit(args) -> int:

@@ -7,6 +7,7 @@
                           [--compare] [--explain] [--json FILE|-] [--from-json FILE] [--plot FILE] [--profile FILE]
                           [--inputs input_ids=1x512] [--generation 1,4096] [--optimize prefill|decode]
                           [--runtime accelerate|allocator] [--expert-profile FILE] [--prefetch N]
+                          [--expert-cache N]
                           [--trust-remote-code] [--quiet]
     allocator plan --list
     allocator fit SOURCE --max-memory 0=24GiB [--batch-size 1 | --batch --context 8192] [--target 65536]
@@ -106,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the most used experts are kept resident (default: uniform use)")
     p.add_argument("--prefetch", type=int, metavar="N",
                    help="with --runtime allocator: offloaded modules made ready ahead (default: the plan decides)")
+    p.add_argument("--expert-cache", type=int, metavar="N",
+                   help="with --runtime allocator on a mixture of experts: keep the N routed experts used last on the "
+                        "main device (slots of the largest expert, part of its peak; default: 0, no cache)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model folder's own code, for a config whose auto_map names it")
     p.add_argument("--quiet", action="store_true", help="no status line on stderr while the model is built and planned")

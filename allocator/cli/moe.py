@@ -23,11 +23,13 @@ def runtime_report(plan, model) -> str:
     parts per device."""
     runtime = plan.runtime
     buffers = runtime.buffers
+    cache = (f"expert cache {runtime.expert_cache} slots ({format_size(buffers.get('expert_cache', 0))})"
+             if runtime.expert_cache else "no expert cache")
     lines = [f"runtime allocator (allocator.offload, as patch(runtime='allocator') attaches it): main device "
-             f"{runtime.main_device!r}, prefetch {runtime.prefetch}, expert cache {runtime.expert_cache}",
+             f"{runtime.main_device!r}, prefetch {runtime.prefetch}, {cache}",
              f"held on the main device beyond resident weights: streamed {format_size(buffers.get('streamed', 0))}, "
              f"prefetch {format_size(buffers.get('prefetch', 0))}, resident experts "
-             f"{format_size(buffers.get('experts', 0))}"]
+             f"{format_size(buffers.get('experts', 0))}, expert cache {format_size(buffers.get('expert_cache', 0))}"]
     if plan.problem.moe:
         lines += ["", *_experts_table(plan)]
     lines += ["", *_every_token_table(plan, model)]

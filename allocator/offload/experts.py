@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidRuntime
 from ..model.experts import MoELayer, find_experts
 from ..profile import Profile
+from .buffers import FetchBuffers
 from .expert_cache import ExpertCache, in_place, look_up, store
 from .files import MappedFiles, source_of
 
@@ -157,6 +158,8 @@ class RoutedExperts:
         Offloaded experts fetched into the reused buffer at a time (``None``: all routed ones at once).
     cache : ExpertCache or None
         The runtime's cache of recently routed experts (:mod:`.expert_cache`), for a layer run on the main device.
+    buffers : FetchBuffers
+        Where fetched slices are copied, shared with the other layers the runtime fetches for.
     """
 
     layer: MoELayer
@@ -170,7 +173,7 @@ class RoutedExperts:
     profile: Profile = field(default_factory=Profile)
     resident: dict = field(default_factory=dict)
     rows: dict = field(default_factory=dict)
-    buffers: dict = field(default_factory=dict)
+    buffers: FetchBuffers = field(default_factory=FetchBuffers)
     home: object = None
     remote: dict = field(default_factory=dict)
     remote_tensors: dict = field(default_factory=dict)
@@ -286,11 +289,7 @@ class RoutedExperts:
                 out[name] = {e: self._cast(host[e:e + 1], name) for e in experts}
                 continue
             staged = self._cast(host.index_select(0, index), name)
-            buffer = self.buffers.get(name)
-            if buffer is None or buffer.shape[0] < len(experts):
-                buffer = self.buffers[name] = torch.empty((max(len(experts), 1),) + tuple(staged.shape[1:]),
-                                                          dtype=staged.dtype, device=self.main)
-            copied = self.device.copy_into(staged, buffer[:len(experts)])
+            copied = self.device.copy_into(staged, self.buffers.take(self.main, name, staged, len(experts)))
             self.traffic.copied += staged.numel() * staged.element_size()
             out[name] = {e: copied[i:i + 1] for i, e in enumerate(experts)}
         return out
@@ -329,6 +328,16 @@ class RoutedExperts:
             self.traffic.read += len(away) * bytes_per_expert(self)
             return eager(_One(module, {n: self.host(n) for n in self.sources}, count), hidden_states, top_k_index,
                          top_k_weights)
+        try:
+            return self._routed(module, eager, hidden_states, top_k_index, top_k_weights, hit)
+        finally:
+            self.buffers.release(self.main)
+
+    def _routed(self, module, eager, hidden_states, top_k_index, top_k_weights, hit: list):
+        """:meth:`forward` expert by expert (not :attr:`in_place`): resident, cached, remote, computed where it
+        lives, or fetched in turns into :attr:`buffers`."""
+        import torch
+
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             positions = {e: torch.where(top_k_index == e) for e in hit}
@@ -421,7 +430,7 @@ class ExpertsHook:
 
 def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode="auto",
                   traffic: Traffic | None = None, layout: Mapping | None = None,
-                  cache: ExpertCache | None = None) -> dict:
+                  cache: ExpertCache | None = None, buffers: FetchBuffers | None = None) -> dict:
     """For each offloaded fused experts module of ``model`` that the runtime can run expert by expert: its
     :class:`RoutedExperts`, keyed by ``id(module)``. ``hooks`` are ``(name, module, hook)`` of accelerate's
     offloading hooks; ``placed`` maps experts module names to the device of each expert (``Plan.experts``), those on
@@ -430,7 +439,8 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
     (``Runtime.expert_mode``; ``"auto"`` for a module it does not name). ``layout`` gives per experts module name
     the plan's ``{"runs_on": device, "fetch_chunk": n}`` (:attr:`allocator.report.runtime.Runtime.runs_on`): the
     layer's device, where resident experts run (default ``resident_on``); experts on another accelerator are kept
-    there. ``cache`` (:mod:`.expert_cache`) serves the layers run on the main device.
+    there. ``cache`` (:mod:`.expert_cache`) serves the layers run on the main device; ``buffers`` (a
+    :class:`FetchBuffers`, a new one by default) is where every layer's fetched slices are copied.
 
     A module is left to whole-module streaming where its children hold tensors (a norm shared by its experts), its
     hook streams tensors of other modules, or it runs in a dtype its file does not hold as float.
@@ -441,6 +451,7 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
             raise InvalidRuntime(f"experts mode must be one of {list(MODES)}, got {m!r}.")
     layers = {m.experts: m for m in find_experts(model) if m.kind == "fused" and not m.common}
     traffic = traffic if traffic is not None else Traffic()
+    buffers = buffers if buffers is not None else FetchBuffers()
     out = {}
     for name, module, hook in hooks:
         layer = layers.get(name)
@@ -460,7 +471,7 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
             where = placed.get(name, ("offloaded",) * layer.num_experts)
             routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic,
                                    modes.get(name, "auto") if isinstance(mode, Mapping) else mode, home=home,
-                                   chunk=plan.get("fetch_chunk"),
+                                   chunk=plan.get("fetch_chunk"), buffers=buffers,
                                    cache=cache if cache is not None and home in (None, "main", resident_on) else None)
             routed.keep([e for e, d in enumerate(where) if home is not None and d == home])
             routed.keep_elsewhere({e: d for e, d in enumerate(where) if isinstance(d, int) and not isinstance(

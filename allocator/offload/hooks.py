@@ -12,6 +12,7 @@ from ..errors import InvalidOption, InvalidRuntime, warn_caller
 from ..report.runtime import Runtime
 from .devices import HostDevice, StandInDevice, StreamDevice
 from .expert_cache import ExpertCache
+from .buffers import FetchBuffers
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
 from .hybrid import HybridHook, unit_phases
@@ -105,7 +106,8 @@ class Attached:
     prefetch : int
         How many units ahead the weights are made ready.
     held, peak_held : int
-        Bytes of offloaded weights materialised now (running or prefetched), and the most at once.
+        Bytes of offloaded weights materialised now (running or prefetched, and fetched expert slices in
+        :attr:`fetch_buffers`), and the most at once.
     fetches : int
         Units staged (inline or ahead).
     experts : dict
@@ -118,6 +120,9 @@ class Attached:
     cache : ExpertCache or None
         The cache of recently routed experts on the main device (``Runtime.expert_cache`` slots,
         :mod:`allocator.offload.expert_cache`); ``None`` without one.
+    fetch_buffers : FetchBuffers
+        The buffers fetched expert slices are copied into, one per device shared by all layers
+        (:class:`allocator.offload.experts.FetchBuffers`): ``fetch_buffers.nbytes(device)`` is what they hold there.
     """
 
     def __init__(self, model, *, prefetch: int, device, experts=None, expert_mode="auto", plan=None):
@@ -129,13 +134,15 @@ class Attached:
         self.traffic = Traffic()
         self.experts: dict = {}
         self.cache = None
+        self.fetch_buffers = FetchBuffers(self._count)   # counted in held while an experts module runs
         if experts is not None:
             placed, resident_on, layout = experts
             hooks = [(name, module, h) for name, module, _, _, h in _offload_hooks(model)]
             slots = plan.expert_cache if plan is not None else 0
             self.cache = ExpertCache(slots) if slots else None
             self.experts = routed_layers(model, hooks, placed, resident_on, device=device, files=self.files,
-                                         mode=expert_mode, traffic=self.traffic, layout=layout, cache=self.cache)
+                                         mode=expert_mode, traffic=self.traffic, layout=layout, cache=self.cache,
+                                         buffers=self.fetch_buffers)
         for name, module, _, _, h in _offload_hooks(model):
             if id(module) in self.experts:
                 continue

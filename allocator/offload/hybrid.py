@@ -12,6 +12,7 @@ thread: the runtime starts no compute thread, so the CPU is not oversubscribed (
 
 from __future__ import annotations
 
+from ..model.cache_kwarg import forward_cache
 from .devices import StandInDevice, StreamDevice
 
 __all__ = ["HybridHook", "call_tokens", "phase_of", "unit_phases"]
@@ -171,9 +172,10 @@ class HybridHook:
         return output
 
     def _cache_to(self, kwargs, device) -> None:
-        """Move the cache layer this unit fills (``past_key_values``' layer ``layer_idx``) to ``device`` where it is
-        elsewhere: after a prefill on the main device, once, before the first decode on the CPU."""
-        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        """Move the cache layer this unit fills (the forward's KV cache, ``cache=`` or ``past_key_values=``: layer
+        ``layer_idx``) to ``device`` where it is elsewhere: after a prefill on the main device, once, before the first
+        decode on the CPU."""
+        cache = forward_cache(kwargs)
         layers = getattr(cache, "layers", None)
         if self.layer is None or layers is None or self.layer >= len(layers):
             return

@@ -232,6 +232,55 @@ def _choice_of(d: Decision) -> str:
     return _choice(d.facts)
 
 
+def _moved(f: Mapping) -> str:
+    """Where the every-token parts the dense map offloaded went, said for the main device the plan has: an
+    accelerator, or RAM where the CPU is the main device (no accelerator budget)."""
+    count, to, main = f["moved"], list(f.get("moved_to", ())), f["main"]
+    if not count:
+        return "none of them offloaded"
+    if to and all(d in ("cpu", "disk") for d in to):
+        return f"{count} modules moved from disk to RAM ({to[0]!r}, the main device) before them"
+    where = ", ".join(repr(d) for d in to) or repr(main)
+    return f"{count} modules moved to the accelerator{'s' if len(to) > 1 else ''} {where} before them"
+
+
+def _experts(d: Decision) -> str:
+    f = d.facts
+    if f.get("kept"):
+        why = {
+            "floor": f"apart from their layers the experts would leave {format_bytes(f.get('bytes', 0))} "
+                     "fewer on the fastest tier than accelerate's map (the contract's floor)",
+            "disk": f"apart from their layers the experts would put {format_bytes(f.get('bytes', 0))} on disk against "
+                    f"{format_bytes(f.get('dense_bytes', 0))} with the experts in their layers (the whole experts "
+                    "modules leave the accelerators, and RAM holds fewer of them than the accelerators did)",
+            "fast": f"apart from their layers the experts would keep {format_bytes(f.get('bytes', 0))} fewer on the "
+                    "fastest tier than with the experts in their layers",
+            "slower": f"expert by expert is estimated slower per decoding step: {f.get('seconds', 0) * 1e3:.3f} ms "
+                      f"against {f.get('dense_seconds', 0) * 1e3:.3f} ms with the experts in their layers",
+            "no-map": "no map with the experts modules apart keeps every runtime rule",
+            "rule": f"apart from their layers the experts break a runtime rule: {f.get('violation')}"
+                    + (" (list-type experts, or experts sharing tensors, stream to the main device under accelerate's "
+                       "hooks, so a layer kept on another accelerator keeps them; fused ones run for the layer's "
+                       "device)" if f.get("rule") == "no-split" else ""),
+        }.get(d.reason)
+        return f"experts kept with their layers: {why}" if why else _plain(d)
+    source = "the expert profile" if f["profiled"] else "uniform use (no expert profile)"
+    on = ", ".join(f"{n} resident on {device!r} ({format_bytes(b)})" for device, b, n in f["held"])
+    slots = f.get("cache_slots", 0)
+    cache = (f", and {slots} slots ({format_bytes(f['cache_bytes'])}) for recently routed experts on {f['main']!r}"
+             if slots else "")
+    over = ("over the accelerators in index order, then RAM" if f["main"] not in ("cpu", "disk") else
+            f"in the RAM left on the main device {f['main']!r}")
+    others = (f"the others stay on {list(f['others'])} and the runtime fetches or computes them where they live when "
+              "routed" if f["others"] else "none stays in its file")
+    return (f"experts of {f['layers']} mixture-of-experts layers as units: attention, norms, routers and shared "
+            f"experts first ({_moved(f)}), then {f['chosen']} of {f['total']} experts resident, most used per byte "
+            f"by {source}, {over}: {on or 'none'}{cache}; {others}; estimated "
+            f"{f['seconds'] * 1e3:.3f} ms per forward of {f['tokens']} tokens ({format_bytes(f['streamed'])} "
+            f"streamed), against {f['dense_seconds'] * 1e3:.3f} ms ({format_bytes(f['dense_streamed'])}) with the "
+            "experts in their layers")
+
+
 def _plain(d: Decision) -> str:
     """A decision of a kind or case this module has no words for: its kind and fields."""
     parts = [f"{d.kind}"]
@@ -247,7 +296,8 @@ def _plain(d: Decision) -> str:
 
 
 _SAY = {"assign": _assign, "full": _full, "split": _split, "empty": _empty, "peaks": _peaks, "kept": _kept,
-        "choice": _choice_of, "fallback": _fallback, "solver": _solver, "runtime": _runtime}
+        "choice": _choice_of, "fallback": _fallback, "solver": _solver, "runtime": _runtime,
+        "experts": _experts}
 
 
 def sentence(decision: Decision) -> str:

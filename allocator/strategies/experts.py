@@ -14,11 +14,11 @@ one where what runs for every token comes first and the routed experts after it:
    slices there and fetches or computes the others where they live when routed.
 
 The result carries where each expert lives (:attr:`allocator.placement.Placement.experts`) and a ``"experts"``
-:class:`~allocator.placement.Decision`. It is kept only when it keeps the runtime rules and at least the dense plan's
-bytes on the fastest tier as accelerate's map (the contract's floor, resident experts counted); otherwise the dense
-placement is returned, with a decision saying why. The decision states both estimates
-(:func:`allocator.evaluate.experts.routed_cost`): at a prefill of hundreds of tokens every expert is routed and the
-two are close; a decoding step routes ``k`` of ``E``.
+:class:`~allocator.placement.Decision` as data (its facts; :mod:`allocator.report.decisions` says it). It is kept
+only when it keeps the runtime rules and at least the dense plan's bytes on the fastest tier as accelerate's map (the
+contract's floor, resident experts counted); otherwise the dense placement is returned, with a decision saying why. The
+decision states both estimates (:func:`allocator.evaluate.experts.routed_cost`): at a prefill of hundreds of tokens
+every expert is routed and the two are close; a decoding step routes ``k`` of ``E``.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     # puts it (an accelerator, RAM, or the file), so an expert is counted once, where it lives
     found = _with_experts_away(problem, units, homes, layers, main, "disk")
     if found is None:
-        return _kept(placement, _why_not(problem, units, homes, layers))
-    moved, mapped = found
+        return _kept(placement, **_why_not(problem, units, homes, layers))
+    moved, mapped, moved_to = found
     memory = judged(problem, mapped)[1]
     holders = [d for d in problem.budgets.accelerators if problem.budgets.limit(d) is not None] or [main]
     if is_accelerator(main) and problem.budgets.limit("cpu") is not None:
@@ -106,30 +106,22 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
         + (cached if main in tier else 0)
     need = floor(problem)
     if have < need:
-        return _kept(placement, f"apart from their layers the experts would leave {format_bytes(need - have)} "
-                                "fewer on the fastest tier than accelerate's map (the contract's floor)")
+        return _kept(placement, reason="floor", bytes=need - have)
     worse = _worse(problem, placement, dense, mapped, experts, have, cached if main == "cpu" else 0)
     if worse:
-        return _kept(placement, worse)
-    total = sum(m.num_experts for m in layers)
-    source = "the expert profile" if problem.expert_profile is not None else "uniform use (no expert profile)"
-    on = ", ".join(f"{n} resident on {d!r} ({format_bytes(b)})" for d, (b, n) in held.items() if n)
-    cache = f", and {slots} slots ({format_bytes(cached)}) for recently routed experts on {main!r}" if slots else ""
-    text = (f"experts of {len(layers)} mixture-of-experts layers as units: attention, norms, routers and shared "
-            f"experts first ({moved} modules moved to the accelerator before them), then {chosen} of {total} "
-            f"experts resident, most used per byte by {source}, over the accelerators in index order, then RAM: "
-            f"{on or 'none'}{cache}; the others stay on "
-            f"{sorted({d for row in experts.values() for d in row if d not in held}, key=str)} and the runtime "
-            "fetches or computes them where they live when routed")
+        return _kept(placement, **worse)
     result = replace(placement, device_map=problem.cleaned(mapped), experts=experts,
                      exempt=placement.exempt | {"floor"})
     ours, theirs = routed_cost(problem, result, priced(problem, result.device_map)), priced(problem, dense)
-    text += (f"; estimated {ours.seconds * 1e3:.3f} ms per forward of {step_tokens(problem)} tokens "
-             f"({format_bytes(ours.streamed_bytes)} streamed), against {theirs.seconds * 1e3:.3f} ms "
-             f"({format_bytes(theirs.streamed_bytes)}) with the experts in their layers")
-    decision = Decision("experts", text, devices=tuple(d for d, (_, n) in held.items() if n) or (main,),
-                        units=tuple(m.experts for m in layers), bytes=resident,
-                        bound="budget")
+    facts = {"reason": "placed", "layers": len(layers), "main": main, "moved": moved, "moved_to": moved_to,
+             "chosen": chosen, "total": sum(m.num_experts for m in layers),
+             "profiled": problem.expert_profile is not None,
+             "held": [[d, b, n] for d, (b, n) in held.items() if n], "cache_slots": slots, "cache_bytes": cached,
+             "others": sorted({d for row in experts.values() for d in row if d not in held}, key=str),
+             "tokens": step_tokens(problem), "seconds": ours.seconds, "streamed": ours.streamed_bytes,
+             "dense_seconds": theirs.seconds, "dense_streamed": theirs.streamed_bytes}
+    decision = Decision("experts", devices=tuple(d for d, (_, n) in held.items() if n) or (main,),
+                        units=tuple(m.experts for m in layers), bytes=resident, bound="budget", facts=facts)
     return replace(result, decisions=placement.decisions + (decision,))
 
 
@@ -166,34 +158,33 @@ def _disk_bytes(problem: Problem, device_map: dict, experts: dict) -> int:
 
 
 def _worse(problem: Problem, placement: Placement, dense: dict, mapped: dict, experts: dict, have: int,
-           cached: int = 0) -> str:
+           cached: int = 0) -> dict:
     """Why the expert-granular map is worse than the dense one it came from (more bytes on disk, fewer on the fastest
-    tier, or a slower estimate), in words; ``""`` where it is not. Asking for our runtime never places worse than
-    not asking. ``cached``: bytes of disk experts the expert cache holds in RAM (a CPU main device), counted as
-    resident ones are (the estimate does not price the cache: its hits depend on the order of routing)."""
+    tier, or a slower estimate), as the facts of the ``"experts"`` decision; ``{}`` where it is not. Asking for our
+    runtime never places worse than not asking. ``cached``: bytes of disk experts the expert cache holds in RAM (a
+    CPU main device), counted as resident ones are on the tiers (the estimate prices its hits,
+    :func:`allocator.evaluate.experts.routed_cost`)."""
     ours_disk, dense_disk = _disk_bytes(problem, mapped, experts) - cached, _disk_bytes(problem, dense, {})
     if ours_disk > dense_disk:
-        return (f"apart from their layers the experts would put {format_bytes(ours_disk)} on disk against "
-                f"{format_bytes(dense_disk)} with the experts in their layers (the whole experts modules leave the "
-                "accelerators, and RAM holds fewer of them than the accelerators did)")
+        return {"reason": "disk", "bytes": ours_disk, "dense_bytes": dense_disk}
     dense_fast = fast_bytes(problem, map_runs(problem.graph, dense))
     if have < dense_fast:
-        return (f"apart from their layers the experts would keep {format_bytes(dense_fast - have)} fewer on the "
-                "fastest tier than with the experts in their layers")
+        return {"reason": "fast", "bytes": dense_fast - have}
     if "decode" not in problem.steps:   # no decoding step counted: both estimates are stated in the decision
-        return ""
+        return {}
     step = step_problem(problem, "decode")
     candidate = replace(placement, device_map=problem.cleaned(mapped), experts=experts)
     ours, theirs = routed_cost(step, candidate, priced(step, candidate.device_map)), priced(step, dense)
     if ours.seconds > theirs.seconds * (1 + 1e-9):
-        return (f"expert by expert is estimated slower per decoding step: {ours.seconds * 1e3:.3f} ms against "
-                f"{theirs.seconds * 1e3:.3f} ms with the experts in their layers")
-    return ""
+        return {"reason": "slower", "seconds": ours.seconds, "dense_seconds": theirs.seconds}
+    return {}
 
 
-def _kept(placement: Placement, why: str) -> Placement:
-    text = f"experts kept with their layers: {why}"
-    return replace(placement, decisions=placement.decisions + (Decision("experts", text, bound="budget"),))
+def _kept(placement: Placement, **facts) -> Placement:
+    """``placement`` with an ``"experts"`` decision saying why the experts stay in their layers (``facts``, with
+    ``reason``: ``"floor"``, ``"disk"``, ``"fast"``, ``"slower"``, ``"rule"``, ``"no-map"``)."""
+    decision = Decision("experts", bound="budget", facts={"kept": True, **facts})
+    return replace(placement, decisions=placement.decisions + (decision,))
 
 
 def _units(problem: Problem, dense: dict, layers) -> tuple[list, list]:
@@ -255,7 +246,7 @@ def _map(units, devices) -> dict:
 def _with_experts_away(problem: Problem, units, homes, layers, main: Device, away: Device):
     """The map with every experts module on ``away`` (the last ones on disk where RAM is short) and the largest
     prefix of the other offloaded units moved to the target device that keeps every runtime rule; ``None`` where no
-    such map exists. Returns ``(units moved, map)``."""
+    such map exists. Returns ``(units moved, map, the devices they moved to)``."""
     offloaded = offloaded_devices(main)
     targets = _targets(units, homes, offloaded, _target(problem, dict(zip((u for u, _ in units), homes)), main))
     experts_at = [i for i, (_, is_experts) in enumerate(units) if is_experts]
@@ -283,22 +274,20 @@ def _with_experts_away(problem: Problem, units, homes, layers, main: Device, awa
     moved = _largest(movable, lambda m: valid(on_away, m))
     if moved is None:
         return None
-    return moved, _map(units, devices(on_away, moved))
+    out = devices(on_away, moved)
+    moved_to = sorted({out[i] for i, (_, e) in enumerate(units) if not e and out[i] != homes[i]}, key=str)
+    return moved, _map(units, out), moved_to
 
 
-def _why_not(problem: Problem, units, homes, layers) -> str:
-    """The real reason no map with the experts modules apart exists: the first rule the map with every experts
-    module on disk and nothing else moved breaks."""
+def _why_not(problem: Problem, units, homes, layers) -> dict:
+    """The real reason no map with the experts modules apart exists, as the decision's facts: the first rule the map
+    with every experts module on disk and nothing else moved breaks."""
     out = [("disk" if is_experts else home) for (_, is_experts), home in zip(units, homes)]
     violations = judged(problem, _map(units, out))[0]
     if not violations:
-        return "no map with the experts modules apart keeps every runtime rule"
+        return {"reason": "no-map"}
     first = violations[0]
-    extra = ""
-    if first.kind == "no-split":
-        extra = (" (list-type experts, or experts sharing tensors, stream to the main device under accelerate's "
-                 "hooks, so a layer kept on another accelerator keeps them; fused ones run for the layer's device)")
-    return f"apart from their layers the experts break a runtime rule: {first}{extra}"
+    return {"reason": "rule", "rule": first.kind, "violation": str(first)}
 
 
 def _largest(n: int, ok) -> int | None:

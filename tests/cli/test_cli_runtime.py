@@ -14,6 +14,7 @@ import pytest
 import allocator
 from allocator import cli
 from allocator.cli.moe import EVERY_TOKEN, every_token_bytes
+from allocator.cli.render import format_size
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -172,6 +173,27 @@ def test_prefetch_reaches_the_plan(capsys, qwen):
     assert any(d["kind"] == "runtime" and "prefetch" in d["text"] for d in default["decisions"])
 
 
+def test_expert_cache_reaches_the_plan(capsys, qwen):
+    """``--expert-cache N`` plans with ``expert_cache=N``: the JSON carries it (options and runtime, its bytes in the
+    runtime's buffers), and the text names the slots and their bytes."""
+    folder, model, _, budget = qwen
+    argv = (folder, "--max-memory", budget, "--runtime", "allocator")
+    data = data_of(capsys, *argv, "--expert-cache", "2")
+    expected = allocator.plan(model, {"cpu": int(budget.split("=")[1])}, runtime="allocator", expert_cache=2)
+    assert data["options"]["expert_cache"] == data["runtime"]["expert_cache"] == 2
+    nbytes = data["runtime"]["buffers"]["expert_cache"]
+    assert nbytes == expected.runtime.buffers["expert_cache"] == 2 * max(m.expert_bytes for m in expected.problem.moe)
+    assert data["experts"] == {k: list(v) for k, v in expected.experts.items()}
+    code, out, err = run(capsys, "plan", *argv, "--expert-cache", "2")
+    assert code == 0, err
+    assert f"expert cache 2 slots ({format_size(nbytes)})" in out
+    assert f"expert cache {format_size(nbytes)}" in out   # in the bytes held on the main device
+    without = data_of(capsys, *argv)
+    assert without["options"]["expert_cache"] == without["runtime"]["expert_cache"] == 0
+    code, out, _ = run(capsys, "plan", *argv)
+    assert "no expert cache" in out
+
+
 def test_a_saved_runtime_plan_shows_the_same_runtime(capsys, qwen, tmp_path):
     folder, _, _, budget = qwen
     path = tmp_path / "plan.json"
@@ -227,6 +249,13 @@ def test_bad_runtime_input_exits_2_with_one_line(capsys, qwen, tmp_path):
         "prefetch without the runtime": ([*ours, "--prefetch", "1"], "--prefetch needs --runtime allocator"),
         "negative prefetch": ([*ours, "--runtime", "allocator", "--prefetch", "-1"], "0 or more"),
         "prefetch not a number": ([*ours, "--runtime", "allocator", "--prefetch", "two"], "invalid int value"),
+        "cache without the runtime": ([*ours, "--expert-cache", "2"], "--expert-cache needs --runtime allocator"),
+        "negative cache": ([*ours, "--runtime", "allocator", "--expert-cache", "-1"], "0 or more"),
+        "cache not a number": ([*ours, "--runtime", "allocator", "--expert-cache", "many"], "invalid int value"),
+        "cache beyond the room": ([*ours, "--runtime", "allocator", "--expert-cache", "1000"],
+                                  "or less, or raise 'cpu'"),
+        "cache on a dense model": (["plan", llama, "--max-memory", budget, "--runtime", "allocator",
+                                    "--expert-cache", "2"], "no mixture-of-experts layer"),
         "runtime with a saved plan": (["plan", folder, "--from-json", tmp_path / "plan.json", "--runtime",
                                        "allocator"], "drop --runtime"),
     }

@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 import allocator  # noqa: E402
 from allocator import GenerationBudget, InvalidOption  # noqa: E402
 from allocator.evaluate.units import groups  # noqa: E402
+from allocator.model.cache_kwarg import output_cache  # noqa: E402
 from allocator.evaluate.validate import check, peak_parts  # noqa: E402
 
 # where no valid plan exists, raise (plan's default returns accelerate's own map, flagged)
@@ -101,7 +102,7 @@ def models():
 
 def test_llama_cache_bytes_equal_dynamic_cache(models):
     model = models["llama"]
-    cache = _generate(model, NEW).past_key_values
+    cache = output_cache(_generate(model, NEW))
     assert type(cache).__name__ == "DynamicCache"
     measured = _measured_layers(cache)
     predicted = _predicted_layers(model, GenerationBudget(BATCH, PROMPT + NEW))
@@ -128,16 +129,16 @@ def test_fused_projection_cache_bytes_equal_dynamic_cache(make):
     """Keys and values from one fused projection: the width comes from the module's heads (Falcon: one kv head)."""
     torch.manual_seed(0)
     model = make().eval()
-    measured = _measured_layers(_generate(model, NEW).past_key_values)
+    measured = _measured_layers(output_cache(_generate(model, NEW)))
     assert _predicted_layers(model, GenerationBudget(BATCH, PROMPT + NEW)) == measured
 
 
 def test_t5_self_and_cross_cache_bytes_equal_encoder_decoder_cache(models):
     model = models["t5"]
     out = _generate(model, NEW)
-    assert type(out.past_key_values).__name__ == "EncoderDecoderCache"
+    assert type(output_cache(out)).__name__ == "EncoderDecoderCache"
     assert out.sequences.shape[1] == NEW + 1  # the decoder's start token, then the new tokens
-    measured = _measured_layers(out.past_key_values)
+    measured = _measured_layers(output_cache(out))
     predicted = _predicted_layers(model, GenerationBudget(BATCH, NEW + 1, prompt_length=PROMPT))
     assert predicted == measured
     assert {k for k in measured if k[0] == "cross"} == {("cross", i) for i in range(3)}
@@ -148,8 +149,8 @@ def test_sliding_window_cache_bytes_equal_dynamic_cache_at_its_peak(models, name
     """A sliding layer holds the whole prompt after the prefill and ``window`` tokens later: the prediction is the
     larger, per layer; full layers of the same model hold ``max_length - 1`` tokens."""
     model = models[name]
-    after_prefill = _measured_layers(_generate(model, 1).past_key_values)
-    at_end = _measured_layers(_generate(model, NEW).past_key_values)
+    after_prefill = _measured_layers(output_cache(_generate(model, 1)))
+    at_end = _measured_layers(output_cache(_generate(model, NEW)))
     measured = {k: max(after_prefill[k], at_end[k]) for k in at_end}
     predicted = _predicted_layers(model, GenerationBudget(BATCH, PROMPT + NEW, prompt_length=PROMPT))
     assert predicted == measured
@@ -322,7 +323,7 @@ def test_max_new_tokens_as_generate_takes_it(models, meta_llama):
     t5 = _predicted_layers(models["t5"], budget)
     assert t5 == _predicted_layers(models["t5"], GenerationBudget(BATCH, NEW + 1, prompt_length=PROMPT))
     out = _generate(models["t5"], NEW)
-    assert t5 == _measured_layers(out.past_key_values)
+    assert t5 == _measured_layers(output_cache(out))
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -404,7 +405,7 @@ def test_patched_from_pretrained_plans_with_generation_and_generates(tmp_path):
         model = LlamaForCausalLM.from_pretrained(tmp_path / "model", device_map="auto", max_memory=dict(max_memory),
                                                  offload_folder=str(tmp_path / "offload"))
     assert model.hf_device_map == expected.device_map
-    cache = _generate(model, NEW).past_key_values
+    cache = output_cache(_generate(model, NEW))
     assert sum(_measured_layers(cache).values()) == expected.problem.generation.cache_bytes
     assert sum(p["cache"] for p in expected.parts.values()) == expected.problem.generation.cache_bytes
 

@@ -5,12 +5,14 @@ the model in RAM (``assert_close``), greedy tokens are identical, and CPU-comput
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
 
 import allocator
 from allocator import offload
+from allocator.model.cache_kwarg import cache_keyword, forward_cache, output_cache
 from allocator.offload.hybrid import call_tokens, phase_of, unit_phases
 
 transformers = pytest.importorskip("transformers")
@@ -98,3 +100,23 @@ def test_phase_of_a_call():
     compute = {"model.layers.1": {"prefill": 0, "decode": "cpu"}, "model.layers.2": {"prefill": 0, "decode": 0}}
     assert unit_phases(compute, "model.layers.1.self_attn.q_proj") == compute["model.layers.1"]
     assert unit_phases(compute, "model.layers.2") is None and unit_phases(compute, "lm_head") is None
+
+
+def test_the_kv_cache_reaches_the_units_under_the_installed_name():
+    """transformers 5.25 passes a layer's KV cache as ``cache=`` (``past_key_values=`` is deprecated, removed in
+    5.40): the hybrid hook finds it under either name (``forward_cache``), and our code passes it without a
+    ``FutureWarning`` (``cache_keyword``)."""
+    model, _ = _build("llama")
+    seen = []
+    layer = model.model.layers[1]
+    hooks = [m.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(forward_cache(kwargs)),
+                                         with_kwargs=True) for m in (layer, layer.self_attn)]
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:   # conftest ignores warnings: record them
+        warnings.simplefilter("always")
+        out = model(input_ids=torch.tensor([[5, 6, 7]]), **{cache_keyword(model): cache}, use_cache=True)
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2 and all(found is cache for found in seen)
+    assert output_cache(out) is cache and cache.get_seq_length() == 3

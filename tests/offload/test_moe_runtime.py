@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import allocator
+from allocator.model.cache_kwarg import cache_keyword, output_cache
 from allocator.model.experts import find_experts
 from allocator.offload import attach, detach
 from allocator.offload.experts import NAME, eager_forward, experts_forward, register
@@ -129,7 +130,7 @@ def test_decode_token_copies_at_most_the_routed_non_resident_experts(saved):
             routed: list = []
             hooks = [model.get_submodule(m.experts).register_forward_pre_hook(
                 lambda mod, args: routed.append(set(args[1].flatten().tolist()) - {0})) for m in layers]
-            model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+            model(ids[:, -1:], **{cache_keyword(model): output_cache(out)}, use_cache=True)
             for h in hooks:
                 h.remove()
         size = _expert_bytes(runtime)

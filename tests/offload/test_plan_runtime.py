@@ -4,6 +4,7 @@ the same runtime state and traffic as ``plan`` + ``from_pretrained(device_map=pl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -133,3 +134,36 @@ def test_accelerates_plan_decides_accelerates_runtime(saved):
     meta, budgets = _budget(ref)
     runtime = allocator.plan(meta, dict(budgets)).runtime
     assert runtime == Runtime(name="accelerate", main_device="cpu") and not runtime.streams
+
+
+@pytest.mark.slow
+def test_fetch_buffers_on_an_accelerator_main_device_stay_within_the_plans_reserve(saved, tmp_path):
+    """Issue #39: on an accelerator main device (the stand-in) the buffers fetched experts are copied into are held
+    only while their experts module runs, shared by the layers, so what the runtime holds at once (streamed modules
+    and fetch buffers, ``peak_held``) stays within the plan's streaming reserve; a buffer kept per layer held up to
+    ``layers x routed experts``, above it."""
+    folder, ref = saved["qwen3_moe"]
+    meta, _ = _budget(ref)
+    total = allocator.build_problem(meta, {"cpu": 0}).graph.total
+    torch.manual_seed(2)
+    ids = torch.randint(0, 128, (1, 48))   # a prefill that routes most experts of every layer
+    with torch.no_grad():
+        want = ref(ids).logits
+    for fraction in (0.3, 0.6):
+        plan = allocator.plan(meta, {0: int(total * fraction), "cpu": 4 * total}, runtime="allocator", prefetch=0)
+        assert plan.main_device == 0
+        reserve = plan.runtime.buffers["streamed"] + plan.runtime.buffers["prefetch"]
+        loaded = {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in plan.device_map.items()}
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=loaded, offload_folder=tmp_path / str(fraction),
+                                                     experts_implementation="eager").eval()
+        runtime = offload.attach(model, dataclasses.replace(plan, device_map=loaded), device="stand-in", prefetch=0)
+        try:
+            with torch.no_grad():
+                got = model(ids).logits
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert runtime.traffic.fetched > 0 and runtime.traffic.copied > 0
+            layers = len(runtime.experts)
+            assert layers > 1 and runtime.peak_held <= reserve, (fraction, runtime.peak_held, reserve)
+            assert runtime.fetch_buffers.nbytes() == 0 and runtime.held == 0   # released after each forward
+        finally:
+            offload.detach(model)

@@ -11,9 +11,8 @@ from allocator.report.decisions import lines, sentence
 from allocator.strategies import STRATEGIES
 
 #: Kinds whose sentences are still written where the decision is made: ``not-main`` in ``report/minimum.py`` (the
-#: report itself), ``experts`` in ``strategies/experts.py`` (owned by another issue), ``pipeline`` in
-#: ``pipelines/plan.py``.
-SAID_WHERE_MADE = {"not-main", "experts", "pipeline"}
+#: report itself), ``pipeline`` in ``pipelines/plan.py``.
+SAID_WHERE_MADE = {"not-main", "pipeline"}
 
 
 def test_built_in_strategies_record_no_sentences_and_the_report_says_each():

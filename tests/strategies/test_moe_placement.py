@@ -20,6 +20,7 @@ from allocator.evaluate.runs import columns
 from allocator.model import zoo
 from allocator.model.expert_profile import ExpertProfile
 from allocator.placement import DECISION_KINDS, clean_device_map
+from allocator.report.decisions import sentence
 from infeasible import assert_true_minimum
 from trees import budgets
 
@@ -227,3 +228,25 @@ def test_plan_as_data_keeps_the_experts(tmp_path):
     assert dict(again.peak) == dict(p.peak)
     dense = allocator.plan(model, {"cpu": total})
     assert dense.to_dict()["experts"] is None
+
+
+@pytest.mark.slow
+def test_experts_decision_names_the_main_device_it_moved_to():
+    """Issue #39: on a CPU main device the every-token parts go from disk to RAM, not "to the accelerator"; with an
+    accelerator budget they go to the accelerator. The decision is data (``facts``), said in report/decisions.py."""
+    model = zoo.build("qwen3-moe-30b-a3b")
+    total = allocator.build_problem(model, {"cpu": 0}, dtype=torch.bfloat16).graph.total
+    said = {}
+    for name, budget in (("cpu", {"cpu": int(total * 0.3)}), ("gpu", {0: "24GiB", "cpu": "64GiB"})):
+        p = allocator.plan(model, budget, dtype=torch.bfloat16, runtime="allocator")
+        (decision,) = p.placement.of_kind("experts")
+        assert decision.text == "" and decision.facts["moved"] > 0
+        assert sentence(decision) in p.explain()
+        said[name] = (p.main_device, decision.facts["moved_to"], sentence(decision))
+    main, moved_to, text = said["cpu"]
+    assert main == "cpu" and moved_to == ["cpu"]
+    assert "modules moved from disk to RAM ('cpu', the main device) before them" in text
+    assert "accelerator" not in text and "in the RAM left on the main device 'cpu'" in text
+    main, moved_to, text = said["gpu"]
+    assert main == 0 and moved_to == [0]
+    assert "modules moved to the accelerator 0 before them" in text and "from disk to RAM" not in text
