@@ -16,6 +16,7 @@ from .buffers import FetchBuffers
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
 from .hybrid import HybridHook, unit_phases
+from .passthrough import put_back, take_passthrough_hooks
 from .scheduler import OffloadedModule, Scheduler, Slot
 
 __all__ = ["Attached", "OffloadHook", "attach", "detach", "dispatch", "has_offload_hooks", "runtime_of"]
@@ -123,6 +124,9 @@ class Attached:
     fetch_buffers : FetchBuffers
         The buffers fetched expert slices are copied into, one per device shared by all layers
         (:class:`allocator.offload.experts.FetchBuffers`): ``fetch_buffers.nbytes(device)`` is what they hold there.
+    passthrough : tuple of Passthrough
+        On a CPU main device, accelerate's hooks that only send CPU tensors to the CPU, taken off while attached
+        (:mod:`allocator.offload.passthrough`); :func:`detach` puts them back.
     """
 
     def __init__(self, model, *, prefetch: int, device, experts=None, expert_mode="auto", plan=None):
@@ -134,6 +138,7 @@ class Attached:
         self.traffic = Traffic()
         self.experts: dict = {}
         self.cache = None
+        self.passthrough = ()   # the hooks that do nothing on a CPU main device, off while attached (passthrough.py)
         self.fetch_buffers = FetchBuffers(self._count)   # counted in held while an experts module runs
         if experts is not None:
             placed, resident_on, layout = experts
@@ -402,6 +407,8 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
             module._hf_hook = hooks[id(h)]
         else:
             top.hooks = type(top.hooks)(hooks[id(x)] if x is h else x for x in top.hooks)   # tuple or list
+    if isinstance(device, HostDevice):   # every module executes on the CPU: its hooks there only walk arguments
+        runtime.passthrough = take_passthrough_hooks(model)
     model._allocator_runtime = runtime
     return runtime
 
@@ -437,6 +444,7 @@ def detach(model) -> None:
     if runtime is None:
         raise InvalidRuntime("this model does not run the allocator runtime (attach(model, plan) first).")
     runtime.close()
+    put_back(runtime.passthrough)
     for _, module in model.named_modules():
         routed = module.__dict__.pop("_allocator_experts", None)
         hook = getattr(module, "_hf_hook", None)

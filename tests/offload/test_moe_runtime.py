@@ -199,3 +199,32 @@ def test_experts_over_two_stand_in_accelerators_equal_eager(saved, mode):
             assert t.remote > 0 and t.peer == 0 and t.computed > 0
     finally:
         detach(model)
+
+
+def test_hooks_that_do_nothing_on_a_cpu_main_device_are_off_while_attached_and_put_back(saved):
+    """On a CPU main device accelerate hooks every module not offloaded with an ``AlignDevicesHook`` that only sends
+    CPU tensors to the CPU; the runtime takes those off while it runs (outputs unchanged) and detach puts back the
+    very same hooks and forwards."""
+    from accelerate.hooks import AlignDevicesHook
+
+    folder, ref = saved["qwen3_moe"]
+    plan, model = _offloaded(folder, ref)
+    before = {name: (m.__dict__.get("_hf_hook"), m.__dict__.get("forward"), m.__dict__.get("_old_forward"))
+              for name, m in model.named_modules()}
+    idle = [name for name, m in model.named_modules() if type(m.__dict__.get("_hf_hook")) is AlignDevicesHook
+            and not m._hf_hook.offload and not m._hf_hook.io_same_device]
+    assert len(idle) > 10
+    runtime = attach(model, plan)
+    try:
+        assert sorted(name for name, m in model.named_modules()
+                      if any(t.module is m for t in runtime.passthrough)) == sorted(idle)
+        assert all("_hf_hook" not in model.get_submodule(name).__dict__ for name in idle)
+        assert model._hf_hook.io_same_device                       # the top module's hook stays
+        _same(ref, model)
+    finally:
+        detach(model)
+    after = {name: (m.__dict__.get("_hf_hook"), m.__dict__.get("forward"), m.__dict__.get("_old_forward"))
+             for name, m in model.named_modules()}
+    assert all(after[n][0] is before[n][0] and after[n][1] is before[n][1] and after[n][2] is before[n][2]
+               for n in before)
+    _same(ref, model)
