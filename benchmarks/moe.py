@@ -42,6 +42,7 @@ resident (counted from the routers' choices by forward hooks), fetched and compu
 
     python benchmarks/moe.py                 # four shapes, warm and cold
     python benchmarks/moe.py --smoke         # one tiny shape, a few tokens (CI smoke)
+    python benchmarks/moe.py --models qwen3-moe --interleaved 9   # RAM / transformers / patch() timed in rounds
 
 Writes ``results/moe.csv`` and ``results/moe.md`` (``--out`` for another folder).
 """
@@ -420,6 +421,48 @@ def report(rows, command: str, started: str, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def interleaved(name: str, family: str, fields: dict, args, work: Path) -> list[dict]:
+    """The issue's comparison made robust to a shared machine: the model in RAM, transformers' own load and ours
+    through ``patch(runtime="allocator")`` (without and with a profile) loaded side by side, then ``--interleaved``
+    rounds, each timing every row's warm decode (median ms per token) one after another. Per row: the median and the
+    best round; ratios are taken within each round (the rows of a round see the same load) and their median reported
+    (``vs_ram``: the row's time over the model in RAM; ``vs_transformers``: transformers' time over the row's)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = work / name
+    build(family, fields).save_pretrained(folder)
+    ref = _load(folder)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(ref.config)
+    total = allocator.build_problem(meta, {"cpu": 0}).graph.total
+    budget = {"cpu": int(args.ram * total)}
+    prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    want, _, _ = decode(ref, prompt, args.tokens)
+    profile = allocator.profile_experts(ref, [torch.cat([prompt, torch.tensor([want])], dim=1)])
+    models = {"ram": ref, "transformers": _load(folder, "auto", work / "off-hf", max_memory=budget),
+              "ours-patch": _patched(folder, work / "off-ours", budget)[0],
+              "ours-patch-profiled": _patched(folder, work / "off-prof", budget, expert_profile=profile)[0]}
+    equal = {row: decode(model, prompt, args.tokens)[0] == want for row, model in models.items()}   # warms them too
+    times: dict = {row: [] for row in models}
+    for _ in range(args.interleaved):
+        for row, model in models.items():
+            times[row].append(statistics.median(decode(model, prompt, args.tokens)[1][1:]))
+    rows = []
+    for row in models:
+        rows.append(dict(model=name, row=row, model_mib=round(total / 2 ** 20, 1),
+                         ram_budget_mib=round(budget["cpu"] / 2 ** 20, 1), rounds=args.interleaved,
+                         decode_ms_median=round(statistics.median(times[row]) * 1e3, 2),
+                         decode_ms_best=round(min(times[row]) * 1e3, 2),
+                         vs_ram=round(statistics.median(a / b for a, b in zip(times[row], times["ram"])), 3),
+                         vs_transformers=round(statistics.median(
+                             a / b for a, b in zip(times["transformers"], times[row])), 2),
+                         tokens_equal=equal[row]))
+    for row, model in models.items():
+        if offload.runtime_of(model) is not None:
+            offload.detach(model)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(SHAPES))
@@ -432,6 +475,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-only", action="store_true",
                     help="only the skewed-routing rows (expert cache: hit rate measured and estimated) of the Qwen3 "
                          "shape")
+    ap.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                    help="only the model in RAM, transformers and ours through patch() (without and with a profile), "
+                         "loaded side by side and timed in ROUNDS interleaved rounds (ratios within each round)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     quiet()
@@ -454,6 +500,9 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name, (family, fields) in shapes.items():
+            if args.interleaved:
+                rows += interleaved(name, family, fields, args, Path(work))
+                continue
             if args.cache_only:
                 if name.startswith("qwen3"):
                     rows += cache_rows(name, family, fields, args, Path(work))
@@ -463,10 +512,10 @@ def main(argv=None) -> int:
     command = "python benchmarks/moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    write_csv(args.out / ("moe_smoke.csv" if args.smoke else "moe.csv"), [{k: r.get(k, "") for k in keys}
-                                                                          for r in rows])
+    stem = "moe_interleaved" if args.interleaved else "moe_smoke" if args.smoke else "moe"
+    write_csv(args.out / f"{stem}.csv", [{k: r.get(k, "") for k in keys} for r in rows])
     text = report(rows, command.strip(), started, time.time() - t0)
-    (args.out / ("moe_smoke.md" if args.smoke else "moe.md")).write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
     return 0
 

@@ -51,3 +51,18 @@ def test_moe_benchmark_smoke(tmp_path):
     assert float(fetch["copied_kib_per_token"]) == float(fetch["routed_nonresident_kib_per_token"]) > 0
     assert float(compute["copied_kib_per_token"]) == 0 < float(compute["activations_kib_per_token"])
     assert (tmp_path / "moe_smoke.md").read_text() in proc.stdout
+
+
+@pytest.mark.slow
+def test_interleaved_rounds_time_every_row_and_keep_the_tokens(tmp_path):
+    """``moe.py --interleaved``: the model in RAM, transformers and ours through patch() timed in rounds; ratios are
+    per round (the RAM row's own is 1), tokens equal."""
+    import moe
+
+    assert moe.main(["--smoke", "--interleaved", "2", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "moe_interleaved.csv", newline="") as fh:
+        rows = {r["row"]: r for r in csv.DictReader(fh)}
+    assert set(rows) == {"ram", "transformers", "ours-patch", "ours-patch-profiled"}
+    assert float(rows["ram"]["vs_ram"]) == 1.0 and float(rows["transformers"]["vs_transformers"]) == 1.0
+    assert all(r["tokens_equal"] == "True" and float(r["decode_ms_best"]) <= float(r["decode_ms_median"])
+               for r in rows.values())
