@@ -11,6 +11,7 @@ that the files appear with rows.
 from __future__ import annotations
 
 import csv
+import json
 import importlib.util
 import os
 import subprocess
@@ -95,3 +96,11 @@ def test_benchmark_script_writes_results(script, tmp_path):
             assert r["status"] == "ok" and int(r["measured_peak_bytes"]) > 0, r
             if r["method"] == "ours":
                 assert r["valid"] == "True" and int(r["predicted_peak_bytes"]) <= int(r["device_budget_bytes"]), r
+
+
+def test_plan_time_prints_a_time_per_model_and_budget(capsys):
+    import plan_time
+
+    assert plan_time.main(["--models", "gpt2", "--repeat", "1"]) == 0
+    times = json.loads(capsys.readouterr().out)
+    assert set(times) == {f"gpt2/{grid}" for grid in plan_time.GRID} and all(t > 0 for t in times.values())
