@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 # The in-process tests only: leaves out those marked slow (about 5 s or more each) or subprocess (they start another
 # process: a CLI run, a notebook kernel, distributed ranks); markers registered in pyproject.toml.

@@ -19,7 +19,7 @@ from allocator.search.room import Room
 from allocator.evaluate.units import groups
 from trees import module_trees
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DEVICES = [0, 1, "cpu", "disk", True, 1.0]
 #: Room values: far below and above the int64 prefix sums, at the clamp, without limit.
 ROOMS = st.one_of(st.integers(-2**70, 2**70), st.integers(-64, 4096),
