@@ -115,13 +115,13 @@ def maps(draw, graph):
     return {k: draw(st.sampled_from(DEVICES)) for k in keys}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_runs_equal_the_rules_tensor_by_tensor(data):
     _runs_equal_the_rules(data)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=75, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_runs_cut_with_numpy_equal_the_rules(data):
     """The numpy path of ``runs`` (large maps) on the same small maps."""

@@ -23,13 +23,13 @@ from trees import budgets, module_trees
 KINDS = {"coverage", "unknown-key", "unknown-device", "no-split", "tied", "unhooked", "budget"}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_sequential_equals_accelerate_on_random_trees(data):
     same_as_accelerate(data, data.draw(module_trees()))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=75, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_sequential_by_stretches_equals_accelerate(data):
     # entries that fit one after another are taken a stretch at a time from kernels.NUMPY_FROM queued entries on;

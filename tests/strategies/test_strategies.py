@@ -198,7 +198,7 @@ def test_random_trees_valid_or_infeasible_with_a_true_minimum(strategy, data):
 
 @pytest.mark.parametrize("release", [(1, 15, 0), (1, 16, 0)], ids=["accelerate-1.15", "accelerate-1.16"])
 @pytest.mark.parametrize("strategy", [s for s in allocator.STRATEGIES if s != "sequential"])
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_trees_on_accelerates_loader_pass_its_rules(strategy, release, data):
     """Planned for ``load_checkpoint_and_dispatch`` (``loader="accelerate"``), every strategy's map passes that
