@@ -166,7 +166,9 @@ def _load(folder, device_map=None, offload_folder=None, **kw):
                                                 **extra, **kw).eval()
 
 
-def measure(name: str, family: str, fields: dict, args, work: Path) -> list[dict]:
+def _saved(name: str, family: str, fields: dict, args, work: Path):
+    """The shape saved in ``work / name`` and loaded in RAM, on the meta device, its bytes, the RAM budget
+    (``--ram`` of them) and the seeded prompt."""
     from transformers import AutoModelForCausalLM
 
     folder = work / name
@@ -177,9 +179,13 @@ def measure(name: str, family: str, fields: dict, args, work: Path) -> list[dict
     total = allocator.build_problem(meta, {"cpu": 0}).graph.total
     budget = {"cpu": int(args.ram * total)}
     prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    return folder, ref, meta, total, budget, prompt
+
+
+def measure(name: str, family: str, fields: dict, args, work: Path) -> list[dict]:
+    folder, ref, meta, total, budget, prompt = _saved(name, family, fields, args, work)
     want, ram_times, _ = decode(ref, prompt, args.tokens)
-    seen = torch.cat([prompt, torch.tensor([want])], dim=1)
-    profile = allocator.profile_experts(ref, [seen])
+    profile = allocator.profile_experts(ref, [torch.cat([prompt, torch.tensor([want])], dim=1)])
     rows = [_row(name, "ram", total, budget, prefill(ref, prompt), ram_times, [], [], want, want, None)]
     configs = {
         "transformers": lambda off: (_load(folder, "auto", off, max_memory=budget), None),
@@ -427,16 +433,7 @@ def interleaved(name: str, family: str, fields: dict, args, work: Path) -> list[
     rounds, each timing every row's warm decode (median ms per token) one after another. Per row: the median and the
     best round; ratios are taken within each round (the rows of a round see the same load) and their median reported
     (``vs_ram``: the row's time over the model in RAM; ``vs_transformers``: transformers' time over the row's)."""
-    from transformers import AutoModelForCausalLM
-
-    folder = work / name
-    build(family, fields).save_pretrained(folder)
-    ref = _load(folder)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(ref.config)
-    total = allocator.build_problem(meta, {"cpu": 0}).graph.total
-    budget = {"cpu": int(args.ram * total)}
-    prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    folder, ref, meta, total, budget, prompt = _saved(name, family, fields, args, work)
     want, _, _ = decode(ref, prompt, args.tokens)
     profile = allocator.profile_experts(ref, [torch.cat([prompt, torch.tensor([want])], dim=1)])
     models = {"ram": ref, "transformers": _load(folder, "auto", work / "off-hf", max_memory=budget),

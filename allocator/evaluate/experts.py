@@ -184,16 +184,21 @@ class _Term(NamedTuple):
     cacheable: bool
 
 
+def _devices(placement: Placement) -> tuple:
+    """``placement``'s map (normalised), its main device, the devices offloaded from it and where offloaded units
+    compute (the CPU for a CPU main device, else the main device)."""
+    device_map = normalize_map(placement.device_map)
+    main = main_device(set(device_map.values()))
+    return device_map, main, offloaded_devices(main), "cpu" if not is_accelerator(main) else main
+
+
 def _routed_terms(problem: Problem, placement: Placement) -> list[_Term] | None:
     """Per routed expert of each offloaded experts module the placement places expert by expert, its
     :class:`_Term`; ``None`` for a placement without experts."""
     if not placement.experts:
         return None
     profile = problem.profile
-    device_map = normalize_map(placement.device_map)
-    main = main_device(set(device_map.values()))
-    offloaded = offloaded_devices(main)
-    run_on = "cpu" if not is_accelerator(main) else main
+    device_map, main, offloaded, run_on = _devices(placement)
     tokens = step_tokens(problem)
     runtime = problem.runtime.name
     terms = []
@@ -248,10 +253,7 @@ def routed_cost(problem: Problem, placement: Placement, base: Cost) -> Cost:
     if terms is None:
         return base
     profile = problem.profile
-    device_map = normalize_map(placement.device_map)
-    main = main_device(set(device_map.values()))
-    offloaded = offloaded_devices(main)
-    run_on = "cpu" if not is_accelerator(main) else main
+    device_map, main, offloaded, run_on = _devices(placement)
     runtime = problem.runtime.name
     seconds, streamed, disk = base.seconds, float(base.streamed_bytes), float(base.disk_bytes)
     for layer in problem.moe:
