@@ -106,19 +106,22 @@ def _computes_at_decode(result, device) -> str:
 
 
 def generation_table(result) -> str:
-    """With a generation budget, what each device's peak is made of (``Plan.parts``): weights (with the buffers of
-    offloaded modules and the streaming reserve), KV cache, logits and activations; ``""`` without one."""
+    """With a generation budget, what each device's peak is made of (``Plan.parts``, :data:`allocator.judge.verdict.
+    PARTS`): the weights (with the buffers of offloaded modules), what the runtime holds (streaming reserve, resident
+    experts, expert cache, fetch buffers), KV cache, logits and activations; ``""`` without one."""
     needs = result.problem.generation
     if needs is None:
         return ""
-    rows = [("device", "weights", "cache", "logits", "activations", "peak", "of budget")]
+    rows = [("device", "weights", "runtime", "cache", "logits", "activations", "peak", "of budget")]
     for d in _devices(result):
         limit = result.problem.budgets.limit(d)
         parts, peak = result.parts.get(d, {}), result.peak.get(d, 0)
-        rows.append((str(d), *(format_size(parts.get(k, 0)) for k in ("weights", "cache", "logits", "activations")),
+        runtime = sum(parts.get(k, 0) for k in ("experts", "expert_cache", "fetch", "reserve"))
+        rows.append((str(d), format_size(parts.get("weights", 0)), format_size(runtime),
+                     *(format_size(parts.get(k, 0)) for k in ("cache", "logits", "activations")),
                      format_size(peak), f"{peak / limit:.0%}" if limit else "-"))
-    title = (f"{needs.notes[0] if needs.notes else 'generate'}: the parts of each peak (weights with the buffers of "
-             "offloaded modules and the streaming reserve)")
+    title = (f"{needs.notes[0] if needs.notes else 'generate'}: the parts of each peak (runtime: the streaming "
+             "reserve, resident experts, expert cache and fetch buffers); estimates")
     return "\n".join([title, *align(rows)])
 
 

@@ -21,13 +21,13 @@ the main device's: :func:`cache_moves`), and only while RAM has room for it. Eve
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..budgets import Device, is_accelerator, normalize_map
-from ..problem import Problem
+from ..problem import Problem, step_problem
 
 __all__ = ["PHASES", "PhaseChoice", "ComputePlan", "phase_tokens", "unit_stats", "decide", "step_seconds",
-           "cache_moves"]
+           "cache_moves", "cache_seconds", "hybrid_seconds", "phase_problem"]
 
 PHASES = ("prefill", "decode")
 """The phases of ``generate`` a unit gets a compute device for."""
@@ -225,3 +225,42 @@ def cache_moves(compute: ComputePlan | None, main: Device) -> dict:
     if compute is None or not compute.cache_moved:
         return {}
     return {main: -compute.cache_moved, "cpu": compute.cache_moved}
+
+
+def phase_problem(problem: Problem, phase: str) -> Problem:
+    """``problem`` priced for one step of ``phase``: the counted forward of that step where FLOPs were counted
+    (:func:`allocator.problem.step_problem`), else, with a generation budget, the profile's tokens per forward set to
+    the phase's (:func:`phase_tokens`: ``batch x prompt`` for prefill, ``batch`` for decode); ``problem`` itself
+    without a generation budget."""
+    if phase in problem.steps:
+        return step_problem(problem, phase)
+    if problem.generation is None:
+        return problem
+    tokens = max(1, phase_tokens(problem)[phase])
+    return replace(problem, profile=replace(problem.profile, tokens=tokens))
+
+
+def cache_seconds(problem: Problem, phase: str, cache: Mapping) -> float:
+    """Seconds one step of ``phase`` spends on the KV cache (``cache``: bytes per device where the units that own it
+    compute), where the FLOP count does not hold it already: a decoding step reads the whole cache; a prefill writes
+    the prompt's share of it (``prompt / max_length``). 0 without a generation budget or where ``phase`` was
+    counted (its count reads the cache: :func:`allocator.problem.step_problem`)."""
+    needs = problem.generation
+    if needs is None or phase in problem.steps:
+        return 0.0
+    p = problem.profile
+    share = 1.0
+    if phase == "prefill":
+        budget = needs.budget
+        share = (budget.prompt_length or budget.max_length - 1) / budget.max_length
+    return sum(share * nbytes / (p.accelerator_memory if is_accelerator(d) else p.cpu_memory)
+               for d, nbytes in cache.items() if d != "disk")
+
+
+def hybrid_seconds(compute: ComputePlan | None, phase: str) -> float:
+    """What computing units where their weights live changes in one step of ``phase``, against streaming them to
+    the main device (negative: the plan chose it because it is cheaper), from the choices that made the compute
+    plan."""
+    if compute is None:
+        return 0.0
+    return sum(c.local_seconds - c.streamed_seconds for c in compute.choices if c.phase == phase and c.device == "cpu")

@@ -25,8 +25,8 @@ from .memory import (
     prefetch_of,
 )
 
-__all__ = ["Violation", "check", "experts_apart", "peak_parts", "routed_spans", "validate", "normalize_map",
-           "format_bytes"]
+__all__ = ["Violation", "budget_violations", "check", "experts_apart", "peak_parts", "routed_spans", "validate",
+           "normalize_map", "format_bytes"]
 
 CHECKED = Key("check")
 
@@ -99,8 +99,16 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
                    prefetch=prefetch_of(problem.runtime), skip=routed_spans(problem))
     for device, nbytes in fetch_reserves(problem, device_map).items():   # routed experts fetched off the main device
         memory.peak[device] = memory.peak.get(device, 0) + nbytes
-    placed = set(device_map.values())
-    for device, used in memory.peak.items():
+    found += budget_violations(problem, memory, memory.peak, set(device_map.values()))
+    return found, memory
+
+
+def budget_violations(problem: Problem, memory: Memory, peak: Mapping, placed: set) -> list[Violation]:
+    """Devices whose ``peak`` (bytes per device: :func:`check`'s, or the whole verdict's with what the runtime adds,
+    :func:`allocator.judge.verdict.verdict`) is over their budget, or that hold bytes without one. ``memory`` says
+    what the main device's streamed chain, prefetch and generation bytes are; ``placed`` the devices of the map."""
+    found = []
+    for device, used in peak.items():
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
             continue   # no RAM budget: the CPU only executes what streams from disk, unbudgeted (accelerate's view)
         if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
@@ -109,22 +117,25 @@ def _check(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memo
             continue
         limit = problem.budgets.limit(device)
         if limit is not None and used > limit:
-            extra = ""
-            if device == memory.main and memory.streamed:
-                extra = f", of which {format_bytes(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
-                if memory.prefetch:
-                    extra += f" and {format_bytes(memory.prefetch)} holds the runtime's prefetch"
-            if memory.generation.get(device):
-                extra += (f"{', and' if extra else ', of which'} {format_bytes(memory.generation[device])} is for "
-                          "generate (KV cache, logits, activations)")
-            short = used - limit
-            exact = f" ({short} B)" if short >= 1024 else ""
-            found.append(Violation(
-                "budget", f"device {device!r} needs {format_bytes(used)} ({used} B){extra} but its budget is "
-                f"{format_bytes(limit)} ({limit} B)",
-                f"raise it by {format_bytes(short)}{exact} or move modules off it."
-            ))
-    return found, memory
+            found.append(_over_budget(device, used, limit, memory))
+    return found
+
+
+def _over_budget(device, used: int, limit: int, memory: Memory) -> Violation:
+    """The ``budget`` violation of ``device``: what it needs, of which what streams, prefetches and generates."""
+    extra = ""
+    if device == memory.main and memory.streamed:
+        extra = f", of which {format_bytes(memory.streamed)} streams offloaded weights of {list(memory.chain)}"
+        if memory.prefetch:
+            extra += f" and {format_bytes(memory.prefetch)} holds the runtime's prefetch"
+    if memory.generation.get(device):
+        extra += (f"{', and' if extra else ', of which'} {format_bytes(memory.generation[device])} is for "
+                  "generate (KV cache, logits, activations)")
+    short = used - limit
+    exact = f" ({short} B)" if short >= 1024 else ""
+    return Violation("budget", f"device {device!r} needs {format_bytes(used)} ({used} B){extra} but its budget is "
+                     f"{format_bytes(limit)} ({limit} B)", f"raise it by {format_bytes(short)}{exact} or move modules "
+                     "off it.")
 
 
 def _flags(problem: Problem):

@@ -20,13 +20,185 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
-from ..budgets import is_accelerator
-from ..evaluate.memory import Memory
-from ..evaluate.validate import Violation, check
+from ..budgets import ByDevice, is_accelerator, normalize_map
+from ..evaluate.compute import (
+    PHASES, ComputePlan, cache_moves, cache_seconds, decide, hybrid_seconds, phase_problem,
+)
+from ..evaluate.cost import Cost, priced
+from ..evaluate.experts import expert_bytes, routed_cost
+from ..evaluate.memory import Memory, device_of, expert_cache_reserve, fetch_reserves, map_runs
+from ..evaluate.runs import columns
+from ..evaluate.tiers import fast_tier
+from ..evaluate.validate import Violation, budget_violations, check, peak_parts
+from ..placement import Placement
 from ..problem import Problem
 
-__all__ = ["headroom", "is_valid", "judged", "memory", "violations"]
+__all__ = ["PARTS", "Verdict", "headroom", "is_valid", "judged", "memory", "verdict", "violations"]
+
+PARTS = ("weights", "experts", "expert_cache", "fetch", "reserve", "cache", "logits", "activations")
+"""What a device's peak is made of, in :attr:`Verdict.parts`: the model's weights held there (with the buffers of
+offloaded modules), routed experts the allocator runtime keeps there away from their module's device, its cache of
+recently routed experts, its fetch buffers for experts routed to a device other than the main one, the streaming
+reserve (the largest chain of offloaded weights streamed at once, and the modules made ready ahead), and with a
+generation budget the KV cache (where the unit that owns it computes at decode), the logits and the activations."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The one verdict on a placement, computed once (:func:`verdict`) and read by everything that says something
+    about the plan (``repr``, ``explain()``, ``to_dict()``, the CLI) and by the runtime (:class:`allocator.Plan`).
+
+    Attributes
+    ----------
+    violations : tuple of Violation
+        Every runtime rule broken, budgets judged on :attr:`peak` (every byte the runtime will hold).
+    peak : dict
+        Bytes per device at its peak, every term counted: the sum of that device's :attr:`parts`.
+    parts : dict
+        Per device, its peak by :data:`PARTS`.
+    resident : dict
+        Counted bytes of the model held per device, each byte once, where the runtime holds it (routed experts
+        kept away from their module's device counted where they are kept, not where the map puts the module).
+    memory : Memory
+        The map's memory under the runtime rules (:func:`allocator.evaluate.validate.check`): main device, the
+        streamed chain, the prefetch reserve.
+    expert_cache : tuple
+        ``(slots, bytes)`` of the allocator runtime's expert cache on the main device.
+    hybrid : ComputePlan or None
+        Where offloaded units compute per phase (:func:`allocator.evaluate.compute.decide`).
+    steps : dict
+        Phase -> :class:`Cost` of one step: ``"prefill"``, and with a generation budget ``"decode"`` too.
+    stream_steps : dict
+        Phase -> seconds of one step with every offloaded unit streamed (what :attr:`hybrid` is weighed against).
+    optimize : str
+        The phase :attr:`cost` prices (``PlanOptions.optimize``).
+    """
+
+    violations: tuple
+    peak: Mapping
+    parts: Mapping
+    resident: Mapping
+    memory: Memory
+    expert_cache: tuple
+    hybrid: ComputePlan | None
+    steps: Mapping
+    stream_steps: Mapping
+    optimize: str
+
+    @property
+    def valid(self) -> bool:
+        """Every rule kept and every byte the runtime holds within its device's budget."""
+        return not self.violations
+
+    @property
+    def cost(self) -> Cost:
+        """The estimate of the step :attr:`optimize` names: one of :attr:`steps`, never a third number."""
+        return self.steps[self.optimize] if self.optimize in self.steps else next(iter(self.steps.values()))
+
+
+def verdict(problem: Problem, placement: Placement) -> Verdict:
+    """The :class:`Verdict` on ``placement`` for ``problem``: the runtime rules, the memory per device with every
+    term the chosen runtime holds (resident weights, resident experts, the expert cache, fetch buffers, the streaming
+    and prefetch reserve, the KV cache where each unit computes at decode, logits and activations), where offloaded
+    units compute per phase, one price per phase, and whether every byte is within its budget. Nothing is added to it
+    afterwards.
+
+    Examples
+    --------
+    >>> import torch.nn as nn
+    >>> from allocator.placement import Placement
+    >>> from allocator.problem import build_problem
+    >>> problem = build_problem(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {0: 400, "cpu": 1000})
+    >>> v = verdict(problem, Placement({"0": 0, "1": "cpu"}, strategy="example"))
+    >>> v.valid, dict(v.peak), v.parts[0]["weights"], v.parts[0]["reserve"], dict(v.resident)
+    (True, {0: 576, 'cpu': 288}, 288, 288, {0: 288, 'cpu': 288})
+    """
+    device_map = normalize_map(placement.device_map)
+    found, memory = check(problem, device_map)
+    parts = _parts(problem, placement, device_map, memory)
+    cache = expert_cache_reserve(problem, device_map) if placement.experts else (0, 0)
+    if cache[1]:
+        parts.setdefault(memory.main, dict.fromkeys(PARTS, 0))["expert_cache"] += cache[1]
+    ram = problem.budgets.limit("cpu")
+    room = None if ram is None else max(ram - sum(parts.get("cpu", {}).values()), 0)
+    hybrid = decide(problem, device_map, memory.main, room)
+    before = {d: row["cache"] for d, row in parts.items() if row["cache"]}
+    for device, delta in cache_moves(hybrid, memory.main).items():   # the KV cache of units decoding on the CPU
+        parts.setdefault(device, dict.fromkeys(PARTS, 0))["cache"] += delta
+    peak = {d: sum(row.values()) for d, row in parts.items()}
+    rules = [v for v in found if v.kind not in ("budget", "unknown-device")]
+    rules += budget_violations(problem, memory, peak, set(device_map.values()))
+    resident = _resident(problem, placement, device_map)
+    steps, stream = _steps(problem, placement, hybrid, resident, before)
+    return Verdict(violations=tuple(rules), peak=ByDevice(peak), parts=ByDevice(parts), resident=ByDevice(resident),
+                   memory=memory, expert_cache=cache, hybrid=hybrid, steps=steps, stream_steps=stream,
+                   optimize=problem.cost.optimize)
+
+
+def _parts(problem: Problem, placement: Placement, device_map: dict, memory: Memory) -> dict:
+    """Per device, :data:`PARTS` of the map's memory (:func:`allocator.evaluate.validate.peak_parts` split into the
+    model's weights, the streaming reserve and the fetch buffers) and the routed experts kept away from their
+    module's device."""
+    out = {}
+    fetch = fetch_reserves(problem, device_map)
+    for device, row in peak_parts(problem, device_map, memory).items():
+        reserve = memory.streamed + memory.prefetch if device == memory.main else 0
+        out[device] = {"weights": row["weights"] - reserve - fetch.get(device, 0), "experts": 0, "expert_cache": 0,
+                       "fetch": fetch.get(device, 0), "reserve": reserve, "cache": row["cache"],
+                       "logits": row["logits"], "activations": row["activations"]}
+    for device, nbytes in _experts_moved(problem, placement, device_map).items():
+        if nbytes > 0:
+            out.setdefault(device, dict.fromkeys(PARTS, 0))["experts"] += nbytes
+    return out
+
+
+def _experts_moved(problem: Problem, placement: Placement, device_map: dict) -> dict:
+    """Bytes of routed experts per device that the allocator runtime keeps away from their module's device: positive
+    where they are kept, negative on the module's device (what the map puts there that is held elsewhere)."""
+    out: dict = {}
+    for layer in problem.moe:
+        where = placement.experts.get(layer.experts)
+        if where is None or layer.kind != "fused":
+            continue
+        size = expert_bytes(problem, layer)
+        home = device_of(layer.experts, device_map)
+        for device in where:
+            if device != home:
+                out[device] = out.get(device, 0) + size
+                out[home] = out.get(home, 0) - size
+    return out
+
+
+def _resident(problem: Problem, placement: Placement, device_map: dict) -> dict:
+    """Counted bytes of the model per device, each byte once, where the runtime holds it."""
+    counted = columns(problem.graph).sum_counted
+    out: dict = {}
+    for run in map_runs(problem.graph, device_map):
+        if run.device is not None:
+            out[run.device] = out.get(run.device, 0) + int(counted[run.end] - counted[run.start])
+    for device, delta in _experts_moved(problem, placement, device_map).items():
+        out[device] = out.get(device, 0) + delta
+    return out
+
+
+def _steps(problem: Problem, placement: Placement, hybrid, resident: dict, cache: dict) -> tuple[dict, dict]:
+    """One :class:`Cost` per phase, from the one cost formula (:func:`allocator.evaluate.cost.priced` of the phase's
+    problem, routed experts priced as routed, :func:`allocator.evaluate.experts.routed_cost`), with the KV cache's
+    reads where the count does not hold them and the units computed where their weights live as :attr:`hybrid`
+    says; and the seconds of each phase with every offloaded unit streamed."""
+    phases = PHASES if problem.generation is not None else ("prefill",)
+    fast = fast_tier(problem.budgets)
+    kept = sum(n for d, n in resident.items() if d in fast)
+    steps, stream = {}, {}
+    for phase in phases:
+        at = phase_problem(problem, phase)
+        cost = routed_cost(at, placement, priced(at, placement.device_map))
+        streamed = cost.seconds + cache_seconds(at, phase, cache)
+        stream[phase] = streamed
+        steps[phase] = replace(cost, seconds=streamed + hybrid_seconds(hybrid, phase), resident_fast=kept)
+    return steps, stream
 
 
 def judged(problem: Problem, device_map: Mapping) -> tuple[list[Violation], Memory]:

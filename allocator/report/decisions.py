@@ -123,7 +123,7 @@ def _kept(d: Decision) -> str:
         kept += " that keeps the contract" if count == 1 else " that keep the contract"
     if count > 1 and not estimate:
         kept += " by bytes on the fastest tier, then bytes streamed"
-    return (f"{f['strategy']} kept {kept} (main device {f['main']!r}, streaming reserve {format_bytes(f['reserve'])}): "
+    return (f"{f['strategy']} kept {kept} (main device {f['main']!r}): "
             f"estimated {f['seconds'] * 1e3:.3f} ms per forward, {format_bytes(d.bytes)} on the fastest tier, "
             f"{f['changes']} device changes")
 
@@ -205,7 +205,7 @@ def _fallback(d: Decision) -> str:
 
 def _runtime(d: Decision) -> str:
     f = d.facts
-    head = f"prefetch {f.get('prefetch')} of the {f.get('asked')} asked for"
+    head = f"prefetch depth {f.get('prefetch')} (the plan tries depths up to {f.get('asked')})"
     why = {
         "cpu-main": "the main device is the CPU, where making weights ready ahead competes with the forward for "
                     "the same cores (pass a measured profile to plan with it)",

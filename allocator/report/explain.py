@@ -24,7 +24,7 @@ from ..budgets import format_ms, is_accelerator
 from ..rules.dispatch import hooks_attach
 from ..evaluate.memory import map_runs, offloaded_devices, prefetch_of
 from ..evaluate.cost import priced
-from ..evaluate.experts import expert_bytes, resident_bytes
+from ..evaluate.experts import expert_bytes
 from ..report.minimum import why_empty
 from .decisions import balances, follows_accelerate, sentence
 from ..judge.contract import contract_violations
@@ -228,18 +228,44 @@ def _holding(plan, layout: _Layout, device, full: set) -> str:
         text += f", offloaded: executed on {layout.main!r}"
     elif device == layout.main:
         parts = plan.parts.get(device, {})
-        experts = resident_bytes(plan.problem, plan.placement).get(device, 0)
+        experts = parts.get("experts", 0)
         extra = [("streaming reserve", plan.streamed),
                  ("prefetch of the allocator runtime", plan.prefetch),
                  ("experts the allocator runtime keeps resident", experts),
-                 ("buffers of offloaded modules",
-                  parts.get("weights", 0) - held - plan.streamed - plan.prefetch - experts),
+                 ("expert cache of the allocator runtime", parts.get("expert_cache", 0)),
+                 ("fetch buffers of the allocator runtime", parts.get("fetch", 0)),
+                 ("buffers of offloaded modules", parts.get("weights", 0) - (held - experts)),
                  ("for generate", sum(parts.get(k, 0) for k in ("cache", "logits", "activations")))]
         extra = [(what, n) for what, n in extra if n > 0]
         if extra:
             text += (f"; its peak {format_bytes(plan.peak[device])} is that plus "
                      + " + ".join(f"{format_bytes(n)} {what}" for what, n in extra))
     return text if whole else text + _room(plan, layout, device, full)
+
+
+def _ranked_apart(plan, choice) -> str:
+    """Where the plan's estimate is not the figure its candidates were ranked by (the map priced alone, at the default
+    forward, before routed experts, the generation budget's steps and the units computed on the CPU were counted): a
+    clause that says so and gives the plan's, so one text never states two estimates of one plan unexplained."""
+    winner = choice.facts.get("winner")
+    ranked = next((t.get("seconds") for t in choice.facts.get("tried", ()) if t.get("name") == winner), None)
+    if ranked is None or abs(ranked - plan.cost.seconds) <= 5e-7 * max(ranked, plan.cost.seconds, 1e-9):
+        return ""
+    return (f" (candidates are ranked on their maps alone, one forward at the profile's tokens; this plan's estimate, "
+            f"{format_ms(plan.cost.seconds)} {plan.priced_phrase()}, also counts {_counted(plan)})")
+
+
+def _counted(plan) -> str:
+    """What a plan's estimate counts beyond its map's: routed experts, the generation budget's step, the units
+    computed where their weights live."""
+    found = []
+    if plan.placement.experts:
+        found.append("the routed experts where they live")
+    if plan.problem.generation is not None:
+        found.append(f"the {plan.priced_step} step of the generation budget")
+    if plan.hybrid is not None:
+        found.append("the units computed where their weights live")
+    return " and ".join(found) or "the plan's runtime"
 
 
 def _said(plan, kind: str, device, used: set) -> str | None:
@@ -402,7 +428,7 @@ def reasons(plan) -> Why:
     out += _computes(plan)   # issue #40: where offloaded units compute, per phase
     choice = plan.placement.of_kind("choice")
     if choice:
-        out.append(sentence(choice[0]))
+        out.append(sentence(choice[0]) + _ranked_apart(plan, choice[0]))
         used.add(id(choice[0]))
     return Why(out, used, empty)
 

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..budgets import ByDevice, Device, canonical
-from ..errors import AllocatorError
+from ..budgets import Device, canonical
 from ..evaluate.cost import Cost
-from ..evaluate.memory import expert_cache_reserve, map_runs
-from ..evaluate.runs import columns
-from ..evaluate.validate import Violation, format_bytes, peak_parts
-from ..judge.verdict import judged
+from ..evaluate.memory import map_runs
+from ..evaluate.validate import Violation, format_bytes
+from ..judge.verdict import Verdict, verdict
 from ..placement import Placement
-from ..problem import Problem, step_problem
-from ..strategies import STRATEGIES, run
-from ..evaluate.cost import priced
-from ..evaluate.compute import ComputePlan, cache_moves, decide, step_seconds   # issue #40: where units compute
-from ..evaluate.experts import resident_bytes, routed_cost
+from ..problem import Problem
+from ..evaluate.compute import ComputePlan   # issue #40: where units compute
 from ..evaluate.tiers import fast_bytes
 from ..judge.witness import contract_main, floor
 from .decisions import lines as decision_lines
@@ -80,6 +75,7 @@ class Plan:
     runtime: Runtime = field(default_factory=Runtime)
     asked: str = ""
     hybrid: ComputePlan | None = None
+    verdict: Verdict | None = None
 
     @property
     def compute(self) -> dict:
@@ -92,14 +88,12 @@ class Plan:
     def phase_steps(self) -> dict:
         """Estimated seconds of one step of each phase (``"prefill"``: the prompt; ``"decode"``: one token per
         sequence) as this plan runs (offloaded units where :attr:`compute` says), and, under ``"stream"``, with every
-        offloaded unit streamed: ``{"hybrid": {...}, "stream": {...}}``; empty without a compute plan. Estimates."""
+        offloaded unit streamed: ``{"hybrid": {...}, "stream": {...}}``; empty without a compute plan. Estimates, from
+        the plan's one price per phase (:attr:`costs`)."""
         if self.hybrid is None:
             return {}
-        main = self.main_device
-        return {kind: {phase: step_seconds(self.problem, self.device_map, main, phase,
-                                           self.hybrid if kind == "hybrid" else None) for phase in self.hybrid.tokens}
-                for kind in ("hybrid", "stream")}
-
+        return {"hybrid": {phase: cost.seconds for phase, cost in self.verdict.steps.items()},
+                "stream": dict(self.verdict.stream_steps)}
     @property
     def optimal(self) -> bool | None:
         """Whether the strategy proved no valid plan is estimated faster (``ilp``); ``None`` when unknown."""
@@ -120,12 +114,16 @@ class Plan:
 
     @property
     def costs(self) -> dict:
-        """The estimate of each forward that was counted (``"prefill"``, and with a generation budget ``"decode"``:
-        one decoding step), as :class:`Cost`; ``{"prefill": cost}`` when nothing was counted. :attr:`cost` is the
-        one ``options.optimize`` names."""
-        steps = self.problem.steps or {"prefill": None}
-        return {step: self.cost if step == self.problem.cost.optimize else
-                _priced(step_problem(self.problem, step), self.placement) for step in steps}
+        """The estimate of one step of each phase (``"prefill"``, and with a generation budget ``"decode"``: one
+        decoding step), as :class:`Cost`, from the plan's verdict; :attr:`cost` is the one ``options.optimize``
+        names."""
+        return dict(self.verdict.steps)
+
+    @property
+    def priced_step(self) -> str:
+        """The phase :attr:`cost` is the estimate of (``"prefill"`` or ``"decode"``): :attr:`cost` is that step of
+        :attr:`costs`, not a number of its own."""
+        return self.verdict.optimize if self.verdict.optimize in self.verdict.steps else "prefill"
 
     @property
     def inputs(self) -> dict | None:
@@ -157,11 +155,9 @@ class Plan:
         return "per step: " + ", ".join(f"{step} {cost.seconds * 1e3:.3f} ms" for step, cost in self.costs.items())
 
     def resident(self, device: Device) -> int:
-        """Counted bytes of the model that live on ``device`` (not counting the streaming reserve)."""
-        counted = columns(self.problem.graph).sum_counted
-        device = canonical(device)   # the caller's spelling: "cuda:0" is 0
-        return sum(counted[r.end] - counted[r.start] for r in map_runs(self.problem.graph, self.device_map)
-                   if r.device == device)
+        """Counted bytes of the model that live on ``device`` (not counting the streaming reserve), each byte once,
+        where the runtime holds it: routed experts kept in RAM are RAM's, not the disk's their module is mapped to."""
+        return int(self.verdict.resident.get(canonical(device), 0))   # the caller's spelling: "cuda:0" is 0
 
     def __repr__(self) -> str:
         """One line: strategy, main device, estimate, resident and peak bytes per device (the rest: ``explain()``)."""
@@ -172,7 +168,12 @@ class Plan:
             for d in budgets.order if d in self.peak)
         state = "valid" if self.valid else f"{len(self.violations)} violation(s)"
         return (f"<Plan {self.strategy} for {self.problem.graph.model_class}: main device {self.main_device!r}, "
-                f"estimated {self.cost.seconds * 1e3:.3f} ms per forward, {state}; {devices}>")
+                f"estimated {self.cost.seconds * 1e3:.3f} ms {self.priced_phrase()}, {state}; {devices}>")
+
+    def priced_phrase(self) -> str:
+        """What :attr:`cost` is the estimate of: ``"per forward"``, or with a generation budget ``"per prefill step"``
+        / ``"per decode step"`` (:attr:`priced_step`)."""
+        return "per forward" if self.problem.generation is None else f"per {self.priced_step} step"
 
     def explain(self) -> str:
         """The plan as text: per-device bytes against budgets, which objective decided, then why — the main device,
@@ -182,11 +183,12 @@ class Plan:
         g, budgets = self.problem.graph, self.problem.budgets
         lines = [f"strategy {self.strategy} for {g.model_class} ({format_bytes(g.total)}); main device "
                  f"{self.main_device!r}",
-                 f"  estimated {self.cost.seconds * 1e3:.3f} ms per forward, {format_bytes(self.cost.streamed_bytes)} "
-                 f"streamed per forward, {self.cost.device_changes} device changes"
+                 f"  estimated {self.cost.seconds * 1e3:.3f} ms {self.priced_phrase()}, "
+                 f"{format_bytes(self.cost.streamed_bytes)} streamed {self.priced_phrase()}, "
+                 f"{self.cost.device_changes} device changes"
                  + ("" if self.optimal is None else (", proven optimal" if self.optimal else ", not proven optimal")),
                  f"  {self.compute_term()}"]
-        if len(self.problem.steps) > 1:
+        if len(self.costs) > 1:
             lines.append(f"  {self.per_step()}; objectives price the {self.problem.cost.optimize}")
         for device in budgets.order:
             if device not in self.peak:
@@ -196,9 +198,9 @@ class Plan:
             lines.append(f"  {device!s:>5}: resident {format_bytes(self.resident(device))}, peak "
                          f"{format_bytes(self.peak[device])}{share}")
             parts = self.parts.get(device, {})
-            if any(parts.get(k) for k in ("cache", "logits", "activations")):
-                lines.append("         = " + " + ".join(f"{k} {format_bytes(parts[k])}" for k in
-                                                        ("weights", "cache", "logits", "activations")))
+            if any(v for k, v in parts.items() if k != "weights"):
+                lines.append("         = " + " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in
+                                                        parts.items() if v or k == "weights"))
         lines.append(f"  {self._objective()}")
         if self.problem.generation is not None:
             lines.append(f"  {self.problem.generation.summary()}")
@@ -218,7 +220,7 @@ class Plan:
 
     def _objective(self) -> str:
         """Which objective decided: under ``"contract"`` its main device and floor (accelerate's bytes on the fastest
-        tier, and this plan's); under ``"latency"`` what the contract would have chosen instead."""
+        tier, and this plan's); under ``"latency"`` that the contract was lifted (explaining never plans again)."""
         problem = self.problem
         if problem.deciding.contract:
             need = floor(problem)
@@ -227,20 +229,11 @@ class Plan:
                     f"({contract_main(problem)!r}), accelerators in index order, at least accelerate's bytes on "
                     f"them ({format_bytes(need)}, this plan {format_bytes(have)}); the cost model ranks the plans that "
                     "keep it")
-        line = "objective latency: the cost model's estimate alone decided"
-        fell_back = self.placement.accelerates and self.asked != "sequential"   # accelerate's map, as no plan fits
-        if self.asked not in STRATEGIES or fell_back:
+        line = ("objective latency: the cost model's estimate alone decided; the contract's rules (main device, index "
+                "order, accelerate's bytes on the accelerators) were lifted")
+        if self.placement.accelerates:
             return line
-        contract = self.problem.with_options(objective="contract")
-        try:
-            other = finish(contract, run(self.asked, contract))
-        except AllocatorError:
-            return line + "; no plan keeps the contract"
-        if other.main_device == self.main_device:
-            return line + f"; the contract gives the same main device ({self.main_device!r})"
-        gain = other.cost.seconds / self.cost.seconds - 1 if self.cost.seconds else 0.0
-        return (line + f"; the contract would make main device {other.main_device!r} "
-                f"(estimated {other.cost.seconds * 1e3:.3f} ms per forward, {gain:+.0%} against this plan)")
+        return line + f"; the contract would make main device {contract_main(problem)!r}"
 
     def to_dict(self) -> dict:
         """The plan as JSON-ready data of a stable schema (:mod:`allocator.report.schema`): device map, main device,
@@ -281,45 +274,16 @@ class Plan:
 
 
 def finish(problem: Problem, placement: Placement, *, asked: str = "") -> Plan:
-    """The plan of a placement: its map checked against the runtime rules, its peaks and parts per device, and its
-    estimate, each computed once; ``asked`` names the strategy the caller asked for."""
-    violations, memory = judged(problem, placement.device_map)
-    parts = peak_parts(problem, placement.device_map, memory)
-    resident = resident_bytes(problem, placement)
-    for device, nbytes in resident.items():   # experts the runtime keeps resident
-        memory.peak[device] = memory.peak.get(device, 0) + nbytes
-        row = parts.setdefault(device, {"weights": 0})
-        row["weights"] = row.get("weights", 0) + nbytes
-    cache = expert_cache_reserve(problem, placement.device_map) if placement.experts else (0, 0)
-    if cache[1]:   # the runtime's cache of recently routed experts, on the main device
-        memory.peak[memory.main] = memory.peak.get(memory.main, 0) + cache[1]
-        row = parts.setdefault(memory.main, {"weights": 0})
-        row["weights"] = row.get("weights", 0) + cache[1]   # "weights" holds the runtime's reserves
-    hybrid = _hybrid(problem, placement, memory, parts)   # issue #40: allocator runtime, accelerator main only
+    """The plan of a placement: its verdict (:func:`allocator.judge.verdict.verdict`: the runtime rules, every byte
+    the runtime holds per device, where units compute, one price per phase), computed once, and the runtime it
+    decides; ``asked`` names the strategy the caller asked for."""
+    judged_once = verdict(problem, placement)
+    memory = judged_once.memory
     return Plan(
-        device_map=dict(placement.device_map), peak=ByDevice(memory.peak), strategy=placement.strategy,
-        main_device=memory.main, streamed=memory.streamed, violations=tuple(violations), problem=problem,
-        placement=placement, cost=_priced(problem, placement), parts=ByDevice(parts),
-        prefetch=memory.prefetch, asked=asked, hybrid=hybrid,
-        runtime=decide_runtime(problem, placement, memory, resident.get(memory.main, 0), cache),
+        device_map=dict(placement.device_map), peak=judged_once.peak, strategy=placement.strategy,
+        main_device=memory.main, streamed=memory.streamed, violations=judged_once.violations, problem=problem,
+        placement=placement, cost=judged_once.cost, parts=judged_once.parts, prefetch=memory.prefetch, asked=asked,
+        hybrid=judged_once.hybrid, verdict=judged_once,
+        runtime=decide_runtime(problem, placement, memory, judged_once.parts.get(memory.main, {}).get("experts", 0),
+                               judged_once.expert_cache),
     )
-
-
-def _hybrid(problem: Problem, placement: Placement, memory, parts: dict) -> ComputePlan | None:
-    """Where offloaded units compute per phase (:func:`allocator.evaluate.compute.decide`); the KV cache of those
-    computing on the CPU at decode moves from the main device's peak to RAM's (``memory.peak`` and ``parts``
-    updated in place: both were made here)."""
-    limit = problem.budgets.limit("cpu")
-    room = None if limit is None else max(limit - memory.peak.get("cpu", 0), 0)
-    hybrid = decide(problem, placement.device_map, memory.main, room)
-    for device, delta in cache_moves(hybrid, memory.main).items():
-        memory.peak[device] = memory.peak.get(device, 0) + delta
-        row = parts.setdefault(device, {"weights": 0, "cache": 0, "logits": 0, "activations": 0})
-        row["cache"] = row.get("cache", 0) + delta
-    return hybrid
-
-
-def _priced(problem: Problem, placement: Placement):
-    """The estimate of ``placement``: of its map (:func:`allocator.evaluate.cost.priced`), with the routed experts
-    in place of whole experts modules where it places experts (:func:`allocator.evaluate.experts.routed_cost`)."""
-    return routed_cost(problem, placement, priced(problem, placement.device_map))

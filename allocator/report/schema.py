@@ -145,7 +145,7 @@ def plan_to_dict(plan) -> dict:
         "parts": {device_key(d): {k: int(v) for k, v in parts.items()} for d, parts in plan.parts.items()},
         "reserve_bytes": plan.streamed,
         "prefetch_reserve_bytes": plan.prefetch,
-        "estimate": {**_estimate(plan.cost), "steps": _steps(plan)},
+        "estimate": {**_estimate(plan.cost), "step": plan.priced_step, "steps": _steps(plan)},
         "generation": None if problem.generation is None else problem.generation.summary(),
         "options": _options(problem.options),
         "decisions": [_decision(d) for d in plan.placement.decisions],
@@ -157,10 +157,9 @@ def plan_to_dict(plan) -> dict:
 
 
 def _steps(plan) -> dict:
-    """``estimate.steps``: seconds of each counted forward; in a plan with a compute map (issue #40) the prefill and
-    decode steps as it runs (:attr:`allocator.Plan.phase_steps`), whether or not FLOPs were counted."""
-    steps = {step: cost.seconds for step, cost in plan.costs.items()}
-    return {**steps, **plan.phase_steps["hybrid"]} if plan.phase_steps else steps
+    """``estimate.steps``: seconds of one step of each phase as the plan runs (:attr:`allocator.Plan.costs`: prefill,
+    and with a generation budget decode); ``estimate.seconds`` is the one ``estimate.step`` names."""
+    return {step: cost.seconds for step, cost in plan.costs.items()}
 
 
 def model_record(problem: Problem) -> dict:

@@ -329,14 +329,16 @@ def test_generation_shows_where_the_room_for_generate_goes_without_explain(capsy
     assert code == 0 and err == ""
     assert "why:" not in out   # not the explanation: the table
     table = out[out.index("generate: batch 2, max_length 64"):].splitlines()
-    assert table[1].split() == ["device", "weights", "cache", "logits", "activations", "peak", "of", "budget"]
+    assert table[1].split() == ["device", "weights", "runtime", "cache", "logits", "activations", "peak", "of",
+                                "budget"]
     ours = allocator.plan(cli.load_model(str(folder)).model, cli.parse_max_memory(budget),
                           generation=cli.parse_generation("2,64"))
     row = table[2].split()
     assert row[0] == "0" and ours.parts[0]["cache"] > 0 and ours.parts[0]["activations"] > 0
-    cells = [" ".join(row[i:i + 2]) for i in range(1, 11, 2)]
-    assert cells == [cli._size(ours.parts[0][k]) for k in ("weights", "cache", "logits", "activations")] + \
-        [cli._size(ours.peak[0])]
+    cells = [" ".join(row[i:i + 2]) for i in range(1, 13, 2)]
+    runtime = sum(ours.parts[0][k] for k in ("experts", "expert_cache", "fetch", "reserve"))
+    assert cells == [cli._size(ours.parts[0]["weights"]), cli._size(runtime)] + \
+        [cli._size(ours.parts[0][k]) for k in ("cache", "logits", "activations")] + [cli._size(ours.peak[0])]
     code, out, err = run(capsys, "plan", folder, "--max-memory", budget)
     assert code == 0 and "activations" not in out and "cache" not in out
 
