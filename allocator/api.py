@@ -10,7 +10,7 @@ from dataclasses import replace
 from .errors import AllocatorError, BrokenContract, InfeasiblePlacement, InvalidPlacement, warn_caller
 from .evaluate.cost import priced
 from .evaluate.memory import main_device, prefetch_of
-from .judge.verdict import is_valid, violations as broken_rules
+from .judge.verdict import is_valid, verdict
 from .gc_pause import gc_paused
 from .placement import Decision, Placement
 from .problem import PlanOptions, Problem, build_problem
@@ -20,6 +20,7 @@ from .report.plan import Plan, finish
 from .strategies import BUILT_IN, resolve, run
 from .judge.contract import contract_violations
 from .strategies.experts import place_experts
+from .strategies.grow import grow
 from .judge.witness import witness
 
 __all__ = ["plan"]
@@ -103,6 +104,7 @@ def _placement(problem: Problem, strategy, builtin: bool) -> Placement:
     witness(problem)             # 2. accelerate's map, the contract's main device and floor: each made once
     placement = _placed(problem, strategy, builtin)              # 3. the strategy's placement, or accelerate's
     placement = place_experts(problem, placement)                # 3b. routed experts as units (our runtime only)
+    placement = grow(problem, placement)                         # 3c. room our runtime's decisions leave, used
     _check_rules_and_contract(problem, placement)                # 4. the runtime rules and the contract, once
     return empty_before_main(problem, placement)
 
@@ -165,7 +167,7 @@ def _check_rules_and_contract(problem: Problem, placement: Placement) -> None:
     the floor only where they must."""
     if placement.accelerates:
         return
-    violations = broken_rules(problem, placement.device_map)
+    violations = list(verdict(problem, placement).violations)   # the one verdict: every byte the runtime holds
     if violations:
         raise InvalidPlacement(
             f"strategy {placement.strategy!r} returned a map that breaks the runtime rules: "

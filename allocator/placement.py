@@ -33,6 +33,8 @@ DECISION_KINDS = {
                "``devices``: where the resident ones are; ``bytes``: theirs), and why (``bound``)",
     "runtime": "what the plan reserves for our offload runtime (``facts``: ``prefetch``, its depth, of ``asked``), and "
                "why (``reason``: ``cpu-main``, ``deepest``, ``no-deeper``)",
+    "grow": "offloaded tie groups moved onto the main device after the runtime's decisions left room there (``units``, "
+            "``bytes``; ``facts``: ``groups``, ``room`` left before, the main device's ``peak`` before)",
     "pipeline": "how a pipeline's component was placed (whole on a device, or with a map of its own) and why, or what "
                 "diffusers' pipeline loading cannot express (:func:`allocator.plan_pipeline`)",
 }

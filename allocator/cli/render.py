@@ -64,15 +64,16 @@ def _streamed_from(result, device) -> int:
 
 def _headline(result) -> str:
     proof = {None: "", True: ", proven optimal", False: ", not proven optimal"}[result.optimal]
+    per = result.priced_phrase()
     return (f"strategy {result.strategy}{proof}; main device {result.main_device!r}; estimated "
-            f"{format_time(result.cost.seconds)} per forward, {format_size(result.cost.streamed_bytes)} streamed per "
-            "forward, "
+            f"{format_time(result.cost.seconds)} {per}, {format_size(result.cost.streamed_bytes)} streamed {per}, "
             f"{result.cost.device_changes} device changes")
 
 
 def device_table(result) -> str:
     """One row per device: budget, resident bytes (and share of the model), bytes streamed from it per forward,
-    the streaming reserve, the peak and its share of the budget; then the strategy, estimate and violations."""
+    the streaming reserve (with the allocator runtime's prefetch: ``Plan.parts[d]["reserve"]``), the peak and its
+    share of the budget; then the strategy, estimate and violations."""
     total = result.problem.graph.total
     header = ("device", "budget", "resident", "of model", "streamed/fwd", "reserve", "peak", "of budget")
     hybrid = bool(result.compute)   # issue #40: a plan that decides where offloaded units compute
@@ -83,7 +84,7 @@ def device_table(result) -> str:
         rows.append((
             str(d), format_size(limit), format_size(result.resident(d)),
             f"{result.resident(d) / total:.1%}" if total else "-",
-            format_size(_streamed_from(result, d)), format_size(result.streamed if d == result.main_device else 0),
+            format_size(_streamed_from(result, d)), format_size(result.parts.get(d, {}).get("reserve", 0)),
             format_size(peak), f"{peak / limit:.0%}" if limit else "-",
         ) + ((_computes_at_decode(result, d),) if hybrid else ()))
     lines = align(rows)

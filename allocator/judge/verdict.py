@@ -32,10 +32,13 @@ from ..evaluate.memory import Memory, device_of, expert_cache_reserve, fetch_res
 from ..evaluate.runs import columns
 from ..evaluate.tiers import fast_tier
 from ..evaluate.validate import Violation, budget_violations, check, peak_parts
+from ..memo import Key
 from ..placement import Placement
 from ..problem import Problem
 
 __all__ = ["PARTS", "Verdict", "headroom", "is_valid", "judged", "memory", "verdict", "violations"]
+
+VERDICT = Key("verdict")
 
 PARTS = ("weights", "experts", "expert_cache", "fetch", "reserve", "cache", "logits", "activations")
 """What a device's peak is made of, in :attr:`Verdict.parts`: the model's weights held there (with the buffers of
@@ -103,7 +106,8 @@ def verdict(problem: Problem, placement: Placement) -> Verdict:
     term the chosen runtime holds (resident weights, resident experts, the expert cache, fetch buffers, the streaming
     and prefetch reserve, the KV cache where each unit computes at decode, logits and activations), where offloaded
     units compute per phase, one price per phase, and whether every byte is within its budget. Nothing is added to it
-    afterwards.
+    afterwards. The last few verdicts are remembered on the problem (:meth:`allocator.memo.Derived.recent`), so the
+    composition's checks and the plan read the same one.
 
     Examples
     --------
@@ -115,6 +119,12 @@ def verdict(problem: Problem, placement: Placement) -> Verdict:
     >>> v.valid, dict(v.peak), v.parts[0]["weights"], v.parts[0]["reserve"], dict(v.resident)
     (True, {0: 576, 'cpu': 288}, 288, 288, {0: 288, 'cpu': 288})
     """
+    experts = tuple(sorted((k, tuple(v)) for k, v in placement.experts.items()))
+    key = {**placement.device_map, "\0experts": experts} if experts else placement.device_map
+    return problem.derived.recent(VERDICT, key, lambda: _verdict(problem, placement))
+
+
+def _verdict(problem: Problem, placement: Placement) -> Verdict:
     device_map = normalize_map(placement.device_map)
     found, memory = check(problem, device_map)
     parts = _parts(problem, placement, device_map, memory)

@@ -295,9 +295,17 @@ def _plain(d: Decision) -> str:
     return " ".join(parts)
 
 
+def _grow(d: Decision) -> str:
+    f = d.facts
+    return (f"{f['groups']} offloaded group{'s' if f['groups'] != 1 else ''} ({format_bytes(d.bytes or 0)}, from "
+            f"{d.units[0]!r}) moved onto {d.devices[0]!r}: the units left offloaded decode where their weights live, "
+            f"with their KV cache in RAM, so its peak was {format_bytes(f['peak'])} with "
+            f"{format_bytes(f['room'])} left that the plan's own rules let units use")
+
+
 _SAY = {"assign": _assign, "full": _full, "split": _split, "empty": _empty, "peaks": _peaks, "kept": _kept,
         "choice": _choice_of, "fallback": _fallback, "solver": _solver, "runtime": _runtime,
-        "experts": _experts}
+        "experts": _experts, "grow": _grow}
 
 
 def sentence(decision: Decision) -> str:

@@ -117,7 +117,11 @@ def test_the_cache_never_places_worse(saved, budgets):
     assert plan.device_map == plain.device_map
     g = plan.problem.graph
     fast = [fast_bytes(p.problem, map_runs(g, p.device_map)) for p in (plain, plan)]
-    assert fast[0] == fast[1] and plan.resident("disk") == plain.resident("disk")
+    assert fast[0] == fast[1]
+    # resident bytes count experts where the runtime keeps them: only the experts that gave their room to the cache
+    # go back to where their module is mapped
+    assert plan.resident("disk") >= plain.resident("disk")
+    assert sum(map(plan.resident, ("cpu", "disk", 0))) == sum(map(plain.resident, ("cpu", "disk", 0))) == total
     assert plan.runtime.expert_cache == (4 if plan.experts else 0)
 
 
