@@ -147,7 +147,7 @@ def test_a_plan_of_schema_1_is_read_without_a_model_check(gpt2, plans):
 @pytest.mark.parametrize("data, words", [
     ([1, 2], "a saved plan is a JSON object"),
     ({"device_map": {"": 0}}, "not an allocator plan"),
-    ({"schema": "allocator.plan/3", "device_map": {}}, "is not read by this version"),
+    ({"schema": "allocator.plan/4", "device_map": {}}, "is not read by this version"),
     ({"schema": SCHEMA, "device_map": {"": 0}}, "has no main_device, budgets"),
 ])
 def test_from_dict_refuses_what_is_not_a_plan(data, words):
