@@ -14,12 +14,12 @@ from .evaluate.cost import Cost, estimate
 from .profile import Profile
 from .errors import (
     AllocatorError, BrokenContract, InfeasiblePlacement, InvalidBudget, InvalidDeviceMap, InvalidModel, InvalidOption,
-    InvalidPlacement, InvalidRuntime, PlanModelMismatch, UnsupportedByAccelerate,
+    InvalidPlacement, InvalidRuntime, NoPlan, PlanModelMismatch, UnsupportedByAccelerate,
 )
 from .model.generation import GenerationBudget
 from .model.expert_profile import ExpertProfile, profile_experts
 from . import offload
-from .integrations.transformers import patch, unpatch
+from .integrations.transformers import patch, plan_of, unpatch
 from .pipelines import PipelinePlan, plan_pipeline
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem
@@ -29,14 +29,15 @@ from .evaluate.validate import Violation, validate
 
 __all__ = [
     "AllocatorError", "BrokenContract", "InfeasiblePlacement", "InvalidBudget", "InvalidDeviceMap", "InvalidModel",
-    "InvalidOption", "InvalidPlacement", "InvalidRuntime", "PlanModelMismatch", "UnsupportedByAccelerate", "Cost",
+    "InvalidOption", "InvalidPlacement", "InvalidRuntime", "NoPlan", "PlanModelMismatch", "UnsupportedByAccelerate",
+    "Cost",
     "ExpertProfile",
     "GenerationBudget", "profile_experts",
     "Profile",
     "estimate", "Fit", "fit",
     "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
     "contract_violations",
-    "infer_auto_device_map", "offload", "patch", "PipelinePlan", "plan_pipeline",
+    "infer_auto_device_map", "offload", "patch", "plan_of", "PipelinePlan", "plan_pipeline",
     "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

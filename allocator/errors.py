@@ -19,6 +19,7 @@ __all__ = [
     "InvalidOption",
     "InvalidPlacement",
     "InvalidRuntime",
+    "NoPlan",
     "PlanModelMismatch",
     "InfeasiblePlacement",
     "UnsupportedByAccelerate",
@@ -45,8 +46,8 @@ class InvalidModel(AllocatorError):
 
 
 class PlanModelMismatch(InvalidModel):
-    """A saved plan (:meth:`allocator.Plan.from_dict`) was made for another model: its class, parameter count or
-    digest of tensor names and shapes differ from the model given.
+    """A saved plan (:meth:`allocator.Plan.from_dict`) was made for another model: its class, parameter count, a
+    tensor's shape or the digest of tensor names and shapes differ from the model given.
 
     Attributes
     ----------
@@ -103,6 +104,11 @@ class InvalidPlacement(AllocatorError):
 class InvalidRuntime(AllocatorError):
     """:func:`allocator.offload.attach` cannot run this model: no offloading hooks to replace, a tensor class it does
     not stream (quantized parameters), or a model already attached."""
+
+
+class NoPlan(AllocatorError):
+    """:func:`allocator.plan_of` has no plan for this model: it was not loaded under :func:`allocator.patch` with a
+    string ``device_map`` (a dict map, or no patch, plans nothing)."""
 
 
 class BrokenContract(AllocatorError):

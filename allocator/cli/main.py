@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true",
                    help="print why: the main device, what each device holds and why not more, the budget that bound, "
                         "the streaming reserve, the candidate kept and its margin; then the strategy's decisions")
-    p.add_argument("--json", metavar="FILE", help="write the plan as JSON (schema allocator.plan/2: device map, main "
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON (schema allocator.plan/3: device map, main "
                    "device, budgets, peaks, estimate, decisions) to FILE, or with '-' to stdout instead of the report")
     p.add_argument("--from-json", metavar="FILE",
                    help="check and show a plan saved with --json against the model, under its saved budgets")

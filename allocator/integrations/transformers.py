@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from ..api import plan
 from ..budgets import canonical, is_accelerator
-from ..errors import InvalidOption
+from ..errors import InvalidOption, NoPlan
 from ..logs import shown
 from ..offload import attach, has_offload_hooks
 from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
@@ -43,7 +43,7 @@ from .diffusers import diffusers_swaps
 from .library import Unchecked, baseline_map, named, optional_import, user_budgets
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
-__all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
+__all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "plan_of", "unpatch"]
 
 log = logging.getLogger("allocator.integrations.transformers")
 
@@ -197,6 +197,7 @@ class Patch:
         else:
             device_map = result.device_map
         self._plans[model] = (result, dict(device_map))   # what the runtime attached after loading runs
+        model._allocator_plan = result   # plan_of(model): kept by the model it was made for, as its runtime is
         if log.isEnabledFor(logging.INFO):
             resident = {d: result.resident(d) for d in result.problem.budgets.order}
             log.info("device_map=%r for %s planned by %s; resident bytes %s", mode, type(model).__name__,
@@ -442,6 +443,32 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device
                             "pip install 'allocator[hf]'.")
     handle._apply(swaps)
     return handle
+
+
+def plan_of(model):
+    """The :class:`allocator.Plan` that placed ``model`` in a load under :func:`patch` (either runtime):
+    ``plan_of(model).explain()`` says why; its ``device_map`` is ``model.hf_device_map`` (where
+    ``_no_placement_params`` left no tensor out of the map).
+
+    Raises
+    ------
+    NoPlan
+        ``model`` was not loaded under :func:`patch` with a string ``device_map``.
+
+    Examples
+    --------
+    >>> import torch.nn as nn
+    >>> plan_of(nn.Linear(2, 2))
+    Traceback (most recent call last):
+    ...
+    allocator.errors.NoPlan: no plan placed this Linear: ...
+    """
+    found = getattr(model, "_allocator_plan", None)
+    if found is None:
+        raise NoPlan(f"no plan placed this {type(model).__name__}: it was not loaded under allocator.patch() with a "
+                     "string device_map; load it inside 'with allocator.patch():' with device_map='auto', or make "
+                     "its plan with allocator.plan(model, max_memory).")
+    return found
 
 
 def unpatch() -> Patch | None:

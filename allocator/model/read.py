@@ -423,6 +423,9 @@ class ModelIdentity:
     digest: str
     dtype: object = None
     """The one floating dtype of the model's parameters and buffers, ``None`` where they have several or none."""
+    shapes: tuple = ()
+    """``(name, shape)`` of each parameter, then each buffer, in the digest's order: what a saved plan compares
+    tensor by tensor, without relying on :attr:`digest` (``Plan.to_dict()["model"]["shapes"]``)."""
 
 
 def require_module(model) -> None:
@@ -445,14 +448,16 @@ def identify(model) -> ModelIdentity:
     digest = hashlib.sha256()
     parameters = 0
     dtypes = set()
+    shapes = []
     for kind, members in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, tensor in members:
             if tensor is None:
                 continue
             digest.update(f"{kind}\t{name}\t{tuple(tensor.shape)}\n".encode())
+            shapes.append((name, tuple(tensor.shape)))
             if kind == "p":
                 parameters += tensor.numel()
             if tensor.is_floating_point():
                 dtypes.add(tensor.dtype)
     return ModelIdentity(type(model).__name__, parameters, digest.hexdigest(),
-                         next(iter(dtypes)) if len(dtypes) == 1 else None)
+                         next(iter(dtypes)) if len(dtypes) == 1 else None, tuple(shapes))

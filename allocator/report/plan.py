@@ -244,7 +244,7 @@ class Plan:
         >>> p = allocator.plan(nn.Linear(4, 4), {0: 1000})
         >>> data = p.to_dict()
         >>> data["schema"], data["device_map"], data["main_device"], data["peak"]
-        ('allocator.plan/2', {'': 0}, 0, {'0': 80})
+        ('allocator.plan/3', {'': 0}, 0, {'0': 80})
         >>> data["model"]["class"], data["model"]["parameters"], data["options"]["dtype"]
         ('Linear', 20, 'float32')
         >>> allocator.Plan.from_dict(json.loads(json.dumps(data))).to_dict() == data
@@ -262,10 +262,10 @@ class Plan:
         Raises
         ------
         InvalidOption
-            Not a plan of a schema version this reader reads (``allocator.plan/2``, and ``/1``).
+            Not a plan of a schema version this reader reads (``allocator.plan/3``, ``/2`` and ``/1``).
         PlanModelMismatch
-            ``model`` is not the model the plan was made for (its class, parameter count or hash of tensor names and
-            shapes differ): make a new plan for it.
+            ``model`` is not the model the plan was made for (its class, parameter count, a tensor's shape or the
+            hash of tensor names and shapes differ): make a new plan for it.
         """
         saved = read(data)
         if model is None:

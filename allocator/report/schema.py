@@ -4,8 +4,9 @@ by :meth:`allocator.Plan.from_dict`.
 The object holds what a plan decided and what it costs, so it can be inspected, passed to other tools, or checked
 against a model before anything is loaded::
 
-    {"schema": "allocator.plan/2",
-     "model": {"class": "LlamaForCausalLM", "parameters": 8030261248, "bytes": 16060522496, "hash": "sha256:9f2c..."},
+    {"schema": "allocator.plan/3",
+     "model": {"class": "LlamaForCausalLM", "parameters": 8030261248, "bytes": 16060522496, "hash": "sha256:9f2c...",
+               "shapes": {"model.embed_tokens.weight": [128256, 4096], ...}},
      "device_map": {"model.embed_tokens": 0, ..., "lm_head": "cpu"},
      "main_device": 0,
      "strategy": "auto:reserve", "asked": "auto", "base": "reserve", "exempt": [], "optimal": null,
@@ -21,17 +22,23 @@ against a model before anything is loaded::
      "violations": [{"kind": "budget", "message": "..."}],
      "experts": null,
      "runtime": {"name": "allocator", "main_device": 0, "prefetch": 1, "experts": {}, "expert_mode": {},
-                 "buffers": {"streamed": ..., "prefetch": ..., "experts": ..., "expert_cache": 0}, "expert_cache": 0}}
+                 "buffers": {"streamed": ..., "prefetch": ..., "experts": ..., "expert_cache": 0}, "expert_cache": 0,
+                 "runs_on": {}, "fetch_chunk": {}},
+     "compute": {"model.layers.20": {"prefill": 0, "decode": "cpu"}, ...},
+     "hybrid": {"threshold": 1, "tokens": {"prefill": 511, "decode": 1}, "cache_moved": ...}}
 
 Devices are written as JSON allows keys: accelerator indices as strings (``"0"``); as map *values* they stay integers
 (``0``), as ``device_map=`` takes them. ``budgets`` lists every device in the plan's order, ``null`` for no limit.
 ``compute`` is where each offloaded unit computes per phase (:attr:`allocator.Plan.compute`: unit -> {phase:
-device}) in a plan for the allocator runtime with an accelerator as main device, ``null`` otherwise.
+device}) in a plan for the allocator runtime with an accelerator as main device, ``null`` otherwise; ``hybrid`` holds
+what the runtime needs besides it (:class:`allocator.evaluate.compute.ComputePlan`: ``threshold``, the most tokens of
+a decode call, the tokens per step of each phase, the KV cache bytes moved to RAM), ``null`` where ``compute`` is.
 ``experts`` is where each routed expert lives in a plan for the allocator runtime on a mixture of experts
 (:attr:`allocator.Plan.experts`: experts module -> the device of each expert, written as map values are), which a
 device map cannot name; ``null`` otherwise. ``options.expert_profile`` holds the profile the plan was made with.
 ``runtime`` is what the runtime does as the plan decided it (:class:`allocator.report.runtime.Runtime`):
-:func:`allocator.offload.attach` reads it from a plan or a saved plan alike.
+:func:`allocator.offload.attach` reads it, and the compute map (``SavedPlan.hybrid``), from a plan or a saved plan
+alike: both attach the same runtime.
 A reader refuses another major version; fields it does not know are kept (``SavedPlan.data``). Every field, its
 unit and an example: ``docs/schema.md`` (checked against :func:`plan_to_dict` by ``tests/report/test_schema_doc.py``).
 
@@ -40,6 +47,12 @@ prefetch reserve, not the ``options.prefetch`` depth) to ``prefetch_reserve_byte
 (bytes streamed per forward) to ``estimate.streamed_per_forward_bytes``, and added ``model.parameters`` and
 ``model.hash``. :func:`read` still reads ``/1`` (only the map, budgets, options and decisions are read back, which
 kept their names); a ``/1`` plan carries no hash, so it is checked against the model by its budgets alone.
+
+Version 3 added ``hybrid`` (the threshold and tokens of the compute map, which a ``/2`` reader could not attach: its
+saved plans ran every offloaded unit streamed) and ``model.shapes`` (each tensor's shape, compared with the model's
+on its own, beside ``model.hash``). :func:`read` still reads ``/2``: its compute map's threshold is the one
+:func:`allocator.evaluate.compute.phase_tokens` gives under its saved options, and its model is compared by class,
+parameters and hash.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ..errors import InvalidOption, PlanModelMismatch
+from ..evaluate.compute import ComputePlan
 from ..model import as_dtype
 from ..model.expert_profile import ExpertProfile
 from ..model.generation import GenerationBudget
@@ -61,9 +75,9 @@ from .decisions import sentence
 __all__ = ["SCHEMA", "READS", "SavedPlan", "plan_to_dict", "model_record", "read", "rebuild", "device_key",
            "device_of"]
 
-SCHEMA = "allocator.plan/2"
-"""The schema's name and major version: a reader of ``/2`` reads every ``/2`` object."""
-READS = ("allocator.plan/1", SCHEMA)
+SCHEMA = "allocator.plan/3"
+"""The schema's name and major version: a reader of ``/3`` reads every ``/3`` object."""
+READS = ("allocator.plan/1", "allocator.plan/2", SCHEMA)
 """The versions :func:`read` reads (module notes: what changed from ``/1``)."""
 
 #: Options written under ``"options"`` as they are (booleans, names, integers).
@@ -153,7 +167,16 @@ def plan_to_dict(plan) -> dict:
         "experts": {name: list(row) for name, row in plan.experts.items()} or None,
         "runtime": plan.runtime.to_dict(),
         "compute": plan.compute or None,
+        "hybrid": _hybrid(plan.hybrid),
     }
+
+
+def _hybrid(hybrid: ComputePlan | None) -> dict | None:
+    """``hybrid``: what the runtime reads of a compute map besides where each unit computes (module notes)."""
+    if hybrid is None:
+        return None
+    return {"threshold": int(hybrid.threshold), "tokens": {k: int(v) for k, v in hybrid.tokens.items()},
+            "cache_moved": int(hybrid.cache_moved)}
 
 
 def _steps(plan) -> dict:
@@ -164,12 +187,14 @@ def _steps(plan) -> dict:
 
 def model_record(problem: Problem) -> dict:
     """The model a problem was built for, as a plan records it: class, parameters, bytes under the plan's options, and
-    ``"sha256:"`` + the digest of its tensors' names and shapes (:class:`allocator.model.read.ModelIdentity`)."""
+    ``"sha256:"`` + the digest of its tensors' names and shapes, and those shapes by tensor name
+    (:class:`allocator.model.read.ModelIdentity`)."""
     identity = problem.identity
     return {"class": problem.graph.model_class,
             "parameters": None if identity is None else identity.parameters,
             "bytes": problem.graph.total,
-            "hash": None if identity is None else f"sha256:{identity.digest}"}
+            "hash": None if identity is None else f"sha256:{identity.digest}",
+            "shapes": None if identity is None else {name: list(shape) for name, shape in identity.shapes}}
 
 
 def _estimate(cost) -> dict:
@@ -179,13 +204,18 @@ def _estimate(cost) -> dict:
 
 
 def _same_model(saved: Mapping, problem: Problem) -> None:
-    """Raise :class:`PlanModelMismatch` where the saved plan's model record names another model than ``problem``'s
-    (class, parameters and hash; a record without a hash, of schema ``/1``, is not compared)."""
+    """Raise :class:`PlanModelMismatch` where the saved plan's model record names another model than ``problem``'s:
+    its class and parameters, its tensors' shapes one by one (``/3``), and its hash (``/2`` on); each check stands on
+    its own. A record with neither shapes nor hash (schema ``/1``) is not compared."""
     record = saved.get("model")
-    if not isinstance(record, Mapping) or not record.get("hash"):
+    if not isinstance(record, Mapping) or not (record.get("hash") or record.get("shapes")):
         return
     given = model_record(problem)
-    if all(record.get(k) == given[k] for k in ("class", "parameters", "hash")):
+    shapes = record.get("shapes")
+    shape = _first_other_shape(shapes, given["shapes"] or {}) if isinstance(shapes, Mapping) else None
+    same = all(record.get(k) == given[k] for k in ("class", "parameters")) and shape is None and (
+        not record.get("hash") or record["hash"] == given["hash"])
+    if same:
         return
 
     def said(r):
@@ -193,8 +223,22 @@ def _same_model(saved: Mapping, problem: Problem) -> None:
         count = f"{parameters:,} parameters" if isinstance(parameters, int) else "parameters unknown"
         return f"{r.get('class')}, {count}, {str(r.get('hash'))[:19]}"
 
-    raise PlanModelMismatch(f"this plan is for {said(record)} but the model is {said(given)}; make a new plan with "
-                            "allocator.plan(model, ...).", saved=record, given=given)
+    raise PlanModelMismatch(f"this plan is for {said(record)} but the model is {said(given)}"
+                            + (f" ({shape})" if shape else "") + "; make a new plan with allocator.plan(model, ...).",
+                            saved=record, given=given)
+
+
+def _first_other_shape(saved: Mapping, given: Mapping) -> str | None:
+    """The first tensor whose shape differs between a saved plan's model and the model given, in words; ``None``
+    where every tensor has the same shape in both."""
+    for name in dict.fromkeys([*saved, *given]):
+        if name not in given:
+            return f"{name!r} is not in the model"
+        if name not in saved:
+            return f"the plan's model has no {name!r}"
+        if list(saved[name]) != list(given[name]):
+            return f"{name!r} is {list(given[name])} in the model, {list(saved[name])} in the plan"
+    return None
 
 
 def _decision(decision: Decision) -> dict:
@@ -267,6 +311,22 @@ class SavedPlan:
                            experts={k: tuple(v) for k, v in (self.data.get("experts") or {}).items()})
         return Runtime.from_dict(data)
 
+    @property
+    def hybrid(self) -> ComputePlan | None:
+        """Where each offloaded unit computes per phase, as the runtime reads it (:attr:`allocator.Plan.hybrid`, its
+        per-unit prices left out: ``choices`` is empty); ``None`` without a compute map. A ``/2`` plan's threshold
+        and tokens follow from its saved options (module notes)."""
+        compute = self.data.get("compute")
+        if not compute:
+            return None
+        devices = {unit: {phase: device for phase, device in phases.items()} for unit, phases in compute.items()}
+        saved = self.data.get("hybrid")
+        if saved is None:   # schema /2 (read() refuses a /3 plan without it)
+            tokens = _phase_tokens(self.data.get("options") or {})
+            return ComputePlan(devices=devices, tokens=tokens, threshold=tokens["decode"], choices=())
+        return ComputePlan(devices=devices, tokens={k: int(v) for k, v in saved["tokens"].items()},
+                           threshold=int(saved["threshold"]), choices=(), cache_moved=int(saved.get("cache_moved", 0)))
+
     def to_dict(self) -> dict:
         """The data as saved (a copy)."""
         return copy.deepcopy(dict(self.data))
@@ -292,7 +352,24 @@ def read(data: Mapping) -> SavedPlan:
     missing = [k for k in ("device_map", "main_device", "budgets") if k not in data]
     if missing or not isinstance(data["device_map"], Mapping) or not isinstance(data["budgets"], Mapping):
         raise InvalidOption(f"the saved plan has no {', '.join(missing) or 'valid device_map or budgets'}; {hint}.")
+    hybrid = data.get("hybrid")
+    if name == SCHEMA and data.get("compute") and not (
+            isinstance(hybrid, Mapping) and {"threshold", "tokens"} <= set(hybrid)):
+        raise InvalidOption(f"the saved plan has a compute map but no 'hybrid' section with its threshold and tokens "
+                            f"(schema {SCHEMA}); {hint}.")
     return SavedPlan(copy.deepcopy(dict(data)))
+
+
+def _phase_tokens(options: Mapping) -> dict:
+    """Tokens per step of each phase under a ``/2`` plan's saved options, as
+    :func:`allocator.evaluate.compute.phase_tokens` makes them from the problem."""
+    gen = options.get("generation")
+    if gen is None:
+        profile = options.get("profile")
+        tokens = (Profile() if profile is None else Profile.from_dict(profile)).tokens
+        return {"prefill": tokens, "decode": 1}
+    prompt = gen.get("prompt_length") or gen["max_length"] - 1
+    return {"prefill": gen["batch_size"] * prompt, "decode": gen["batch_size"]}
 
 
 def rebuild(saved: SavedPlan, model, **keywords) -> tuple[Problem, Placement]:

@@ -113,6 +113,26 @@ def test_from_dict_against_another_model_says_so():
     assert allocator.Plan.from_dict(data, _llama(12)).valid   # another instance of the same model
 
 
+@pytest.mark.parametrize("kept", ["shapes and hash", "shapes", "hash"])
+def test_a_model_of_the_same_class_and_size_with_other_shapes_is_refused(kept):
+    """Issue 46: ``nn.Linear(4, 8)`` and ``nn.Linear(8, 4)`` (no bias: 32 parameters, 128 bytes, map ``{"": 0}``
+    both) differ only in their weight's shape; the shapes and the hash each refuse the other on their own."""
+    import torch
+
+    data = json.loads(json.dumps(allocator.plan(torch.nn.Linear(4, 8, bias=False), {0: 1000}).to_dict()))
+    other = torch.nn.Linear(8, 4, bias=False)
+    assert data["model"]["parameters"] == sum(p.numel() for p in other.parameters())
+    assert data["model"]["shapes"] == {"weight": [8, 4]}
+    for name in ("shapes", "hash"):
+        if name not in kept:
+            data["model"][name] = None
+    with pytest.raises(allocator.PlanModelMismatch, match="make a new plan") as caught:
+        allocator.Plan.from_dict(data, other)
+    if "shapes" in kept:
+        assert "'weight' is [4, 8] in the model, [8, 4] in the plan" in str(caught.value)
+    assert allocator.Plan.from_dict(data, torch.nn.Linear(4, 8, bias=False)).valid   # the same shapes read
+
+
 @pytest.mark.subprocess
 def test_model_hash_is_stable_across_processes():
     import subprocess
@@ -147,7 +167,7 @@ def test_a_plan_of_schema_1_is_read_without_a_model_check(gpt2, plans):
 @pytest.mark.parametrize("data, words", [
     ([1, 2], "a saved plan is a JSON object"),
     ({"device_map": {"": 0}}, "not an allocator plan"),
-    ({"schema": "allocator.plan/3", "device_map": {}}, "is not read by this version"),
+    ({"schema": "allocator.plan/4", "device_map": {}}, "is not read by this version"),
     ({"schema": SCHEMA, "device_map": {"": 0}}, "has no main_device, budgets"),
 ])
 def test_from_dict_refuses_what_is_not_a_plan(data, words):

@@ -19,10 +19,10 @@ ROW = re.compile(r"^\| `([^`]+)` \|", re.MULTILINE)
 
 #: Objects whose keys are names of the model, devices or steps, as the page writes them.
 NAMED = {"device_map": "<module>", "budgets": "<device>", "resident": "<device>", "peak": "<device>",
-         "parts": "<device>", "estimate.steps": "<step>"}
+         "parts": "<device>", "estimate.steps": "<step>", "hybrid.tokens": "<step>"}
 #: Values documented as a whole (their inner keys are the model's tensor names, shapes, or another object's schema).
-WHOLE = {"experts", "compute", "runtime.experts", "runtime.expert_mode", "options.special_dtypes", "options.inputs",
-         "options.profile", "options.expert_profile", "decisions[].facts"}
+WHOLE = {"model.shapes", "experts", "compute", "runtime.experts", "runtime.expert_mode", "options.special_dtypes",
+         "options.inputs", "options.profile", "options.expert_profile", "decisions[].facts"}
 
 
 def paths(value, prefix: str = "") -> set[str]:
