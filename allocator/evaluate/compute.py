@@ -257,10 +257,12 @@ def cache_seconds(problem: Problem, phase: str, cache: Mapping) -> float:
                for d, nbytes in cache.items() if d != "disk")
 
 
-def hybrid_seconds(compute: ComputePlan | None, phase: str) -> float:
+def hybrid_seconds(compute: ComputePlan | None, phase: str, routed=()) -> float:
     """What computing units where their weights live changes in one step of ``phase``, against streaming them to
     the main device (negative: the plan chose it because it is cheaper), from the choices that made the compute
-    plan."""
+    plan; units in ``routed`` (experts modules run expert by expert, priced from their routed experts by
+    :func:`allocator.evaluate.experts.routed_cost`) are left out, their price already being the routed one."""
     if compute is None:
         return 0.0
-    return sum(c.local_seconds - c.streamed_seconds for c in compute.choices if c.phase == phase and c.device == "cpu")
+    return sum(c.local_seconds - c.streamed_seconds for c in compute.choices
+               if c.phase == phase and c.device == "cpu" and c.unit not in routed)

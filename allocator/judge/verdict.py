@@ -207,7 +207,8 @@ def _steps(problem: Problem, placement: Placement, hybrid, resident: dict, cache
         cost = routed_cost(at, placement, priced(at, placement.device_map))
         streamed = cost.seconds + cache_seconds(at, phase, cache)
         stream[phase] = streamed
-        steps[phase] = replace(cost, seconds=streamed + hybrid_seconds(hybrid, phase), resident_fast=kept)
+        steps[phase] = replace(cost, seconds=streamed + hybrid_seconds(hybrid, phase, placement.experts),
+                               resident_fast=kept)
     return steps, stream
 
 

@@ -88,6 +88,7 @@ def test_one_plan_says_one_thing(built, name, budget, runtime, generation, cache
     # the estimate: one of the steps; prefill and decode priced with a generation budget, decode never above prefill
     estimate = data["estimate"]
     assert estimate["seconds"] == estimate["steps"][estimate["step"]] == p.cost.seconds
+    assert all(seconds > 0 for seconds in estimate["steps"].values()), estimate["steps"]
     if generation:
         assert set(estimate["steps"]) == {"prefill", "decode"}
         assert estimate["steps"]["decode"] <= estimate["steps"]["prefill"] * (1 + 1e-9), estimate["steps"]
