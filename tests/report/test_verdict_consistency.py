@@ -22,7 +22,8 @@ import pytest
 import allocator
 from allocator.budgets import format_bytes
 from allocator.cli import render
-from allocator.judge.verdict import PARTS
+from allocator.evaluate.validate import peak_parts
+from allocator.judge.verdict import PARTS, memory
 from allocator.model import zoo
 
 pytest.importorskip("transformers")
@@ -45,6 +46,12 @@ def _cases():
         for cache in caches:
             yield pytest.param(name, budget, runtime, generation, cache,
                                id=f"{name}-{budget}-{runtime}-{'gen' if generation else 'fwd'}-cache{cache}")
+
+
+def mapped_cache(p, device) -> int:
+    """The KV cache the validator counts on ``device`` for ``p``'s map (where units execute, before our runtime's
+    compute plan moves it)."""
+    return peak_parts(p.problem, p.device_map, memory(p.problem, p.device_map)).get(device, {}).get("cache", 0)
 
 
 def _plan(model, budget: str, runtime: str, generation: bool, cache: int):
@@ -74,6 +81,15 @@ def test_one_plan_says_one_thing(built, name, budget, runtime, generation, cache
         key = str(d)
         assert sum(data["parts"][key].values()) == data["peak"][key] == p.peak[d]
         assert data["resident"][key] == p.resident(d)
+    # the peak is the map's memory under the runtime rules (the validator's, computed apart) plus what our runtime
+    # holds beside the map: resident experts, the expert cache, the KV cache moved to where units decode
+    mapped = memory(p.problem, p.device_map).peak
+    for d in devices:
+        added = p.parts[d]["experts"] + p.parts[d]["expert_cache"]
+        if p.hybrid is None:
+            assert p.peak[d] == mapped.get(d, 0) + added, (d, p.peak[d], mapped.get(d, 0), p.parts[d])
+        else:
+            assert p.peak[d] - added - p.parts[d]["cache"] == mapped.get(d, 0) - mapped_cache(p, d)
     # valid means every byte the runtime holds is within its budget
     assert data["valid"] == p.valid
     if p.valid:
