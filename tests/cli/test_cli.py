@@ -125,10 +125,30 @@ def test_likely_budget_mistakes_warn_on_one_line_each(capsys):
         warnings.simplefilter("default")  # conftest ignores warnings; the command line shows what Python would
         code, out, err = run(capsys, "plan", SEG, "--max-memory", "0=64,cpu=10gb")
     assert code == 0 and "budget" in out
-    lines = err.splitlines()
+    # a third line where this machine has no GPU 0 (test_a_device_this_machine_lacks_is_a_warning_line)
+    lines = [line for line in err.splitlines() if "this machine does not have" not in line]
+    assert len(err.splitlines()) == 2 + bool(allocator.problem.absent_accelerators([0]))
     assert len(lines) == 2 and all(line.startswith("allocator: warning: ") for line in lines)  # once each, not per read
     assert "max_memory[0] = 64 is read as 64 bytes" in lines[0] and "'64GiB'" in lines[0]
     assert "max_memory['cpu'] '10gb' is read as 10 Gbit = 1250000000 bytes" in lines[1] and "'10GB'" in lines[1]
+
+
+@pytest.mark.parametrize("command", [["plan", SEG], ["fit", "llama-3.2-1b", "--batch-size", "1"]])
+def test_a_device_this_machine_lacks_is_a_warning_line(capsys, command):
+    """No machine has GPU 97: plan and fit plan onto it for a machine that has it, and say so on stderr, once, as a
+    warning (not at INFO, which nobody sees)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # conftest ignores warnings; the command line shows what Python would
+        code, out, err = run(capsys, *command, "--max-memory", "97=8GiB,cpu=64GiB", "--quiet")
+    assert code == 0 and out
+    assert err.splitlines() == [
+        "allocator: warning: --max-memory names accelerator 97, which this machine does not have: the plan is for a "
+        "machine that has it, and loading it here would fail; leave it out of --max-memory to plan for this machine."]
+    if command[0] == "plan":   # fit needs an accelerator
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            code, _, err = run(capsys, *command, "--max-memory", "cpu=64GiB", "--quiet")
+        assert code == 0 and err == ""
 
 
 def custom_code_folder(path, model_type="tiny-custom"):
