@@ -161,6 +161,15 @@ def test_unknown_and_unsupported_methods_raise():
         quantized_sizes(torch.nn.Sequential(torch.nn.Linear(4, 4)), {"quant_method": "gptq", "bits": 4})
 
 
+def test_a_config_transformers_rejects_is_one_line_with_the_fix_and_its_error_as_the_cause():
+    with pytest.raises(allocator.InvalidOption) as raised:
+        quantized_sizes(torch.nn.Sequential(torch.nn.Linear(4, 4)), {"quant_method": "gptq", "bits": 7})
+    assert str(raised.value) == ("transformers rejects the gptq quantization_config: ValueError: Only support "
+                                 "quantization to [2,3,4,8] bits but found 7; fix the fields it names, or delete "
+                                 "quantization_config to plan the model unquantized.")
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
 def save(path, quantization_config):
     config = transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"], dtype="bfloat16")
     config.quantization_config = quantization_config
