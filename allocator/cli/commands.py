@@ -14,6 +14,7 @@ from ..errors import AllocatorError, InfeasiblePlacement, InvalidModel, InvalidO
 from ..model import as_dtype, zoo
 from ..model.checkpoint import kept_in_float32
 from ..model.load import did_you_mean, load_model
+from ..report.explain import unbudgeted_ram
 from ..report.plan import Plan
 from ..report.schema import SCHEMA, read
 from ..problem import build_problem
@@ -277,6 +278,9 @@ def _report(args, loaded, ours, patterns, default_budgets: bool) -> None:
     print(device_table(ours))
     for line in empty_accelerators(ours):
         print(line)
+    unbudgeted = unbudgeted_ram(ours)
+    if unbudgeted:
+        print(unbudgeted)
     if ours.problem.generation is not None:
         print()
         print(generation_table(ours))

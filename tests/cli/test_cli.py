@@ -502,3 +502,11 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path):
         if not ok:
             failures.append(f"{name}: exit {code}, stdout {out[:200]!r}, stderr {err[:400]!r}")
     assert not failures, "\n".join(failures)
+
+
+def test_unbudgeted_ram_on_the_main_device_is_said_in_the_report(capsys):
+    code, out, _ = run(capsys, "plan", SEG, "--max-memory", "97=1KiB", "--quiet")
+    line = [x for x in out.splitlines() if x.startswith("RAM is not budgeted: 'cpu' (the main device) holds ")]
+    assert code == 0 and len(line) == 1 and "checked against nothing" in line[0]
+    code, out, _ = run(capsys, "plan", SEG, "--max-memory", "97=1KiB,cpu=1GiB", "--quiet")
+    assert code == 0 and "RAM is not budgeted" not in out
