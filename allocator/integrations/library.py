@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from ..budgets import is_accelerator, warn_misread
+from ..errors import cause_line
 
 __all__ = ["Unchecked", "baseline_map", "named", "optional_import", "user_budgets"]
 
@@ -40,8 +41,8 @@ def baseline_map(call: Callable[[], object], model, planner: str) -> dict | None
     try:
         found = call()
     except Exception as err:   # noqa: BLE001 - any failure of their planner only drops the baseline, and is said
-        log.info("%s fails for %s (%s: %s): planning without its map as the floor", planner, type(model).__name__,
-                 type(err).__name__, err)
+        log.info("%s fails for %s (%s): planning without its map as the floor", planner, type(model).__name__,
+                 cause_line(err))
         return None
     return dict(found) if isinstance(found, Mapping) else None
 
