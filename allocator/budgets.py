@@ -37,9 +37,11 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
     ----------
     size : int, float or str
         A non-negative number of bytes, or a string of a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB;
-        any case). As in accelerate's ``convert_file_size_to_int``, a lower-case ``b`` means bits (``"10gb"`` and
-        ``"10Gb"`` are 1.25 GB), and a string needs a unit (``"1e9"`` and ``"64"`` are rejected: give ints for bytes).
-        accelerate does not read ``TB``, ``TiB`` or ``B``; they are accepted here.
+        any case), read as accelerate 1.16's ``convert_file_size_to_int`` reads it: the case of ``KiB``, ``MiB``,
+        ``GiB`` does not matter (``"3gib"`` and ``"3Gib"`` are 3 GiB), a lower-case final ``b`` after K, M or G means
+        bits (``"10gb"`` and ``"10Gb"`` are 1.25 GB; ``"10gB"`` is 10 GB), and a string needs a unit (``"1e9"`` and
+        ``"64"`` are rejected: give ints for bytes). accelerate does not read ``TB``, ``TiB`` or ``B``; they are
+        accepted here. A float is bytes rounded down, as accelerate compares it with whole byte counts.
     what : str
         Named in the error message.
 
@@ -55,7 +57,9 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
     Warns
     -----
     UserWarning
-        For a lower-case ``b`` (bits): what it was read as, and what to write for bytes.
+        Once per process for each distinct input: a lower-case ``b`` (bits), a unit spelled in another case than
+        ``GiB``, ``GB`` or ``kB`` (``"3gib"``, ``"3gB"``), and a float that is not a whole number of bytes; each says
+        the bytes it became and what to write instead.
 
     Examples
     --------
@@ -67,36 +71,95 @@ def parse_size(size: int | float | str, *, what: str = "size") -> int:
     if isinstance(size, int):
         value = size
     elif isinstance(size, float):
-        if not math.isfinite(size):
-            raise InvalidBudget(f"{what} must be finite, got {size!r}; give bytes as an int or a string like '10GiB'.")
-        value = int(size)
+        value = _parse_float(size, what)
     elif isinstance(size, str):
-        match = _SIZE_RE.match(size)
-        if match is None:
-            raise InvalidBudget(
-                f"{what} {size!r} is not a size; use an int of bytes or a number with a unit such as '10GiB' or "
-                "'500MB'."
-            )
-        number, unit = float(match.group(1)), (match.group(2) or "")
-        if not unit:
-            raise InvalidBudget(
-                f"{what} {size!r} has no unit, and accelerate rejects a size string without one; give the int "
-                f"{int(number)} for bytes, or a string with a unit such as '10GiB' or '500MB'.")
-        bits = unit.endswith("b") and unit.upper() != "B" and not unit.upper().endswith("IB")
-        value = int(number * _UNITS[unit.upper()])
-        if bits:
-            value //= 8
-            prefix = unit[0].upper()
-            warn_caller(f"{what} {size!r} is read as {match.group(1)} {prefix}bit = {value} bytes ({_human(value)}), "
-                        f"as accelerate reads a lower-case 'b' (bits); write '{match.group(1)}{prefix}B' for "
-                        f"{_human(int(number * _UNITS[unit.upper()]))}.")
+        value = _parse_text(size, what)
     else:
         raise InvalidBudget(
             f"{what} must be an int of bytes or a string like '10GiB', got {type(size).__name__} {size!r}."
         )
     if value < 0:
-        raise InvalidBudget(f"{what} is negative ({size!r}); budgets are non-negative byte counts.")
+        raise InvalidBudget(_negative(what, size))
     return value
+
+
+#: Unit spellings read without a warning: what accelerate's and allocator's docs write.
+_USUAL_UNITS = frozenset({"B", "KB", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"})
+#: The units accelerate's ``convert_file_size_to_int`` reads (it rejects ``B``, ``TB``, ``TiB``), upper-cased.
+_ACCELERATE_UNITS = frozenset({"KB", "MB", "GB", "KIB", "MIB", "GIB"})
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """:func:`warn_caller`, once per process for each message (a budget is read several times per plan)."""
+    if message not in _warned:
+        _warned.add(message)
+        warn_caller(message)
+
+
+def _negative(what: str, size) -> str:
+    return (f"{what} is negative ({size!r}); budgets are non-negative: give an int of 0 or more bytes, or a string "
+            "with a unit such as '10GiB' or '500MB'.")
+
+
+def _parse_float(size: float, what: str) -> int:
+    """A float of bytes, rounded down: accelerate's ``get_max_memory`` passes a float through and
+    ``infer_auto_device_map`` compares it with whole byte counts, so the floor holds the same modules."""
+    if not math.isfinite(size):
+        raise InvalidBudget(f"{what} must be finite, got {size!r}; give bytes as an int or a string like '10GiB'.")
+    if size < 0:
+        raise InvalidBudget(_negative(what, size))
+    value = math.floor(size)
+    if value != size:
+        meant = f", or a string with a unit such as '{size:g}GiB' if you meant more" if size < SMALL_BARE_BUDGET else ""
+        _warn_once(f"{what} = {size!r} is not a whole number of bytes; it is read as {value} bytes, as accelerate "
+                   f"compares it with whole byte counts; give the int {value}{meant}.")
+    return value
+
+
+def _parse_text(size: str, what: str) -> int:
+    """Bytes from a size string, as accelerate's ``convert_file_size_to_int`` reads it (:func:`parse_size`)."""
+    match = _SIZE_RE.match(size)
+    if match is None:
+        raise InvalidBudget(
+            f"{what} {size!r} is not a size; use an int of bytes or a number with a unit such as '10GiB' or '500MB'."
+        )
+    written, unit = match.group(1), (match.group(2) or "")
+    number = float(written)
+    if number < 0:
+        raise InvalidBudget(_negative(what, size))
+    if not unit:
+        if number != int(number):
+            fix = f"write it with a unit, such as '{written}GiB' or '{written}MB'"
+        else:
+            fix = f"give the int {int(number)} for bytes, or a string with a unit such as '{written}GiB'"
+        raise InvalidBudget(f"{what} {size!r} has no unit, and accelerate rejects a size string without one; {fix}.")
+    upper = unit.upper()
+    value = int(number * _UNITS[upper])
+    if unit.endswith("b") and upper != "B" and not upper.endswith("IB"):   # "Gb", "gb": bits, as accelerate reads
+        bits, value = value, value // 8
+        prefix = unit[0].upper()
+        _warn_once(f"{what} {size!r} is read as {written} {prefix}bit = {value} bytes ({_human(value)}), as accelerate "
+                   f"reads a lower-case 'b' (bits); write '{written}{prefix}B' for {_human(bits)}.")
+    elif unit not in _USUAL_UNITS:
+        usual = _usual_spelling(unit)
+        how = ("as accelerate reads it, whatever the case of the unit" if upper in _ACCELERATE_UNITS else
+               "whatever the case of the unit (accelerate does not read this unit)")
+        _warn_once(f"{what} {size!r} is read as {written} {usual} = {value} bytes ({format_bytes(value)}), {how}; "
+                   f"write '{written}{usual}'.")
+    return value
+
+
+def _usual_spelling(unit: str) -> str:
+    """``"gib"`` -> ``"GiB"``, ``"gB"`` -> ``"GB"``, ``"b"`` -> ``"B"``.
+
+    >>> _usual_spelling("gib"), _usual_spelling("mB"), _usual_spelling("b"), _usual_spelling("KIB")
+    ('GiB', 'MB', 'B', 'KiB')
+    """
+    upper = unit.upper()
+    if upper.endswith("IB"):
+        return upper[0] + "iB"
+    return upper
 
 
 def _human(n: int) -> str:
@@ -293,9 +356,10 @@ def small_bare_number(key, value) -> None:
 
 
 def warn_misread(max_memory: Mapping | None) -> None:
-    """The warnings :func:`parse_budgets` gives about likely mistakes (a lower-case ``b`` read as bits, a bare number
-    under 1 MiB read as bytes), for a ``max_memory`` that another library then normalises (transformers'
-    ``get_max_memory`` converts the strings without a word); what it rejects is left to it.
+    """The warnings :func:`parse_budgets` gives about likely mistakes (a lower-case ``b`` read as bits, a unit in an
+    unusual case, a fractional float, a bare number under 1 MiB read as bytes), for a ``max_memory`` that another
+    library then normalises (transformers' ``get_max_memory`` converts the strings without a word); what it rejects
+    is left to it.
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as caught:
@@ -306,7 +370,7 @@ def warn_misread(max_memory: Mapping | None) -> None:
     """
     for key, value in (max_memory or {}).items():
         small_bare_number(key, value)
-        if isinstance(value, str):
+        if isinstance(value, (str, float)):
             try:
                 parse_size(value, what=f"max_memory[{key!r}]")
             except InvalidBudget:
@@ -330,7 +394,8 @@ def parse_budgets(max_memory: Mapping | None) -> Budgets:
     Warns
     -----
     UserWarning
-        A size with a lower-case ``b`` (bits, see :func:`parse_size`). An int is bytes, as in accelerate, without a
+        A size with a lower-case ``b`` (bits), a unit in an unusual case (``'3gib'``) or a fractional float, once
+        per process for each (see :func:`parse_size`). An int is bytes, as in accelerate, without a
         warning (accelerate's own tests plan with budgets of a few hundred bytes); the command line warns about a
         small bare number (:func:`small_bare_number`), where ``cpu=64`` is more likely GiB without its unit.
 

@@ -26,6 +26,7 @@ __all__ = [
     "warn_caller",
     "MAX_MESSAGE",
     "one_line",
+    "cause_line",
 ]
 
 
@@ -156,3 +157,31 @@ def one_line(text, limit: int = MAX_MESSAGE) -> str:
     """
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+MAX_CAUSE = 200
+"""The longest text :func:`cause_line` keeps by default (characters)."""
+
+
+def cause_line(err: BaseException, limit: int = MAX_CAUSE) -> str:
+    """Another library's error named in one short line inside our message: its type and first line, and where that
+    line only announces a list (it ends with ``:``), the last line too; cut after the last sentence that fits, without
+    its full stop (our message goes on). The whole error stays the ``__cause__`` of ours
+    (``raise InvalidModel(...) from err``), for a traceback; the command line prints our one line.
+
+    >>> cause_line(ValueError("Couldn't build it from one of:\\n(1) a file,\\n(2) a class.\\nInstall sentencepiece."))
+    "ValueError: Couldn't build it from one of: ... Install sentencepiece"
+    >>> cause_line(KeyError("weight_map"))
+    "KeyError: 'weight_map'"
+    >>> len(cause_line(OSError("x" * 1000)))
+    200
+    """
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} ... {lines[-1]}"
+    text = one_line(f"{type(err).__name__}: {text}" if text else type(err).__name__, 10 * limit)
+    if len(text) > limit and text.rfind(". ", 0, limit) > 0:   # whole sentences where they fit
+        text = text[:text.rfind(". ", 0, limit) + 1]
+    text = one_line(text, limit)
+    return text[:-1] if text.endswith(".") and not text.endswith("...") else text   # ours goes on after it

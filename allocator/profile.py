@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from .errors import InvalidOption
+from .errors import InvalidOption, cause_line
 
 __all__ = ["Profile", "read_rates", "flop_seconds", "COUNTED", "counted_rates", "read_seconds"]
 
@@ -253,12 +253,13 @@ class Profile:
         try:
             timed.update(_tensor_latencies(repeats))
         except ImportError as err:
-            log.warning("could not time accelerate's offload hooks (%s); keeping default per-tensor latencies", err)
+            log.warning("could not time accelerate's offload hooks (%s); keeping default per-tensor latencies",
+                        cause_line(err))
         try:
             if torch.cuda.is_available():
                 timed.update(_accelerator(size, repeats))
         except Exception as err:  # a broken driver must not break planning; say so
-            log.warning("could not measure the accelerator (%s); keeping default bandwidths", err)
+            log.warning("could not measure the accelerator (%s); keeping default bandwidths", cause_line(err))
         return cls(**{k: v for k, (v, _) in timed.items()}, spread={k: s for k, (_, s) in timed.items()})
 
 

@@ -42,6 +42,13 @@ def _quiet_accelerate():
 
 
 @pytest.fixture(autouse=True)
+def _budget_warnings_unsaid(monkeypatch):
+    """A budget's warning is given once per process (``allocator.budgets``): each test starts with none given, so a
+    test that expects one does not depend on which tests ran before it."""
+    monkeypatch.setattr("allocator.budgets._warned", set())
+
+
+@pytest.fixture(autouse=True)
 def _planned_accelerators(request, monkeypatch):
     """Tests plan GPU budgets on machines without those GPUs (the maps are captured where transformers computes them,
     before anything is loaded): under ``allocator.patch()`` every accelerator in ``max_memory`` counts as present at

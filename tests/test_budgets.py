@@ -23,22 +23,114 @@ def test_parse_size_rejects_with_a_fix(bad):
         parse_size(bad)
 
 
-@pytest.mark.parametrize("text,fix", [("1e9", "1000000000"), ("64", "64"), ("0", "0"), ("2.5", "2")])
+@pytest.mark.parametrize("text,fix", [
+    ("1e9", "give the int 1000000000 for bytes"), ("64", "give the int 64 for bytes, or a string with a unit such as "
+                                                          "'64GiB'"),
+    ("0", "give the int 0 for bytes"), ("2.5", "write it with a unit, such as '2.5GiB' or '2.5MB'"),
+])
 def test_a_string_without_a_unit_is_rejected_as_accelerate_rejects_it(text, fix):
     from accelerate.utils import convert_file_size_to_int
 
     with pytest.raises(ValueError):
         convert_file_size_to_int(text)
-    with pytest.raises(InvalidBudget, match=f"has no unit, and accelerate rejects.*give the int {fix} for bytes"):
+    with pytest.raises(InvalidBudget, match="has no unit, and accelerate rejects") as raised:
         parse_size(text)
+    assert fix in str(raised.value)
+    assert "give the int 2 " not in str(raised.value)   # a fraction is no int of bytes
+
+
+@pytest.mark.parametrize("bad", [-5, "-5", "-5GiB", -0.5, "-2.5", "-1e9"])
+def test_a_negative_size_is_refused_with_a_hint_that_is_not_itself_negative(bad):
+    with pytest.raises(InvalidBudget) as raised:
+        parse_size(bad, what="max_memory['cpu']")
+    message = str(raised.value)
+    assert message.startswith(f"max_memory['cpu'] is negative ({bad!r}); budgets are non-negative: give an int of 0 "
+                              "or more bytes, or a string with a unit such as '10GiB'")
+    assert "int -" not in message and "'-" not in message.split(";")[1]
+
+
+def said(size, what="max_memory['cpu']"):
+    """``parse_size(size)`` and the messages of the warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = parse_size(size, what=what)
+    return value, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("text,expected,read", [
+    ("3Gib", 3 * 2**30, "3 GiB = 3221225472 bytes (3.00 GiB), as accelerate reads it"),
+    ("3gib", 3 * 2**30, "3 GiB = 3221225472 bytes (3.00 GiB), as accelerate reads it"),
+    ("3GIB", 3 * 2**30, "3 GiB = 3221225472 bytes (3.00 GiB), as accelerate reads it"),
+    ("1.5mib", int(1.5 * 2**20), "1.5 MiB = 1572864 bytes (1.50 MiB), as accelerate reads it"),
+    ("3gB", 3 * 10**9, "3 GB = 3000000000 bytes (2.79 GiB), as accelerate reads it"),
+    ("512mB", 512 * 10**6, "512 MB = 512000000 bytes (488.28 MiB), as accelerate reads it"),
+    ("2tib", 2 * 2**40, "2 TiB = 2199023255552 bytes (2048.00 GiB), whatever the case of the unit (accelerate does "
+                        "not read this unit)"),
+    ("100b", 100, "100 B = 100 bytes (100 B), whatever the case"),
+])
+def test_a_unit_in_an_unusual_case_is_read_as_accelerate_reads_it_and_said(text, expected, read):
+    from accelerate.utils import convert_file_size_to_int
+
+    value, messages = said(text)
+    if text.upper().endswith(("KB", "MB", "GB", "IB")) and not text.upper().endswith("TIB"):
+        assert convert_file_size_to_int(text) == expected   # accelerate 1.16 reads it so
+    assert value == expected
+    assert len(messages) == 1 and messages[0].startswith(f"max_memory['cpu'] {text!r} is read as {read}")
+    usual = text.rstrip("bBiIgGmMtTkK") + read.split(" = ")[0].split(" ")[1]
+    assert messages[0].endswith(f"; write '{usual}'.")
+
+
+@pytest.mark.parametrize("text", ["3GiB", "3GB", "3kB", "3KB", "3MiB", "3KiB", "3TB", "3TiB", "300B", "1.5GB"])
+def test_usual_spellings_give_no_warning(text):
+    assert said(text)[1] == []
+
+
+def test_each_distinct_budget_string_warns_once_per_process():
+    model = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            allocator.plan(model, {"cpu": "1gib"})
+            parse_budgets({"cpu": "1gib", "disk": "10Gb"})
+        parse_budgets({"cpu": "2gib"})   # another string: its own warning
+    messages = [str(w.message) for w in caught if "is read as" in str(w.message)]
+    assert sorted(messages) == sorted(set(messages)) and len(messages) == 3
+    assert sum("'1gib'" in m for m in messages) == 1 and sum("'10Gb'" in m for m in messages) == 1
+
+
+@pytest.mark.parametrize("size,expected", [(64.5, 64), (40400.7, 40400), (1e-3, 0)])
+def test_a_fractional_float_is_read_as_accelerate_compares_it_and_said(size, expected):
+    value, messages = said(size)
+    assert value == expected
+    assert len(messages) == 1
+    assert messages[0].startswith(f"max_memory['cpu'] = {size!r} is not a whole number of bytes; it is read as "
+                                  f"{expected} bytes, as accelerate compares it with whole byte counts; give the int "
+                                  f"{expected}, or a string with a unit such as '{size:g}GiB'")
+
+
+def test_accelerate_accepts_a_float_budget_and_holds_what_its_floor_holds():
+    """Why a fractional float is warned about rather than refused: accelerate's get_max_memory passes it through and
+    infer_auto_device_map compares it with whole byte counts, so the float and its floor place the same."""
+    from accelerate.utils import get_max_memory, infer_auto_device_map
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 100))   # 40,400 B each
+    assert get_max_memory({"cpu": 90000.5}) == {"cpu": 90000.5}
+    for size in (90000.5, 40400.5, 40399.5):
+        assert infer_auto_device_map(model, max_memory={"cpu": size}) == \
+            infer_auto_device_map(model, max_memory={"cpu": int(size)})
+
+
+def test_a_whole_float_gives_no_warning():
+    assert said(8e9) == (8 * 10**9, [])
 
 
 #: Where allocator reads more than accelerate's convert_file_size_to_int (documented in docs/api.md).
 EXTENSIONS = ("10TB", "1TiB", "100B", "0B")
 
 
-@pytest.mark.parametrize("text", ["10GiB", "10gib", "1.5GB", "10gb", "10Gb", "3mb", "5KB", "7kb", "1e3MB", "2 GB",
-                                  "1e9", "64", "ten", "10XB", "", "-1GB", *EXTENSIONS])
+@pytest.mark.parametrize("text", ["10GiB", "10gib", "3Gib", "3GIB", "3gB", "1.5GB", "10gb", "10Gb", "3mb", "5KB",
+                                  "7kb", "1e3MB", "2 GB", "1e9", "64", "ten", "10XB", "", "-1GB", "-5", "2.5",
+                                  *EXTENSIONS])
 def test_strings_are_read_as_accelerate_reads_them(text):
     from accelerate.utils import convert_file_size_to_int
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 import os
 
 from ..budgets import parse_budgets, small_bare_number
-from ..errors import InvalidBudget, InvalidOption, one_line
+from ..errors import InvalidBudget, InvalidOption, one_line, warn_caller
 from ..model.expert_profile import ExpertProfile
 from ..model.experts import find_experts
 from ..model.generation import GenerationBudget
+from ..problem import absent_accelerators
 from ..profile import Profile
 
 __all__ = ["check_expert_cache", "parse_generation", "parse_inputs", "parse_max_memory", "load_profile",
-           "load_expert_profile", "check_writable"]
+           "load_expert_profile", "check_writable", "warn_absent_accelerators"]
 
 
 def parse_generation(text: str):
@@ -97,6 +98,22 @@ def parse_max_memory(text: str) -> dict:
         raise InvalidBudget("--max-memory is empty; write e.g. 0=20GiB,cpu=64GiB.")
     parse_budgets(out)  # unknown devices, malformed sizes, a device named twice: before building any model
     return out
+
+
+def warn_absent_accelerators(max_memory: dict | None) -> None:
+    """One warning (the command line prints it as one ``allocator: warning:`` line on stderr) naming the accelerators
+    of ``--max-memory`` that this machine does not have: ``plan`` and ``fit`` plan onto them all the same, for a
+    machine that has them, and loading such a plan here would fail.
+
+    >>> warn_absent_accelerators({"cpu": "1GiB"})   # no accelerator named: nothing to say
+    """
+    missing = absent_accelerators(parse_budgets(max_memory).accelerators) if max_memory else []
+    if missing:
+        names = ", ".join(map(str, missing))
+        them = "them" if len(missing) > 1 else "it"
+        warn_caller(f"--max-memory names accelerator{'s' if len(missing) > 1 else ''} {names}, which this machine does "
+                    f"not have: the plan is for a machine that has {them}, and loading it here would fail; leave "
+                    f"{them} out of --max-memory to plan for this machine.")
 
 
 def load_profile(path: str):

@@ -14,6 +14,7 @@ from ..errors import AllocatorError, InfeasiblePlacement, InvalidModel, InvalidO
 from ..model import as_dtype, zoo
 from ..model.checkpoint import kept_in_float32
 from ..model.load import did_you_mean, load_model
+from ..report.explain import unbudgeted_ram
 from ..report.plan import Plan
 from ..report.schema import SCHEMA, read
 from ..problem import build_problem
@@ -21,7 +22,7 @@ from ..profile import Profile
 from ..strategies import resolve
 from .arguments import (
     check_expert_cache, check_writable, load_expert_profile, load_profile, parse_generation, parse_inputs,
-    parse_max_memory,
+    parse_max_memory, warn_absent_accelerators,
 )
 from .moe import runtime_report
 from .status import Status
@@ -90,6 +91,7 @@ def cmd_plan(args) -> int:
     check_writable(args.plot, "--plot")
     status = Status(enabled=not args.quiet)
     loaded, options, patterns = planned_model(args, status)
+    warn_absent_accelerators(max_memory)   # once the source is known to be good: its error comes alone
     options["generation"] = generation
     if saved is not None:
         status.say(f"checking the plan of {args.from_json} against the model...")
@@ -178,6 +180,7 @@ def cmd_fit(args) -> int:
         check_writable(args.json, "--json")
     status = Status(enabled=not args.quiet)
     loaded, options, _ = planned_model(args, status)
+    warn_absent_accelerators(max_memory)
     status.say(f"searching the longest context of {args.source}...")
     try:
         found = fit(loaded.model, max_memory, batch_size=args.batch_size, max_length=args.context,
@@ -275,6 +278,9 @@ def _report(args, loaded, ours, patterns, default_budgets: bool) -> None:
     print(device_table(ours))
     for line in empty_accelerators(ours):
         print(line)
+    unbudgeted = unbudgeted_ram(ours)
+    if unbudgeted:
+        print(unbudgeted)
     if ours.problem.generation is not None:
         print()
         print(generation_table(ours))

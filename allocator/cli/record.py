@@ -5,7 +5,9 @@ model larger than memory loads as ``from_pretrained(device_map="auto")`` would l
 
 from __future__ import annotations
 
-from ..errors import InvalidModel, InvalidOption, one_line
+import os
+
+from ..errors import InvalidModel, InvalidOption, cause_line, one_line
 from ..integrations.transformers import patch
 from ..model.expert_profile import ExpertProfile, profile_experts
 from ..model.experts import find_experts
@@ -13,7 +15,11 @@ from ..model.load import load_model
 from .arguments import check_writable, parse_max_memory
 from .status import Status
 
-__all__ = ["cmd_profile_experts", "read_prompts", "summary"]
+__all__ = ["cmd_profile_experts", "load_tokenizer", "read_prompts", "summary"]
+
+#: The files a saved tokenizer is made of (``tokenizer.save_pretrained``): one of them in a folder means it has one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -49,7 +55,7 @@ def cmd_profile_experts(args) -> int:
     if not find_experts(loaded.model):
         raise InvalidModel(f"{type(loaded.model).__name__} has no mixture-of-experts layer (no experts module with a "
                            "router); there is nothing to profile.")
-    tokenizer = _tokenizer(args.source, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.source, args.trust_remote_code)
     status.say(f"loading the weights of {args.source}...")
     hf_logging = _hf_logging()
     bars = hf_logging.is_progress_bar_enabled()
@@ -60,8 +66,8 @@ def cmd_profile_experts(args) -> int:
                                                        max_memory=max_memory,
                                                        trust_remote_code=args.trust_remote_code).eval()
     except (OSError, ValueError) as err:   # no weights, a checkpoint of another model
-        raise InvalidModel(f"cannot load the weights of {args.source} ({one_line(err)}); profile-experts runs the "
-                           "model: give a folder saved with save_pretrained, weights included.") from None
+        raise InvalidModel(f"cannot load the weights of {args.source} ({cause_line(err)}); profile-experts runs the "
+                           "model: give a folder saved with save_pretrained, weights included.") from err
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -82,14 +88,26 @@ def _hf_logging():
     return logging
 
 
-def _tokenizer(source: str, trust_remote_code: bool):
+def load_tokenizer(source: str, trust_remote_code: bool = False):
+    """The tokenizer saved beside the model in ``source`` (``AutoTokenizer.from_pretrained``).
+
+    Raises
+    ------
+    InvalidModel
+        One line naming the cause (the folder holds no tokenizer files, or transformers' error on the ones it holds,
+        in short) and the fix; transformers' whole error is its ``__cause__``.
+    """
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
-        raise InvalidModel(f"{source} has no tokenizer transformers can load ({one_line(err)}); save the model's "
-                           f"tokenizer beside it with tokenizer.save_pretrained({source!r}).") from None
+        folder = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
+        present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]
+        cause = (f"transformers fails on its {', '.join(present)} ({cause_line(err)})" if present else
+                 f"the folder holds no tokenizer file ({', '.join(TOKENIZER_FILES[:3])}, ...)")
+        raise InvalidModel(f"{source} has no tokenizer transformers can load: {cause}; save the model's tokenizer "
+                           f"beside it with tokenizer.save_pretrained({folder!r}).") from err
 
 
 def _tokens(model, tokenizer, text: str, new_tokens: int, source: str) -> dict:

@@ -110,7 +110,7 @@ def budget_violations(problem: Problem, memory: Memory, peak: Mapping, placed: s
     found = []
     for device, used in peak.items():
         if device == "cpu" and "cpu" not in problem.budgets.order and "cpu" not in placed:
-            continue   # no RAM budget: the CPU only executes what streams from disk, unbudgeted (accelerate's view)
+            continue   # no RAM budget, as in accelerate: unchecked, and explain says so (report/explain.unbudgeted_ram)
         if device not in problem.budgets.order or (device != "disk" and problem.budgets.limit(device) is None):
             found.append(Violation("unknown-device", f"device {device!r} has no budget in max_memory",
                                    "give it one or map nothing there."))

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 from ..budgets import is_accelerator, warn_misread
+from ..errors import cause_line
 
 __all__ = ["Unchecked", "baseline_map", "named", "optional_import", "user_budgets"]
 
@@ -39,8 +41,8 @@ def baseline_map(call: Callable[[], object], model, planner: str) -> dict | None
     try:
         found = call()
     except Exception as err:   # noqa: BLE001 - any failure of their planner only drops the baseline, and is said
-        log.info("%s fails for %s (%s: %s): planning without its map as the floor", planner, type(model).__name__,
-                 type(err).__name__, err)
+        log.info("%s fails for %s (%s): planning without its map as the floor", planner, type(model).__name__,
+                 cause_line(err))
         return None
     return dict(found) if isinstance(found, Mapping) else None
 
@@ -73,9 +75,12 @@ def named(replacement: Callable, original: Callable) -> Callable:
 def user_budgets(get_max_memory, max_memory, mode: str) -> dict:
     """The library's normalisation of ``max_memory`` (a copy: accelerate converts strings in place), with its 90%
     rule for a single accelerator when the user set nothing, and without its balancing. The caller's strings are
-    read first, for the warnings the library's conversion does not give (a lower-case "b" is bits)."""
+    read first, for the warnings the library's conversion does not give (a lower-case "b" is bits, a fractional
+    float). Floats (transformers' 90% of the free RAM, a user's float already warned about) are rounded down to
+    bytes: the library compares them with whole byte counts."""
     warn_misread(max_memory)
-    budgets = dict(get_max_memory(dict(max_memory) if max_memory is not None else None))
+    budgets = {d: math.floor(v) if isinstance(v, float) and math.isfinite(v) and v >= 0 else v
+               for d, v in get_max_memory(dict(max_memory) if max_memory is not None else None).items()}
     if max_memory is None and mode != "sequential":
         accelerators = [d for d, size in budgets.items() if is_accelerator(d) and size > 0]
         if len(accelerators) == 1 and isinstance(accelerators[0], int):

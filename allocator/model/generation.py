@@ -57,7 +57,7 @@ from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field
 
 from ..budgets import format_bytes
-from ..errors import InvalidOption, warn_caller
+from ..errors import InvalidOption, cause_line, warn_caller
 from .attention import CacheAttention, cache_attentions, first_positive_int, in_features, out_features, projection
 from .sizes import as_dtype, dtype_bytes
 
@@ -239,7 +239,7 @@ def _cache_layer_kinds(config, count: int) -> list[tuple[str, int | None]]:
         layers = DynamicCache(config=config).layers
     except Exception as err:  # a config DynamicCache cannot read: count every layer as full (an upper bound)
         log.warning("DynamicCache(config=...) failed for %s (%s); counting every cache layer as full attention, "
-                    "which over-counts sliding-window layers", type(config).__name__, err)
+                    "which over-counts sliding-window layers", type(config).__name__, cause_line(err))
         return [("full", None)] * count
     kinds = []
     for i, layer in enumerate(layers):

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from ..errors import InvalidModel, one_line, warn_caller
+from ..errors import InvalidModel, cause_line, warn_caller
 from . import zoo
 from .checkpoint import load_dtype
 from .quantization import quantized_sizes
@@ -159,8 +159,8 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
                 raise InvalidModel(
                     f"the config {path} needs its own code (auto_map: {', '.join(auto_map)}), which transformers "
                     f"runs only when asked: add --trust-remote-code if you trust the code in that folder.") from None
-            raise InvalidModel(f"transformers cannot read the config {path}: "
-                               f"{type(err).__name__}: {one_line(err)}") from None
+            raise InvalidModel(f"transformers cannot read the config {path}: {cause_line(err)}; fix its config.json "
+                               "where that names a field, or give the folder of a model transformers knows.") from err
         declared = list(getattr(config, "architectures", None) or [])
         cls = next((c for c in (getattr(transformers, name, None) for name in declared)
                     if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)), None)
@@ -174,8 +174,8 @@ def _from_config(path: str, trust_remote_code: bool = False) -> LoadedModel:
                 else:
                     model = cls(config) if cls else transformers.AutoModel.from_config(config)
         except Exception as err:  # anything the model's constructor raises is a config it cannot build
-            raise InvalidModel(f"transformers cannot build {name} from {path}: "
-                               f"{type(err).__name__}: {one_line(err)}") from None
+            raise InvalidModel(f"transformers cannot build {name} from {path}: {cause_line(err)}; fix the config's "
+                               "fields it names.") from err
     move_strays_to_meta(model)
     model.eval()
     # config.dtype: transformers >= 5 (reading the old torch_dtype alias logs a warning)

@@ -44,7 +44,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from ..errors import InvalidOption
+from ..errors import InvalidOption, cause_line
 
 __all__ = ["METHODS", "QuantizedSizes", "quantized_sizes"]
 
@@ -152,8 +152,8 @@ def _parse(quantization_config):
     try:
         return AutoQuantizationConfig.from_dict(dict(quantization_config)), method
     except Exception as err:  # a config class's own checks raise ValueError, TypeError, ImportError, ...
-        raise InvalidOption(f"transformers rejects the {method} quantization_config: {type(err).__name__}: "
-                            f"{' '.join(str(err).split())[:300]}") from None
+        raise InvalidOption(f"transformers rejects the {method} quantization_config: {cause_line(err)}; fix the "
+                            "fields it names, or delete quantization_config to plan the model unquantized.") from err
 
 
 def _quantizer(config):

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import InvalidModel, one_line
+from ..errors import InvalidModel, cause_line
 from ..model.zoo import move_strays_to_meta, quiet_transformers
 
 __all__ = ["Component", "DENOISERS", "read_components", "runs_per_image"]
@@ -113,7 +113,7 @@ def _build(cls, library: str, folder: str):
             else:
                 model = cls.from_config(cls.load_config(folder, local_files_only=True))
     except Exception as err:   # a config's own checks raise anything
-        raise InvalidModel(f"cannot build {cls.__name__} from {folder}: {type(err).__name__}: {one_line(err)}") \
-            from None
+        raise InvalidModel(f"cannot build {cls.__name__} from {folder}: {cause_line(err)}; fix the config's fields "
+                           "it names.") from err
     move_strays_to_meta(model)
     return model.eval()

@@ -32,7 +32,7 @@ from ..evaluate.units import problem_groups
 from ..evaluate.validate import format_bytes
 from ..judge.verdict import memory, violations as broken_rules
 
-__all__ = ["Why", "reasons", "MOVES_UP_TO"]
+__all__ = ["Why", "reasons", "unbudgeted_ram", "MOVES_UP_TO"]
 
 MOVES_UP_TO = 20_000
 """Above this many units, :func:`reasons` does not try a moved unit to say what moving it would break or cost."""
@@ -367,6 +367,24 @@ def _reserve(plan) -> str | None:
             f"offloaded weights materialised at once{who}{ahead}")
 
 
+def unbudgeted_ram(plan) -> str | None:
+    """The sentence that says RAM's peak is checked against nothing, or ``None`` where RAM has a budget or holds
+    nothing. Issue #46: RAM holds a peak (the CPU is the main device: the weights streamed from disk run there) but
+    ``max_memory`` gives it no budget, so nothing checks that peak; as in accelerate, which counts no RAM for a
+    ``max_memory`` without ``"cpu"`` (only ``max_memory=None`` reads this machine's)."""
+    used = plan.peak.get("cpu", 0)
+    if "cpu" in plan.problem.budgets.limits or not used:
+        return None
+    what = [name for name, part in (("weights streamed in and buffers", "weights"), ("KV cache", "cache"),
+                                     ("logits", "logits"), ("activations", "activations"))
+            if plan.parts.get("cpu", {}).get(part)]
+    role = " (the main device)" if plan.main_device == "cpu" else ""
+    return (f"RAM is not budgeted: 'cpu'{role} holds {format_bytes(used)} at its peak ({', '.join(what) or 'weights'})"
+            ", but max_memory has no 'cpu' entry, so that peak is checked against nothing (accelerate does not count "
+            "it either); give max_memory a 'cpu' budget to check it, or leave max_memory out to plan against this "
+            "machine's free RAM")
+
+
 def _experts(plan, used: set) -> str | None:
     """Where the routed experts live (a plan for the allocator runtime on a mixture of experts), with the
     ``"experts"`` decision that placed them (marked as said)."""
@@ -424,7 +442,8 @@ def reasons(plan) -> Why:
             if said:
                 out.append(said[0])
                 empty[device] = said
-    out += [s for s in (_offloaded(plan, layout, full), _reserve(plan), _experts(plan, used)) if s]
+    out += [s for s in (_offloaded(plan, layout, full), _reserve(plan), unbudgeted_ram(plan), _experts(plan, used))
+            if s]
     out += _computes(plan)   # issue #40: where offloaded units compute, per phase
     choice = plan.placement.of_kind("choice")
     if choice:

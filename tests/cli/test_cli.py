@@ -125,10 +125,30 @@ def test_likely_budget_mistakes_warn_on_one_line_each(capsys):
         warnings.simplefilter("default")  # conftest ignores warnings; the command line shows what Python would
         code, out, err = run(capsys, "plan", SEG, "--max-memory", "0=64,cpu=10gb")
     assert code == 0 and "budget" in out
-    lines = err.splitlines()
+    # a third line where this machine has no GPU 0 (test_a_device_this_machine_lacks_is_a_warning_line)
+    lines = [line for line in err.splitlines() if "this machine does not have" not in line]
+    assert len(err.splitlines()) == 2 + bool(allocator.problem.absent_accelerators([0]))
     assert len(lines) == 2 and all(line.startswith("allocator: warning: ") for line in lines)  # once each, not per read
     assert "max_memory[0] = 64 is read as 64 bytes" in lines[0] and "'64GiB'" in lines[0]
     assert "max_memory['cpu'] '10gb' is read as 10 Gbit = 1250000000 bytes" in lines[1] and "'10GB'" in lines[1]
+
+
+@pytest.mark.parametrize("command", [["plan", SEG], ["fit", "llama-3.2-1b", "--batch-size", "1"]])
+def test_a_device_this_machine_lacks_is_a_warning_line(capsys, command):
+    """No machine has GPU 97: plan and fit plan onto it for a machine that has it, and say so on stderr, once, as a
+    warning (not at INFO, which nobody sees)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # conftest ignores warnings; the command line shows what Python would
+        code, out, err = run(capsys, *command, "--max-memory", "97=8GiB,cpu=64GiB", "--quiet")
+    assert code == 0 and out
+    assert err.splitlines() == [
+        "allocator: warning: --max-memory names accelerator 97, which this machine does not have: the plan is for a "
+        "machine that has it, and loading it here would fail; leave it out of --max-memory to plan for this machine."]
+    if command[0] == "plan":   # fit needs an accelerator
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            code, _, err = run(capsys, *command, "--max-memory", "cpu=64GiB", "--quiet")
+        assert code == 0 and err == ""
 
 
 def custom_code_folder(path, model_type="tiny-custom"):
@@ -316,7 +336,7 @@ def test_a_folder_prints_its_shape_and_warns_once_for_a_missing_size_field(capsy
     with warnings.catch_warnings():
         warnings.simplefilter("default")  # conftest ignores warnings; the command line shows what Python would
         code, out, err = run(capsys, "plan", folder, "--max-memory", "0=100KiB,cpu=10MiB")
-    lines = err.splitlines()
+    lines = [line for line in err.splitlines() if "which this machine does not have" not in line]   # GPU 0
     assert code == 0 and len(lines) == 1 and lines[0].startswith("allocator: warning: ")
     assert "does not set num_hidden_layers" in lines[0] and "default 32" in lines[0]
     assert out.splitlines()[1].startswith("LlamaForCausalLM: 32 layers, hidden 64, ")
@@ -484,3 +504,11 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path):
         if not ok:
             failures.append(f"{name}: exit {code}, stdout {out[:200]!r}, stderr {err[:400]!r}")
     assert not failures, "\n".join(failures)
+
+
+def test_unbudgeted_ram_on_the_main_device_is_said_in_the_report(capsys):
+    code, out, _ = run(capsys, "plan", SEG, "--max-memory", "97=1KiB", "--quiet")
+    line = [x for x in out.splitlines() if x.startswith("RAM is not budgeted: 'cpu' (the main device) holds ")]
+    assert code == 0 and len(line) == 1 and "checked against nothing" in line[0]
+    code, out, _ = run(capsys, "plan", SEG, "--max-memory", "97=1KiB,cpu=1GiB", "--quiet")
+    assert code == 0 and "RAM is not budgeted" not in out

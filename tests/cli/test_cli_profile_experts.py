@@ -112,3 +112,43 @@ def test_bad_profile_experts_input_exits_2_with_one_line(capsys, folder, tmp_pat
             failures.append(f"{name}: exit {code}, stdout {stdout[:200]!r}, stderr {err[:400]!r}")
     assert not failures, "\n".join(failures)
     assert not out.exists()
+
+
+def test_a_folder_without_a_tokenizer_is_one_line_naming_the_cause_and_the_fix(capsys, tmp_path):
+    """Issue #48: transformers' error for a Mixtral folder without tokenizer files runs over five lines (the three
+    ways it tried, and sentencepiece); ours names the cause in one line, says the fix, and keeps transformers' error as
+    its ``__cause__``."""
+    from moe_models import small_config
+
+    from allocator.cli.record import load_tokenizer
+
+    folder = tmp_path / "mixtral"
+    small_config("mixtral", 1, architectures=["MixtralForCausalLM"]).save_pretrained(folder)
+    with pytest.raises(allocator.InvalidModel) as raised:
+        load_tokenizer(str(folder))
+    message = str(raised.value)
+    assert message == (f"{folder} has no tokenizer transformers can load: the folder holds no tokenizer file "
+                       "(tokenizer.json, tokenizer_config.json, tokenizer.model, ...); save the model's tokenizer "
+                       f"beside it with tokenizer.save_pretrained({str(folder)!r}).")
+    cause = raised.value.__cause__
+    assert isinstance(cause, ValueError) and str(cause).count("\n") >= 3   # transformers' own, whole
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    code, out, err = run(capsys, "profile-experts", folder, "--prompts", prompts, "--out", tmp_path / "e.json")
+    assert (code, out, err) == (2, "", f"allocator: error: {message}\n")
+
+
+def test_a_tokenizer_file_transformers_fails_on_is_named_with_its_error_in_short(tmp_path):
+    from moe_models import small_config
+
+    from allocator.cli.record import load_tokenizer
+
+    folder = tmp_path / "mixtral"
+    small_config("mixtral", 1, architectures=["MixtralForCausalLM"]).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(allocator.InvalidModel) as raised:
+        load_tokenizer(str(folder))
+    message = str(raised.value)
+    assert message.startswith(f"{folder} has no tokenizer transformers can load: transformers fails on its "
+                              "tokenizer.json (")
+    assert "\n" not in message and len(message) < 400 and raised.value.__cause__ is not None

@@ -98,3 +98,18 @@ def test_patched_pipeline_load_splits_the_transformer(flux_dev, flux_plan, monke
     diffusers.DiffusionPipeline.from_pretrained(flux_dev, device_map="balanced", max_memory=dict(BUDGET),
                                                 torch_dtype=torch.bfloat16)   # unpatched: diffusers' own
     assert calls["transformer"]["device_map"] == {"": "cpu"}
+
+
+def test_a_component_transformers_cannot_read_is_one_sentence_and_keeps_its_error(tmp_path):
+    from allocator.pipelines.components import read_components
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"text_encoder": ["transformers", "CLIPTextModel"]}))
+    (tmp_path / "text_encoder").mkdir()
+    (tmp_path / "text_encoder" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(allocator.InvalidModel) as raised:
+        read_components(str(tmp_path))
+    assert str(raised.value) == (f"cannot build CLIPTextModel from {tmp_path / 'text_encoder'}: ValueError: The "
+                                 "checkpoint you are trying to load has model type `no-such-architecture` but "
+                                 "Transformers does not recognize this architecture; fix the config's fields it "
+                                 "names.")
+    assert isinstance(raised.value.__cause__, ValueError) and "pip install" in str(raised.value.__cause__)

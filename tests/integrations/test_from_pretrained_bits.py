@@ -40,3 +40,12 @@ def test_bits_warning_reaches_from_pretrained(folder):
 
 def test_bytes_give_no_bits_warning(folder):
     assert not [m for m in loaded_warnings(folder, {"cpu": "100MB"}) if "bits" in m]
+
+
+def test_a_fractional_float_warns_once_and_transformers_own_float_not_at_all(folder):
+    """transformers' get_max_memory passes a user's float through, and without max_memory makes RAM's budget 90 % of
+    the free memory, a float: the user's is said once (with the bytes it became), transformers' never."""
+    found = [m for m in loaded_warnings(folder, {"cpu": 5e8 + 0.5}) if "whole number of bytes" in m]
+    assert found == ["max_memory['cpu'] = 500000000.5 is not a whole number of bytes; it is read as 500000000 bytes, "
+                     "as accelerate compares it with whole byte counts; give the int 500000000."]
+    assert not [m for m in loaded_warnings(folder, None) if "whole number of bytes" in m]

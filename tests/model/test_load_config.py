@@ -72,3 +72,29 @@ def test_a_sub_config_is_read_from_its_own_object(tmp_path):
     assert [n for n, _ in missing_size_fields(config, data) if n.startswith("text_config.")] == []
     del data["text_config"]["num_hidden_layers"]
     assert ("text_config.num_hidden_layers", 2) in missing_size_fields(config, data)
+
+
+def test_transformers_error_on_a_config_is_named_in_one_sentence_and_kept_as_the_cause(tmp_path):
+    """Issue #48: transformers' error for an unknown model type runs over several sentences (how to upgrade, how to
+    install from source); ours names its first sentence and the fix, and keeps the whole as ``__cause__``."""
+    from allocator.errors import InvalidModel
+
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(InvalidModel) as raised:
+        load_model(str(tmp_path))
+    message, cause = str(raised.value), raised.value.__cause__
+    assert message == (f"transformers cannot read the config {tmp_path}: ValueError: The checkpoint you are trying to "
+                       "load has model type `no-such-architecture` but Transformers does not recognize this "
+                       "architecture; fix its config.json where that names a field, or give the folder of a model "
+                       "transformers knows.")
+    assert isinstance(cause, ValueError) and "pip install" in str(cause) and "pip install" not in message
+
+
+def test_a_config_transformers_cannot_build_keeps_its_error_as_the_cause(tmp_path):
+    from allocator.errors import InvalidModel
+
+    transformers.LlamaConfig(**{**LLAMA, "hidden_act": "no-such-activation"}).save_pretrained(tmp_path)
+    with pytest.raises(InvalidModel, match=r"transformers cannot build .* from .*: KeyError: .*; fix "
+                                           r"the config's fields it names\.$") as raised:
+        load_model(str(tmp_path))
+    assert isinstance(raised.value.__cause__, KeyError)

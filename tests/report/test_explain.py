@@ -181,3 +181,23 @@ def test_an_empty_accelerator_after_another_empty_one_states_a_budget_bounded_by
     alone = _with_budget(_with_budget(p.problem, 0, 0), 1, minimum[1])
     assert contract_main(alone) == 1
     assert contract_main(_with_budget(alone, 1, minimum[1] - max(1, minimum[1] // 100) - 1)) != 1
+
+
+def test_an_unbudgeted_main_device_is_said_with_its_peak():
+    """Issue #46: with no "cpu" in max_memory (``{}``, accelerators only) the CPU may be the main device, its peak
+    checked against nothing, as in accelerate, which reads this machine's memory only for ``max_memory=None``; the
+    plan is valid by that reading, and says so in its explanation, with the peak."""
+    from accelerate.utils import get_max_memory, infer_auto_device_map
+
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100))   # 40,400 B per layer
+    assert get_max_memory({}) == {} and dict(infer_auto_device_map(model, max_memory={})) == {"": "disk"}
+    for budget in ({}, {0: "1KiB"}, {"disk": "1GiB"}):
+        plan = allocator.plan(model, budget)
+        assert plan.valid and plan.main_device == "cpu" and plan.peak["cpu"] == 40400
+        lines = [line for line in plan.explain().splitlines() if "RAM is not budgeted" in line]
+        assert lines == ["  - RAM is not budgeted: 'cpu' (the main device) holds 39.45 KiB at its peak (weights "
+                         "streamed in and buffers), but max_memory has no 'cpu' entry, so that peak is checked against "
+                         "nothing (accelerate does not count it either); give max_memory a 'cpu' budget to check it, "
+                         "or leave max_memory out to plan against this machine's free RAM"], budget
+    for budget in ({"cpu": "1GiB"}, {0: "1GiB"}, None):   # RAM budgeted, or holding nothing
+        assert "RAM is not budgeted" not in allocator.plan(model, budget).explain()
