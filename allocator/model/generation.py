@@ -26,7 +26,11 @@ KV cache
     The key bytes are charged to the key projection, the value bytes to the value projection (the cache tensors are
     their outputs, so they live on the device those modules execute on). Each layer is counted at its own largest,
     so with sliding and full layers mixed and a prompt longer than the window the sum is an upper bound.
-    Other caches (``cache_implementation="static"``, quantized or offloaded caches) are not modelled.
+    Layers that reuse an earlier layer's keys and values (Gemma-4 E-series, ``num_kv_shared_layers``), which
+    transformers gives a ``DummyLayer``, hold nothing: 0 bytes (their attention modules have no key/value
+    projections, so they are not found at all). Other caches (``cache_implementation="static"``, quantized or
+    offloaded caches) are not modelled; :mod:`allocator.model.cache_layers` models or refuses each cache-layer class
+    by name.
 Logits
     The output head's output for the positions generate asks for (``logits_to_keep=1`` when the model supports it,
     else the whole prefill) on the head's executing device, and on the main device the float32 next-token logits,
@@ -45,7 +49,7 @@ Activations
 
 The attention modules that fill cache layers, and their key/value widths, are found by
 :mod:`allocator.model.attention`. Unknown architectures (no attention module with ``layer_idx`` and key/value
-projections, or cache layers that are neither full nor sliding attention, such as state-space or linear-attention
+projections, or cache layers :mod:`allocator.model.cache_layers` refuses, such as linear-attention, hybrid or indexed
 layers) raise :class:`allocator.InvalidOption` rather than planning with a cache of unknown size.
 """
 
@@ -59,6 +63,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from ..budgets import format_bytes
 from ..errors import InvalidOption, warn_caller
 from .attention import CacheAttention, cache_attentions, first_positive_int, in_features, out_features, projection
+from .cache_layers import cache_layer_kinds
 from .sizes import as_dtype, dtype_bytes
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
@@ -172,7 +177,7 @@ class CacheLayer:
 
     module: str
     index: int         # its ``layer_idx``: the layer of the (self- or cross-attention) cache it fills
-    kind: str          # "full", "sliding", or "cross"
+    kind: str          # "full", "sliding", "shared" (reuses an earlier layer's keys and values: 0 bytes) or "cross"
     tokens: int
     nbytes: int
 
@@ -231,29 +236,6 @@ def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
     return dtype_bytes(own)[0]
 
 
-def _cache_layer_kinds(config, count: int) -> list[tuple[str, int | None]]:
-    """``(kind, window)`` per self-attention layer, as ``DynamicCache(config=...)`` builds them."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
-
-    try:
-        layers = DynamicCache(config=config).layers
-    except Exception as err:  # a config DynamicCache cannot read: count every layer as full (an upper bound)
-        log.warning("DynamicCache(config=...) failed for %s (%s); counting every cache layer as full attention, "
-                    "which over-counts sliding-window layers", type(config).__name__, err)
-        return [("full", None)] * count
-    kinds = []
-    for i, layer in enumerate(layers):
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            kinds.append(("sliding", int(layer.sliding_window)))
-        elif type(layer) is DynamicLayer:
-            kinds.append(("full", None))
-        else:
-            raise InvalidOption(
-                f"cache layer {i} of {type(config).__name__} is a {type(layer).__name__}, whose memory allocator does "
-                "not model (only full and sliding-window attention); plan without generation= and keep headroom.")
-    return kinds + [("full", None)] * (count - len(kinds))
-
-
 def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> GenerationNeeds:
     """The bytes ``budget`` adds for ``model``, attributed to the nodes of ``graph`` (see the module notes).
 
@@ -304,7 +286,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
             "of its generation cache is unknown to allocator; plan without generation= and keep headroom on the "
             "devices instead.")
     ebytes = _element_bytes(budget, dtype, self_layers[0].key_module.weight, config)
-    kinds = _cache_layer_kinds(config, max(a.index for a in self_layers) + 1)
+    kinds = cache_layer_kinds(config, max(a.index for a in self_layers) + 1)
     B, L = budget.batch_size, decoder_length(budget, encoder_decoder)
     cache: dict[int, int] = {}
     layers: list[CacheLayer] = []
@@ -313,7 +295,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
             kind, tokens = "cross", encoder_tokens
         else:
             kind, window = kinds[a.index]
-            tokens = L - 1 if kind == "full" else max(prefill, min(L - 1, window))
+            tokens = {"full": L - 1, "shared": 0}.get(kind, max(prefill, min(L - 1, window or 0)))
         for path, width in ((a.key_path, a.key_width), (a.value_path, a.value_width)):
             node = _leaf_with_tensors(graph, graph.node_index[path])
             cache[node] = cache.get(node, 0) + B * tokens * width * ebytes
