@@ -18,7 +18,7 @@ from allocator.integrations import transformers as hf  # noqa: E402
 from allocator.model import zoo  # noqa: E402
 from allocator.model.cache_kwarg import output_cache  # noqa: E402
 from allocator.model.cache_layers import MODELLED, REFUSED, cache_layer_kinds  # noqa: E402
-from tests.models import quiet_hf  # noqa: E402
+from models import quiet_hf  # noqa: E402
 
 cache_utils = pytest.importorskip("transformers.cache_utils")
 
@@ -143,6 +143,7 @@ def test_tiny_gemma4_cache_bytes_equal_what_generate_fills(k_eq_v):
     assert all(measured[i] == 0 for i, m in enumerate(config.kv_sharing_modes) if m == "reuse")
 
 
+@pytest.mark.slow
 def test_tiny_gemma4_offloaded_under_patch_generates_the_tokens_of_the_model_in_ram(tmp_path):
     from transformers import Gemma4ForCausalLM
 
