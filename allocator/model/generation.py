@@ -7,8 +7,8 @@ module (they live where the module *executes*: its device when resident, the mai
 :func:`allocator.evaluate.memory.peaks` — the one place per-device peaks are computed — adds them. So every strategy
 that respects the validator's peaks respects the generation budget too.
 
-What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's ``cache_utils`` and
-``GenerationMixin._sample``):
+What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's and 5.25's
+``cache_utils`` and ``GenerationMixin._sample``):
 
 KV cache
     Per attention module that owns a cache layer (a module with an integer ``layer_idx`` and key/value projections,
