@@ -168,7 +168,7 @@ def fit(model, max_memory: Mapping | None = None, *, batch_size: int = 1, max_le
     ...                              max_position_embeddings=100_000))
     >>> found = allocator.fit(model, {0: "4MiB"})
     >>> found.max_length, found.device, found.term
-    (931, 0, 'activations')
+    (1202, 0, 'activations')
     >>> set(found.plan.device_map.values())
     {0}
     """

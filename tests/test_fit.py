@@ -162,17 +162,22 @@ def _llama_with(attention: str):
 
 
 def test_fit_states_and_computes_for_the_attention_implementation():
-    """Issue 37: eager attention materialises the scores (batch x heads x tokens x tokens in the compute dtype, plus
-    their float32 softmax), sdpa does not: eager fits a shorter context on the same budget, the difference in
-    activations is that formula, and the answer says which implementation it assumed."""
+    """Issue 37: eager attention materialises the scores (batch x heads x tokens x tokens, two copies at once) and a
+    float mask, sdpa neither for one sequence (issue 48, measured in tests/model/test_prefill_memory.py): eager fits a
+    shorter context on the same budget, sdpa's activations grow linearly, eager's by those squares, and the answer
+    says which implementation it assumed."""
     from allocator.model.generation import generation_needs
 
     sdpa, eager = _llama_with("sdpa"), _llama_with("eager")
     found = {name: allocator.fit(m, {0: "4MiB"}) for name, m in (("sdpa", sdpa), ("eager", eager))}
     assert 0 < found["eager"].max_length < found["sdpa"].max_length
     assert "attention eager" in found["eager"].summary() and "attention sdpa" in found["sdpa"].summary()
-    budget = allocator.GenerationBudget(2, 257)   # prefill 256 tokens
     graph = allocator.build_problem(sdpa, {"cpu": 0}).graph
-    added = (generation_needs(eager, graph, budget).activations - generation_needs(sdpa, graph, budget).activations)
-    B, T, heads, dtype_bytes = 2, 256, 4, 4
-    assert added == B * T * heads * T * (dtype_bytes + 4) - B * T * T   # scores and softmax, not the boolean mask
+
+    def activations(model, tokens):
+        return generation_needs(model, graph, allocator.GenerationBudget(1, tokens + 1)).activations
+
+    T, heads, dtype_bytes = 256, 4, 4
+    assert activations(sdpa, 2 * T) == 2 * activations(sdpa, T)   # no tokens x tokens term
+    squares = T * T * dtype_bytes + heads * T * T * 2 * dtype_bytes  # the float mask, two float32 copies of the scores
+    assert 0 < activations(eager, T) - squares < activations(sdpa, T)

@@ -1,7 +1,8 @@
 """The attention modules of a transformers model that fill a KV-cache layer, and how wide their keys and values are.
 
 An attention module fills a cache layer when it has an integer ``layer_idx`` and key/value projections (separate,
-such as llama's ``k_proj`` / ``v_proj``, or fused, such as GPT-2's ``c_attn``), sits under the model's
+such as llama's ``k_proj`` / ``v_proj``, fused, such as GPT-2's ``c_attn``, or one key projection whose output is
+the values too, Gemma-4's ``attention_k_eq_v`` with ``v_proj = None``), sits under the model's
 ``get_decoder()`` and not in its encoder (:func:`cache_attentions`). :mod:`allocator.model.generation` sizes the
 cache and the activations of ``generate`` from what this module finds.
 """
@@ -88,6 +89,8 @@ def cache_attentions(model, config, encoder_decoder: bool, names: Mapping[int, s
             continue  # e.g. a vision tower beside the language model
         k_name, k = projection(module, KEY_NAMES)
         v_name, v = projection(module, VALUE_NAMES)
+        if k is not None and v is None and any(getattr(module, n, 0) is None for n in VALUE_NAMES):
+            v_name, v = k_name, k  # values from the key projection (Gemma-4's attention_k_eq_v), cached apart
         if k is not None and v is not None:
             widths = (out_features(k), out_features(v))
         else:

@@ -7,8 +7,8 @@ module (they live where the module *executes*: its device when resident, the mai
 :func:`allocator.evaluate.memory.peaks` — the one place per-device peaks are computed — adds them. So every strategy
 that respects the validator's peaks respects the generation budget too.
 
-What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's ``cache_utils`` and
-``GenerationMixin._sample``):
+What is counted, for transformers' default ``DynamicCache`` (checked against transformers 5.24's and 5.25's
+``cache_utils`` and ``GenerationMixin._sample``):
 
 KV cache
     Per attention module that owns a cache layer (a module with an integer ``layer_idx`` and key/value projections,
@@ -26,26 +26,43 @@ KV cache
     The key bytes are charged to the key projection, the value bytes to the value projection (the cache tensors are
     their outputs, so they live on the device those modules execute on). Each layer is counted at its own largest,
     so with sliding and full layers mixed and a prompt longer than the window the sum is an upper bound.
-    Other caches (``cache_implementation="static"``, quantized or offloaded caches) are not modelled.
+    Layers that reuse an earlier layer's keys and values (Gemma-4 E-series, ``num_kv_shared_layers``), which
+    transformers gives a ``DummyLayer``, hold nothing: 0 bytes (their attention modules have no key/value
+    projections, so they are not found at all). Other caches (``cache_implementation="static"``, quantized or
+    offloaded caches) are not modelled; :mod:`allocator.model.cache_layers` models or refuses each cache-layer class
+    by name.
 Logits
     The output head's output for the positions generate asks for (``logits_to_keep=1`` when the model supports it,
     else the whole prefill) on the head's executing device, and on the main device the float32 next-token logits,
     the processed scores and the sampling probabilities (``3 × batch × vocab × 4`` bytes).
 Activations
-    On every device that executes part of the model, an estimate of the largest forward's working set: the prefill
-    of ``batch × tokens`` (the prompt, or the encoder input of an encoder-decoder model) through one block — four
-    hidden-state copies (the block's input, held by its caller; the embeddings, held while the first block runs; the
-    residual; the normalised input), then the larger of the attention projections (query and key twice, before and
-    after rotary embeddings; value; output) and the MLP's three intermediates — plus the attention scores and their
-    float32 softmax when they are materialised (eager attention, T5-style position bias) or else the boolean 4-D
-    mask, plus one layer's key (or value) tensor copied when the cache grows (``torch.cat`` allocates the new tensor
-    before the old one is freed). Measured on CPU against every allocation ``generate`` makes (torch profiler,
-    ``tests/model/test_generation.py``): llama 0.84-0.96 of the prediction; T5 about half (its position bias is counted
-    as float32 scores).
+    On every device that executes part of the model, the largest forward's working set: the prefill of ``batch ×
+    tokens`` (the prompt, or the encoder input of an encoder-decoder model) through one block, the larger of two
+    moments, plus the 4-D masks ``create_causal_mask`` holds through the forward:
+
+    - the MLP's (or the projections'): four hidden-state copies (the block's input, held by its caller; the
+      embeddings, held by the model's forward; the residual; the normalised input), then the larger of the attention
+      projections (query and key twice, before and after rotary embeddings; value; output) and the MLP's three
+      intermediates, plus one layer's key (or value) tensor copied when the cache grows (``torch.cat`` allocates the
+      new tensor before the old one is freed);
+    - the attention's: the embeddings, residual and normalised input, the query, the keys and values repeated to
+      every head, rotary cos and sin, and under eager attention (or T5-style position bias) two copies of the
+      ``batch × heads × tokens × tokens`` scores at once (the product and its scaled copy in float32; in half
+      precision the sum with the mask, its float32 copy and the float32 softmax), under sdpa with a mask the mask's
+      copy in the compute dtype and the output;
+    - the masks: under eager attention one float mask per kind of layer (full, sliding) in the compute dtype;
+      under sdpa none for one unpadded sequence (``is_causal`` stands in), else a boolean one for a sliding window
+      within the length and for a batch (padding possible).
+
+    Measured on CPU against every allocation of a prefill (torch profiler, ``benchmarks/prefill_memory.py``,
+    ``tests/model/test_prefill_memory.py``): a tiny qwen3 within 0.3 % at 256, 1,024 and 4,096 tokens under sdpa
+    and eager, float32 and bfloat16; a padded batch under sdpa 0.95-1.02 (the CPU kernel's own buffers are not
+    counted). Against all of ``generate`` (``tests/model/test_generation.py``): llama within the prediction; T5 about
+    half (its position bias is counted as eager scores).
 
 The attention modules that fill cache layers, and their key/value widths, are found by
 :mod:`allocator.model.attention`. Unknown architectures (no attention module with ``layer_idx`` and key/value
-projections, or cache layers that are neither full nor sliding attention, such as state-space or linear-attention
+projections, or cache layers :mod:`allocator.model.cache_layers` refuses, such as linear-attention, hybrid or indexed
 layers) raise :class:`allocator.InvalidOption` rather than planning with a cache of unknown size.
 """
 
@@ -59,6 +76,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from ..budgets import format_bytes
 from ..errors import InvalidOption, cause_line, warn_caller
 from .attention import CacheAttention, cache_attentions, first_positive_int, in_features, out_features, projection
+from .cache_layers import cache_layer_kinds
 from .sizes import as_dtype, dtype_bytes
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
@@ -172,7 +190,7 @@ class CacheLayer:
 
     module: str
     index: int         # its ``layer_idx``: the layer of the (self- or cross-attention) cache it fills
-    kind: str          # "full", "sliding", or "cross"
+    kind: str          # "full", "sliding", "shared" (reuses an earlier layer's keys and values: 0 bytes) or "cross"
     tokens: int
     nbytes: int
 
@@ -231,29 +249,6 @@ def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
     return dtype_bytes(own)[0]
 
 
-def _cache_layer_kinds(config, count: int) -> list[tuple[str, int | None]]:
-    """``(kind, window)`` per self-attention layer, as ``DynamicCache(config=...)`` builds them."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
-
-    try:
-        layers = DynamicCache(config=config).layers
-    except Exception as err:  # a config DynamicCache cannot read: count every layer as full (an upper bound)
-        log.warning("DynamicCache(config=...) failed for %s (%s); counting every cache layer as full attention, "
-                    "which over-counts sliding-window layers", type(config).__name__, cause_line(err))
-        return [("full", None)] * count
-    kinds = []
-    for i, layer in enumerate(layers):
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            kinds.append(("sliding", int(layer.sliding_window)))
-        elif type(layer) is DynamicLayer:
-            kinds.append(("full", None))
-        else:
-            raise InvalidOption(
-                f"cache layer {i} of {type(config).__name__} is a {type(layer).__name__}, whose memory allocator does "
-                "not model (only full and sliding-window attention); plan without generation= and keep headroom.")
-    return kinds + [("full", None)] * (count - len(kinds))
-
-
 def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> GenerationNeeds:
     """The bytes ``budget`` adds for ``model``, attributed to the nodes of ``graph`` (see the module notes).
 
@@ -304,7 +299,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
             "of its generation cache is unknown to allocator; plan without generation= and keep headroom on the "
             "devices instead.")
     ebytes = _element_bytes(budget, dtype, self_layers[0].key_module.weight, config)
-    kinds = _cache_layer_kinds(config, max(a.index for a in self_layers) + 1)
+    kinds = cache_layer_kinds(config, max(a.index for a in self_layers) + 1)
     B, L = budget.batch_size, decoder_length(budget, encoder_decoder)
     cache: dict[int, int] = {}
     layers: list[CacheLayer] = []
@@ -313,7 +308,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
             kind, tokens = "cross", encoder_tokens
         else:
             kind, window = kinds[a.index]
-            tokens = L - 1 if kind == "full" else max(prefill, min(L - 1, window))
+            tokens = {"full": L - 1, "shared": 0}.get(kind, max(prefill, min(L - 1, window or 0)))
         for path, width in ((a.key_path, a.key_width), (a.value_path, a.value_width)):
             node = _leaf_with_tensors(graph, graph.node_index[path])
             cache[node] = cache.get(node, 0) + B * tokens * width * ebytes
@@ -322,7 +317,8 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
                          for layer, a in zip(layers, attentions))
     logits, scores = _logits(model, graph, names, B, 1 if encoder_decoder else prefill, ebytes)
     tokens = max(prefill, encoder_tokens)
-    activations = _activations(model, config, self_layers[0], B * tokens, tokens, ebytes) + largest_tensor
+    masks = _masks(model, kinds, B, tokens)
+    activations = _activations(model, config, self_layers[0], B, tokens, ebytes, masks, largest_tensor)
     notes = (f"generate: batch {B}, max_length {L}, prefill {prefill}"
              + (f", encoder {encoder_tokens}" if encoder_decoder else "") + f" tokens, {ebytes} bytes per element",)
     return GenerationNeeds(budget=budget, cache=cache, logits=logits, scores=scores, activations=activations,
@@ -401,8 +397,23 @@ def _leaf_with_tensors(graph, node: int) -> int:
     return node
 
 
-def _activations(model, config, attention: CacheAttention, tokens: int, length: int, ebytes: int) -> int:
-    """Working set of the largest block forward of ``tokens`` tokens over ``length`` positions (module notes)."""
+def _masks(model, kinds, batch: int, length: int) -> int:
+    """The 4-D attention masks ``create_causal_mask`` materialises for a prefill of ``length`` tokens (transformers
+    5.25's ``masking_utils``): one per kind of layer (full, sliding). Under eager attention always, in the compute
+    dtype; under sdpa only where ``is_causal`` cannot stand in for it (``_ignore_causal_mask_sdpa``), as booleans: a
+    sliding layer whose window is within the length, and a full layer when the batch may hold padding (batch > 1)."""
+    eager = attention_assumed(model)[1]
+    windows = [window for kind, window in kinds if kind == "sliding"]
+    full = any(kind == "full" for kind, _ in kinds) or not kinds
+    if eager:
+        return int(full) + int(bool(windows))
+    return int(full and batch > 1) + int(any(w is not None and length >= w for w in windows))
+
+
+def _activations(model, config, attention: CacheAttention, batch: int, length: int, ebytes: int, masks: int,
+                 largest_tensor: int) -> int:
+    """Working set of the largest block forward of ``batch x length`` tokens (module notes): the larger of the MLP's
+    moment and the attention's, both with the masks held through the forward."""
     import torch
 
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -419,22 +430,31 @@ def _activations(model, config, attention: CacheAttention, tokens: int, length: 
         value = getattr(text_config, key, None)
         if isinstance(value, int):
             intermediate = max(intermediate, value)
-    per_token = 4 * hidden + max(2 * q_width + 2 * kw + vw + hidden, 3 * intermediate)
-    total = tokens * per_token * ebytes
     heads = getattr(text_config, "num_attention_heads", None) or max(1, q_width // 64)
-    if attention_assumed(model)[1]:
-        total += tokens * heads * length * (ebytes + 4)  # materialised scores, and their float32 softmax
+    tokens, pairs = batch * length, batch * length * length
+    eager = attention_assumed(model)[1]
+    held = masks * pairs * (ebytes if eager else 1)
+    per_token = 4 * hidden + max(2 * q_width + 2 * kw + vw + hidden, 3 * intermediate)
+    mlp = tokens * per_token * ebytes + largest_tensor
+    # the attention's moment: embeddings, residual, normed input, query, keys and values repeated to every head,
+    # rotary cos and sin; under eager two copies of the scores (the product and the next step's, a float32 softmax
+    # and a cast back in half precision), under sdpa with a mask its copy in the compute dtype and the output
+    attention_tokens = 3 * hidden + 3 * q_width + 2 * (q_width // heads)
+    if eager:
+        at_attention = heads * pairs * (ebytes + (4 if ebytes == 4 else 8))
+    elif masks:
+        at_attention, attention_tokens = pairs * ebytes, attention_tokens + q_width
     else:
-        total += tokens * length  # the boolean 4-D attention mask
-    return total
+        at_attention = 0
+    return held + max(mlp, tokens * attention_tokens * ebytes + at_attention)
 
 
 def attention_assumed(model) -> tuple[str, bool]:
     """The attention implementation :func:`generation_needs` counts activations for, and whether it materialises the
     scores: the (text) config's ``_attn_implementation`` (``"sdpa"``, ``"flash_attention_2"``, ``"eager"``, ...;
-    ``"sdpa"`` where unset, as transformers picks it); the scores, ``batch x heads x tokens x tokens`` in the compute
-    dtype plus their float32 softmax, per layer as live at once, are counted under ``"eager"`` and for T5-style
-    position bias (``relative_attention_bias``), which materialise them, and not for the memory-efficient kernels.
+    ``"sdpa"`` where unset, as transformers picks it); the scores, ``batch x heads x tokens x tokens``, two copies
+    at once (see the module notes), and a float mask are counted under ``"eager"`` and for T5-style position bias
+    (``relative_attention_bias``), which materialise them, and not for the memory-efficient kernels.
 
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -455,7 +475,7 @@ def attention_assumed(model) -> tuple[str, bool]:
 def attention_words(model) -> str:
     """:func:`attention_assumed` as a sentence for reports."""
     name, scores = attention_assumed(model)
-    return (f"attention {name}: the scores are materialised and counted (batch x heads x tokens x tokens, in the "
-            "compute dtype plus their float32 softmax, one layer at a time)" if scores else
+    return (f"attention {name}: the scores are materialised and counted (batch x heads x tokens x tokens, two "
+            "copies at once, one layer at a time, and a float mask)" if scores else
             f"attention {name}: a memory-efficient kernel, the scores are not materialised (eager attention would "
             "add batch x heads x tokens x tokens of them)")

@@ -81,6 +81,16 @@ SPECS: tuple[ZooSpec, ...] = (
             dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                  rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    ZooSpec("gemma4-e4b", "dense-llm", "Gemma4ForCausalLM", "Gemma4TextConfig", "bfloat16",
+            "gemma-4-E4B's text model, as published model cards describe it (no checkpoint read): 42 layers, 5 "
+            "sliding (window 512) to 1 full, hidden 2560, GQA 8/2 heads of dim 256 (512 on full layers), the last 18 "
+            "layers reuse earlier layers' keys and values (no cache of their own), per-layer embeddings of 256 per "
+            "layer, vocab 262144, tied embeddings",
+            dict(vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
+                 num_kv_shared_layers=18, sliding_window=512, max_position_embeddings=131072,
+                 vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, rms_norm_eps=1e-6,
+                 tie_word_embeddings=True)),
     ZooSpec("gemma-2b", "dense-llm", "GemmaForCausalLM", "GemmaConfig", "bfloat16",
             "gemma-2b: 18 layers, hidden 2048, MQA 8/1 heads of dim 256, vocab 256000, tied embeddings (embedding is "
             "~21% of the model)",
