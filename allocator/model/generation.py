@@ -74,7 +74,7 @@ from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field
 
 from ..budgets import format_bytes
-from ..errors import InvalidOption, cause_line, warn_caller
+from ..errors import InvalidOption, warn_caller
 from .attention import CacheAttention, cache_attentions, first_positive_int, in_features, out_features, projection
 from .cache_layers import cache_layer_kinds
 from .sizes import as_dtype, dtype_bytes
