@@ -244,28 +244,20 @@ def _holding(plan, layout: _Layout, device, full: set) -> str:
 
 
 def _ranked_apart(plan, choice) -> str:
-    """Where the plan's estimate is not the figure its candidates were ranked by (the map priced alone, at the default
-    forward, before routed experts, the generation budget's steps and the units computed on the CPU were counted): a
-    clause that says so and gives the plan's, so one text never states two estimates of one plan unexplained."""
-    winner = choice.facts.get("winner")
-    ranked = next((t.get("seconds") for t in choice.facts.get("tried", ()) if t.get("name") == winner), None)
+    """Where the plan's estimate is not the figure its candidates were ranked by (their maps priced alone, one forward
+    at the profile's tokens): a clause giving the plan's and what it counts beyond, so one text never states two
+    estimates of one plan unexplained."""
+    ranked = next((t.get("seconds") for t in choice.facts.get("tried", ()) if t.get("name") ==
+                   choice.facts.get("winner")), None)
     if ranked is None or abs(ranked - plan.cost.seconds) <= 5e-7 * max(ranked, plan.cost.seconds, 1e-9):
         return ""
+    counted = [what for what, yes in (("the routed experts where they live", plan.placement.experts),
+                                      (f"the {plan.priced_step} step of the generation budget",
+                                       plan.problem.generation is not None),
+                                      ("the units computed where their weights live", plan.hybrid is not None)) if yes]
     return (f" (candidates are ranked on their maps alone, one forward at the profile's tokens; this plan's estimate, "
-            f"{format_ms(plan.cost.seconds)} {plan.priced_phrase()}, also counts {_counted(plan)})")
-
-
-def _counted(plan) -> str:
-    """What a plan's estimate counts beyond its map's: routed experts, the generation budget's step, the units
-    computed where their weights live."""
-    found = []
-    if plan.placement.experts:
-        found.append("the routed experts where they live")
-    if plan.problem.generation is not None:
-        found.append(f"the {plan.priced_step} step of the generation budget")
-    if plan.hybrid is not None:
-        found.append("the units computed where their weights live")
-    return " and ".join(found) or "the plan's runtime"
+            f"{format_ms(plan.cost.seconds)} {plan.priced_phrase()}, also counts "
+            f"{' and '.join(counted) or 'the runtime'})")
 
 
 def _said(plan, kind: str, device, used: set) -> str | None:
