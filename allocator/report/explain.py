@@ -367,8 +367,8 @@ def unbudgeted_ram(plan) -> str | None:
     used = plan.peak.get("cpu", 0)
     if "cpu" in plan.problem.budgets.limits or not used:
         return None
-    what = [name for name, part in (("weights streamed in and buffers", "weights"), ("KV cache", "cache"),
-                                     ("logits", "logits"), ("activations", "activations"))
+    what = [name for name, part in (("weights and buffers", "weights"), ("weights streamed in", "reserve"),
+                                     ("KV cache", "cache"), ("logits", "logits"), ("activations", "activations"))
             if plan.parts.get("cpu", {}).get(part)]
     role = " (the main device)" if plan.main_device == "cpu" else ""
     return (f"RAM is not budgeted: 'cpu'{role} holds {format_bytes(used)} at its peak ({', '.join(what) or 'weights'})"

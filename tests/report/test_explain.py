@@ -196,7 +196,7 @@ def test_an_unbudgeted_main_device_is_said_with_its_peak():
         assert plan.valid and plan.main_device == "cpu" and plan.peak["cpu"] == 40400
         lines = [line for line in plan.explain().splitlines() if "RAM is not budgeted" in line]
         assert lines == ["  - RAM is not budgeted: 'cpu' (the main device) holds 39.45 KiB at its peak (weights "
-                         "streamed in and buffers), but max_memory has no 'cpu' entry, so that peak is checked against "
+                         "streamed in), but max_memory has no 'cpu' entry, so that peak is checked against "
                          "nothing (accelerate does not count it either); give max_memory a 'cpu' budget to check it, "
                          "or leave max_memory out to plan against this machine's free RAM"], budget
     for budget in ({"cpu": "1GiB"}, {0: "1GiB"}, None):   # RAM budgeted, or holding nothing
