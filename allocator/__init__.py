@@ -20,7 +20,7 @@ from .model.generation import GenerationBudget
 from .model.expert_profile import ExpertProfile, profile_experts
 from . import offload
 from .integrations.transformers import patch, plan_of, unpatch
-from .pipelines import PipelinePlan, plan_pipeline
+from .pipelines import JointPlan, PipelinePlan, plan_pipeline, plan_together
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES
@@ -37,7 +37,8 @@ __all__ = [
     "estimate", "Fit", "fit",
     "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
     "contract_violations",
-    "infer_auto_device_map", "offload", "patch", "plan_of", "PipelinePlan", "plan_pipeline",
+    "infer_auto_device_map", "offload", "patch", "plan_of", "PipelinePlan", "plan_pipeline", "JointPlan",
+    "plan_together",
     "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

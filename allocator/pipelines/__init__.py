@@ -1,6 +1,9 @@
-"""A diffusion pipeline's components placed as one problem (:func:`plan_pipeline`)."""
+"""Several models placed as one problem: a diffusion pipeline's components (:func:`plan_pipeline`), a target and its
+draft model (:func:`plan_together`)."""
 
 from .components import Component, read_components, runs_per_image
 from .plan import PipelinePlan, plan_pipeline
+from .together import JointPlan, plan_together
 
-__all__ = ["Component", "PipelinePlan", "plan_pipeline", "read_components", "runs_per_image"]
+__all__ = ["Component", "JointPlan", "PipelinePlan", "plan_pipeline", "plan_together", "read_components",
+           "runs_per_image"]
