@@ -5,15 +5,21 @@ integration module."""
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import logging
+import sys
 from collections.abc import Callable, Mapping
 
 from ..budgets import is_accelerator, warn_misread
 
-__all__ = ["Unchecked", "baseline_map", "named", "optional_import", "user_budgets"]
+__all__ = ["Unchecked", "baseline_map", "bound_by_name", "named", "optional_import", "original_of", "unless_baseline",
+           "user_budgets"]
 
 log = logging.getLogger("allocator.integrations")
+
+_BASELINE = contextvars.ContextVar("allocator_baseline", default=False)
+"""True while :func:`baseline_map` runs a library's own planner: accelerate's functions are accelerate's then."""
 
 
 def optional_import(name: str):
@@ -36,12 +42,15 @@ def baseline_map(call: Callable[[], object], model, planner: str) -> dict | None
     >>> baseline_map(lambda: {"": 0}, None, "theirs"), baseline_map(lambda: 1 / 0, None, "theirs")
     ({'': 0}, None)
     """
+    token = _BASELINE.set(True)
     try:
         found = call()
     except Exception as err:   # noqa: BLE001 - any failure of their planner only drops the baseline, and is said
         log.info("%s fails for %s (%s: %s): planning without its map as the floor", planner, type(model).__name__,
                  type(err).__name__, err)
         return None
+    finally:
+        _BASELINE.reset(token)
     return dict(found) if isinstance(found, Mapping) else None
 
 
@@ -68,6 +77,53 @@ def named(replacement: Callable, original: Callable) -> Callable:
                            "plans string device maps with allocator.plan (see allocator.patch).")
     replacement.__allocator_original__ = original
     return replacement
+
+
+def unless_baseline(replacement: Callable, original: Callable) -> Callable:
+    """``replacement``, except while :func:`baseline_map` runs a library's own planner, which then calls
+    ``original``: that planner may call accelerate's functions from a namespace the patch rebinds (diffusers'
+    ``_determine_device_map`` from ``diffusers.models.model_loading_utils``), and its map must stay its own.
+    ``inspect.signature`` of the result is ``original``'s (diffusers reads it)."""
+
+    def call(*args, **kwargs):
+        return (original if _BASELINE.get() else replacement)(*args, **kwargs)
+
+    call.__wrapped__ = original
+    return call
+
+
+def original_of(function):
+    """The function a chain of replacements made by :func:`named` replaces (``function`` itself where none)."""
+    while callable(getattr(function, "__allocator_original__", None)):
+        function = function.__allocator_original__
+    return function
+
+
+def bound_by_name(functions: Mapping[str, Callable], *, skip: tuple[str, ...] = ()) -> list[tuple[object, str]]:
+    """``(module, attribute)`` for every loaded module that binds one of ``functions`` (attribute name -> the
+    library's function) by that name: ``from accelerate import infer_auto_device_map`` in PEFT's ``peft_model``,
+    whether the attribute is the function itself or a replacement of it (:func:`original_of`, a patch already on).
+    Modules named in ``skip`` (with their submodules) and ``__main__`` are left out; module order is
+    ``sys.modules``' (import order).
+
+    >>> import json, types
+    >>> fake = types.ModuleType("fake_library")
+    >>> fake.dumps = json.dumps
+    >>> sys.modules["fake_library"] = fake
+    >>> [(m.__name__, a) for m, a in bound_by_name({"dumps": json.dumps}, skip=("json",))]
+    [('fake_library', 'dumps')]
+    >>> del sys.modules["fake_library"]
+    """
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name == "__main__" or any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        found.extend((module, attribute) for attribute, function in functions.items()
+                     if attribute in namespace and original_of(namespace[attribute]) is function)
+    return found
 
 
 def user_budgets(get_max_memory, max_memory, mode: str) -> dict:

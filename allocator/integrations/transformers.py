@@ -36,11 +36,12 @@ from ..api import plan
 from ..budgets import canonical, is_accelerator
 from ..errors import InvalidOption
 from ..logs import shown
-from ..offload import attach, has_offload_hooks
+from ..offload import attach, has_offload_hooks, runtime_of
 from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .diffusers import diffusers_swaps
-from .library import Unchecked, baseline_map, named, optional_import, user_budgets
+from .library import (Unchecked, baseline_map, bound_by_name, named, optional_import, original_of, unless_baseline,
+                      user_budgets)
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
 __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
@@ -66,6 +67,9 @@ _LOADER_OF = {"accelerate.big_modeling": "accelerate"}
 """The loading path whose map each patched namespace builds (:attr:`allocator.PlanOptions.loader`): accelerate's
 ``load_checkpoint_and_dispatch`` calls ``infer_auto_device_map`` from ``accelerate.big_modeling``; transformers' own
 namespaces (``_get_device_map``, transformers 4's ``modeling_utils``) load with ``from_pretrained``."""
+_OWN_NAMESPACES = ("accelerate", "allocator")
+"""Left out of the search for accelerate's functions imported by name: accelerate's own namespaces (its public API,
+which a user calls directly; ``accelerate.big_modeling`` is patched above) and ours."""
 _ACTIVE: list[Patch] = []
 """Live patches, oldest first. Process-global; not locked."""
 
@@ -247,7 +251,7 @@ class Patch:
             self._pending[namespace] = mode
             return user_budgets(get_max_memory, max_memory, mode)
 
-        return named(get_balanced_memory, original)
+        return named(unless_baseline(get_balanced_memory, original), original)
 
     def _infer_auto_device_map(self, original, namespace: str):
         """accelerate's ``infer_auto_device_map``, planning for the mode recorded by ``get_balanced_memory``."""
@@ -267,7 +271,7 @@ class Patch:
                 return self._device_map(model, budgets, mode, hf_quantizer=hf_quantizer,
                                         no_split=no_split_module_classes, runtime=runtime, verbose=verbose)
 
-        return named(infer_auto_device_map, original)
+        return named(unless_baseline(infer_auto_device_map, original), original)
 
     def _dispatch_model(self, original):
         """accelerate's ``dispatch_model``, then (``runtime="allocator"``) our offload runtime in place of its
@@ -275,7 +279,7 @@ class Patch:
 
         def dispatch_model(model, *args, **kwargs):
             result = original(model, *args, **kwargs)
-            if has_offload_hooks(model) and getattr(model, "_allocator_runtime", None) is None:
+            if has_offload_hooks(model) and runtime_of(model) is None:
                 planned, loaded = self._plans.get(model, (None, None))
                 # the plan's map as loaded: the plan itself (attach checks the map); a map with tensors left out
                 # (_no_placement_params): its runtime; no plan of ours (a dict map): the runtime's defaults
@@ -316,7 +320,25 @@ class Patch:
                                    self._infer_auto_device_map(module.infer_auto_device_map, module.__name__)))
         first = [_Swap(*swap) for swap in   # diffusers' from_pretrained (allocator.integrations.diffusers)
                  diffusers_swaps(self._device_map, self._dispatch_model, self.options.runtime)]
-        return first + swaps
+        return first + swaps + self._swaps_by_name(first + swaps)
+
+    def _swaps_by_name(self, made: list[_Swap]) -> list[_Swap]:
+        """Every other loaded library that imports accelerate's planning functions by name (PEFT's ``peft_model``,
+        transformers' ``integrations.peft``, ...): found by identity, not from a list (:func:`bound_by_name`)."""
+        modeling = optional_import("accelerate.utils.modeling")
+        big_modeling = optional_import("accelerate.big_modeling")
+        if modeling is None or big_modeling is None:
+            return []
+        functions = {name: getattr(modeling, name) for name in ("get_balanced_memory", "infer_auto_device_map")}
+        if self.options.runtime == "allocator":
+            functions["dispatch_model"] = original_of(big_modeling.dispatch_model)
+        done = {(id(s.module), s.attribute) for s in made}
+        factories = {"get_balanced_memory": self._get_balanced_memory,
+                     "infer_auto_device_map": self._infer_auto_device_map,
+                     "dispatch_model": lambda original, _: self._dispatch_model(original)}
+        return [_Swap(module, attribute, factories[attribute](getattr(module, attribute), module.__name__))
+                for module, attribute in bound_by_name(functions, skip=_OWN_NAMESPACES)
+                if (id(module), attribute) not in done]
 
 
 def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device=None, **keywords) -> Patch:
