@@ -32,6 +32,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 import allocator  # noqa: E402
 import allocator.integrations.transformers as hf  # noqa: E402
+from allocator.integrations.library import baseline_map  # noqa: E402
 from allocator.offload import runtime_of  # noqa: E402
 from allocator.offload.handover import CARRIED  # noqa: E402
 from models import DTYPE, SavedModel, tiny_specs  # noqa: E402
@@ -158,3 +159,15 @@ def test_runtime_hooks_carry_what_peft_reads_and_the_runtime_ends_when_they_come
     assert "_allocator_runtime" not in vars(model) and runtime_of(model) is None   # ended with its last hook
     assert runtime.executor is None or runtime.executor._shutdown
     assert not any(hasattr(m, "_hf_hook") for _, m in model.named_modules())
+
+
+def test_a_librarys_own_planner_run_for_the_baseline_gets_accelerates_functions(lora):
+    """diffusers' own ``_determine_device_map`` (the baseline of rule 3) calls accelerate's functions from a namespace
+    the patch rebinds: while :func:`baseline_map` runs it, they are accelerate's."""
+    budgets = dict(lora.max_memory)
+    theirs = accelerate_modeling.infer_auto_device_map(lora.meta, max_memory=dict(budgets))
+    with hf.patch():
+        ours = peft_model.infer_auto_device_map(lora.meta, max_memory=dict(budgets))
+        baseline = baseline_map(lambda: peft_model.infer_auto_device_map(lora.meta, max_memory=dict(budgets)),
+                                lora.meta, "a library's own planner")
+    assert baseline == theirs and ours != theirs, (ours, theirs)
