@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import importlib.abc
 import logging
 import sys
+import threading
+from importlib.machinery import SourceFileLoader, SourcelessFileLoader
 from collections.abc import Callable, Mapping
 
 from ..budgets import is_accelerator, warn_misread
 
-__all__ = ["Unchecked", "baseline_map", "bound_by_name", "named", "optional_import", "original_of", "unless_baseline",
-           "user_budgets"]
+__all__ = ["AfterImport", "Unchecked", "baseline_map", "bound_by_name", "named", "optional_import", "original_of",
+           "unless_baseline", "user_budgets"]
 
 log = logging.getLogger("allocator.integrations")
 
@@ -99,12 +102,13 @@ def original_of(function):
     return function
 
 
-def bound_by_name(functions: Mapping[str, Callable], *, skip: tuple[str, ...] = ()) -> list[tuple[object, str]]:
+def bound_by_name(functions: Mapping[str, Callable], *, skip: tuple[str, ...] = (),
+                  modules=None) -> list[tuple[object, str]]:
     """``(module, attribute)`` for every loaded module that binds one of ``functions`` (attribute name -> the
     library's function) by that name: ``from accelerate import infer_auto_device_map`` in PEFT's ``peft_model``,
     whether the attribute is the function itself or a replacement of it (:func:`original_of`, a patch already on).
-    Modules named in ``skip`` (with their submodules) and ``__main__`` are left out; module order is
-    ``sys.modules``' (import order).
+    Modules named in ``skip`` (with their submodules) and ``__main__`` are left out; ``modules``: ``(name, module)``
+    pairs to search instead of ``sys.modules`` (in import order).
 
     >>> import json, types
     >>> fake = types.ModuleType("fake_library")
@@ -115,7 +119,7 @@ def bound_by_name(functions: Mapping[str, Callable], *, skip: tuple[str, ...] = 
     >>> del sys.modules["fake_library"]
     """
     found = []
-    for name, module in list(sys.modules.items()):
+    for name, module in list(sys.modules.items()) if modules is None else modules:
         if name == "__main__" or any(name == s or name.startswith(s + ".") for s in skip):
             continue
         namespace = getattr(module, "__dict__", None)
@@ -137,3 +141,66 @@ def user_budgets(get_max_memory, max_memory, mode: str) -> dict:
         if len(accelerators) == 1 and isinstance(accelerators[0], int):
             budgets[accelerators[0]] = int(budgets[accelerators[0]] * 0.9)
     return budgets
+
+
+class _Loader:
+    """A module's own loader, and ``callback(module)`` once the module has run (where it still runs, its own loader
+    is put back on it)."""
+
+    def __init__(self, loader, callback: Callable):
+        self._loader, self._callback = loader, callback
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        try:
+            self._loader.exec_module(module)
+        finally:
+            module.__loader__ = self._loader
+            if getattr(module, "__spec__", None) is not None:
+                module.__spec__.loader = self._loader
+        try:
+            self._callback(module)
+        except Exception as err:   # noqa: BLE001 - the user's import must not fail for the patch: said, not raised
+            log.warning("allocator could not patch %s after its import (%s: %s); import it before allocator.patch()",
+                        module.__name__, type(err).__name__, err)
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """A finder first on ``sys.meta_path`` from :meth:`install` to :meth:`remove` that calls ``callback(module)``
+    after each pure-Python module imported meanwhile has run (what a patch must reach of libraries imported after
+    it began). It finds nothing itself: it asks the finders after it, in order, and wraps the loader of a source or
+    bytecode module; extension, built-in and frozen modules and namespace packages load as they would."""
+
+    def __init__(self, callback: Callable):
+        self.callback = callback
+        self._asking = threading.local()
+
+    def install(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if getattr(self._asking, "now", False):
+            return None
+        self._asking.now = True
+        spec = None
+        try:
+            for finder in list(sys.meta_path):
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(fullname, path, target)
+                    if spec is not None:
+                        break
+        finally:
+            self._asking.now = False
+        if spec is not None and type(spec.loader) in (SourceFileLoader, SourcelessFileLoader):
+            spec.loader = _Loader(spec.loader, self.callback)
+        return spec

@@ -40,8 +40,8 @@ from ..offload import attach, has_offload_hooks, runtime_of
 from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .diffusers import diffusers_swaps
-from .library import (Unchecked, baseline_map, bound_by_name, named, optional_import, original_of, unless_baseline,
-                      user_budgets)
+from .library import (AfterImport, Unchecked, baseline_map, bound_by_name, named, optional_import, original_of,
+                      unless_baseline, user_budgets)
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
 __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
@@ -72,6 +72,9 @@ _OWN_NAMESPACES = ("accelerate", "allocator")
 which a user calls directly; ``accelerate.big_modeling`` is patched above) and ours."""
 _ACTIVE: list[Patch] = []
 """Live patches, oldest first. Process-global; not locked."""
+_AFTER_IMPORT = AfterImport(lambda module: [handle._adopt(module) for handle in list(_ACTIVE)])
+"""On ``sys.meta_path`` while a patch is live: each module imported meanwhile is searched by every live patch, oldest
+first (so that nested patches stack on it as on the modules found when they began)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,15 +135,23 @@ class Patch:
 
     def _apply(self, swaps: list[_Swap]) -> None:
         try:
-            for swap in swaps:
-                self._saved.append(getattr(swap.module, swap.attribute))
-                setattr(swap.module, swap.attribute, swap.replacement)
-                self._swaps.append(swap)
+            self._swap_in(swaps)
         except BaseException:
             self._restore()
             raise
         _ACTIVE.append(self)
+        _AFTER_IMPORT.install()
         log.debug("patched %s", ", ".join(self.patched))
+
+    def _swap_in(self, swaps: list[_Swap]) -> None:
+        for swap in swaps:
+            self._saved.append(getattr(swap.module, swap.attribute))
+            setattr(swap.module, swap.attribute, swap.replacement)
+            self._swaps.append(swap)
+
+    def _adopt(self, module) -> None:
+        """``module`` was imported while this patch is on: patch what it imported of accelerate by name."""
+        self._swap_in(self._swaps_by_name(self._swaps, [(module.__name__, module)]))
 
     def _restore(self) -> None:
         for swap, saved in reversed(list(zip(self._swaps, self._saved))):
@@ -169,6 +180,8 @@ class Patch:
             above._saved = [mine.get((id(s.module), s.attribute), saved)
                             for s, saved in zip(above._swaps, above._saved)]
         del _ACTIVE[index]
+        if not _ACTIVE:
+            _AFTER_IMPORT.remove()
         log.debug("unpatched %s", ", ".join(self.patched))
 
     # -- planning -------------------------------------------------------------------------------------------------
@@ -322,9 +335,10 @@ class Patch:
                  diffusers_swaps(self._device_map, self._dispatch_model, self.options.runtime)]
         return first + swaps + self._swaps_by_name(first + swaps)
 
-    def _swaps_by_name(self, made: list[_Swap]) -> list[_Swap]:
-        """Every other loaded library that imports accelerate's planning functions by name (PEFT's ``peft_model``,
-        transformers' ``integrations.peft``, ...): found by identity, not from a list (:func:`bound_by_name`)."""
+    def _swaps_by_name(self, made: list[_Swap], modules=None) -> list[_Swap]:
+        """Every other loaded library (of ``modules``: all) that imports accelerate's planning functions by name
+        (PEFT's ``peft_model``, transformers' ``integrations.peft``, ...): found by identity, not from a list
+        (:func:`bound_by_name`); a library imported later is reached when it is imported (:data:`_AFTER_IMPORT`)."""
         modeling = optional_import("accelerate.utils.modeling")
         big_modeling = optional_import("accelerate.big_modeling")
         if modeling is None or big_modeling is None:
@@ -337,7 +351,7 @@ class Patch:
                      "infer_auto_device_map": self._infer_auto_device_map,
                      "dispatch_model": lambda original, _: self._dispatch_model(original)}
         return [_Swap(module, attribute, factories[attribute](getattr(module, attribute), module.__name__))
-                for module, attribute in bound_by_name(functions, skip=_OWN_NAMESPACES)
+                for module, attribute in bound_by_name(functions, skip=_OWN_NAMESPACES, modules=modules)
                 if (id(module), attribute) not in done]
 
 

@@ -30,7 +30,6 @@ from accelerate.big_modeling import dispatch_model  # noqa: E402
 from accelerate.hooks import remove_hook_from_submodules  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
-import allocator  # noqa: E402
 import allocator.integrations.transformers as hf  # noqa: E402
 from allocator.integrations.library import baseline_map  # noqa: E402
 from allocator.offload import runtime_of  # noqa: E402
@@ -137,7 +136,7 @@ def test_a_library_importing_accelerates_planners_by_name_is_patched_and_restore
     assert peft_model.get_balanced_memory is accelerate_modeling.get_balanced_memory
 
 
-def test_accelerates_own_namespaces_and_main_are_not_searched():
+def test_accelerates_own_namespaces_are_not_searched():
     with hf.patch():
         assert accelerate.infer_auto_device_map is accelerate_modeling.infer_auto_device_map
         assert accelerate.utils.get_balanced_memory is accelerate_modeling.get_balanced_memory
@@ -171,3 +170,23 @@ def test_a_librarys_own_planner_run_for_the_baseline_gets_accelerates_functions(
         baseline = baseline_map(lambda: peft_model.infer_auto_device_map(lora.meta, max_memory=dict(budgets)),
                                 lora.meta, "a library's own planner")
     assert baseline == theirs and ours != theirs, (ours, theirs)
+
+
+def test_a_library_imported_after_the_patch_began_is_patched_and_restored(tmp_path, monkeypatch):
+    (tmp_path / "late_adapter_library.py").write_text(
+        "from accelerate import infer_auto_device_map\nfrom accelerate.utils import get_balanced_memory\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    original = accelerate_modeling.infer_auto_device_map
+    try:
+        with hf.patch() as handle:
+            import late_adapter_library as late
+
+            assert "late_adapter_library.infer_auto_device_map" in handle.patched
+            assert "late_adapter_library.get_balanced_memory" in handle.patched
+            assert late.infer_auto_device_map.__allocator_original__ is original
+            assert type(late.__loader__).__name__ == "SourceFileLoader" and late.__spec__.loader is late.__loader__
+        assert late.infer_auto_device_map is original
+        assert late.get_balanced_memory is accelerate_modeling.get_balanced_memory
+        assert not any(type(f).__name__ == "AfterImport" for f in sys.meta_path)
+    finally:
+        sys.modules.pop("late_adapter_library", None)
