@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 
 from ..budgets import is_accelerator, warn_misread
 
-__all__ = ["AfterImport", "Unchecked", "baseline_map", "bound_by_name", "named", "optional_import", "original_of",
-           "unless_baseline", "user_budgets"]
+__all__ = ["AfterImport", "Unchecked", "accelerate_functions", "baseline_map", "bound_by_name", "named",
+           "optional_import", "original_of", "unless_baseline", "user_budgets"]
 
 log = logging.getLogger("allocator.integrations")
 
@@ -93,6 +93,18 @@ def unless_baseline(replacement: Callable, original: Callable) -> Callable:
 
     call.__wrapped__ = original
     return call
+
+
+def accelerate_functions(*, dispatch: bool) -> dict[str, Callable]:
+    """Name -> accelerate's own ``get_balanced_memory`` and ``infer_auto_device_map`` (and, with ``dispatch``,
+    ``dispatch_model``): what :func:`bound_by_name` looks for; empty where accelerate is not installed."""
+    modeling, big_modeling = optional_import("accelerate.utils.modeling"), optional_import("accelerate.big_modeling")
+    if modeling is None or big_modeling is None:
+        return {}
+    functions = {name: getattr(modeling, name) for name in ("get_balanced_memory", "infer_auto_device_map")}
+    if dispatch:
+        functions["dispatch_model"] = original_of(big_modeling.dispatch_model)
+    return functions
 
 
 def original_of(function):

@@ -10,10 +10,17 @@ versions are touched:
 - ``transformers.modeling_utils.get_balanced_memory`` and ``.infer_auto_device_map`` (transformers 4, which imports
   accelerate's functions into ``modeling_utils`` and calls them from ``from_pretrained``);
 - ``accelerate.big_modeling.get_balanced_memory`` and ``.infer_auto_device_map`` (``load_checkpoint_and_dispatch``
-  calls them from that namespace).
+  calls them from that namespace);
+- in every other loaded library, each attribute that *is* accelerate's ``get_balanced_memory`` or
+  ``infer_auto_device_map`` (``dispatch_model`` too under ``runtime="allocator"``), found by identity
+  (:func:`allocator.integrations.library.bound_by_name`): ``peft.peft_model`` (``PeftModel.from_pretrained``
+  re-plans a dispatched base there) and ``transformers.integrations.peft`` today; not accelerate's own namespaces
+  or ``__main__``. A library imported while a patch is on is searched then (``library.AfterImport``).
 
 Each replacement plans for the loading path that calls it (:attr:`allocator.PlanOptions.loader`):
-``"accelerate"`` in ``accelerate.big_modeling``, ``"transformers"`` elsewhere.
+``"accelerate"`` in ``accelerate.big_modeling``, ``"transformers"`` elsewhere. While a library's own planner runs
+for the baseline map (:func:`allocator.integrations.library.baseline_map`), the replacements call accelerate's
+functions: that map stays the library's.
 
 transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)`` is replaced whole: it sees the
 mode and the user's ``max_memory``. In the other namespaces a mode reaches the planner in two calls: the
@@ -40,8 +47,8 @@ from ..offload import attach, has_offload_hooks, runtime_of
 from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .diffusers import diffusers_swaps
-from .library import (AfterImport, Unchecked, baseline_map, bound_by_name, named, optional_import, original_of,
-                      unless_baseline, user_budgets)
+from .library import (AfterImport, Unchecked, accelerate_functions, baseline_map, bound_by_name, named,
+                      optional_import, unless_baseline, user_budgets)
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
 __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
@@ -339,13 +346,7 @@ class Patch:
         """Every other loaded library (of ``modules``: all) that imports accelerate's planning functions by name
         (PEFT's ``peft_model``, transformers' ``integrations.peft``, ...): found by identity, not from a list
         (:func:`bound_by_name`); a library imported later is reached when it is imported (:data:`_AFTER_IMPORT`)."""
-        modeling = optional_import("accelerate.utils.modeling")
-        big_modeling = optional_import("accelerate.big_modeling")
-        if modeling is None or big_modeling is None:
-            return []
-        functions = {name: getattr(modeling, name) for name in ("get_balanced_memory", "infer_auto_device_map")}
-        if self.options.runtime == "allocator":
-            functions["dispatch_model"] = original_of(big_modeling.dispatch_model)
+        functions = accelerate_functions(dispatch=self.options.runtime == "allocator")
         done = {(id(s.module), s.attribute) for s in made}
         factories = {"get_balanced_memory": self._get_balanced_memory,
                      "infer_auto_device_map": self._infer_auto_device_map,
@@ -361,7 +362,9 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device
     The patch is on from this call until :meth:`Patch.unpatch`, :func:`unpatch` or the end of a ``with`` block
     (also when the block raises). Under it, ``from_pretrained(device_map="auto" | "balanced" | "balanced_low_0" |
     "sequential", max_memory=...)`` (transformers 5 and 4) and accelerate's ``load_checkpoint_and_dispatch(
-    device_map=...)`` get their map from the planner; dict maps and everything after the map are untouched.
+    device_map=...)`` get their map from the planner, and so does every library that imports accelerate's planning
+    functions by name (PEFT's ``PeftModel.from_pretrained(base, adapter, max_memory=..., offload_folder=...)`` on an
+    offloaded base: module docstring); dict maps and everything after the map are untouched.
 
     Parameters
     ----------
