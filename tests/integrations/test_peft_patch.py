@@ -9,7 +9,7 @@ the adapter loaded on it must compute what the LoRA model in RAM computes (greed
 ``atol=rtol=1e-4``), and PEFT's map must keep in RAM what the patched base plan kept there (accelerate's own planner,
 which PEFT calls unpatched, sends ``lm_head`` back to disk). Also: a fake library importing accelerate's functions
 by name is patched and restored, and the runtime ends when accelerate's ``remove_hook_from_submodules`` takes its
-hooks off.
+hooks off; a model the runtime runs saves (``save_pretrained`` reads disk tensors through ``weights_map``).
 """
 
 from __future__ import annotations
@@ -154,6 +154,9 @@ def test_runtime_hooks_carry_what_peft_reads_and_the_runtime_ends_when_they_come
         assert torch.device("meta") in unit.module._hf_hook.original_devices.values()
         assert hasattr(unit.module._hf_hook.weights_map, "dataset")   # PEFT's disk index is rebuilt from here
     torch.testing.assert_close(lora.logits(model), lora.reference, **TOL)
+    model.save_pretrained(str(tmp_path / "resaved"))   # transformers reads disk tensors through weights_map
+    resaved = lora.cls.from_pretrained(str(tmp_path / "resaved"), dtype=DTYPE)
+    torch.testing.assert_close(lora.logits(resaved), lora.reference, **TOL)
     remove_hook_from_submodules(model)
     assert "_allocator_runtime" not in vars(model) and runtime_of(model) is None   # ended with its last hook
     assert runtime.executor is None or runtime.executor._shutdown
