@@ -4,9 +4,9 @@ Libraries read accelerate's ``AlignDevicesHook`` on a loaded model. PEFT 0.21 (`
 ``peft/peft_model.py``) rebuilds the disk-offload index of a dispatched base model from each hook's
 ``original_devices`` (a tensor on ``meta`` is on disk) and ``weights_map.dataset.index`` (where in which file), then
 calls accelerate's ``remove_hook_from_submodules`` and dispatches the wrapped model again; transformers 5's
-``save_pretrained`` reads disk-offloaded tensors through ``weights_map`` (``load_offloaded_parameter``). The runtime's hooks
-(:class:`allocator.offload.OffloadHook`, its hybrid wrapper, :class:`allocator.offload.ExpertsHook`) therefore carry
-the fields of the accelerate hook they replace (:data:`CARRIED`), the same objects, and the runtime ends when its
+``save_pretrained`` reads disk-offloaded tensors through ``weights_map`` (``load_offloaded_parameter``). The runtime's
+hooks (:class:`allocator.offload.OffloadHook`, its hybrid wrapper, :class:`allocator.offload.ExpertsHook`) therefore
+carry the fields of the accelerate hook they replace (:data:`CARRIED`), the same objects, and the runtime ends when its
 last hook is taken off that way (:func:`end`): its prefetch thread stops, ``model._allocator_runtime`` goes, and a
 later ``dispatch_model`` under ``patch(runtime="allocator")`` attaches a new runtime.
 
