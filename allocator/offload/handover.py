@@ -11,8 +11,9 @@ last hook is taken off that way (:func:`end`): its prefetch thread stops, ``mode
 later ``dispatch_model`` under ``patch(runtime="allocator")`` attaches a new runtime.
 
 What is not carried: ``isinstance(hook, AlignDevicesHook)`` is false for the runtime's hooks, so PEFT's
-``onload_layer`` (``merge_and_unload`` on offloaded layers) and ``ModulesToSaveWrapper`` on an offloaded module treat
-them as no accelerate hook; :func:`allocator.offload.detach` first where those are used.
+``onload_layer`` (``merge_and_unload`` on offloaded layers) skips them, and ``ModulesToSaveWrapper`` (``get_peft_model``
+with ``modules_to_save`` on an offloaded module) copies the module with its hook and rebuilds the hook from
+``accelerate.hooks`` by class name; neither is tested: :func:`allocator.offload.detach` first where those are used.
 """
 
 from __future__ import annotations
