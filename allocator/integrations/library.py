@@ -162,7 +162,9 @@ class _Loader:
     def __init__(self, loader, callback: Callable):
         self._loader, self._callback = loader, callback
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):   # what else of the loader its module reads (get_data, get_resource_reader, ...)
+        if name == "_loader":   # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec):
