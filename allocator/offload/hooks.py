@@ -126,6 +126,9 @@ class Attached:
     fetch_buffers : FetchBuffers
         The buffers fetched expert slices are copied into, one per device shared by all layers
         (:class:`allocator.offload.experts.FetchBuffers`): ``fetch_buffers.nbytes(device)`` is what they hold there.
+    installed : list
+        ``(module, hook)`` for each hook :func:`attach` put on; the runtime ends when accelerate's
+        ``remove_hook_from_module`` has taken the last off (:mod:`allocator.offload.handover`).
     passthrough : tuple of Passthrough
         On a CPU main device, accelerate's hooks that only send CPU tensors to the CPU, taken off while attached
         (:mod:`allocator.offload.passthrough`); :func:`detach` puts them back.
