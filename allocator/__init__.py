@@ -19,7 +19,8 @@ from .errors import (
 from .model.generation import GenerationBudget
 from .model.expert_profile import ExpertProfile, profile_experts
 from . import offload
-from .integrations.transformers import patch, plan_of, unpatch
+from .integrations.plans import plan_of
+from .integrations.transformers import patch, unpatch
 from .pipelines import JointPlan, PipelinePlan, plan_pipeline, plan_together
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem

@@ -10,10 +10,17 @@ versions are touched:
 - ``transformers.modeling_utils.get_balanced_memory`` and ``.infer_auto_device_map`` (transformers 4, which imports
   accelerate's functions into ``modeling_utils`` and calls them from ``from_pretrained``);
 - ``accelerate.big_modeling.get_balanced_memory`` and ``.infer_auto_device_map`` (``load_checkpoint_and_dispatch``
-  calls them from that namespace).
+  calls them from that namespace);
+- in every other loaded library, each attribute that *is* accelerate's ``get_balanced_memory`` or
+  ``infer_auto_device_map`` (``dispatch_model`` too under ``runtime="allocator"``), found by identity
+  (:func:`allocator.integrations.library.bound_by_name`): ``peft.peft_model`` (``PeftModel.from_pretrained``
+  re-plans a dispatched base there) and ``transformers.integrations.peft`` today; not accelerate's own namespaces
+  or ``__main__``. A library imported while a patch is on is searched then (``library.AfterImport``).
 
 Each replacement plans for the loading path that calls it (:attr:`allocator.PlanOptions.loader`):
-``"accelerate"`` in ``accelerate.big_modeling``, ``"transformers"`` elsewhere.
+``"accelerate"`` in ``accelerate.big_modeling``, ``"transformers"`` elsewhere. While a library's own planner runs
+for the baseline map (:func:`allocator.integrations.library.baseline_map`), the replacements call accelerate's
+functions: that map stays the library's.
 
 transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)`` is replaced whole: it sees the
 mode and the user's ``max_memory``. In the other namespaces a mode reaches the planner in two calls: the
@@ -34,16 +41,17 @@ from dataclasses import dataclass, replace
 
 from ..api import plan
 from ..budgets import canonical, is_accelerator
-from ..errors import InvalidOption, NoPlan
+from ..errors import InvalidOption
 from ..logs import shown
-from ..offload import attach, has_offload_hooks
+from ..offload import attach, has_offload_hooks, runtime_of
 from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .diffusers import diffusers_swaps
-from .library import Unchecked, baseline_map, named, optional_import, user_budgets
+from .library import (AfterImport, Unchecked, accelerate_functions, baseline_map, bound_by_name, named,
+                      optional_import, unless_baseline, user_budgets)
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
 
-__all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "plan_of", "unpatch"]
+__all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
 
 log = logging.getLogger("allocator.integrations.transformers")
 
@@ -66,8 +74,12 @@ _LOADER_OF = {"accelerate.big_modeling": "accelerate"}
 """The loading path whose map each patched namespace builds (:attr:`allocator.PlanOptions.loader`): accelerate's
 ``load_checkpoint_and_dispatch`` calls ``infer_auto_device_map`` from ``accelerate.big_modeling``; transformers' own
 namespaces (``_get_device_map``, transformers 4's ``modeling_utils``) load with ``from_pretrained``."""
+_OWN_NAMESPACES = ("accelerate", "allocator")
+"""Not searched for accelerate's functions by name: accelerate's public API, which users call, and ours."""
 _ACTIVE: list[Patch] = []
 """Live patches, oldest first. Process-global; not locked."""
+_AFTER_IMPORT = AfterImport(lambda module: [handle._adopt(module) for handle in list(_ACTIVE)])
+"""On ``sys.meta_path`` while a patch is live: a module imported then is searched by each live patch, oldest first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,15 +140,23 @@ class Patch:
 
     def _apply(self, swaps: list[_Swap]) -> None:
         try:
-            for swap in swaps:
-                self._saved.append(getattr(swap.module, swap.attribute))
-                setattr(swap.module, swap.attribute, swap.replacement)
-                self._swaps.append(swap)
+            self._swap_in(swaps)
         except BaseException:
             self._restore()
             raise
         _ACTIVE.append(self)
+        _AFTER_IMPORT.install()
         log.debug("patched %s", ", ".join(self.patched))
+
+    def _swap_in(self, swaps: list[_Swap]) -> None:
+        for swap in swaps:
+            self._saved.append(getattr(swap.module, swap.attribute))
+            setattr(swap.module, swap.attribute, swap.replacement)
+            self._swaps.append(swap)
+
+    def _adopt(self, module) -> None:
+        """``module`` was imported while this patch is on: patch what it imported of accelerate by name."""
+        self._swap_in(self._swaps_by_name(self._swaps, [(module.__name__, module)]))
 
     def _restore(self) -> None:
         for swap, saved in reversed(list(zip(self._swaps, self._saved))):
@@ -165,6 +185,8 @@ class Patch:
             above._saved = [mine.get((id(s.module), s.attribute), saved)
                             for s, saved in zip(above._swaps, above._saved)]
         del _ACTIVE[index]
+        if not _ACTIVE:
+            _AFTER_IMPORT.remove()
         log.debug("unpatched %s", ", ".join(self.patched))
 
     # -- planning -------------------------------------------------------------------------------------------------
@@ -248,7 +270,7 @@ class Patch:
             self._pending[namespace] = mode
             return user_budgets(get_max_memory, max_memory, mode)
 
-        return named(get_balanced_memory, original)
+        return named(unless_baseline(get_balanced_memory, original), original)
 
     def _infer_auto_device_map(self, original, namespace: str):
         """accelerate's ``infer_auto_device_map``, planning for the mode recorded by ``get_balanced_memory``."""
@@ -268,7 +290,7 @@ class Patch:
                 return self._device_map(model, budgets, mode, hf_quantizer=hf_quantizer,
                                         no_split=no_split_module_classes, runtime=runtime, verbose=verbose)
 
-        return named(infer_auto_device_map, original)
+        return named(unless_baseline(infer_auto_device_map, original), original)
 
     def _dispatch_model(self, original):
         """accelerate's ``dispatch_model``, then (``runtime="allocator"``) our offload runtime in place of its
@@ -276,7 +298,7 @@ class Patch:
 
         def dispatch_model(model, *args, **kwargs):
             result = original(model, *args, **kwargs)
-            if has_offload_hooks(model) and getattr(model, "_allocator_runtime", None) is None:
+            if has_offload_hooks(model) and runtime_of(model) is None:
                 planned, loaded = self._plans.get(model, (None, None))
                 # the plan's map as loaded: the plan itself (attach checks the map); a map with tensors left out
                 # (_no_placement_params): its runtime; no plan of ours (a dict map): the runtime's defaults
@@ -317,7 +339,20 @@ class Patch:
                                    self._infer_auto_device_map(module.infer_auto_device_map, module.__name__)))
         first = [_Swap(*swap) for swap in   # diffusers' from_pretrained (allocator.integrations.diffusers)
                  diffusers_swaps(self._device_map, self._dispatch_model, self.options.runtime)]
-        return first + swaps
+        return first + swaps + self._swaps_by_name(first + swaps)
+
+    def _swaps_by_name(self, made: list[_Swap], modules=None) -> list[_Swap]:
+        """Every other loaded library (of ``modules``: all) that imports accelerate's planning functions by name
+        (PEFT's ``peft_model``, transformers' ``integrations.peft``, ...): found by identity, not from a list
+        (:func:`bound_by_name`); a library imported later is reached when it is imported (:data:`_AFTER_IMPORT`)."""
+        functions = accelerate_functions(dispatch=self.options.runtime == "allocator")
+        done = {(id(s.module), s.attribute) for s in made}
+        factories = {"get_balanced_memory": self._get_balanced_memory,
+                     "infer_auto_device_map": self._infer_auto_device_map,
+                     "dispatch_model": lambda original, _: self._dispatch_model(original)}
+        return [_Swap(module, attribute, factories[attribute](getattr(module, attribute), module.__name__))
+                for module, attribute in bound_by_name(functions, skip=_OWN_NAMESPACES, modules=modules)
+                if (id(module), attribute) not in done]
 
 
 def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device=None, **keywords) -> Patch:
@@ -326,7 +361,9 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device
     The patch is on from this call until :meth:`Patch.unpatch`, :func:`unpatch` or the end of a ``with`` block
     (also when the block raises). Under it, ``from_pretrained(device_map="auto" | "balanced" | "balanced_low_0" |
     "sequential", max_memory=...)`` (transformers 5 and 4) and accelerate's ``load_checkpoint_and_dispatch(
-    device_map=...)`` get their map from the planner; dict maps and everything after the map are untouched.
+    device_map=...)`` get their map from the planner, and so does every library that imports accelerate's planning
+    functions by name (PEFT's ``PeftModel.from_pretrained(base, adapter, max_memory=..., offload_folder=...)`` on an
+    offloaded base: module docstring); dict maps and everything after the map are untouched.
 
     Parameters
     ----------
@@ -416,8 +453,9 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device
     >>> import accelerate.big_modeling as big_modeling
     >>> original = big_modeling.infer_auto_device_map
     >>> with patch(strategy="reserve") as p:
-    ...     print(big_modeling.infer_auto_device_map is original, p.patched[-1])
-    False accelerate.big_modeling.infer_auto_device_map
+    ...     swapped = "accelerate.big_modeling.infer_auto_device_map" in p.patched
+    ...     print(big_modeling.infer_auto_device_map is original, swapped)
+    False True
     >>> big_modeling.infer_auto_device_map is original
     True
 
@@ -443,32 +481,6 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device
                             "pip install 'allocator[hf]'.")
     handle._apply(swaps)
     return handle
-
-
-def plan_of(model):
-    """The :class:`allocator.Plan` that placed ``model`` in a load under :func:`patch` (either runtime):
-    ``plan_of(model).explain()`` says why; its ``device_map`` is ``model.hf_device_map`` (where
-    ``_no_placement_params`` left no tensor out of the map).
-
-    Raises
-    ------
-    NoPlan
-        ``model`` was not loaded under :func:`patch` with a string ``device_map``.
-
-    Examples
-    --------
-    >>> import torch.nn as nn
-    >>> plan_of(nn.Linear(2, 2))
-    Traceback (most recent call last):
-    ...
-    allocator.errors.NoPlan: no plan placed this Linear: ...
-    """
-    found = getattr(model, "_allocator_plan", None)
-    if found is None:
-        raise NoPlan(f"no plan placed this {type(model).__name__}: it was not loaded under allocator.patch() with a "
-                     "string device_map; load it inside 'with allocator.patch():' with device_map='auto', or make "
-                     "its plan with allocator.plan(model, max_memory).")
-    return found
 
 
 def unpatch() -> Patch | None:

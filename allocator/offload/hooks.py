@@ -15,6 +15,7 @@ from .expert_cache import ExpertCache
 from .buffers import FetchBuffers
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
+from .handover import carry, end, hooked, removed, set_experts_implementation
 from .hybrid import HybridHook, unit_phases
 from .passthrough import put_back, take_passthrough_hooks
 from .scheduler import OffloadedModule, Scheduler, Slot
@@ -36,7 +37,8 @@ class OffloadHook:
     def init_hook(self, module):
         return module
 
-    def detach_hook(self, module):
+    def detach_hook(self, module):   # accelerate's remove_hook_from_module: the runtime ends with its last hook
+        removed(self.runtime, module)
         return self.unit.original.detach_hook(module)
 
     def pre_forward(self, module, *args, **kwargs):
@@ -124,6 +126,9 @@ class Attached:
     fetch_buffers : FetchBuffers
         The buffers fetched expert slices are copied into, one per device shared by all layers
         (:class:`allocator.offload.experts.FetchBuffers`): ``fetch_buffers.nbytes(device)`` is what they hold there.
+    installed : list
+        ``(module, hook)`` for each hook :func:`attach` put on; the runtime ends when accelerate's
+        ``remove_hook_from_module`` has taken the last off (:mod:`allocator.offload.handover`).
     passthrough : tuple of Passthrough
         On a CPU main device, accelerate's hooks that only send CPU tensors to the CPU, taken off while attached
         (:mod:`allocator.offload.passthrough`); :func:`detach` puts them back.
@@ -138,6 +143,7 @@ class Attached:
         self.traffic = Traffic()
         self.experts: dict = {}
         self.cache = None
+        self.installed: list = []   # (module, the runtime's hook on it), as attach put them on
         self.passthrough = ()   # the hooks that do nothing on a CPU main device, off while attached (passthrough.py)
         self.fetch_buffers = FetchBuffers(self._count)   # counted in held while an experts module runs
         if experts is not None:
@@ -312,8 +318,13 @@ def _experts_of(spec: Runtime | None, experts):
 def runtime_of(model) -> Attached | None:
     """The allocator runtime attached to ``model`` (by :func:`attach`, :func:`dispatch` or
     ``patch(runtime="allocator")``), with its :attr:`Attached.traffic` and :attr:`Attached.state`; ``None`` where
-    accelerate's hooks (or none) run it."""
-    return getattr(model, "_allocator_runtime", None)
+    accelerate's hooks (or none) run it, and where its hooks were taken off (accelerate's
+    ``remove_hook_from_submodules``, as PEFT does before it dispatches a wrapped model again: the runtime ends)."""
+    runtime = getattr(model, "_allocator_runtime", None)
+    if runtime is not None and not hooked(runtime.installed):
+        end(runtime)
+        return None
+    return runtime
 
 
 def attach(model, plan=None, *, prefetch: int | None = None, device=None, experts=None,
@@ -365,7 +376,7 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
     InvalidOption
         ``prefetch`` is not a non-negative integer.
     """
-    if getattr(model, "_allocator_runtime", None) is not None:
+    if runtime_of(model) is not None:
         raise InvalidRuntime("this model already runs the allocator runtime; detach(model) first.")
     if plan is not None and not isinstance(plan, Runtime):
         expected, loaded = dict(_plan_map(plan)), getattr(model, "hf_device_map", None)
@@ -401,8 +412,10 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
             module._allocator_experts = routed
     if runtime.experts:
         register()
-        runtime.experts_implementation = _set_experts_implementation(model, "allocator")
+        runtime.experts_implementation = set_experts_implementation(model, "allocator")
     for _, module, top, i, h in list(_offload_hooks(model)):
+        carry(hooks[id(h)], h)   # what code written for accelerate's hooks reads of them (handover.py: PEFT)
+        runtime.installed.append((module, hooks[id(h)]))
         if i is None:
             module._hf_hook = hooks[id(h)]
         else:
@@ -425,36 +438,21 @@ def _hybrid(hooks: dict, compute) -> None:
             hooks[key] = HybridHook(hook, phases, compute.threshold)
 
 
-def _set_experts_implementation(model, name: str):
-    """Select transformers' experts implementation ``name`` on ``model`` (``set_experts_implementation``), returning
-    the one it had; ``None`` where the model has no such setting."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "set_experts_implementation"):
-        return None
-    before = getattr(config, "_experts_implementation", None)
-    model.set_experts_implementation(name)
-    return before
-
-
 def detach(model) -> None:
     """Put accelerate's offloading hooks back where :func:`attach` replaced them, and stop the prefetch thread."""
     from accelerate.hooks import SequentialHook
 
-    runtime = getattr(model, "_allocator_runtime", None)
+    runtime = runtime_of(model)
     if runtime is None:
         raise InvalidRuntime("this model does not run the allocator runtime (attach(model, plan) first).")
-    runtime.close()
-    put_back(runtime.passthrough)
     for _, module in model.named_modules():
-        routed = module.__dict__.pop("_allocator_experts", None)
+        routed = module.__dict__.get("_allocator_experts")
         hook = getattr(module, "_hf_hook", None)
         if routed is not None and isinstance(hook, ExpertsHook):
             module._hf_hook = hook.original
         elif routed is not None and isinstance(hook, SequentialHook):
             top = hook
             top.hooks = type(top.hooks)(x.original if isinstance(x, ExpertsHook) else x for x in top.hooks)
-    if getattr(runtime, "experts_implementation", None) is not None:
-        _set_experts_implementation(model, runtime.experts_implementation)
     for unit in runtime.units:
         top = unit.module._hf_hook
         if isinstance(top, SequentialHook):
@@ -463,7 +461,7 @@ def detach(model) -> None:
                                         for x in top.hooks)   # tuple or list, as accelerate made it
         elif isinstance(top, (OffloadHook, HybridHook)):
             unit.module._hf_hook = unit.original
-    del model._allocator_runtime
+    end(runtime, put_back=put_back)
 
 
 def dispatch(model, plan, checkpoint, *, offload_folder=None, offload_buffers: bool = False,
