@@ -21,7 +21,8 @@ against a model before anything is loaded::
      "violations": [{"kind": "budget", "message": "..."}],
      "experts": null,
      "runtime": {"name": "allocator", "main_device": 0, "prefetch": 1, "experts": {}, "expert_mode": {},
-                 "buffers": {"streamed": ..., "prefetch": ..., "experts": ..., "expert_cache": 0}, "expert_cache": 0}}
+                 "threshold": 1, "buffers": {"streamed": ..., "prefetch": ..., "experts": ..., "expert_cache": 0},
+                 "expert_cache": 0}}
 
 Devices are written as JSON allows keys: accelerator indices as strings (``"0"``); as map *values* they stay integers
 (``0``), as ``device_map=`` takes them. ``budgets`` lists every device in the plan's order, ``null`` for no limit.
