@@ -193,7 +193,7 @@ class _Term(NamedTuple):
 DECIDED = ("fetch", "compute")
 
 
-def expert_seconds(profile, lives, runs_on, nbytes, tensors, elements, tokens, token_bytes, *,
+def expert_seconds(profile, lives, runs_on, nbytes, tensors, elements, tokens, token_bytes, *, calls: float = 1.0,
                    runtime: str = "allocator") -> tuple[float, float]:
     """Seconds of one routed expert in one step, ``(fetched, computed where it lives)``: the one formula the plan's
     prices (:func:`routed_cost`, :func:`routed_seconds`), its decisions (:func:`expert_modes`) and the runtime's
@@ -202,7 +202,9 @@ def expert_seconds(profile, lives, runs_on, nbytes, tensors, elements, tokens, t
     ``lives``: the device of its weights; ``runs_on``: where its layer runs (the main device, ``"cpu"`` for a CPU
     main device); ``nbytes``, ``tensors``, ``elements``: what it reads (expected values in a plan: the probability it
     is routed times one expert's); ``tokens``: tokens routed to it (``2 x tokens x elements`` FLOP);
-    ``token_bytes``: one token's activation (moved there and back when it computes elsewhere).
+    ``token_bytes``: one token's activation (moved there and back when it computes elsewhere); ``calls``: the
+    times it runs (its probability of being routed, in a plan), each computed elsewhere paying two changes of
+    device.
 
     - where it lives is where its layer runs (resident), or a CPU main device (read in place from RAM or the mapped
       file): its read-or-compute term there (:func:`allocator.profile.read_seconds`), plus the disk read; both ways
@@ -225,10 +227,10 @@ def expert_seconds(profile, lives, runs_on, nbytes, tensors, elements, tokens, t
         if lives == "disk":
             return fetched, fetched
         local = read_seconds(profile, "cpu", nbytes, elements, flops)
-        return fetched, local + moved / profile.host_to_device + 2 * profile.switch_latency
+        return fetched, local + moved / profile.host_to_device + 2 * calls * profile.switch_latency
     local = read_seconds(profile, lives, nbytes, elements, flops)
     return (there + nbytes / profile.device_to_device,
-            local + moved / profile.device_to_device + 2 * profile.switch_latency)
+            local + moved / profile.device_to_device + 2 * calls * profile.switch_latency)
 
 
 def _devices(device_map: Mapping) -> tuple:
@@ -282,7 +284,7 @@ def _term(profile, share, device, tokens, k, size, elements, per_tensor, token_b
         return None
     routed = tokens * min(1.0, k * share)
     fetched, local = expert_seconds(profile, device, run_on, hit * size, hit * per_tensor, hit * elements, routed,
-                                    token_bytes)
+                                    token_bytes, calls=hit)
     if device == run_on:   # resident (in RAM, for a CPU main device)
         return _Term(hit, fetched, 0.0, 0.0, False, False)
     base = read_seconds(profile, run_on, hit * size, hit * elements, 2 * routed * elements)
