@@ -30,11 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRuntime
-from ..evaluate.experts import expert_seconds
 from ..model.experts import MoELayer, find_experts
 from ..profile import Profile
 from .buffers import FetchBuffers
 from .expert_cache import ExpertCache, in_place, look_up, store
+from .expert_modes import computes_here, computes_there, phase_mode
 from .files import MappedFiles, source_of
 
 __all__ = ["MODES", "NAME", "ExpertsHook", "RoutedExperts", "Traffic", "eager_forward", "experts_forward",
@@ -154,11 +154,14 @@ class RoutedExperts:
         run and fetched ones are brought; :attr:`main` is its torch device.
     remote : dict
         Expert -> ``(torch device, row)`` for experts resident on another accelerator (their slices in
-        :attr:`remote_tensors`): computed there or fetched, chosen per call.
+        :attr:`remote_tensors`): computed there or fetched, as the mode says.
     chunk : int or None
         Offloaded experts fetched into the reused buffer at a time (``None``: all routed ones at once).
     cache : ExpertCache or None
         The runtime's cache of recently routed experts (:mod:`.expert_cache`), for a layer run on the main device.
+    mode, threshold, used
+        The plan's mode (one, or ``{phase: mode}``), the tokens of a decode call, the calls run per phase and mode
+        (:mod:`.expert_modes`).
     buffers : FetchBuffers
         Where fetched slices are copied, shared with the other layers the runtime fetches for.
     """
@@ -182,13 +185,6 @@ class RoutedExperts:
     cache: ExpertCache | None = None
     threshold: int = 1
     used: dict = field(default_factory=dict)
-
-    def mode_of(self, tokens: int) -> tuple[str, str]:
-        """``(phase, mode)`` of a call routing ``tokens`` tokens: the phase by :attr:`threshold` (at most that many
-        tokens: ``"decode"``), the mode the plan decided for it (:attr:`mode`: one for every phase, or
-        ``{phase: mode}``, ``Runtime.expert_mode``), as written."""
-        phase = "decode" if tokens <= self.threshold else "prefill"
-        return phase, self.mode if isinstance(self.mode, str) else self.mode.get(phase, "auto")
 
     @property
     def accelerator(self) -> bool:
@@ -273,24 +269,6 @@ class RoutedExperts:
             for e in ram:
                 source.file.keep(source.start + e * per, source.start + (e + 1) * per)
 
-    def _peer_computes_there(self, expert: int, tokens: int, mode: str) -> bool:
-        """Whether ``expert``, resident on another accelerator, with ``tokens`` routed to it runs there (its
-        activations moved) rather than being fetched (its slices moved): as ``mode`` says, by the cheaper estimate
-        under ``"auto"``."""
-        if mode != "auto":
-            return mode == "compute"
-        fetched, local = self._seconds(self.remote[expert][0], tokens)
-        return local < fetched
-
-    def _seconds(self, lives, tokens: int) -> tuple[float, float]:
-        """One routed expert living on ``lives`` with ``tokens`` routed to it, ``(fetched, computed where it lives)``
-        seconds by the plan's formula (:func:`allocator.evaluate.experts.expert_seconds`)."""
-        size = sum(self.metas[n][0].numel() * self.metas[n].element_size() for n in self.metas)
-        numel = sum(self.metas[n][0].numel() for n in self.metas)
-        token_bytes = self.layer.hidden * self.metas[next(iter(self.metas))].element_size()
-        return expert_seconds(self.profile, lives, "main" if self.home is None else self.home, size,
-                              len(self.metas), numel, tokens, token_bytes)
-
     def _fetch(self, experts: list[int]) -> dict:
         """The slices of ``experts`` on the main device: one gather per tensor into a reused buffer (views into the
         mapping on a CPU main device, where nothing is copied)."""
@@ -312,24 +290,13 @@ class RoutedExperts:
             out[name] = {e: copied[i:i + 1] for i, e in enumerate(experts)}
         return out
 
-    def _computes_here(self, expert: int, tokens: int, mode: str) -> bool:
-        """Whether offloaded ``expert`` with ``tokens`` routed to it runs on the CPU where its weights live rather
-        than being fetched: only from RAM to an accelerator; as ``mode`` says, by the cheaper estimate under
-        ``"auto"`` (the plan's formula)."""
-        if not self.accelerator or self.where[expert] != "cpu" or mode == "fetch":
-            return False
-        if mode == "compute":
-            return True
-        fetched, local = self._seconds("cpu", tokens)
-        return local < fetched
-
     def forward(self, module, hidden_states, top_k_index, top_k_weights):
         """The eager forward's result (module docstring)."""
         import torch
 
         eager = eager_forward(module)
         self.traffic.calls += 1
-        phase, mode = self.mode_of(math.prod(hidden_states.shape[:-1]))
+        phase, mode = phase_mode(self.mode, self.threshold, math.prod(hidden_states.shape[:-1]))
         row = self.used.setdefault(phase, {})
         row[mode] = row.get(mode, 0) + 1   # the mode each phase ran in, as the plan wrote it
         count = self.layer.num_experts
@@ -361,9 +328,8 @@ class RoutedExperts:
         away = [e for e in hit if e not in self.rows]
         cached = {} if self.cache is None else look_up(self, [e for e in away if e not in self.remote])
         away = [e for e in away if e not in cached]
-        here = [e for e in away if e not in self.remote and self._computes_here(e, int(positions[e][0].numel()), mode)]
-        there = [e for e in away if e in self.remote
-                 and self._peer_computes_there(e, int(positions[e][0].numel()), mode)]
+        here = [e for e in away if e not in self.remote and computes_here(self, e, int(positions[e][0].numel()), mode)]
+        there = [e for e in away if e in self.remote and computes_there(self, e, int(positions[e][0].numel()), mode)]
         to_fetch = [e for e in away if e not in here and e not in there and e not in self.remote]
         chunk = self.chunk or max(len(to_fetch), 1)
         fetched: dict = {}
