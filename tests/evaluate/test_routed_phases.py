@@ -14,8 +14,10 @@ from allocator.evaluate.compute import phase_tokens, step_seconds
 from allocator.evaluate.experts import layer_mode, routed_layers, routed_seconds
 from allocator.model import zoo
 
-#: DeepSeek-V2's MLA attention has no key/value projections the generation budget can size (InvalidOption)
-MODELS = [n for n in zoo.names(family="moe-llm") if n != "deepseek-v2-lite"]
+MODELS = zoo.names(family="moe-llm")
+#: DeepSeek-V2's MLA attention has no key/value projections a generation budget can size (InvalidOption): it is planned
+#: without one (prefill ``Profile.tokens``, decode 1 token)
+NO_GENERATION = {"deepseek-v2-lite"}
 #: (GPU budget as a fraction of the model, RAM as a fraction), the rest on disk; () for no GPU
 BUDGETS = [(0.25, 1.5), (0.1, 0.5), ((), 0.4)]
 RUNTIMES = ("allocator", "accelerate")
@@ -31,7 +33,8 @@ def _plan(name, gpu, ram, runtime):
     model = _model(name)
     total = allocator.build_problem(model, {"cpu": 0}).graph.total
     budget = ({} if gpu == () else {0: int(total * gpu)}) | {"cpu": int(total * ram)}
-    return allocator.plan(model, budget, runtime=runtime, generation=allocator.GenerationBudget(1, 4096))
+    generation = None if name in NO_GENERATION else allocator.GenerationBudget(1, 4096)
+    return allocator.plan(model, budget, runtime=runtime, generation=generation)
 
 
 def _steps(plan, runtime) -> dict:
