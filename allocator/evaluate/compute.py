@@ -14,8 +14,12 @@ token per sequence, :func:`phase_tokens`), the cost model prices one step both w
   ``cpu_flops``, whichever is slower, its KV cache read from RAM, and the activations moved both ways (``2 x
   tokens x activation bytes per token``, pinned staging) with two changes of device.
 
-The cheaper wins. A unit that computes on the CPU at decode keeps its KV cache in RAM (counted in RAM's peak, not
-the main device's: :func:`cache_moves`), and only while RAM has room for it. Everything here is an *estimate*.
+The cheaper wins. An offloaded experts module of a mixture of experts is not such a unit: every phase prices its
+routed experts by the one formula of :mod:`allocator.evaluate.experts` (top-k x tokens of them, read or computed
+where each lives, or fetched), and the plan decides per experts layer and phase whether they are fetched or computed
+where they live (:attr:`ComputePlan.experts`, ``Runtime.expert_mode``). A unit that computes on the CPU at decode
+keeps its KV cache in RAM (counted in RAM's peak, not the main device's: :func:`cache_moves`), and only while RAM has
+room for it. Everything here is an *estimate*.
 """
 
 from __future__ import annotations
