@@ -14,17 +14,23 @@ token per sequence, :func:`phase_tokens`), the cost model prices one step both w
   ``cpu_flops``, whichever is slower, its KV cache read from RAM, and the activations moved both ways (``2 x
   tokens x activation bytes per token``, pinned staging) with two changes of device.
 
-The cheaper wins. A unit that computes on the CPU at decode keeps its KV cache in RAM (counted in RAM's peak, not
-the main device's: :func:`cache_moves`), and only while RAM has room for it. Everything here is an *estimate*.
+The cheaper wins. An offloaded experts module of a mixture of experts is not such a unit: every phase prices its
+routed experts by the one formula of :mod:`allocator.evaluate.experts` (top-k x tokens of them, read or computed
+where each lives, or fetched), and the plan decides per experts layer and phase whether they are fetched or computed
+where they live (:attr:`ComputePlan.experts`, ``Runtime.expert_mode``). A unit that computes on the CPU at decode
+keeps its KV cache in RAM (counted in RAM's peak, not the main device's: :func:`cache_moves`), and only while RAM has
+room for it. Everything here is an *estimate*.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..budgets import Device, is_accelerator, normalize_map
 from ..problem import Problem, step_problem
+from .experts import expert_modes, routed_layers, routed_seconds
+from .runs import columns
 
 __all__ = ["PHASES", "PhaseChoice", "ComputePlan", "phase_tokens", "unit_stats", "decide", "step_seconds",
            "cache_moves", "cache_seconds", "hybrid_seconds", "phase_problem"]
@@ -63,6 +69,10 @@ class ComputePlan:
     choices : tuple of PhaseChoice
     cache_moved : int
         KV cache bytes held in RAM instead of on the main device (units computing on the CPU at decode).
+    experts : dict
+        Experts module -> {phase: ``"fetch"`` or ``"compute"``}: how the offloaded routed experts of each MoE layer
+        run in each phase (:func:`allocator.evaluate.experts.expert_modes`); such modules are not units of
+        :attr:`devices` (the runtime runs them expert by expert).
     """
 
     devices: Mapping
@@ -70,6 +80,7 @@ class ComputePlan:
     threshold: int
     choices: tuple
     cache_moved: int = 0
+    experts: Mapping = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """unit -> {phase: device}, JSON-ready (devices as the map writes them)."""
@@ -95,12 +106,7 @@ def unit_stats(problem: Problem, device_map: Mapping) -> dict:
     out = {key: [0, 0, 0, 0] for key in device_map}
 
     def owner(name: str):
-        while True:
-            if name in keys:
-                return name
-            if not name:
-                return None
-            name = name.rpartition(".")[0]
+        return _owner(name, keys)
 
     t = g.tensors
     for k in range(len(t.name)):
@@ -117,6 +123,37 @@ def unit_stats(problem: Problem, device_map: Mapping) -> dict:
         if key is not None:
             out[key][3] += nbytes
     return out
+
+
+def _owner(name: str, keys) -> str | None:
+    """The key of ``keys`` (a device map's) that is ``name`` or its closest ancestor."""
+    while True:
+        if name in keys:
+            return name
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
+
+
+def _routed_apart(problem: Problem, device_map: Mapping, stats: dict, experts: Mapping | None) -> tuple[dict, set]:
+    """``stats`` (:func:`unit_stats`) without the experts modules priced from their routed experts
+    (:func:`allocator.evaluate.experts.routed_layers`), and the keys they emptied: the runtime runs those modules
+    expert by expert, not as units."""
+    g = problem.graph
+    t, cols = g.tensors, columns(g)
+    keys = set(device_map)
+    out = {key: list(row) for key, row in stats.items()}
+    touched = set()
+    for layer in routed_layers(problem, device_map, experts):
+        key = _owner(layer.experts, keys)
+        node = g.node_index[layer.experts]
+        for k in range(cols.first[node], cols.last[node]):
+            if t.storage[k] == k:
+                out[key][0] -= t.nbytes[k]
+                out[key][1] -= t.numel[k] if t.is_param[k] else 0
+                out[key][2] -= 1
+        touched.add(key)
+    return out, {key for key in touched if not any(out[key][:3])}
 
 
 def _activation_per_token(problem: Problem) -> float:
@@ -149,11 +186,14 @@ def _local(problem: Problem, stats, source: str, tokens: int, phase: str) -> flo
     return seconds + moved / p.pinned_host_to_device + 2 * p.switch_latency
 
 
-def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | None = None) -> ComputePlan | None:
+def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | None = None, *,
+           experts: Mapping | None = None) -> ComputePlan | None:
     """The :class:`ComputePlan` of ``device_map`` for ``problem``, or ``None`` where there is no choice (accelerate's
     hooks, a CPU main device, nothing offloaded). ``ram_room``: bytes RAM can still take (``None``: no limit) for
     the KV cache of units that compute on the CPU at decode; a unit whose cache does not fit decodes on the main
-    device.
+    device. ``experts``: where each routed expert lives (``Placement.experts``; ``None``: every expert where its
+    module is); an offloaded experts module is decided per layer and phase from its routed experts
+    (:attr:`ComputePlan.experts`), not as a unit.
 
     Notes
     -----
@@ -165,10 +205,10 @@ def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | 
     offloaded = [k for k, d in device_map.items() if d in ("cpu", "disk")]
     if not offloaded:
         return None
-    stats = unit_stats(problem, device_map)
+    stats, apart = _routed_apart(problem, device_map, unit_stats(problem, device_map), experts)
     tokens = phase_tokens(problem)
     devices, choices, moved = {}, [], 0
-    for unit in offloaded:
+    for unit in (u for u in offloaded if u not in apart):
         source = device_map[unit]
         row = {}
         for phase in PHASES:
@@ -185,19 +225,32 @@ def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | 
                                        streamed, local))
         devices[unit] = row
     return ComputePlan(devices=devices, tokens=tokens, threshold=tokens["decode"], choices=tuple(choices),
-                       cache_moved=moved)
+                       cache_moved=moved, experts=expert_modes(problem, device_map, experts, tokens))
 
 
 def step_seconds(problem: Problem, device_map: Mapping, main: Device, phase: str, compute: ComputePlan | None,
-                 *, runtime: str | None = None) -> float:
+                 *, runtime: str | None = None, experts: Mapping | None = None) -> float:
     """Estimated seconds of one step of ``phase`` (all its tokens) for ``device_map``: resident units read or
     computed where they are, offloaded ones as ``compute`` says (streamed where it is ``None``); ``runtime=
-    "accelerate"`` prices streaming as accelerate's hooks do it (pageable copies, a cache emptied per tensor)."""
+    "accelerate"`` prices streaming as accelerate's hooks do it (pageable copies, a cache emptied per tensor).
+
+    Under the allocator runtime an offloaded experts module is priced from its routed experts in this phase's tokens
+    (:func:`allocator.evaluate.experts.routed_seconds`: the formula of every phase), run as ``compute.experts``
+    says (fetched where ``compute`` is ``None``); ``experts``: where each expert lives (``Placement.experts``;
+    ``None``: every expert where its module is)."""
     p = problem.profile
     device_map = normalize_map(device_map)
     tokens = phase_tokens(problem)[phase]
+    stats_of, apart = unit_stats(problem, device_map), set()
     seconds = 0.0
-    for unit, stats in unit_stats(problem, device_map).items():
+    if runtime != "accelerate" and problem.runtime.name == "allocator" and routed_layers(problem, device_map, experts):
+        modes = ({name: row.get(phase) for name, row in compute.experts.items()} if compute is not None else
+                 {layer.experts: "fetch" for layer in routed_layers(problem, device_map, experts)})
+        seconds += sum(routed_seconds(problem, device_map, experts, tokens, modes).values())
+        stats_of, apart = _routed_apart(problem, device_map, stats_of, experts)
+    for unit, stats in stats_of.items():
+        if unit in apart:
+            continue
         d = device_map[unit]
         nbytes, numel, tensors, cache = stats
         if d in ("cpu", "disk") and is_accelerator(main):

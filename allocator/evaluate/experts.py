@@ -4,14 +4,18 @@ experts its router picks (top-k of E), not from all of them.
 :func:`allocator.evaluate.cost.estimate` prices a device map: an offloaded experts module is streamed whole at every
 forward, as accelerate's hooks do. Where a placement says where each expert lives
 (:attr:`allocator.placement.Placement.experts`, made by :mod:`allocator.strategies.experts`), :func:`routed_cost`
-replaces that module's term by the expected cost of the experts routed in one forward of ``T`` tokens: expert ``e``
+replaces that module's term by the expected cost of the experts routed in one forward of ``T`` tokens, and
+:func:`allocator.evaluate.compute.step_seconds` prices each phase of ``generate`` with the same terms
+(:func:`routed_seconds`). One formula (:func:`layer_terms`, each expert by :func:`expert_seconds`): expert ``e``
 with share ``s_e`` of the layer's routings and ``k`` experts per token is hit with probability
-``1 - (1 - min(1, k s_e))^T``; a hit expert that is resident is read where it lives; one that is not is either
-fetched to the main device (its bytes copied, as :func:`allocator.evaluate.cost.copy_seconds` prices them) or, from
-RAM to an accelerator main device, computed on the CPU (its activations moved instead) — whichever is cheaper, as
-the runtime chooses per call. With an expert cache of ``N`` slots on the main device (``expert_cache=N``), a fetched
-expert is found there with the probability Che's approximation gives it (:func:`che_hit_rates`, from the same
-shares; :func:`cache_hit_rate` is the share of lookups it serves) and then costs its read on the main device only.
+``1 - (1 - min(1, k s_e))^T``; a hit expert that is resident is read where it lives; the offloaded ones of a layer
+are either all fetched to the main device (their bytes copied, as :func:`allocator.evaluate.cost.copy_seconds`
+prices them) or, from RAM to an accelerator main device, computed on the CPU (their activations moved instead),
+whichever is cheaper for the layer in that phase (:func:`layer_mode`): the plan decides it per layer and phase
+(:func:`expert_modes`, ``Runtime.expert_mode``) and the runtime runs it as written. With an expert cache of ``N``
+slots on the main device (``expert_cache=N``), a fetched expert is found there with the probability Che's
+approximation gives it (:func:`che_hit_rates`, from the same shares; :func:`cache_hit_rate` is the share of lookups
+it serves) and then costs its read on the main device only.
 Plans without experts placement are priced by ``estimate`` alone, unchanged.
 """
 
@@ -26,13 +30,13 @@ from typing import NamedTuple
 from ..budgets import is_accelerator, normalize_map
 from ..placement import Placement
 from ..problem import Problem
-from ..profile import flop_seconds, read_rates
 from .cost import Cost, copy_seconds, read_seconds
 from .memory import device_of, expert_cache_reserve, main_device, offloaded_devices
 from .runs import columns
 
-__all__ = ["cache_hit_rate", "che_hit_rates", "expert_bytes", "expert_numel", "expert_shares", "resident_bytes",
-           "routed_cost", "step_tokens"]
+__all__ = ["DECIDED", "cache_hit_rate", "che_hit_rates", "expert_bytes", "expert_modes", "expert_numel",
+           "expert_seconds", "expert_shares", "layer_mode", "layer_terms", "resident_bytes", "routed_cost",
+           "routed_layers", "routed_seconds", "step_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +175,10 @@ def cache_hit_rate(problem: Problem, placement: Placement) -> float | None:
 
 
 class _Term(NamedTuple):
-    """One expert's part of a forward's price: the probability it is routed, its seconds read where it computes
-    (``compute``), the seconds added when it is not found in the cache (``miss``: fetched, or computed where it lives),
-    its bytes fetched, and whether the runtime's cache may hold it (a non-resident expert fetched to the main
-    device)."""
+    """One expert's part of a step's price: the probability it is routed, its seconds read or computed where its layer
+    runs (``compute``), the seconds added when it is not found in the cache (``miss``: its fetch, or the difference
+    when it is computed where it lives), its bytes fetched, and whether the runtime's cache may hold it (a
+    non-resident expert fetched to the main device)."""
 
     routed: float
     compute: float
@@ -184,55 +188,157 @@ class _Term(NamedTuple):
     cacheable: bool
 
 
-def _devices(placement: Placement) -> tuple:
-    """``placement``'s map (normalised), its main device, the devices offloaded from it and where offloaded units
-    compute (the CPU for a CPU main device, else the main device)."""
-    device_map = normalize_map(placement.device_map)
+#: How the runtime runs the offloaded routed experts of a layer in a phase, as a plan decides it
+#: (:func:`expert_modes`): fetched to where the layer runs, or computed where their weights live.
+DECIDED = ("fetch", "compute")
+
+
+def expert_seconds(profile, lives, runs_on, nbytes, tensors, elements, tokens, token_bytes, *, calls: float = 1.0,
+                   runtime: str = "allocator") -> tuple[float, float]:
+    """Seconds of one routed expert in one step, ``(fetched, computed where it lives)``: the one formula the plan's
+    prices (:func:`routed_cost`, :func:`routed_seconds`), its decisions (:func:`expert_modes`) and the runtime's
+    ``mode="auto"`` (:mod:`allocator.offload.experts`) use.
+
+    ``lives``: the device of its weights; ``runs_on``: where its layer runs (the main device, ``"cpu"`` for a CPU
+    main device); ``nbytes``, ``tensors``, ``elements``: what it reads (expected values in a plan: the probability it
+    is routed times one expert's); ``tokens``: tokens routed to it (``2 x tokens x elements`` FLOP);
+    ``token_bytes``: one token's activation (moved there and back when it computes elsewhere); ``calls``: the
+    times it runs (its probability of being routed, in a plan), each computed elsewhere paying two changes of
+    device.
+
+    - where it lives is where its layer runs (resident), or a CPU main device (read in place from RAM or the mapped
+      file): its read-or-compute term there (:func:`allocator.profile.read_seconds`), plus the disk read; both ways
+      the same;
+    - in RAM or on disk, an accelerator main device: fetched is the copy (:func:`allocator.evaluate.cost.copy_seconds`)
+      then the term on the main device; computed where it lives is the term on the CPU plus its activations moved
+      both ways (``host_to_device``) and two changes of device; an expert on disk is always fetched;
+    - on another accelerator: fetched is copied at ``device_to_device``, else computed there with the activations
+      moved at that rate.
+    """
+    flops = 2 * tokens * elements
+    there = read_seconds(profile, runs_on, nbytes, elements, flops)
+    offloaded = lives in ("cpu", "disk")
+    if lives == runs_on or (offloaded and runs_on == "cpu"):
+        extra = copy_seconds(profile, runs_on, lives, nbytes, tensors, runtime=runtime) if lives == "disk" else 0.0
+        return there + extra, there + extra
+    moved = 2 * tokens * token_bytes
+    if offloaded:
+        fetched = there + copy_seconds(profile, runs_on, lives, nbytes, tensors, runtime=runtime)
+        if lives == "disk":
+            return fetched, fetched
+        local = read_seconds(profile, "cpu", nbytes, elements, flops)
+        return fetched, local + moved / profile.host_to_device + 2 * calls * profile.switch_latency
+    local = read_seconds(profile, lives, nbytes, elements, flops)
+    return (there + nbytes / profile.device_to_device,
+            local + moved / profile.device_to_device + 2 * calls * profile.switch_latency)
+
+
+def _devices(device_map: Mapping) -> tuple:
+    """``device_map`` normalised, its main device, the devices offloaded from it and where offloaded units compute
+    (the CPU for a CPU main device, else the main device)."""
+    device_map = normalize_map(device_map)
     main = main_device(set(device_map.values()))
     return device_map, main, offloaded_devices(main), "cpu" if not is_accelerator(main) else main
 
 
+def routed_layers(problem: Problem, device_map: Mapping, experts: Mapping | None = None) -> list:
+    """The MoE layers of ``problem`` priced from their routed experts in ``device_map``: those whose experts module is
+    offloaded (``experts``, the placement's experts, names only some where given; every such layer otherwise)."""
+    device_map, _, offloaded, _ = _devices(device_map)
+    return [layer for layer in problem.moe if device_of(layer.experts, device_map) in offloaded
+            and layer.experts in problem.graph.node_index and (not experts or layer.experts in experts)]
+
+
+def layer_terms(problem: Problem, layer, device_map: Mapping, where, tokens: int, mode: str) -> list[_Term]:
+    """Per routed expert of ``layer`` (a :class:`allocator.model.experts.MoELayer` whose experts module
+    ``device_map`` offloads), its :class:`_Term` in a step of ``tokens`` tokens with the layer's offloaded experts run
+    as ``mode`` says (:data:`DECIDED`); ``where`` is the device of each expert (``None``: all where their module
+    is). Expert ``e`` with share ``s_e`` of the routings (:func:`expert_shares`) and ``k`` experts per token is
+    routed in the step with probability ``1 - (1 - min(1, k s_e))^T`` (so the experts routed are ``top-k x tokens``
+    at most, and at most all of them), to ``T k s_e`` tokens; its seconds are :func:`expert_seconds`'s."""
+    profile = problem.profile
+    device_map, _, offloaded, run_on = _devices(device_map)
+    home = device_of(layer.experts, device_map)
+    where = tuple(where) if where is not None else (home,) * layer.num_experts
+    a, b = _span(problem, layer)
+    size, elements = expert_bytes(problem, layer), expert_numel(problem, layer)
+    per_tensor = (b - a) / layer.num_experts
+    token_bytes = layer.hidden * size / max(elements, 1)
+    k = layer.top_k or 1
+    fused = layer.kind == "fused"   # list experts are modules of the map: their hooks always fetch
+    terms, seen = [], {}
+    for share, device in zip(expert_shares(problem, layer), where):
+        key = (share, device)
+        if key not in seen:   # experts of one share and device cost the same: priced once
+            seen[key] = _term(profile, share, device, tokens, k, size, elements, per_tensor, token_bytes, run_on,
+                              device in offloaded, "compute" if mode == "compute" and fused else "fetch")
+        if seen[key] is not None:
+            terms.append(seen[key])
+    return terms
+
+
+def _term(profile, share, device, tokens, k, size, elements, per_tensor, token_bytes, run_on, offloaded, mode):
+    """One expert's :class:`_Term` (:func:`layer_terms`); ``None`` where it is never routed."""
+    hit = _hit(share, k, tokens)
+    if not hit:
+        return None
+    routed = tokens * min(1.0, k * share)
+    fetched, local = expert_seconds(profile, device, run_on, hit * size, hit * per_tensor, hit * elements, routed,
+                                    token_bytes, calls=hit)
+    if device == run_on:   # resident (in RAM, for a CPU main device)
+        return _Term(hit, fetched, 0.0, 0.0, False, False)
+    base = read_seconds(profile, run_on, hit * size, hit * elements, 2 * routed * elements)
+    if mode == "compute" and device != "disk":
+        return _Term(hit, base, local - base, 0.0, False, False)
+    return _Term(hit, base, fetched - base, hit * size if offloaded else 0.0, device == "disk", offloaded)
+
+
+def _layer_seconds(terms) -> float:
+    return sum(t.compute + t.miss for t in terms)
+
+
+def layer_mode(problem: Problem, layer, device_map: Mapping, where, tokens: int) -> tuple[str, dict]:
+    """The mode a plan decides for ``layer`` in a step of ``tokens`` tokens (the cheaper of :data:`DECIDED` by
+    :func:`layer_terms`, fetched on a tie) and the seconds of each, without the expert cache."""
+    seconds = {mode: _layer_seconds(layer_terms(problem, layer, device_map, where, tokens, mode)) for mode in DECIDED}
+    return ("compute" if seconds["compute"] < seconds["fetch"] else "fetch"), seconds
+
+
+def expert_modes(problem: Problem, device_map: Mapping, experts: Mapping | None, phases: Mapping) -> dict:
+    """Experts module -> {phase: mode}: per offloaded experts layer (:func:`routed_layers`) and phase (``phases``:
+    phase -> tokens per step), fetched or computed where the experts live (:func:`layer_mode`). ``experts``: where
+    each expert lives (``Placement.experts``; ``None``: all where their module is)."""
+    experts = experts or {}
+    return {layer.experts: {phase: layer_mode(problem, layer, device_map, experts.get(layer.experts), tokens)[0]
+                            for phase, tokens in phases.items()}
+            for layer in routed_layers(problem, device_map, experts)}
+
+
+def routed_seconds(problem: Problem, device_map: Mapping, experts: Mapping | None, tokens: int,
+                   modes: Mapping | None = None) -> dict:
+    """Experts module -> seconds of its routed experts in one step of ``tokens`` tokens, each offloaded experts layer
+    run as ``modes`` says (experts module -> mode; the cheaper where it names none), without the expert cache."""
+    experts, modes = experts or {}, modes or {}
+    out = {}
+    for layer in routed_layers(problem, device_map, experts):
+        where = experts.get(layer.experts)
+        mode = modes.get(layer.experts) or layer_mode(problem, layer, device_map, where, tokens)[0]
+        out[layer.experts] = _layer_seconds(layer_terms(problem, layer, device_map, where, tokens, mode))
+    return out
+
+
 def _routed_terms(problem: Problem, placement: Placement) -> list[_Term] | None:
     """Per routed expert of each offloaded experts module the placement places expert by expert, its
-    :class:`_Term`; ``None`` for a placement without experts."""
+    :class:`_Term` in one forward of :func:`step_tokens` tokens, each layer in the mode the plan decides for it;
+    ``None`` for a placement without experts."""
     if not placement.experts:
         return None
-    profile = problem.profile
-    device_map, main, offloaded, run_on = _devices(placement)
     tokens = step_tokens(problem)
-    runtime = problem.runtime.name
     terms = []
-    for layer in problem.moe:
-        where = placement.experts.get(layer.experts)
-        home = device_of(layer.experts, device_map)
-        if where is None or home not in offloaded:
-            continue
-        a, b = _span(problem, layer)
-        size, elements = expert_bytes(problem, layer), expert_numel(problem, layer)
-        per_tensor = (b - a) / layer.num_experts
-        k = layer.top_k or 1
-        for share, device in zip(expert_shares(problem, layer), where):
-            hit = _hit(share, k, tokens)
-            if not hit:
-                continue
-            routed = tokens * k * min(1.0, share) if share * k < 1 else tokens
-            compute = max(hit * size * read_rates(profile, run_on)[0],
-                          2 * routed * elements * flop_seconds(profile, run_on))
-            if device == main or device not in offloaded:
-                terms.append(_Term(hit, compute, 0.0, 0.0, False, False))
-                continue
-            fetch = copy_seconds(profile, main, device, int(hit * size), max(1, round(hit * per_tensor)),
-                                 runtime=runtime)
-            where_it_lives = math.inf
-            if device == "cpu" and run_on != "cpu":
-                moved = 2 * routed * layer.hidden * 2   # activations there and back (2-byte elements)
-                where_it_lives = (max(hit * size / profile.cpu_memory,
-                                      2 * routed * elements * flop_seconds(profile, "cpu"))
-                                  + moved / profile.host_to_device) - compute
-            if fetch <= where_it_lives:
-                terms.append(_Term(hit, compute, fetch, hit * size, device == "disk", True))
-            else:
-                terms.append(_Term(hit, compute, where_it_lives, 0.0, False, False))
+    for layer in routed_layers(problem, placement.device_map, placement.experts):
+        where = placement.experts[layer.experts]
+        mode = layer_mode(problem, layer, placement.device_map, where, tokens)[0]
+        terms += layer_terms(problem, layer, placement.device_map, where, tokens, mode)
     return terms
 
 
@@ -253,13 +359,11 @@ def routed_cost(problem: Problem, placement: Placement, base: Cost) -> Cost:
     if terms is None:
         return base
     profile = problem.profile
-    device_map, main, offloaded, run_on = _devices(placement)
+    device_map, main, offloaded, run_on = _devices(placement.device_map)
     runtime = problem.runtime.name
     seconds, streamed, disk = base.seconds, float(base.streamed_bytes), float(base.disk_bytes)
-    for layer in problem.moe:
+    for layer in routed_layers(problem, device_map, placement.experts):
         home = device_of(layer.experts, device_map)
-        if placement.experts.get(layer.experts) is None or home not in offloaded:
-            continue
         a, b = _span(problem, layer)
         whole = int(sum(problem.graph.tensors.nbytes[a:b]))
         numel = int(sum(problem.graph.tensors.numel[a:b]))

@@ -133,7 +133,7 @@ def _verdict(problem: Problem, placement: Placement) -> Verdict:
         parts.setdefault(memory.main, dict.fromkeys(PARTS, 0))["expert_cache"] += cache[1]
     ram = problem.budgets.limit("cpu")
     room = None if ram is None else max(ram - sum(parts.get("cpu", {}).values()), 0)
-    hybrid = decide(problem, device_map, memory.main, room)
+    hybrid = decide(problem, device_map, memory.main, room, experts=placement.experts)
     before = {d: row["cache"] for d, row in parts.items() if row["cache"]}
     for device, delta in cache_moves(hybrid, memory.main).items():   # the KV cache of units decoding on the CPU
         parts.setdefault(device, dict.fromkeys(PARTS, 0))["cache"] += delta

@@ -34,6 +34,7 @@ from ..model.experts import MoELayer, find_experts
 from ..profile import Profile
 from .buffers import FetchBuffers
 from .expert_cache import ExpertCache, in_place, look_up, store
+from .expert_modes import computes_here, computes_there, phase_mode
 from .files import MappedFiles, source_of
 
 __all__ = ["MODES", "NAME", "ExpertsHook", "RoutedExperts", "Traffic", "eager_forward", "experts_forward",
@@ -153,11 +154,14 @@ class RoutedExperts:
         run and fetched ones are brought; :attr:`main` is its torch device.
     remote : dict
         Expert -> ``(torch device, row)`` for experts resident on another accelerator (their slices in
-        :attr:`remote_tensors`): computed there or fetched, chosen per call.
+        :attr:`remote_tensors`): computed there or fetched, as the mode says.
     chunk : int or None
         Offloaded experts fetched into the reused buffer at a time (``None``: all routed ones at once).
     cache : ExpertCache or None
         The runtime's cache of recently routed experts (:mod:`.expert_cache`), for a layer run on the main device.
+    mode, threshold, used
+        The plan's mode (one, or ``{phase: mode}``), the tokens of a decode call, the calls run per phase and mode
+        (:mod:`.expert_modes`).
     buffers : FetchBuffers
         Where fetched slices are copied, shared with the other layers the runtime fetches for.
     """
@@ -169,7 +173,7 @@ class RoutedExperts:
     main: str
     device: object
     traffic: Traffic
-    mode: str = "auto"
+    mode: str | Mapping = "auto"
     profile: Profile = field(default_factory=Profile)
     resident: dict = field(default_factory=dict)
     rows: dict = field(default_factory=dict)
@@ -179,6 +183,8 @@ class RoutedExperts:
     remote_tensors: dict = field(default_factory=dict)
     chunk: int | None = None
     cache: ExpertCache | None = None
+    threshold: int = 1
+    used: dict = field(default_factory=dict)
 
     @property
     def accelerator(self) -> bool:
@@ -263,16 +269,6 @@ class RoutedExperts:
             for e in ram:
                 source.file.keep(source.start + e * per, source.start + (e + 1) * per)
 
-    def _peer_computes_there(self, tokens: int) -> bool:
-        """Whether an expert resident on another accelerator with ``tokens`` routed to it runs there (its
-        activations moved at ``device_to_device``) rather than being fetched (its slices moved): the cheaper
-        under ``mode="auto"``; the same compute either way."""
-        if self.mode != "auto":
-            return self.mode == "compute"
-        size = sum(self.metas[n][0].numel() * self.metas[n].element_size() for n in self.metas)
-        moved = 2 * tokens * self.layer.hidden * self.metas[next(iter(self.metas))].element_size()
-        return moved < size
-
     def _fetch(self, experts: list[int]) -> dict:
         """The slices of ``experts`` on the main device: one gather per tensor into a reused buffer (views into the
         mapping on a CPU main device, where nothing is copied)."""
@@ -294,27 +290,15 @@ class RoutedExperts:
             out[name] = {e: copied[i:i + 1] for i, e in enumerate(experts)}
         return out
 
-    def _computes_here(self, expert: int, tokens: int) -> bool:
-        """Whether offloaded ``expert`` with ``tokens`` routed to it runs on the CPU where its weights live rather
-        than being fetched: only from RAM to an accelerator; by the cheaper estimate under ``mode="auto"``."""
-        if not self.accelerator or self.where[expert] != "cpu" or self.mode == "fetch":
-            return False
-        if self.mode == "compute":
-            return True
-        p = self.profile
-        size = sum(self.metas[n][0].numel() * self.metas[n].element_size() for n in self.metas)
-        numel = sum(self.metas[n][0].numel() for n in self.metas)
-        moved = 2 * tokens * self.layer.hidden * self.metas[next(iter(self.metas))].element_size()
-        fetch = size / p.host_to_device + 2 * tokens * numel / p.accelerator_flops
-        here = max(size / p.cpu_memory, 2 * tokens * numel / p.cpu_flops) + moved / p.host_to_device
-        return here < fetch
-
     def forward(self, module, hidden_states, top_k_index, top_k_weights):
         """The eager forward's result (module docstring)."""
         import torch
 
         eager = eager_forward(module)
         self.traffic.calls += 1
+        phase, mode = phase_mode(self.mode, self.threshold, math.prod(hidden_states.shape[:-1]))
+        row = self.used.setdefault(phase, {})
+        row[mode] = row.get(mode, 0) + 1   # the mode each phase ran in, as the plan wrote it
         count = self.layer.num_experts
         with torch.no_grad():
             hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < count]
@@ -329,13 +313,13 @@ class RoutedExperts:
             return eager(_One(module, {n: self.host(n) for n in self.sources}, count), hidden_states, top_k_index,
                          top_k_weights)
         try:
-            return self._routed(module, eager, hidden_states, top_k_index, top_k_weights, hit)
+            return self._routed(module, eager, hidden_states, top_k_index, top_k_weights, hit, mode)
         finally:
             self.buffers.release(self.main)
 
-    def _routed(self, module, eager, hidden_states, top_k_index, top_k_weights, hit: list):
+    def _routed(self, module, eager, hidden_states, top_k_index, top_k_weights, hit: list, mode: str):
         """:meth:`forward` expert by expert (not :attr:`in_place`): resident, cached, remote, computed where it
-        lives, or fetched in turns into :attr:`buffers`."""
+        lives, or fetched in turns into :attr:`buffers`, as ``mode`` (this call's phase's) says."""
         import torch
 
         final = torch.zeros_like(hidden_states)
@@ -344,8 +328,8 @@ class RoutedExperts:
         away = [e for e in hit if e not in self.rows]
         cached = {} if self.cache is None else look_up(self, [e for e in away if e not in self.remote])
         away = [e for e in away if e not in cached]
-        here = [e for e in away if e not in self.remote and self._computes_here(e, int(positions[e][0].numel()))]
-        there = [e for e in away if e in self.remote and self._peer_computes_there(int(positions[e][0].numel()))]
+        here = [e for e in away if e not in self.remote and computes_here(self, e, int(positions[e][0].numel()), mode)]
+        there = [e for e in away if e in self.remote and computes_there(self, e, int(positions[e][0].numel()), mode)]
         to_fetch = [e for e in away if e not in here and e not in there and e not in self.remote]
         chunk = self.chunk or max(len(to_fetch), 1)
         fetched: dict = {}
@@ -430,7 +414,7 @@ class ExpertsHook:
 
 def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode="auto",
                   traffic: Traffic | None = None, layout: Mapping | None = None,
-                  cache: ExpertCache | None = None, buffers: FetchBuffers | None = None) -> dict:
+                  cache: ExpertCache | None = None, buffers: FetchBuffers | None = None, threshold: int = 1) -> dict:
     """For each offloaded fused experts module of ``model`` that the runtime can run expert by expert: its
     :class:`RoutedExperts`, keyed by ``id(module)``. ``hooks`` are ``(name, module, hook)`` of accelerate's
     offloading hooks; ``placed`` maps experts module names to the device of each expert (``Plan.experts``), those on
@@ -446,7 +430,8 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
     hook streams tensors of other modules, or it runs in a dtype its file does not hold as float.
     """
     modes = dict(mode) if isinstance(mode, Mapping) else {}
-    for m in (set(modes.values()) if isinstance(mode, Mapping) else {mode}):
+    named = [m for v in modes.values() for m in ([v] if isinstance(v, str) else v.values())]
+    for m in (set(named) if isinstance(mode, Mapping) else {mode}):
         if m not in MODES:
             raise InvalidRuntime(f"experts mode must be one of {list(MODES)}, got {m!r}.")
     layers = {m.experts: m for m in find_experts(model) if m.kind == "fused" and not m.common}
@@ -471,7 +456,7 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
             where = placed.get(name, ("offloaded",) * layer.num_experts)
             routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic,
                                    modes.get(name, "auto") if isinstance(mode, Mapping) else mode, home=home,
-                                   chunk=plan.get("fetch_chunk"), buffers=buffers,
+                                   chunk=plan.get("fetch_chunk"), buffers=buffers, threshold=threshold,
                                    cache=cache if cache is not None and home in (None, "main", resident_on) else None)
             routed.keep([e for e, d in enumerate(where) if home is not None and d == home])
             routed.keep_elsewhere({e: d for e, d in enumerate(where) if isinstance(d, int) and not isinstance(

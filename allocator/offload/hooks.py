@@ -153,7 +153,8 @@ class Attached:
             self.cache = ExpertCache(slots) if slots else None
             self.experts = routed_layers(model, hooks, placed, resident_on, device=device, files=self.files,
                                          mode=expert_mode, traffic=self.traffic, layout=layout, cache=self.cache,
-                                         buffers=self.fetch_buffers)
+                                         buffers=self.fetch_buffers,
+                                         threshold=plan.threshold if plan is not None else 1)
         for name, module, _, _, h in _offload_hooks(model):
             if id(module) in self.experts:
                 continue
@@ -173,11 +174,14 @@ class Attached:
     @property
     def state(self) -> dict:
         """What this runtime runs, as data: the prefetch depth, the device's kind, the offloaded units in order, and
-        per experts module run expert by expert its experts' devices, the resident ones and the mode."""
+        per experts module run expert by expert its experts' devices, the resident ones, the mode (the plan's per
+        phase) and the calls run in each mode per phase (``"used"``: ``{phase: {mode: calls}}``)."""
         return {"prefetch": self.prefetch, "device": type(self.device).__name__,
                 "units": [u.name for u in self.units],
                 "experts": {r.layer.experts: {"where": tuple(r.where), "resident": tuple(sorted(r.rows)),
-                                              "mode": r.mode} for r in self.experts.values()},
+                                              "mode": r.mode if isinstance(r.mode, str) else dict(r.mode),
+                                              "used": {phase: dict(row) for phase, row in r.used.items()}}
+                            for r in self.experts.values()},
                 "expert_cache": self.cache.slots if self.cache is not None else 0}
 
     # --- accounting -------------------------------------------------------------------------------------------
@@ -355,8 +359,9 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
         overrides the plan's.
     expert_mode : str, optional
         How an offloaded expert the router picks runs: ``"auto"`` (fetched, or computed on the CPU where its weights
-        are in RAM and that is estimated cheaper for the tokens routed to it), ``"fetch"`` or ``"compute"``. Default:
-        the plan's per layer (``Runtime.expert_mode``), ``"auto"`` elsewhere.
+        are in RAM and that is estimated cheaper for the tokens routed to it), ``"fetch"`` or ``"compute"``, in every
+        phase. Default: the plan's per layer and phase (``Runtime.expert_mode``, run as written), ``"auto"`` for a
+        layer it does not name or without a plan.
 
     Returns
     -------

@@ -24,7 +24,8 @@ from ..budgets import format_ms, is_accelerator
 from ..rules.dispatch import hooks_attach
 from ..evaluate.memory import map_runs, offloaded_devices, prefetch_of
 from ..evaluate.cost import priced
-from ..evaluate.experts import expert_bytes
+from ..evaluate.compute import phase_tokens
+from ..evaluate.experts import expert_bytes, layer_mode, routed_layers
 from ..report.minimum import why_empty
 from .decisions import balances, follows_accelerate, sentence
 from ..judge.contract import contract_violations
@@ -437,6 +438,7 @@ def reasons(plan) -> Why:
     out += [s for s in (_offloaded(plan, layout, full), _reserve(plan), unbudgeted_ram(plan), _experts(plan, used))
             if s]
     out += _computes(plan)   # issue #40: where offloaded units compute, per phase
+    out += _expert_modes(plan)   # issue #46: how each experts layer's offloaded experts run, per phase
     choice = plan.placement.of_kind("choice")
     if choice:
         out.append(sentence(choice[0]) + _ranked_apart(plan, choice[0]))
@@ -454,6 +456,33 @@ def _span(units: list[str]) -> str:
             head = heads.pop()
             return f"{head}.{numbers[0]}" if len(numbers) == 1 else f"{head}.{numbers[0]}\u2013{numbers[-1]}"
     return units[0] if len(units) == 1 else f"{len(units)} units from {units[0]} to {units[-1]}"
+
+
+def _expert_modes(plan) -> list[str]:
+    """One sentence per phase and mode: the experts layers whose offloaded routed experts run that way
+    (``Plan.runtime.expert_mode``), with the estimates of both modes summed over them
+    (:func:`allocator.evaluate.experts.layer_mode`)."""
+    modes = plan.runtime.expert_mode
+    if not modes or not plan.runtime.streams:
+        return []
+    problem, placed = plan.problem, plan.placement.experts
+    layers = {m.experts: m for m in routed_layers(problem, plan.device_map, placed)}
+    out = []
+    for phase, tokens in phase_tokens(problem).items():
+        groups: dict = {}
+        for name, row in modes.items():
+            mode = row if isinstance(row, str) else row.get(phase)
+            if name in layers and mode is not None:
+                seconds = layer_mode(problem, layers[name], plan.device_map, placed.get(name), tokens)[1]
+                n, f, c = groups.get(mode, (0, 0.0, 0.0))
+                groups[mode] = (n + 1, f + seconds["fetch"], c + seconds["compute"])
+        for mode, (n, f, c) in sorted(groups.items()):
+            how = (f"fetched to {plan.main_device!r}" if mode == "fetch" else "computed where they live")
+            out.append(f"at {phase} ({tokens} tokens per step) the offloaded routed experts of {n} experts layers are "
+                       f"{how}: estimated {(f if mode == 'fetch' else c) * 1e3:.1f} ms per step against "
+                       f"{(c if mode == 'fetch' else f) * 1e3:.1f} ms "
+                       f"{'computed where they live' if mode == 'fetch' else 'fetched'}")
+    return out
 
 
 def _computes(plan) -> list[str]:

@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 
 from ..budgets import Device, normalize_map
 from ..errors import InvalidOption
+from ..evaluate.compute import phase_tokens
+from ..evaluate.experts import expert_modes
 from ..evaluate.memory import fetch_chunk, prefetch_of, runs_on
 
 __all__ = ["EXPERT_MODES", "Runtime", "decide_runtime"]
 
 #: How an offloaded expert the router picks runs (:mod:`allocator.offload.experts`): fetched to the main device,
-#: computed where its weights are, or chosen per call from the cost model.
+#: computed where its weights are, or chosen per call from the cost model (``"auto"``: only where the caller asks;
+#: a plan decides ``"fetch"`` or ``"compute"`` per layer and phase).
 EXPERT_MODES = ("auto", "fetch", "compute")
 
 
@@ -40,7 +43,13 @@ class Runtime:
         Experts module name -> the device of each expert (``Plan.experts``): those on ``main_device`` are kept
         resident, the others are read when routed.
     expert_mode : dict
-        Experts module name -> how an offloaded routed expert runs there (:data:`EXPERT_MODES`).
+        Experts module name -> {phase: mode}: how the offloaded routed experts of that layer run in each phase of
+        ``generate`` (``"prefill"``, ``"decode"``), ``"fetch"`` or ``"compute"`` (where they live), decided from the
+        cost model's one formula for routed experts (:func:`allocator.evaluate.experts.expert_modes`); the runtime
+        runs it as written. A mode of :data:`EXPERT_MODES` for every phase is accepted too.
+    threshold : int
+        A call of an experts module with at most this many tokens is in the ``"decode"`` phase, a longer one in
+        ``"prefill"`` (the decode step's tokens, :func:`allocator.evaluate.compute.phase_tokens`).
     buffers : dict
         Bytes the runtime may hold on the main device beyond resident weights: ``"streamed"`` (the largest
         offloaded chain at once), ``"prefetch"`` (modules made ready ahead), ``"experts"`` (routed experts resident
@@ -62,6 +71,7 @@ class Runtime:
     prefetch: int = 0
     experts: Mapping = field(default_factory=dict)
     expert_mode: Mapping = field(default_factory=dict)
+    threshold: int = 1
     buffers: Mapping = field(default_factory=dict)
     expert_cache: int = 0
     runs_on: Mapping = field(default_factory=dict)
@@ -82,7 +92,8 @@ class Runtime:
         """JSON-ready data (devices as map values are written: ``0``, ``"cpu"``, ``"disk"``)."""
         return {"name": self.name, "main_device": self.main_device, "prefetch": self.prefetch,
                 "experts": {k: list(v) for k, v in self.experts.items()},
-                "expert_mode": dict(self.expert_mode), "buffers": {k: int(v) for k, v in self.buffers.items()},
+                "expert_mode": {k: v if isinstance(v, str) else dict(v) for k, v in self.expert_mode.items()},
+                "threshold": self.threshold, "buffers": {k: int(v) for k, v in self.buffers.items()},
                 "expert_cache": self.expert_cache, "runs_on": dict(self.runs_on),
                 "fetch_chunk": {k: int(v) for k, v in self.fetch_chunk.items()}}
 
@@ -100,11 +111,14 @@ class Runtime:
         out = cls(name=str(data.get("name", "accelerate")), main_device=data.get("main_device"),
                   prefetch=int(data.get("prefetch", 0)),
                   experts={k: tuple(v) for k, v in (data.get("experts") or {}).items()},
-                  expert_mode=dict(data.get("expert_mode") or {}),
+                  expert_mode={k: v if isinstance(v, str) else dict(v)
+                               for k, v in (data.get("expert_mode") or {}).items()},
+                  threshold=int(data.get("threshold", 1)),
                   buffers={k: int(v) for k, v in (data.get("buffers") or {}).items()},
                   expert_cache=int(data.get("expert_cache", 0)), runs_on=dict(data.get("runs_on") or {}),
                   fetch_chunk={k: int(v) for k, v in (data.get("fetch_chunk") or {}).items()})
-        bad = sorted({m for m in out.expert_mode.values() if m not in EXPERT_MODES})
+        bad = sorted({m for v in out.expert_mode.values() for m in ([v] if isinstance(v, str) else v.values())
+                      if m not in EXPERT_MODES})
         if out.name not in ("allocator", "accelerate") or bad or out.prefetch < 0 or out.expert_cache < 0:
             raise InvalidOption(f"the plan's runtime section is not one this version reads ({dict(data)!r}); "
                                 f"plan again with this version.")
@@ -115,15 +129,18 @@ def decide_runtime(problem, placement, memory, experts_bytes: int = 0, cache: tu
     """The :class:`Runtime` of a checked placement: ``memory`` is its :class:`allocator.evaluate.memory.Memory`
     (main device, streamed chain, prefetch reserve), ``experts_bytes`` the routed experts resident on the main
     device, ``cache`` the expert cache's ``(slots, bytes)`` there
-    (:func:`allocator.evaluate.memory.expert_cache_reserve`)."""
+    (:func:`allocator.evaluate.memory.expert_cache_reserve`). The experts mode of each offloaded experts layer per
+    phase is the cheaper by :func:`allocator.evaluate.experts.expert_modes` at each phase's tokens."""
     runtime = problem.runtime
     if runtime.name != "allocator":
         return Runtime(name=runtime.name, main_device=memory.main)
     experts = {k: tuple(v) for k, v in placement.experts.items()}
     layers = {m.experts: m for m in problem.moe}
     runs = {k: v for k, v in runs_on(problem, normalize_map(placement.device_map)).items() if k in experts}
-    return Runtime(name="allocator", main_device=memory.main, prefetch=prefetch_of(runtime),
-                   experts=experts, expert_mode={name: "auto" for name in experts},
+    tokens = phase_tokens(problem)
+    return Runtime(name="allocator", main_device=memory.main, prefetch=prefetch_of(runtime), experts=experts,
+                   expert_mode=expert_modes(problem, placement.device_map, placement.experts, tokens),
+                   threshold=tokens["decode"],
                    buffers={"streamed": memory.streamed, "prefetch": memory.prefetch, "experts": experts_bytes,
                             "expert_cache": int(cache[1])},
                    expert_cache=int(cache[0]), runs_on=runs,

@@ -22,8 +22,8 @@ against a model before anything is loaded::
      "violations": [{"kind": "budget", "message": "..."}],
      "experts": null,
      "runtime": {"name": "allocator", "main_device": 0, "prefetch": 1, "experts": {}, "expert_mode": {},
-                 "buffers": {"streamed": ..., "prefetch": ..., "experts": ..., "expert_cache": 0}, "expert_cache": 0,
-                 "runs_on": {}, "fetch_chunk": {}},
+                 "threshold": 1, "buffers": {"streamed": ..., "prefetch": ..., "experts": ..., "expert_cache": 0},
+                 "expert_cache": 0, "runs_on": {}, "fetch_chunk": {}},
      "compute": {"model.layers.20": {"prefill": 0, "decode": "cpu"}, ...},
      "hybrid": {"threshold": 1, "tokens": {"prefill": 511, "decode": 1}, "cache_moved": ...}}
 
