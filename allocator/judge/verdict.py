@@ -72,7 +72,8 @@ class Verdict:
     hybrid : ComputePlan or None
         Where offloaded units compute per phase (:func:`allocator.evaluate.compute.decide`).
     steps : dict
-        Phase -> :class:`Cost` of one step: ``"prefill"``, and with a generation budget ``"decode"`` too.
+        Phase -> :class:`Cost` of one step: ``"prefill"``, and with a generation budget or a compute plan
+        ``"decode"`` too (one token per sequence).
     stream_steps : dict
         Phase -> seconds of one step with every offloaded unit streamed (what :attr:`hybrid` is weighed against).
     optimize : str
@@ -198,7 +199,7 @@ def _steps(problem: Problem, placement: Placement, hybrid, resident: dict, cache
     problem, routed experts priced as routed, :func:`allocator.evaluate.experts.routed_cost`), with the KV cache's
     reads where the count does not hold them and the units computed where their weights live as :attr:`hybrid`
     says; and the seconds of each phase with every offloaded unit streamed."""
-    phases = PHASES if problem.generation is not None else ("prefill",)
+    phases = PHASES if problem.generation is not None or hybrid is not None else ("prefill",)
     fast = fast_tier(problem.budgets)
     kept = sum(n for d, n in resident.items() if d in fast)
     steps, stream = {}, {}
