@@ -48,7 +48,7 @@ def runtime_state(model, runtime) -> dict:
         "prefetch_thread": runtime.executor is not None,
         "device": type(runtime.device).__name__,
         "experts": {r.layer.experts: {"where": tuple(r.where), "resident": tuple(sorted(r.rows)), "mode": r.mode,
-                                      "home": r.home, "main": r.main, "chunk": r.chunk,
+                                      "home": r.home, "main": r.main, "chunk": r.chunk, "threshold": r.threshold,
                                       "remote": dict(r.remote), "cached": r.cache is not None}
                     for r in runtime.experts.values()},
         "expert_cache": None if runtime.cache is None else runtime.cache.slots,
@@ -148,7 +148,7 @@ def test_the_cases_hold_what_they_test(cases):
     _, moe, _ = cases["moe"]
     r = moe.runtime
     assert moe.main_device == 0 and r.expert_cache > 0 and r.fetch_chunk and any(r.resident.values())
-    assert set(r.runs_on.values()) == {0, 1} and moe.compute
+    assert set(r.runs_on.values()) == {0, 1}   # its compute map may be empty: experts modules run expert by expert
 
 
 @pytest.mark.parametrize("case", ["accelerate", "allocator-cpu", "allocator-accelerator", "moe"])
@@ -182,6 +182,8 @@ def test_a_dropped_field_shows(cases, field):
     differs (in what it runs, except for the fields it only holds)."""
     differs = []
     for model, plan, keywords in cases.values():
+        if field == "runtime.threshold":   # batch 1 decodes 1 token, the default: a threshold of 4 must survive too
+            plan = dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, threshold=4))
         data = _saved(plan)
         section, _, key = field.rpartition(".")
         where = data[section] if section else data
