@@ -13,7 +13,7 @@ thread: the runtime starts no compute thread, so the CPU is not oversubscribed (
 from __future__ import annotations
 
 from ..model.cache_kwarg import forward_cache
-from .devices import StandInDevice, StreamDevice
+from .devices import StreamDevice
 
 __all__ = ["HybridHook", "call_tokens", "phase_of", "unit_phases"]
 
@@ -102,7 +102,8 @@ class HybridHook:
         self.local = False
         self.layer = _layer_index(unit.module)
         device = runtime.device
-        self.accelerator = isinstance(device, StreamDevice) and not isinstance(device, StandInDevice)
+        #: the stream device that moves values (a GPU or its stand-in); ``None`` on the CPU (accelerate's moves)
+        self.device = device if isinstance(device, StreamDevice) else None
         self.staging: dict = {}
 
     def init_hook(self, module):
@@ -118,7 +119,7 @@ class HybridHook:
         self.local = self.phases.get(phase) == "cpu"
         if not self.local:
             self.streamed += 1
-            self._cache_to(kwargs, self.execution_device)
+            self._cache_to(kwargs, host=False)
             return self.inner.pre_forward(module, *args, **kwargs)
         import torch
 
@@ -134,7 +135,9 @@ class HybridHook:
                 s.owner._buffers[s.attr] = host
         skip = set(self.skip_keys or ()) if not isinstance(self.skip_keys, str) else {self.skip_keys}
         self.runtime.traffic.activations += _nbytes(list(args), skip) + _nbytes(kwargs, skip)
-        self._cache_to(kwargs, "cpu")
+        self._cache_to(kwargs, host=True)
+        if self.device is not None:
+            return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
         return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
 
     def post_forward(self, module, output):
@@ -152,29 +155,31 @@ class HybridHook:
                                                     skip)
         target = self.input_device if self.io_same_device and self.input_device is not None else \
             self.execution_device
-        if self.accelerator:
-            output = self._staged(output)
+        if self.device is not None:
+            return self.device.to_main(self._staged(output), target, self.skip_keys)
         return send_to_device(output, target, skip_keys=self.skip_keys)
 
-    def _staged(self, output):
-        """Tensors of ``output`` copied into pinned buffers kept per shape (an accelerator's copy from them is
-        asynchronous and at the pinned rate)."""
+    def _staged(self, output, at: tuple = ()):
+        """Tensors of ``output`` copied into pinned buffers (an accelerator's copy from them is asynchronous and at
+        the pinned rate), one per position in the output (``at``: the indices down to it), shape and dtype: two
+        same-shaped tensors of one output never share a buffer. A buffer is reused by the hook's next CPU call, whose
+        inputs come from the main device: moving them to the CPU waits for the copies out of the buffers."""
         import torch
 
         if isinstance(output, torch.Tensor):
-            key = (tuple(output.shape), output.dtype)
+            key = (at, tuple(output.shape), output.dtype)
             buffer = self.staging.get(key)
             if buffer is None:
-                buffer = self.staging[key] = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+                buffer = self.staging[key] = self.device.pinned(output.shape, output.dtype)
             return buffer.copy_(output)
-        if isinstance(output, tuple):
-            return type(output)(self._staged(o) for o in output) if not hasattr(output, "_fields") else output
+        if isinstance(output, tuple) and not hasattr(output, "_fields"):
+            return type(output)(self._staged(o, (*at, i)) for i, o in enumerate(output))
         return output
 
-    def _cache_to(self, kwargs, device) -> None:
+    def _cache_to(self, kwargs, *, host: bool) -> None:
         """Move the cache layer this unit fills (the forward's KV cache, ``cache=`` or ``past_key_values=``: layer
-        ``layer_idx``) to ``device`` where it is elsewhere: after a prefill on the main device, once, before the first
-        decode on the CPU."""
+        ``layer_idx``) to the CPU (``host``) or the main device where it is elsewhere: after a prefill on the main
+        device, once, before the first decode on the CPU, and back before a call streamed after one on the CPU."""
         cache = forward_cache(kwargs)
         layers = getattr(cache, "layers", None)
         if self.layer is None or layers is None or self.layer >= len(layers):
@@ -182,5 +187,12 @@ class HybridHook:
         layer = layers[self.layer]
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
-            if tensor is not None and hasattr(tensor, "device") and str(tensor.device) != str(device):
-                setattr(layer, name, tensor.to(device))
+            if tensor is None or not hasattr(tensor, "device"):
+                continue
+            if self.device is None:
+                target = "cpu" if host else self.execution_device
+                if str(tensor.device) != str(target):
+                    setattr(layer, name, tensor.to(target))
+            elif self.device.on_main(tensor) == host:
+                setattr(layer, name, self.device.to_host(tensor) if host else
+                        self.device.to_main(tensor, self.execution_device))
