@@ -4,6 +4,7 @@ meta device (no weights of that size exist here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 
@@ -98,3 +99,14 @@ def test_patched_pipeline_load_splits_the_transformer(flux_dev, flux_plan, monke
     diffusers.DiffusionPipeline.from_pretrained(flux_dev, device_map="balanced", max_memory=dict(BUDGET),
                                                 torch_dtype=torch.bfloat16)   # unpatched: diffusers' own
     assert calls["transformer"]["device_map"] == {"": "cpu"}
+
+
+def test_a_peak_over_its_budget_makes_the_pipeline_plan_invalid(flux_plan):
+    """``valid`` reads every device's peak against its budget: one byte over on any device, and the plan is invalid,
+    whatever its components' own plans say; exactly at the budget, it stays valid."""
+    assert flux_plan.valid
+    for device in flux_plan.peak:
+        at = dataclasses.replace(flux_plan, peak={**flux_plan.peak, device: flux_plan.budgets[device]})
+        over = dataclasses.replace(flux_plan, peak={**flux_plan.peak, device: flux_plan.budgets[device] + 1})
+        assert at.valid and not over.valid, device
+        assert not over.to_dict()["valid"] and "INVALID" in over.explain()
