@@ -110,3 +110,41 @@ def test_a_peak_over_its_budget_makes_the_pipeline_plan_invalid(flux_plan):
         over = dataclasses.replace(flux_plan, peak={**flux_plan.peak, device: flux_plan.budgets[device] + 1})
         assert at.valid and not over.valid, device
         assert not over.to_dict()["valid"] and "INVALID" in over.explain()
+
+
+def _component_maps(folder, monkeypatch, *, patched: bool, **kwargs) -> dict:
+    """The ``device_map`` each component's ``load_sub_model`` gets from ``DiffusionPipeline.from_pretrained(folder,
+    device_map="balanced", ...)``, patched or not (``load_sub_model`` recorded on the meta device, nothing loaded)."""
+    import contextlib
+
+    import diffusers
+    import diffusers.pipelines.pipeline_utils as pipeline_utils
+
+    calls = {}
+
+    def recorder(**call):
+        calls[call["name"]] = call["device_map"]
+
+    monkeypatch.setattr(pipeline_utils, "load_sub_model", recorder)
+    with allocator.patch() if patched else contextlib.nullcontext():
+        diffusers.DiffusionPipeline.from_pretrained(folder, device_map="balanced", max_memory=dict(BUDGET), **kwargs)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["dtype dict", "passed component"])
+def test_patched_pipeline_load_falls_back_to_diffusers_own_placement(flux_dev, monkeypatch, case):
+    """A ``torch_dtype`` per component, or a component passed in (loaded already): ``plan_pipeline`` does not model
+    these, so the patched load places components exactly as diffusers does unpatched."""
+    import diffusers
+
+    if case == "dtype dict":
+        kwargs = dict(torch_dtype={"transformer": torch.bfloat16, "default": torch.float32})
+    else:
+        with torch.device("meta"):
+            vae = diffusers.AutoencoderKL.from_config(diffusers.AutoencoderKL.load_config(f"{flux_dev}/vae"))
+        kwargs = dict(torch_dtype=torch.bfloat16, vae=vae)
+    ours = _component_maps(flux_dev, monkeypatch, patched=True, **kwargs)
+    theirs = _component_maps(flux_dev, monkeypatch, patched=False, **kwargs)
+    assert ours == theirs, (ours, theirs)
+    plain = _component_maps(flux_dev, monkeypatch, patched=True, torch_dtype=torch.bfloat16)
+    assert plain["transformer"] == "auto" and ours["transformer"] != "auto"   # the patch's own plan, without them
