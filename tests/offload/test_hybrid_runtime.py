@@ -129,31 +129,42 @@ def _where(tensor) -> str:
     return "main" if on_stand_in(tensor) else "cpu"
 
 
+LEAF_HOOKS = ("from_pretrained puts offload hooks on the leaf modules (accelerate's attach_align_device_hook): the "
+              "hybrid hooks never see the KV cache, and the attention runs on the main device with it (issue 48)")
+
+
 @pytest.mark.slow
-def test_hybrid_hooks_move_inputs_outputs_and_kv_cache_between_cpu_and_accelerator(saved, tmp_path):
+@pytest.mark.parametrize("loader", ["layers whole", pytest.param("from_pretrained", marks=pytest.mark.xfail(
+    strict=True, reason=LEAF_HOOKS))])
+def test_hybrid_hooks_move_inputs_outputs_and_kv_cache_between_cpu_and_accelerator(saved, tmp_path, loader):
     """On the stand-in a tensor on the accelerator is tagged (``on_stand_in``), so this sees where things are. A
     prefill streamed to the main device, a decode call on the CPU, then a 3-token call streamed again: in the CPU call
     each hybrid unit's attention gets its hidden states and its KV cache layer in RAM (the hook moved them there) and
     its output goes back to the accelerator; in the streamed call after it, the cache layer is back on the accelerator
     before the attention reads it. Logits equal the model in RAM at every call.
 
-    The decoder layers are loaded whole (accelerate's ``preload_module_classes``): their offload hook is the layer's,
-    which gets the KV cache. (``from_pretrained`` puts offload hooks on the leaf modules, which never see the cache:
-    there the attention runs on the main device with the cache, see the report of issue 48.)"""
+    ``"layers whole"``: the decoder layers loaded whole (accelerate's ``preload_module_classes``), so their offload
+    hook is the layer's, which gets the KV cache. ``"from_pretrained"`` puts the offload hooks on the leaf modules,
+    which never see the cache: it is a strict ``xfail`` until the runtime computes whole layers there (LEAF_HOOKS)."""
     accelerate = pytest.importorskip("accelerate")
     folder, auto, prompt, ram, _ = saved["llama"]
     plan = _plan("llama", ram)
     loaded = {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in plan.device_map.items()}
     forced = dataclasses.replace(plan.hybrid, devices={u: {"prefill": 0, "decode": "cpu"} for u in plan.compute})
-    with accelerate.init_empty_weights():
-        model = getattr(transformers, auto).from_config(ram.config).eval()
-    model = accelerate.load_checkpoint_and_dispatch(model, str(folder), device_map=loaded, offload_folder=tmp_path,
-                                                    preload_module_classes=["LlamaDecoderLayer"], dtype=torch.float32)
+    if loader == "from_pretrained":
+        model = getattr(transformers, auto).from_pretrained(folder, device_map=loaded, offload_folder=tmp_path,
+                                                            dtype=torch.float32).eval()
+    else:
+        with accelerate.init_empty_weights():
+            model = getattr(transformers, auto).from_config(ram.config).eval()
+        model = accelerate.load_checkpoint_and_dispatch(model, str(folder), device_map=loaded, offload_folder=tmp_path,
+                                                        preload_module_classes=["LlamaDecoderLayer"],
+                                                        dtype=torch.float32)
     runtime = offload.attach(model, dataclasses.replace(plan, device_map=loaded, hybrid=forced), device="stand-in",
                              prefetch=0)
     device = runtime.device
-    units = {u.name: u.module for u in runtime.units if isinstance(u.module._hf_hook, offload.HybridHook)
-             and hasattr(u.module, "self_attn")}
+    units = {key: model.get_submodule(key) for key in plan.compute}   # the units the plan computes per phase
+    units = {key: m for key, m in units.items() if hasattr(m, "self_attn")}
     assert units, plan.compute
     seen, handles = [], []
     for name, module in units.items():
@@ -191,7 +202,7 @@ def test_hybrid_hooks_move_inputs_outputs_and_kv_cache_between_cpu_and_accelerat
                 assert step == 0 or all(v[1] == {"main"} for v in ins.values()), ins
                 assert all(where == "main" for where in outs.values()), outs
         hooks = [m._hf_hook for m in units.values()]
-        assert all(h.calls == {"decode": 1} and h.streamed == 2 for h in hooks)
+        assert all(isinstance(h, offload.HybridHook) and h.calls == {"decode": 1} and h.streamed == 2 for h in hooks)
     finally:
         for h in handles:
             h.remove()
