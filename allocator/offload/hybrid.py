@@ -21,16 +21,15 @@ __all__ = ["HybridHook", "call_tokens", "phase_of", "unit_phases"]
 def call_tokens(args, kwargs) -> int:
     """Tokens of a call: batch x sequence of its first floating-point input with at least two dimensions
     (``hidden_states`` ``(batch, sequence, hidden)``, per-head states ``(batch, sequence, heads, head_dim)``; a 2-D
-    input is ``(tokens, hidden)``), else the elements of its first tensor; 0 without tensors."""
+    one is ``(tokens, hidden)``), else the elements of its first tensor (token ids ``(batch, sequence)`` of an
+    embedding); 0 without tensors."""
     import torch
 
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     states = [t for t in tensors if t.is_floating_point() and t.dim() >= 2]
-    for t in states or tensors:
-        if t.dim() >= 3:
-            return int(t.shape[0] * t.shape[1])
-        return int(t.shape[0]) if t.dim() == 2 else int(t.numel())
-    return 0
+    for t in states:
+        return int(t.shape[0] * t.shape[1]) if t.dim() >= 3 else int(t.shape[0])
+    return int(tensors[0].numel()) if tensors else 0
 
 
 def phase_of(tokens: int, threshold: int) -> str:

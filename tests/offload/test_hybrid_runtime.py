@@ -98,6 +98,9 @@ def test_phase_of_a_call():
     states = torch.zeros(2, 7, 8)
     assert call_tokens((states,), {}) == 14 and call_tokens((torch.zeros(1, 1, 4, 16),), {}) == 1
     assert call_tokens((), {"hidden_states": torch.zeros(1, 1, 8)}) == 1
+    # an embedding's token ids (batch, sequence): a 12-token prompt is a prefill call, one new token a decode call
+    assert call_tokens((torch.zeros(1, 12, dtype=torch.long),), {}) == 12
+    assert call_tokens((torch.zeros(2, 1, dtype=torch.long),), {}) == 2 and call_tokens((), {}) == 0
     assert phase_of(1, 1) == "decode" and phase_of(2, 1) == "prefill"
     compute = {"model.layers.1": {"prefill": 0, "decode": "cpu"}, "model.layers.2": {"prefill": 0, "decode": 0}}
     assert unit_phases(compute, "model.layers.1.self_attn.q_proj") == compute["model.layers.1"]
