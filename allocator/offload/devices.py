@@ -8,10 +8,12 @@ two stream devices also say where a tensor is and move values between the CPU an
 (``on_main``, ``to_host``, ``to_main``, ``pinned``), which is how the hybrid hook moves activations and KV caches.
 
 On the stand-in, a tensor "on the accelerator" is a ``StandInTensor`` (a tag: the memory is RAM; see
-:func:`on_stand_in`). Its weights
-are staged as such, what is computed with one is one (torch's subclass rule), ``to_host`` returns plain tensors and
-``to_main`` tagged copies, so tests see where the KV cache, the inputs and the outputs of every hook are. On a GPU
-the same four calls are accelerate's ``send_to_device``, ``tensor.device`` and a pinned ``torch.empty``.
+:func:`on_stand_in`). Its weights are staged as such, what is computed with one is one (torch's subclass rule),
+``to_host`` returns plain copies and ``to_main`` tagged copies, so tests see where the KV cache, the inputs and the
+outputs of every hook are. A plain tensor is in RAM or was never moved (a module not offloaded computes on plain
+weights): :meth:`StandInDevice.put` places inputs on the stand-in as a user sends them to the main device. On a GPU
+the same four calls are accelerate's ``send_to_device``, ``tensor.device`` and a pinned ``torch.empty``: nothing is
+tagged there.
 """
 
 from __future__ import annotations
