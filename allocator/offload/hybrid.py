@@ -159,10 +159,10 @@ class HybridHook:
         return send_to_device(output, target, skip_keys=self.skip_keys)
 
     def _staged(self, output, at: tuple = ()):
-        """Tensors of ``output`` copied into pinned buffers (an accelerator's copy from them is asynchronous and at
-        the pinned rate), one per position in the output (``at``: the indices down to it), shape and dtype: two
-        same-shaped tensors of one output never share a buffer. A buffer is reused by the hook's next CPU call, whose
-        inputs come from the main device: moving them to the CPU waits for the copies out of the buffers."""
+        """Tensors of ``output`` copied into pinned buffers (an accelerator copies from them at the pinned rate), one
+        per position in the output (``at``: the indices down to it), shape and dtype: two same-shaped tensors of one
+        output never share a buffer. The copies out of them (``to_main``: accelerate's ``send_to_device``, blocking)
+        are done before the hook returns, so the hook's next CPU call may reuse them."""
         import torch
 
         if isinstance(output, torch.Tensor):
