@@ -73,3 +73,18 @@ def test_phase_tokens_follow_the_generation_budget(hybrid):
                          generation=allocator.GenerationBudget(4, 128, prompt_length=100))
     assert phase_tokens(big.problem) == {"prefill": 400, "decode": 4}
     assert big.hybrid.threshold == 4
+
+
+def test_cpu_decoding_stops_where_ram_has_no_room_for_the_cache(hybrid):
+    """The KV cache of a unit decoding on the CPU lives in RAM: with RAM's budget half a cache short of what moving
+    every such cache needs, some units decode on the main device instead and RAM's peak stays within its budget (the
+    map is the same as with ample RAM)."""
+    before = check(hybrid.problem, hybrid.device_map)[1].peak["cpu"]
+    budget = before + hybrid.hybrid.cache_moved // 2
+    tight = allocator.plan(_meta_llama(), {**BUDGET, "cpu": budget}, runtime="allocator", generation=GEN)
+    assert tight.device_map == hybrid.device_map
+    assert tight.valid and tight.peak["cpu"] <= budget, (tight.peak, budget)
+    assert 0 < tight.hybrid.cache_moved <= budget - before
+    decode = [v["decode"] for v in tight.compute.values()]
+    assert "cpu" in decode and 0 in decode
+    assert tight.peak[0] == hybrid.peak[0] + hybrid.hybrid.cache_moved - tight.hybrid.cache_moved

@@ -3,17 +3,65 @@
 :class:`HostDevice` (a CPU main device: views into the mapped files, read ahead by the kernel or a thread),
 :class:`StreamDevice` (a GPU: copies from pinned host memory on a side stream, an event per module, over the CUDA
 backend) and :class:`StandInDevice` (the same stream logic over a CPU stand-in backend that logs what it is asked to
-do, so that the scheduling is tested without a GPU). Each has ``stage(slots, ahead=)`` and ``ready(handle)``.
+do, so that the scheduling is tested without a GPU). Each has ``stage(slots, ahead=)`` and ``ready(handle)``; the
+two stream devices also say where a tensor is and move values between the CPU and the main device
+(``on_main``, ``to_host``, ``to_main``, ``pinned``), which is how the hybrid hook moves activations and KV caches.
+
+On the stand-in, a tensor "on the accelerator" is a ``StandInTensor`` (a tag: the memory is RAM; see
+:func:`on_stand_in`). Its weights are staged as such, what is computed with one is one (torch's subclass rule),
+``to_host`` returns plain copies and ``to_main`` tagged copies, so tests see where the KV cache, the inputs and the
+outputs of every hook are. A plain tensor is in RAM or was never moved (a module not offloaded computes on plain
+weights): :meth:`StandInDevice.put` places inputs on the stand-in as a user sends them to the main device. On a GPU
+the same four calls are accelerate's ``send_to_device``, ``tensor.device`` and a pinned ``torch.empty``: nothing is
+tagged there.
 """
 
 from __future__ import annotations
 
-__all__ = ["HostDevice", "StandInDevice", "StreamDevice"]
+__all__ = ["HostDevice", "StandInDevice", "StreamDevice", "on_stand_in"]
 
 
 def _convert(value, meta):
     """The value as accelerate's ``set_module_tensor_to_device`` makes it: cast to the placeholder's dtype."""
     return value if value.dtype == meta.dtype else value.to(meta.dtype)
+
+
+_TAG: list = []
+
+
+def _tag_class():
+    """The :class:`StandInTensor` class, made on first use (the runtime imports torch only where it runs)."""
+    if not _TAG:
+        import torch
+
+        class StandInTensorClass(torch.Tensor):
+            """A tensor on the stand-in accelerator (its memory is RAM); what torch computes with one is one."""
+
+        StandInTensorClass.__name__ = StandInTensorClass.__qualname__ = "StandInTensor"
+        _TAG.append(StandInTensorClass)
+    return _TAG[0]
+
+
+def on_stand_in(tensor) -> bool:
+    """Whether ``tensor`` is on the stand-in accelerator (a :class:`StandInTensor`)."""
+    return bool(_TAG) and isinstance(tensor, _TAG[0])
+
+
+def _walk(value, tensor_fn, skip_keys=None):
+    """``value`` with ``tensor_fn`` applied to each tensor in it (tuples, lists, dicts, as accelerate's
+    ``send_to_device`` walks them; ``skip_keys`` of dicts left as they are)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return tensor_fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):   # a named tuple
+        return type(value)(*(_walk(v, tensor_fn, skip_keys) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_walk(v, tensor_fn, skip_keys) for v in value)
+    if isinstance(value, dict):
+        skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
+        return type(value)({k: v if k in skip else _walk(v, tensor_fn, skip_keys) for k, v in value.items()})
+    return value
 
 
 class HostDevice:
@@ -94,6 +142,22 @@ class _CudaBackend:
     def used_on(self, tensor, stream):
         tensor.record_stream(stream)
 
+    def on_main(self, tensor) -> bool:
+        return tensor.device.type != "cpu"
+
+    def to_host(self, value, skip_keys=None):
+        from accelerate.utils import send_to_device
+
+        return send_to_device(value, "cpu", skip_keys=skip_keys)
+
+    def to_main(self, value, target, skip_keys=None):
+        from accelerate.utils import send_to_device
+
+        return send_to_device(value, target, skip_keys=skip_keys)
+
+    def pinned(self, shape, dtype):
+        return self.torch.empty(shape, dtype=dtype, pin_memory=True)
+
     def copy_into(self, host, out):
         pinned = host if host.is_pinned() else host.pin_memory()
         return out.copy_(pinned, non_blocking=True)   # on the compute stream: ordered before the kernels using it
@@ -119,7 +183,7 @@ class _StandInBackend:
 
     def copy(self, host):
         self.staged += host.numel() * host.element_size()   # a module's weights "copied to the GPU"
-        return host.clone()
+        return host.clone().as_subclass(_tag_class())
 
     def copy_into(self, host, out):
         self.log.append(("copy", host.numel() * host.element_size()))
@@ -127,6 +191,26 @@ class _StandInBackend:
 
     def used_on(self, tensor, stream):
         pass
+
+    def on_main(self, tensor) -> bool:
+        return on_stand_in(tensor)
+
+    def to_host(self, value, skip_keys=None):
+        """Plain copies of the tagged tensors of ``value`` (a device-to-host copy); plain tensors as they are."""
+        import torch
+
+        return _walk(value, lambda t: t.as_subclass(torch.Tensor).clone() if on_stand_in(t) else t, skip_keys)
+
+    def to_main(self, value, target, skip_keys=None):
+        """Tagged copies of the plain tensors of ``value`` (a host-to-device copy: later writes to the source, such
+        as a staging buffer's next use, do not reach them); tagged tensors as they are."""
+        tag = _tag_class()
+        return _walk(value, lambda t: t if on_stand_in(t) else t.clone().as_subclass(tag), skip_keys)
+
+    def pinned(self, shape, dtype):
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
 
 
 class StreamDevice:
@@ -162,6 +246,22 @@ class StreamDevice:
         next; the stand-in logs ``("copy", bytes)``."""
         return self.backend.copy_into(host, out)
 
+    def on_main(self, tensor) -> bool:
+        """Whether ``tensor`` is on the main device."""
+        return self.backend.on_main(tensor)
+
+    def to_host(self, value, skip_keys=None):
+        """``value`` with its tensors on the CPU."""
+        return self.backend.to_host(value, skip_keys)
+
+    def to_main(self, value, target, skip_keys=None):
+        """``value`` with its tensors on ``target`` (the hook's execution device or its input's device)."""
+        return self.backend.to_main(value, target, skip_keys)
+
+    def pinned(self, shape, dtype):
+        """An empty host buffer the device copies from asynchronously (pinned on a GPU)."""
+        return self.backend.pinned(shape, dtype)
+
     def ready(self, handle):
         tensors, event = handle
         stream = self.backend.current()
@@ -180,6 +280,10 @@ class StandInDevice(StreamDevice):
     @property
     def log(self) -> list[tuple]:
         return self.backend.log
+
+    def put(self, value):
+        """``value`` placed on the stand-in accelerator, as a user sends inputs to the main device."""
+        return self.backend.to_main(value, None)
 
     @property
     def staged(self) -> int:

@@ -13,7 +13,7 @@ thread: the runtime starts no compute thread, so the CPU is not oversubscribed (
 from __future__ import annotations
 
 from ..model.cache_kwarg import forward_cache
-from .devices import StandInDevice, StreamDevice
+from .devices import StreamDevice
 
 __all__ = ["HybridHook", "call_tokens", "phase_of", "unit_phases"]
 
@@ -21,16 +21,15 @@ __all__ = ["HybridHook", "call_tokens", "phase_of", "unit_phases"]
 def call_tokens(args, kwargs) -> int:
     """Tokens of a call: batch x sequence of its first floating-point input with at least two dimensions
     (``hidden_states`` ``(batch, sequence, hidden)``, per-head states ``(batch, sequence, heads, head_dim)``; a 2-D
-    input is ``(tokens, hidden)``), else the elements of its first tensor; 0 without tensors."""
+    one is ``(tokens, hidden)``), else the elements of its first tensor (token ids ``(batch, sequence)`` of an
+    embedding); 0 without tensors."""
     import torch
 
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     states = [t for t in tensors if t.is_floating_point() and t.dim() >= 2]
-    for t in states or tensors:
-        if t.dim() >= 3:
-            return int(t.shape[0] * t.shape[1])
-        return int(t.shape[0]) if t.dim() == 2 else int(t.numel())
-    return 0
+    for t in states:
+        return int(t.shape[0] * t.shape[1]) if t.dim() >= 3 else int(t.shape[0])
+    return int(tensors[0].numel()) if tensors else 0
 
 
 def phase_of(tokens: int, threshold: int) -> str:
@@ -102,7 +101,8 @@ class HybridHook:
         self.local = False
         self.layer = _layer_index(unit.module)
         device = runtime.device
-        self.accelerator = isinstance(device, StreamDevice) and not isinstance(device, StandInDevice)
+        #: the stream device that moves values (a GPU or its stand-in); ``None`` on the CPU (accelerate's moves)
+        self.device = device if isinstance(device, StreamDevice) else None
         self.staging: dict = {}
 
     def init_hook(self, module):
@@ -118,7 +118,7 @@ class HybridHook:
         self.local = self.phases.get(phase) == "cpu"
         if not self.local:
             self.streamed += 1
-            self._cache_to(kwargs, self.execution_device)
+            self._cache_to(kwargs, host=False)
             return self.inner.pre_forward(module, *args, **kwargs)
         import torch
 
@@ -134,7 +134,9 @@ class HybridHook:
                 s.owner._buffers[s.attr] = host
         skip = set(self.skip_keys or ()) if not isinstance(self.skip_keys, str) else {self.skip_keys}
         self.runtime.traffic.activations += _nbytes(list(args), skip) + _nbytes(kwargs, skip)
-        self._cache_to(kwargs, "cpu")
+        self._cache_to(kwargs, host=True)
+        if self.device is not None:
+            return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
         return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
 
     def post_forward(self, module, output):
@@ -152,29 +154,31 @@ class HybridHook:
                                                     skip)
         target = self.input_device if self.io_same_device and self.input_device is not None else \
             self.execution_device
-        if self.accelerator:
-            output = self._staged(output)
+        if self.device is not None:
+            return self.device.to_main(self._staged(output), target, self.skip_keys)
         return send_to_device(output, target, skip_keys=self.skip_keys)
 
-    def _staged(self, output):
-        """Tensors of ``output`` copied into pinned buffers kept per shape (an accelerator's copy from them is
-        asynchronous and at the pinned rate)."""
+    def _staged(self, output, at: tuple = ()):
+        """Tensors of ``output`` copied into pinned buffers (an accelerator copies from them at the pinned rate), one
+        per position in the output (``at``: the indices down to it), shape and dtype: two same-shaped tensors of one
+        output never share a buffer. The copies out of them (``to_main``: accelerate's ``send_to_device``, blocking)
+        are done before the hook returns, so the hook's next CPU call may reuse them."""
         import torch
 
         if isinstance(output, torch.Tensor):
-            key = (tuple(output.shape), output.dtype)
+            key = (at, tuple(output.shape), output.dtype)
             buffer = self.staging.get(key)
             if buffer is None:
-                buffer = self.staging[key] = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+                buffer = self.staging[key] = self.device.pinned(output.shape, output.dtype)
             return buffer.copy_(output)
-        if isinstance(output, tuple):
-            return type(output)(self._staged(o) for o in output) if not hasattr(output, "_fields") else output
+        if isinstance(output, tuple) and not hasattr(output, "_fields"):
+            return type(output)(self._staged(o, (*at, i)) for i, o in enumerate(output))
         return output
 
-    def _cache_to(self, kwargs, device) -> None:
+    def _cache_to(self, kwargs, *, host: bool) -> None:
         """Move the cache layer this unit fills (the forward's KV cache, ``cache=`` or ``past_key_values=``: layer
-        ``layer_idx``) to ``device`` where it is elsewhere: after a prefill on the main device, once, before the first
-        decode on the CPU."""
+        ``layer_idx``) to the CPU (``host``) or the main device where it is elsewhere: after a prefill on the main
+        device, once, before the first decode on the CPU, and back before a call streamed after one on the CPU."""
         cache = forward_cache(kwargs)
         layers = getattr(cache, "layers", None)
         if self.layer is None or layers is None or self.layer >= len(layers):
@@ -182,5 +186,12 @@ class HybridHook:
         layer = layers[self.layer]
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
-            if tensor is not None and hasattr(tensor, "device") and str(tensor.device) != str(device):
-                setattr(layer, name, tensor.to(device))
+            if tensor is None or not hasattr(tensor, "device"):
+                continue
+            if self.device is None:
+                target = "cpu" if host else self.execution_device
+                if str(tensor.device) != str(target):
+                    setattr(layer, name, tensor.to(target))
+            elif self.device.on_main(tensor) == host:
+                setattr(layer, name, self.device.to_host(tensor) if host else
+                        self.device.to_main(tensor, self.execution_device))

@@ -82,15 +82,22 @@ def test_plan_keeps_declared_blocks_whole():
         assert not (parts[0].endswith("transformer_blocks") and len(parts) > 2), key
 
 
-def test_runtime_allocator_attaches_to_a_diffusers_load():
+def test_runtime_allocator_attaches_to_a_diffusers_load_with_its_plan():
+    """``patch(runtime="allocator")`` on a diffusers load ends as ``plan()`` + ``attach(model, plan)`` would: the map
+    of the plan made for the runtime (diffusers' own map the baseline), the runtime that plan decided (its prefetch
+    depth: 0 here, where the runtime's default without a plan is 1), and outputs equal to the model in RAM."""
     model, folder = _built("flux")
     budget = {"cpu": f"{model_bytes(model) / 2048:.1f}KiB"}
+    theirs = _load(model, folder, budget)
+    expected = allocator.plan(model, budget, runtime="allocator", loader="accelerate", baseline=theirs.hf_device_map)
     with torch.no_grad():
         reference = model(**flux_inputs())[0]
         with allocator.patch(runtime="allocator") as handle:
             assert "diffusers.models.modeling_utils.dispatch_model" in handle.patched
             ours = _load(model, folder, budget)
-        assert ours._allocator_runtime is not None
+        runtime = ours._allocator_runtime
+        assert ours.hf_device_map == expected.device_map
+        assert runtime.plan == expected.runtime and runtime.prefetch == expected.runtime.prefetch == 0
         torch.testing.assert_close(ours(**flux_inputs())[0], reference, **TOL)
 
 

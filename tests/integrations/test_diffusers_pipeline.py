@@ -1,9 +1,12 @@
 """``allocator.plan_pipeline`` on FLUX.1-dev's configs (no weights), and what ``DiffusionPipeline.from_pretrained(
 device_map="balanced")`` does with it under ``allocator.patch()``, captured at diffusers' ``load_sub_model`` on the
-meta device (no weights of that size exist here)."""
+meta device (no weights of that size exist here); where the patch falls back to diffusers' own placement; and a tiny
+DiT pipeline really loaded under the patch, its components with their planned maps, its images compared to the
+pipeline in RAM."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 
@@ -113,3 +116,111 @@ def test_a_component_transformers_cannot_read_is_one_sentence_and_keeps_its_erro
                                  "Transformers does not recognize this architecture; fix the config's fields it "
                                  "names.")
     assert isinstance(raised.value.__cause__, ValueError) and "pip install" in str(raised.value.__cause__)
+
+
+def test_a_peak_over_its_budget_makes_the_pipeline_plan_invalid(flux_plan):
+    """``valid`` reads every device's peak against its budget: one byte over on any device, and the plan is invalid,
+    whatever its components' own plans say; exactly at the budget, it stays valid."""
+    assert flux_plan.valid
+    for device in flux_plan.peak:
+        at = dataclasses.replace(flux_plan, peak={**flux_plan.peak, device: flux_plan.budgets[device]})
+        over = dataclasses.replace(flux_plan, peak={**flux_plan.peak, device: flux_plan.budgets[device] + 1})
+        assert at.valid and not over.valid, device
+        assert not over.to_dict()["valid"] and "INVALID" in over.explain()
+
+
+def _component_maps(folder, monkeypatch, *, patched: bool, **kwargs) -> dict:
+    """The ``device_map`` each component's ``load_sub_model`` gets from ``DiffusionPipeline.from_pretrained(folder,
+    device_map="balanced", ...)``, patched or not (``load_sub_model`` recorded on the meta device, nothing loaded)."""
+    import contextlib
+
+    import diffusers
+    import diffusers.pipelines.pipeline_utils as pipeline_utils
+
+    calls = {}
+
+    def recorder(**call):
+        calls[call["name"]] = call["device_map"]
+
+    monkeypatch.setattr(pipeline_utils, "load_sub_model", recorder)
+    with allocator.patch() if patched else contextlib.nullcontext():
+        diffusers.DiffusionPipeline.from_pretrained(folder, device_map="balanced", max_memory=dict(BUDGET), **kwargs)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["dtype dict", "passed component"])
+def test_patched_pipeline_load_falls_back_to_diffusers_own_placement(flux_dev, monkeypatch, case):
+    """A ``torch_dtype`` per component, or a component passed in (loaded already): ``plan_pipeline`` does not model
+    these, so the patched load places components exactly as diffusers does unpatched."""
+    import diffusers
+
+    if case == "dtype dict":
+        kwargs = dict(torch_dtype={"transformer": torch.bfloat16, "default": torch.float32})
+    else:
+        with torch.device("meta"):
+            vae = diffusers.AutoencoderKL.from_config(diffusers.AutoencoderKL.load_config(f"{flux_dev}/vae"))
+        kwargs = dict(torch_dtype=torch.bfloat16, vae=vae)
+    ours = _component_maps(flux_dev, monkeypatch, patched=True, **kwargs)
+    theirs = _component_maps(flux_dev, monkeypatch, patched=False, **kwargs)
+    assert ours == theirs, (ours, theirs)
+    plain = _component_maps(flux_dev, monkeypatch, patched=True, torch_dtype=torch.bfloat16)
+    assert plain["transformer"] == "auto" and ours["transformer"] != "auto"   # the patch's own plan, without them
+
+
+def _tiny_dit(folder: str) -> None:
+    """A DiT pipeline (transformer, VAE, scheduler; no tokenizer) with random weights, saved in ``folder``."""
+    import diffusers
+
+    torch.manual_seed(0)
+    transformer = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                                  out_channels=8, num_layers=4, sample_size=8, patch_size=2,
+                                                  num_embeds_ada_norm=1000, norm_num_groups=8)
+    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8,
+                                  layers_per_block=1, sample_size=16)
+    diffusers.DiTPipeline(transformer=transformer, vae=vae, scheduler=diffusers.DDIMScheduler()).save_pretrained(folder)
+
+
+def _stand_in(where):
+    """A planned placement as this machine loads it: the accelerator stood in by RAM, RAM by the disk."""
+    if isinstance(where, dict):
+        return {k: "disk" if d in ("cpu", "disk") else "cpu" for k, d in where.items()}
+    return "disk" if where in ("cpu", "disk") else "cpu"
+
+
+def test_patched_pipeline_load_gives_components_their_planned_maps_and_the_same_images(monkeypatch, tmp_path):
+    """``DiffusionPipeline.from_pretrained(device_map="balanced")`` under ``allocator.patch()``, really loaded: each
+    component with a map of its own (here both, the GPU budget being 0.6 of the transformer) is loaded by diffusers
+    with exactly its planned map, and the images equal the pipeline loaded in RAM (``assert_close``, float32). No
+    GPU here: ``plan_pipeline`` runs as the patch calls it, and its placements are loaded with the accelerator stood
+    in by RAM and RAM by the disk (:func:`_stand_in`), so every offloaded part runs from ``offload_folder``."""
+    import diffusers
+
+    from allocator.integrations import diffusers as integration
+
+    folder = str(tmp_path / "dit")
+    _tiny_dit(folder)
+    ram = diffusers.DiTPipeline.from_pretrained(folder)
+    sizes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in ram.components.items()
+             if isinstance(m, torch.nn.Module)}
+    budget = {0: int(sizes["transformer"] * 0.6), "cpu": 10 * sum(sizes.values())}
+    planned = allocator.plan_pipeline(folder, budget)
+    assert planned.valid and set(planned.components) == {"transformer", "vae"}
+    assert all(isinstance(w, dict) and {0, "cpu"} <= set(w.values()) for w in planned.components.values())
+    real = integration.plan_pipeline
+
+    def stood_in(*args, **kwargs):
+        result = real(*args, **kwargs)
+        return dataclasses.replace(result, components={n: _stand_in(w) for n, w in result.components.items()})
+
+    monkeypatch.setattr(integration, "plan_pipeline", stood_in)
+    with allocator.patch():
+        pipe = diffusers.DiTPipeline.from_pretrained(folder, device_map="balanced", max_memory=dict(budget),
+                                                     offload_folder=str(tmp_path / "offload"))
+    for name, where in planned.components.items():
+        assert getattr(pipe, name).hf_device_map == _stand_in(where), name
+    run = dict(class_labels=[1], num_inference_steps=2, output_type="pt")
+    with torch.no_grad():
+        want = ram(generator=torch.Generator().manual_seed(3), **run).images
+        got = pipe(generator=torch.Generator().manual_seed(3), **run).images
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

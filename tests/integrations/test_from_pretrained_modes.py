@@ -199,3 +199,22 @@ def test_an_absent_gpu_is_left_out_with_one_warning(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, **TOL)
         torch.testing.assert_close(ours(ids).logits, reference(ids).logits, **TOL)
+
+
+@pytest.mark.parametrize("share", [0.45, 0.7])
+def test_auto_over_two_gpus_is_balanced_where_it_fits_else_the_contracts_plan(saved, share):
+    """``"auto"`` on ``from_pretrained`` over two GPUs: where the balanced split keeps the model on the GPUs (0.7 of
+    it per GPU) the patched map is ``balanced``'s, not the contract's packing; where it does not (0.45 per GPU:
+    balanced leaves part in RAM) the patched map is the contract's plan (``auto``), which here differs from
+    balanced's. Both plans are made over the same budgets with transformers' map as the baseline."""
+    cls, folder, meta = saved["llama"]
+    total = allocator.build_problem(meta, {"cpu": 0}).graph.total
+    budgets = {0: int(total * share), 1: int(total * share), "cpu": 4 * total}
+    theirs = captured_map(cls, folder, "auto", budgets, patched=False)
+    ours = captured_map(cls, folder, "auto", budgets, patched=True)
+    plans = {s: allocator.plan(meta, budgets, strategy=s, loader="transformers", baseline=theirs).device_map
+             for s in ("balanced", "auto")}
+    assert plans["balanced"] != plans["auto"], plans
+    fits = set(plans["balanced"].values()) <= {0, 1}
+    assert fits == (share == 0.7), plans["balanced"]
+    assert ours == plans["balanced" if fits else "auto"], (ours, plans)

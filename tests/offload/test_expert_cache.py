@@ -179,3 +179,52 @@ def test_lru_puts_out_the_least_recently_used():
     assert "a" in cache and "c" in cache and cache.get("b") is None
     assert (cache.hits, cache.misses, cache.evicted) == (1, 1, 1)
     assert ExpertCache(0).put("a", 1) == [] and len(ExpertCache(0)) == 0
+
+
+def _private_bytes(mm) -> int:
+    """Bytes of ``mm``'s mapping held as private pages by this process (``Private_Dirty`` in /proc/self/smaps)."""
+    import ctypes
+
+    anchor = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(anchor)
+    del anchor
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Private_Dirty:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("mapping not found in /proc/self/smaps")
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED") or not __import__("os").path.exists(
+    "/proc/self/smaps"), reason="needs madvise(MADV_DONTNEED) and /proc/self/smaps (Linux)")
+def test_an_evicted_experts_pages_are_given_back(tmp_path):
+    """On a CPU main device a cached expert is kept in RAM as private pages of the file's mapping; the one the cache
+    puts out is given back (``MADV_DONTNEED``): with one slot, routing experts 0, 1, 2 in turn leaves one expert's
+    pages held, not three."""
+    import types
+
+    from allocator.offload.expert_cache import in_place
+    from allocator.offload.files import PAGE, MappedFile
+
+    experts, per = 8, 64 * PAGE
+    path = tmp_path / "experts.dat"
+    path.write_bytes(bytes(range(256)) * (experts * per // 256))
+    mapped = MappedFile(str(path), raw=True)
+    routed = types.SimpleNamespace(
+        cache=ExpertCache(1), layer=types.SimpleNamespace(experts="layer", num_experts=experts),
+        traffic=types.SimpleNamespace(cache_hits=0, cache_misses=0),
+        sources={"w": types.SimpleNamespace(file=mapped, start=0, end=experts * per)})
+    assert _private_bytes(mapped.mm) == 0
+    held = []
+    for e in (0, 1, 2):
+        assert in_place(routed, [e]) == [e]
+        held.append(_private_bytes(mapped.mm))
+    assert all(per <= h < 2 * per for h in held), held   # the kernel may count a little more (large folios)
+    assert mapped.kept == [(2 * per, 3 * per)] and routed.cache.evicted == 2
+    assert in_place(routed, [2]) == [] and routed.traffic.cache_hits == 1
+    assert bytes(mapped.mm[per:2 * per]) == path.read_bytes()[per:2 * per]   # given back: the file's bytes again
