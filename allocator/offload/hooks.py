@@ -16,7 +16,7 @@ from .buffers import FetchBuffers
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
 from .handover import carry, end, hooked, removed, set_experts_implementation
-from .hybrid import HybridHook, unit_phases
+from .hybrid import HybridHook, layer_hooks, make_layer_hooks, unit_phases
 from .passthrough import put_back, take_passthrough_hooks
 from .scheduler import OffloadedModule, Scheduler, Slot
 
@@ -410,6 +410,7 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
                        expert_mode=mode, plan=spec)
     hooks = {id(u.original): OffloadHook(runtime, u) for u in runtime.units}
     _hybrid(hooks, getattr(plan, "hybrid", None))   # issue #40: units the plan computes on the CPU in some phase
+    boundaries = layer_hooks(model, getattr(plan, "hybrid", None), runtime.units)   # offload hooks on leaves
     for _, module, _, _, h in list(_offload_hooks(model)):
         routed = runtime.experts.get(id(module))
         if routed is not None:
@@ -425,6 +426,10 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
             module._hf_hook = hooks[id(h)]
         else:
             top.hooks = type(top.hooks)(hooks[id(x)] if x is h else x for x in top.hooks)   # tuple or list
+    runtime.layers = make_layer_hooks(boundaries, runtime, getattr(plan.hybrid, "threshold", 1)) if boundaries else []
+    for module, hook, _ in runtime.layers:   # a layer whose leaves carry the offload hooks: computed there as one
+        module._hf_hook = hook
+        runtime.installed.append((module, hook))
     if isinstance(device, HostDevice):   # every module executes on the CPU: its hooks there only walk arguments
         runtime.passthrough = take_passthrough_hooks(model)
     model._allocator_runtime = runtime
@@ -458,6 +463,9 @@ def detach(model) -> None:
         elif routed is not None and isinstance(hook, SequentialHook):
             top = hook
             top.hooks = type(top.hooks)(x.original if isinstance(x, ExpertsHook) else x for x in top.hooks)
+    for module, hook, original in getattr(runtime, "layers", ()):
+        if module.__dict__.get("_hf_hook") is hook:
+            module._hf_hook = original
     for unit in runtime.units:
         top = unit.module._hf_hook
         if isinstance(top, SequentialHook):

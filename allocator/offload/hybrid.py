@@ -15,7 +15,8 @@ from __future__ import annotations
 from ..model.cache_kwarg import forward_cache
 from .devices import StreamDevice
 
-__all__ = ["HybridHook", "call_tokens", "phase_of", "unit_phases"]
+__all__ = ["Aside", "HybridHook", "LayerHook", "call_tokens", "layer_hooks", "make_layer_hooks", "phase_of",
+           "unit_phases"]
 
 
 def call_tokens(args, kwargs) -> int:
@@ -98,7 +99,7 @@ class HybridHook:
         self.phases, self.threshold = dict(phases), threshold
         self.calls: dict = {}
         self.streamed = 0
-        self.local = False
+        self.local = self.from_host = False
         self.layer = _layer_index(unit.module)
         device = runtime.device
         #: the stream device that moves values (a GPU or its stand-in); ``None`` on the CPU (accelerate's moves)
@@ -115,7 +116,10 @@ class HybridHook:
         from accelerate.utils import find_device, send_to_device
 
         phase = phase_of(call_tokens(args, kwargs), self.threshold)
-        self.local = self.phases.get(phase) == "cpu"
+        self.from_host = getattr(self.runtime, "local_layers", 0) > 0   # inside a layer computed on the CPU
+        if self.from_host:   # the layer's phase decides, and its leaves' calls count in it
+            phase = self.runtime.layer_phase
+        self.local = self.phases.get(phase) == "cpu" or self.from_host
         if not self.local:
             self.streamed += 1
             self._cache_to(kwargs, host=False)
@@ -133,7 +137,8 @@ class HybridHook:
             else:
                 s.owner._buffers[s.attr] = host
         skip = set(self.skip_keys or ()) if not isinstance(self.skip_keys, str) else {self.skip_keys}
-        self.runtime.traffic.activations += _nbytes(list(args), skip) + _nbytes(kwargs, skip)
+        if not self.from_host:   # inside a layer computed on the CPU nothing crosses here
+            self.runtime.traffic.activations += _nbytes(list(args), skip) + _nbytes(kwargs, skip)
         self._cache_to(kwargs, host=True)
         if self.device is not None:
             return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
@@ -149,6 +154,8 @@ class HybridHook:
                 s.owner._parameters[s.attr] = s.meta
             else:
                 s.owner._buffers[s.attr] = s.meta
+        if self.from_host:   # its inputs came from the CPU (a layer computed there): its output stays there
+            return output
         skip = set(self.skip_keys or ()) if not isinstance(self.skip_keys, str) else {self.skip_keys}
         self.runtime.traffic.activations += _nbytes(output if isinstance(output, (tuple, list, dict)) else [output],
                                                     skip)
@@ -195,3 +202,134 @@ class HybridHook:
             elif self.device.on_main(tensor) == host:
                 setattr(layer, name, self.device.to_host(tensor) if host else
                         self.device.to_main(tensor, self.execution_device))
+
+
+class LayerHook(HybridHook):
+    """The boundary of a unit of the compute map whose offload hooks are on its leaves: ``from_pretrained`` puts
+    accelerate's offload hooks on the leaf modules of an offloaded decoder layer (which never see its KV cache) and
+    hooks that only move tensors to the main device on the layer and its blocks. In a phase the plan computes on the
+    CPU, this hook (in place of the layer's own) moves the layer's inputs and its KV cache layer to the CPU once, the
+    blocks' moving hooks stand aside (:class:`Aside`), the leaves compute there on views of the mapped files (their
+    :class:`HybridHook` keeps their outputs where their inputs are), and the layer's output goes back to the main
+    device once: activations cross the boundary once per layer and direction, not once per leaf. In the other phases
+    the layer's own hook runs, after the cache layer is moved back to the main device."""
+
+    def __init__(self, module, original, runtime, phases: dict, threshold: int):
+        self.inner, self.runtime, self.unit = original, runtime, None
+        self.execution_device = original.execution_device
+        self.io_same_device, self.skip_keys = original.io_same_device, original.skip_keys
+        self.input_device = None
+        self.phases, self.threshold = dict(phases), threshold
+        self.calls: dict = {}
+        self.streamed = 0
+        self.local = self.from_host = False
+        self.layer = _layer_index(module)
+        device = runtime.device
+        self.device = device if isinstance(device, StreamDevice) else None
+        self.staging: dict = {}
+
+    def detach_hook(self, module):
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        from accelerate.utils import find_device, send_to_device
+
+        phase = phase_of(call_tokens(args, kwargs), self.threshold)
+        self.local = self.phases.get(phase) == "cpu"
+        if not self.local:
+            self.streamed += 1
+            self._cache_to(kwargs, host=False)
+            return self.inner.pre_forward(module, *args, **kwargs)
+        self.calls[phase] = self.calls.get(phase, 0) + 1
+        self.runtime.local_layers = getattr(self.runtime, "local_layers", 0) + 1   # its leaves compute in RAM
+        self.runtime.layer_phase = phase
+        self.input_device = find_device([args, kwargs])
+        self.runtime.traffic.activations += _nbytes(list(args), set()) + _nbytes(kwargs, set())
+        self._cache_to(kwargs, host=True)
+        if self.device is not None:
+            return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
+        return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
+
+    def post_forward(self, module, output):
+        if not self.local:
+            return self.inner.post_forward(module, output)
+        from accelerate.utils import send_to_device
+
+        self.runtime.local_layers -= 1
+        self.runtime.traffic.activations += _nbytes(output if isinstance(output, (tuple, list, dict)) else [output],
+                                                    set())
+        if self.device is not None:
+            return self.device.to_main(self._staged(output), self.execution_device, self.skip_keys)
+        return send_to_device(output, self.execution_device, skip_keys=self.skip_keys)
+
+
+class Aside:
+    """A hook that only moves tensors to the main device (accelerate's ``AlignDevicesHook`` without offload) on a
+    block inside a :class:`LayerHook`'s layer: it stands aside while the layer computes on the CPU."""
+
+    no_grad = False
+
+    def __init__(self, original, layer: LayerHook):
+        self.inner, self.layer = original, layer
+
+    def init_hook(self, module):
+        return module
+
+    def detach_hook(self, module):
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        return (args, kwargs) if self.layer.local else self.inner.pre_forward(module, *args, **kwargs)
+
+    def post_forward(self, module, output):
+        return output if self.layer.local else self.inner.post_forward(module, output)
+
+
+def layer_hooks(model, compute, units) -> list:
+    """The layers that make each module of the compute map (``compute``: unit -> {phase: device})
+    computed on the CPU in some phase, whose offload hooks are on its leaves (``units``: the runtime's units, none of
+    them that module), compute there as one: a :class:`LayerHook` in place of the layer's own moving hook (the layer:
+    the module, or each child of a module list), an :class:`Aside` in place of each moving hook of a block inside it.
+    Returns ``(name, layer, its hook, phases)``; :func:`make_layer_hooks` makes the hooks
+    (:func:`allocator.offload.attach`)."""
+    import torch
+
+    if compute is None:
+        return []
+    own = {u.name for u in units}
+    out = []
+    for name, phases in compute.to_dict().items():
+        if "cpu" not in phases.values() or name in own:
+            continue
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        layers = [(f"{name}.{k}", m) for k, m in module.named_children()] if isinstance(
+            module, (torch.nn.ModuleList, torch.nn.ModuleDict)) else [(name, module)]
+        for prefix, layer in layers:
+            hook = layer.__dict__.get("_hf_hook")
+            if not _moving(hook) or _layer_index(layer) is None or \
+                    not any(u.name.startswith(prefix + ".") for u in units):
+                continue
+            out.append((prefix, layer, hook, phases))
+    return out
+
+
+def make_layer_hooks(found, runtime, threshold: int) -> list:
+    """``(module, our hook, its original)`` for :func:`layer_hooks`' layers: the layer's :class:`LayerHook` and an
+    :class:`Aside` for each block inside it whose own hook only moves tensors."""
+    out = []
+    for _, layer, hook, phases in found:
+        boundary = LayerHook(layer, hook, runtime, phases, threshold)
+        out.append((layer, boundary, hook))
+        for sub in layer.modules():
+            inner = sub.__dict__.get("_hf_hook")
+            if sub is not layer and _moving(inner):
+                out.append((sub, Aside(inner, boundary), inner))
+    return out
+
+
+def _moving(hook) -> bool:
+    """Whether ``hook`` is accelerate's ``AlignDevicesHook`` that only moves tensors (no offload)."""
+    return type(hook).__name__ == "AlignDevicesHook" and not getattr(hook, "offload", True)

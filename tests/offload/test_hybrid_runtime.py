@@ -132,13 +132,8 @@ def _where(tensor) -> str:
     return "main" if on_stand_in(tensor) else "cpu"
 
 
-LEAF_HOOKS = ("from_pretrained puts offload hooks on the leaf modules (accelerate's attach_align_device_hook): the "
-              "hybrid hooks never see the KV cache, and the attention runs on the main device with it (issue 48)")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("loader", ["layers whole", pytest.param("from_pretrained", marks=pytest.mark.xfail(
-    strict=True, reason=LEAF_HOOKS))])
+@pytest.mark.parametrize("loader", ["layers whole", "from_pretrained"])
 def test_hybrid_hooks_move_inputs_outputs_and_kv_cache_between_cpu_and_accelerator(saved, tmp_path, loader):
     """On the stand-in a tensor on the accelerator is tagged (``on_stand_in``), so this sees where things are. A
     prefill streamed to the main device, a decode call on the CPU, then a 3-token call streamed again: in the CPU call
@@ -148,7 +143,7 @@ def test_hybrid_hooks_move_inputs_outputs_and_kv_cache_between_cpu_and_accelerat
 
     ``"layers whole"``: the decoder layers loaded whole (accelerate's ``preload_module_classes``), so their offload
     hook is the layer's, which gets the KV cache. ``"from_pretrained"`` puts the offload hooks on the leaf modules,
-    which never see the cache: it is a strict ``xfail`` until the runtime computes whole layers there (LEAF_HOOKS)."""
+    which never see the cache: the runtime's ``LayerHook`` on the layer moves its inputs and cache once."""
     accelerate = pytest.importorskip("accelerate")
     folder, auto, prompt, ram, _ = saved["llama"]
     plan = _plan("llama", ram)

@@ -21,6 +21,7 @@ import torch
 import allocator
 from allocator import offload
 from allocator.offload import ExpertsHook, HybridHook, OffloadHook
+from allocator.offload.hybrid import LayerHook
 from allocator.report.runtime import Runtime
 
 transformers = pytest.importorskip("transformers")
@@ -60,6 +61,8 @@ def runtime_state(model, runtime) -> dict:
 
 
 def _hook(h):
+    if isinstance(h, LayerHook):
+        return "layer", h.layer, tuple(sorted(h.phases.items())), h.threshold
     if isinstance(h, HybridHook):
         return "hybrid", h.unit.name, tuple(sorted(h.phases.items())), h.threshold
     if isinstance(h, OffloadHook):
