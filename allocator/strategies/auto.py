@@ -70,6 +70,12 @@ def _fewer_could_win(problem: Problem, found) -> bool:
     return None in limits or found.key[1] <= sum(limits)
 
 
+def _solved(found) -> bool:
+    """Whether the best so far is the first ``ilp``'s plan, proven optimal: the fastest of every plan with the
+    contract's main device that keeps the floor, so also of those that keep its bytes (the second ``ilp``'s plans)."""
+    return found.name == "ilp" and found.placement is not None and found.placement.optimal
+
+
 def place(problem: Problem) -> Placement:
     """The best valid plan of ``sequential``, ``reserve``, ``backfill``, ``auto``'s plan without the last accelerator
     (under the contract, with two or more: offering one more accelerator never makes the plan rank lower) and a
@@ -81,8 +87,8 @@ def place(problem: Problem) -> Placement:
     A candidate that could not rank above the best so far is not made: once a candidate reaches the highest key any
     plan can have (:func:`allocator.judge.ranking.ceiling`: every byte on the accelerators, the fewest changes of
     device), none after it; the plan without the last accelerator only where it could keep as many bytes on the
-    accelerators (:func:`_fewer_could_win`). The plan is the same as with every candidate made: on a tie the
-    earlier candidate wins."""
+    accelerators (:func:`_fewer_could_win`); the second ``ilp`` only where the first did not win with a proof
+    (:func:`_solved`). The plan is the same as with every candidate made: on a tie the earlier candidate wins."""
     highest = ceiling(problem)
     candidates = [(name, lambda strategy=strategy: strategy(problem)) for name, strategy in CANDIDATES.items()]
     if problem.deciding.baseline is not None:   # the map the user gets today on this path: a plan too
@@ -97,7 +103,7 @@ def place(problem: Problem) -> Placement:
         hint = found.placement.device_map if found.placement else None
         found = best_valid(problem, [("ilp", lambda: ilp.place(problem, time_limit=ILP_SECONDS, hint=hint))],
                            than=found, highest=highest)
-        keep = _bytes_to_keep(problem, found)
+        keep = 0 if _solved(found) else _bytes_to_keep(problem, found)
         if keep:   # the exact candidate of the bytes-first ranking, from the best so far: never ranks lower
             best = found.placement.device_map
             found = best_valid(problem, [("ilp at the best bytes", lambda: ilp.place(
