@@ -126,3 +126,24 @@ def test_ceiling_needs_as_many_accelerators_as_hold_the_model():
     assert ceiling(allocator.build_problem(stack([64] * 8), _budget("offloads"))) is None   # 5 layers of room
     latency = allocator.build_problem(stack([64] * 8), _budget("three-gpus"), objective="latency")
     assert ranking.estimate_decides(latency) and ceiling(latency) is None
+
+
+def test_the_second_ilp_runs_only_where_the_first_won_without_a_proof(monkeypatch):
+    """Two GPUs of 2.5 layers: the first ``ilp`` wins, proven optimal, so the second (at its bytes) is not made; the
+    same plan, the first not proven, makes the second."""
+    from dataclasses import replace
+
+    calls = []
+    real = ilp.place
+
+    def counted(problem, **keywords):
+        calls.append(keywords.get("keep", 0))
+        return real(problem, **keywords)
+
+    monkeypatch.setattr(ilp, "place", counted)
+    plan = allocator.plan(stack(MODELS["even"]), _budget("offloads"))
+    assert plan.strategy == "auto:ilp" and plan.placement.optimal and len(calls) == 1
+    calls.clear()
+    monkeypatch.setattr(ilp, "place", lambda problem, **k: replace(counted(problem, **k), optimal=False))
+    assert allocator.plan(stack(MODELS["even"]), _budget("offloads")).device_map == plan.device_map
+    assert len(calls) == 2 and calls[1] > 0
