@@ -32,12 +32,13 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from ..api import plan
+from ..api import plan, planned
 from ..budgets import canonical, is_accelerator
 from ..errors import InvalidOption
+from ..gc_pause import gc_paused
 from ..logs import shown
 from ..offload import attach, has_offload_hooks
-from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
+from ..problem import OPTION_NAMES, PlanOptions, build_problem, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .diffusers import diffusers_swaps
 from .library import Unchecked, baseline_map, named, optional_import, user_budgets
@@ -181,11 +182,13 @@ class Patch:
             del runtime["baseline"]   # transformers' own map uses a device that is not there: that load fails
         options = replace(self.options, **runtime, no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
         strategy = self._strategy_for(mode, budgets, options.loader)
-        result = plan(model, dict(budgets), strategy=strategy, options=options)
+        with gc_paused():
+            problem = build_problem(model, dict(budgets), options=options)   # the model read once per load
+        result = planned(problem, strategy)
         if strategy == "balanced" and MODE_TO_STRATEGY[mode] is None and not all(
                 is_accelerator(d) for d in result.device_map.values()):
-            strategy = self.strategy   # the model does not fit on the accelerators: the contract's plan
-            result = plan(model, dict(budgets), strategy=strategy, options=options)
+            strategy = self.strategy   # the model does not fit on the accelerators: the contract's plan, same problem
+            result = planned(problem, strategy)
         escaped = tensors_to_escape(model, result, no_split)
         if escaped:
             base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)
