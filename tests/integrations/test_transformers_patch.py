@@ -223,13 +223,13 @@ def test_each_hook_plans_for_its_loading_path(cases, monkeypatch):
     meta = cases["gpt2"].meta
     budgets = dict(cases["gpt2"].max_memory)
     loaders = []
-    real = hf.plan
+    real = hf.build_problem   # each load reads the model once, as its loading path says
 
     def recording(*args, options, **kwargs):
         loaders.append(options.loader)
         return real(*args, options=options, **kwargs)
 
-    monkeypatch.setattr(hf, "plan", recording)
+    monkeypatch.setattr(hf, "build_problem", recording)
     with hf.patch():
         got = big_modeling.get_balanced_memory(meta, max_memory=dict(budgets))
         big_modeling.infer_auto_device_map(meta, got)
