@@ -92,10 +92,30 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
 
 
 def planned(problem: Problem, strategy="auto") -> Plan:
-    """Steps 2-5 of :func:`plan` on a problem built already (:func:`allocator.problem.build_problem`): the plan of
-    ``strategy`` for it. A second strategy planned on the same problem reads the model no more and shares what the
-    problem derived (the witness, the fills): the integrations plan ``balanced``, then the contract's plan where
-    ``balanced`` offloads, on the problem of one load."""
+    """Steps 2-5 of :func:`plan` on a problem built already: the plan of ``strategy`` for it.
+
+    Parameters
+    ----------
+    problem : Problem
+        From :func:`allocator.problem.build_problem` (the model read once).
+    strategy : str or callable
+        As in :func:`plan`.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    InfeasiblePlacement, InvalidPlacement, BrokenContract
+        As :func:`plan`.
+
+    Notes
+    -----
+    A second strategy planned on the same problem reads the model no more and shares what the problem derived (the
+    witness, the fills): the integrations plan ``balanced``, then the contract's plan where ``balanced`` offloads, on
+    the problem of one load. ``plan(model, budgets, strategy=s)`` is ``planned(build_problem(model, budgets), s)``.
+    """
     name, place = resolve(strategy)
     builtin = place in BUILT_IN   # a strategy registered later is cleaned and judged like a callable
     with gc_paused():
