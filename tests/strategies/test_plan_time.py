@@ -95,6 +95,28 @@ def test_a_model_that_fits_on_the_accelerators_is_planned_without_a_solve(monkey
     assert (True, *score(problem, plan.device_map)) == ceiling(problem)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_with_counted_flops_no_plan_ranks_above_the_ceiling_and_the_plan_is_kept(budget, monkeypatch):
+    """With the FLOPs counted at the inputs, a change of device moves the output that crosses its boundary: the
+    ceiling charges the smallest; the gated plan is the one made with every candidate. (Layers of 64 x 96 weigh
+    about a 64 x 64 layer and a half: the budgets hold fewer of them.)"""
+    inputs = {"input": (4, 64)}
+    module = nn.Sequential(*[nn.Linear(64, 96) if i % 2 == 0 else nn.Linear(96, 64) for i in range(8)])   # outputs
+    # of 96 and 64 features by turns: the boundaries after the second of each pair move less
+    problem = allocator.build_problem(module, _budget(budget), inputs=inputs)
+    gated = allocator.plan(module, _budget(budget), inputs=inputs)
+    top = ceiling(problem)
+    if top is not None:
+        assert (True, *score(problem, gated.device_map)) <= top
+        ilp_map = allocator.plan(module, _budget(budget), inputs=inputs, strategy="ilp").device_map
+        if is_valid(problem, ilp_map) and not contract_violations(problem, ilp_map):
+            assert (True, *score(problem, ilp_map)) <= top
+    with monkeypatch.context() as patched:
+        _every_candidate(patched)
+        every = allocator.plan(module, _budget(budget), inputs=inputs)
+    assert list(gated.device_map.items()) == list(every.device_map.items()) and gated.cost == every.cost
+
+
 def test_the_plan_without_the_last_accelerator_is_made_only_where_it_could_keep_as_many_bytes(monkeypatch):
     fewer = []
     real = auto._without_last
