@@ -3,7 +3,8 @@
 ``allocator.plan(model, budget)`` (``strategy="auto"``) on zoo models built on the meta device, at five budgets
 (one GPU at 30 % and 70 % of the model, RAM at 30 %, two GPUs at 30 % each, four GPUs at 15 % each), and llama-70b in
 bfloat16 on four 40 GiB GPUs and RAM (the whole model fits on the GPUs) as a cell of its own, median of ``--repeat``
-calls per cell, one thread. Prints JSON ``{"model/budget": seconds}``. To compare commits, run it with each checkout
+calls per cell, one thread, wall seconds (``--clock cpu``: this process's CPU seconds, for a machine other jobs
+load). Prints JSON ``{"model/budget": seconds}``. To compare commits, run it with each checkout
 first on ``PYTHONPATH`` (the script imports whichever ``allocator`` is found), alternating, and compare sums per
 budget:
 
