@@ -23,7 +23,7 @@ from .strategies.experts import place_experts
 from .strategies.grow import grow
 from .judge.witness import witness
 
-__all__ = ["plan"]
+__all__ = ["plan", "planned"]
 
 log = logging.getLogger("allocator")
 
@@ -86,10 +86,40 @@ def plan(model, max_memory: Mapping | None = None, *, strategy="auto", options: 
     True
     """
     options = PlanOptions.of(options, **keywords)
-    name, place = resolve(strategy)
-    builtin = place in BUILT_IN   # a strategy registered later is cleaned and judged like a callable
+    resolve(strategy)   # an unknown strategy is refused before the model is read
     with gc_paused():  # planning makes many acyclic objects; each collection would walk the model and graph too
         problem = build_problem(model, max_memory, options=options)   # 1. the model, read once
+        return planned(problem, strategy)                             # 2.-5.
+
+
+def planned(problem: Problem, strategy="auto") -> Plan:
+    """Steps 2-5 of :func:`plan` on a problem built already: the plan of ``strategy`` for it.
+
+    Parameters
+    ----------
+    problem : Problem
+        From :func:`allocator.problem.build_problem` (the model read once).
+    strategy : str or callable
+        As in :func:`plan`.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    InfeasiblePlacement, InvalidPlacement, BrokenContract
+        As :func:`plan`.
+
+    Notes
+    -----
+    A second strategy planned on the same problem reads the model no more and shares what the problem derived (the
+    witness, the fills): the integrations plan ``balanced``, then the contract's plan where ``balanced`` offloads, on
+    the problem of one load. ``plan(model, budgets, strategy=s)`` is ``planned(build_problem(model, budgets), s)``.
+    """
+    name, place = resolve(strategy)
+    builtin = place in BUILT_IN   # a strategy registered later is cleaned and judged like a callable
+    with gc_paused():
         problem, placement = _prefetched(problem, lambda at: _placement(at, strategy, builtin))   # 2.-4.
         result = finish(problem, placement, asked=name)              # 5. checked, priced once
     for v in result.violations:  # only accelerate's algorithm returns these; Plan.violations carries them

@@ -101,6 +101,7 @@ def test_benchmark_script_writes_results(script, tmp_path):
 def test_plan_time_prints_a_time_per_model_and_budget(capsys):
     import plan_time
 
-    assert plan_time.main(["--models", "gpt2", "--repeat", "1"]) == 0
+    assert plan_time.main(["--models", "gpt2", "--repeat", "1", "--cells"]) == 0   # no cell of its own: llama-70b
     times = json.loads(capsys.readouterr().out)
     assert set(times) == {f"gpt2/{grid}" for grid in plan_time.GRID} and all(t > 0 for t in times.values())
+    assert "4gpu60" in plan_time.GRID and set(plan_time.CELLS) == {"llama-70b-bf16/4x40GiB"}

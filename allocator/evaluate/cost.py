@@ -46,7 +46,7 @@ from .units import boundary_bytes, tensor_flops
 
 __all__ = ["Profile", "Cost", "estimate", "estimate_runs", "read_rates", "read_seconds", "copy_seconds",
            "tensor_seconds", "device_seconds", "tensor_reads", "change_seconds", "counted_flops", "counted_work",
-           "boundaries"]
+           "boundaries", "least_seconds"]
 
 TENSOR_FLOPS = Key("tensor flops")
 TENSOR_WORK = Key("tensor work")
@@ -183,6 +183,38 @@ def change_seconds(profile: Profile, nbytes: int | None = None) -> float:
     """Seconds of one change of executing device that moves ``nbytes`` of activations (``activation_bytes`` of
     ``profile`` when ``None`` or 0: nothing was counted there)."""
     return (nbytes or profile.activation_bytes) / profile.device_to_device + profile.switch_latency
+
+
+def least_seconds(problem: Problem, changes: int) -> float:
+    """A lower bound of the estimate (:func:`estimate_runs`, the problem's profile) of every plan whose main device is
+    an accelerator and that changes executing device at least ``changes`` times.
+
+    Notes
+    -----
+    With an accelerator as main device every tensor is read at the accelerator's rate wherever it lives (an offloaded
+    one is copied in first), so the read term is the same for every such plan, exactly (femtosecond integers); copies
+    only add; each change costs at least :func:`change_seconds` of the smallest activation crossing a boundary. The
+    sum is made in the order :func:`estimate_runs` makes it, so, floating-point addition being monotone, no such plan
+    is estimated below it. A plan that keeps every byte on the accelerators, with no copy and the fewest changes at
+    the cheapest boundaries, is estimated at exactly this.
+    """
+    profile = problem.profile
+    accelerator_reads = _reads(problem, profile)[1]
+    crossing = boundaries(problem)
+    smallest = None
+    if crossing is not None and len(crossing):
+        found = np.asarray(crossing)
+        crossed = found[found > 0]
+        smallest = int(crossed.min()) if len(crossed) else None
+        if smallest is not None and len(crossed) < len(found) and profile.activation_bytes < smallest:
+            smallest = None   # a boundary where nothing was counted moves the fixed activation
+    step = change_seconds(profile, smallest)
+    change_time = 0.0
+    for _ in range(changes):
+        change_time += step
+    seconds = (accelerator_reads[-1] - accelerator_reads[0]) / FEMTO + 0   # no copies
+    seconds += change_time
+    return seconds
 
 
 def estimate(problem: Problem, device_map, profile: Profile | None = None) -> Cost:

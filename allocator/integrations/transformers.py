@@ -1,9 +1,7 @@
 """Make transformers' ``from_pretrained(device_map="auto")`` and accelerate's ``load_checkpoint_and_dispatch`` plan
-with :func:`allocator.plan`.
-
-:func:`patch` swaps the module attributes through which those two entry points turn a *string* ``device_map``
-into a dict; everything else (loading, offloading, hooks) stays theirs. Only attributes that exist in the installed
-versions are touched:
+with :func:`allocator.plan`. :func:`patch` swaps the module attributes through which those two entry points turn a
+*string* ``device_map`` into a dict; everything else (loading, offloading, hooks) stays theirs. Only attributes that
+exist in the installed versions are touched:
 
 - ``transformers.integrations.accelerate._get_device_map`` and ``transformers.modeling_utils._get_device_map``
   (transformers 5: ``modeling_utils`` imports the function by name and ``from_pretrained`` calls it there);
@@ -27,9 +25,8 @@ mode and the user's ``max_memory``. In the other namespaces a mode reaches the p
 replacement ``get_balanced_memory`` returns the user's budgets untouched and records the mode; the next
 replacement ``infer_auto_device_map`` in that namespace plans for it (no recorded mode: the caller skipped
 balancing, which is what ``device_map="sequential"`` does). A model's ``_no_placement_params`` are honoured as
-:mod:`allocator.integrations.placement_params` says.
-
-The patch rebinds module attributes, so it is process-global: every thread sees it, and it is not locked.
+:mod:`allocator.integrations.placement_params` says. The patch rebinds module attributes, so it is process-global:
+every thread sees it, and it is not locked.
 """
 
 from __future__ import annotations
@@ -39,12 +36,13 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from ..api import plan
+from ..api import plan, planned
 from ..budgets import canonical, is_accelerator
 from ..errors import InvalidOption
+from ..gc_pause import gc_paused
 from ..logs import shown
 from ..offload import attach, has_offload_hooks, runtime_of
-from ..problem import OPTION_NAMES, PlanOptions, present_budgets, quantizer_size_fn
+from ..problem import OPTION_NAMES, PlanOptions, build_problem, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .diffusers import diffusers_swaps
 from .library import (AfterImport, Unchecked, accelerate_functions, baseline_map, bound_by_name, named,
@@ -203,11 +201,13 @@ class Patch:
             del runtime["baseline"]   # transformers' own map uses a device that is not there: that load fails
         options = replace(self.options, **runtime, no_split_module_classes=no_split, hf_quantizer=hf_quantizer)
         strategy = self._strategy_for(mode, budgets, options.loader)
-        result = plan(model, dict(budgets), strategy=strategy, options=options)
+        with gc_paused():
+            problem = build_problem(model, dict(budgets), options=options)   # the model read once per load
+        result = planned(problem, strategy)
         if strategy == "balanced" and MODE_TO_STRATEGY[mode] is None and not all(
                 is_accelerator(d) for d in result.device_map.values()):
-            strategy = self.strategy   # the model does not fit on the accelerators: the contract's plan
-            result = plan(model, dict(budgets), strategy=strategy, options=options)
+            strategy = self.strategy   # the model does not fit on the accelerators: the contract's plan, same problem
+            result = planned(problem, strategy)
         escaped = tensors_to_escape(model, result, no_split)
         if escaped:
             base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)

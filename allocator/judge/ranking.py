@@ -12,18 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..evaluate.cost import Cost, estimate_runs, priced
+from ..evaluate.cost import Cost, estimate_runs, least_seconds, priced
 from ..errors import AllocatorError, InfeasiblePlacement
 from ..placement import Decision, Placement
 from ..problem import Problem
 from ..evaluate.memory import main_device
+from ..evaluate.runs import columns
 from .verdict import is_valid, violations as broken_rules
 from ..evaluate.tiers import fast_bytes, order_violations
 from .contract import contract_violations
 from .witness import accelerate_map, contract_main, fill_memo, floor, main_candidates, witness
 
-__all__ = ["Best", "Tried", "best_fill", "best_of", "best_valid", "estimate_decides", "infeasible", "keeping_contract",
-           "rank_key", "ranked_by", "score"]
+__all__ = ["Best", "Tried", "best_fill", "best_of", "best_valid", "ceiling", "estimate_decides", "infeasible",
+           "keeping_contract", "rank_key", "ranked_by", "score"]
 
 #: How many valid candidates (by bytes on the fastest tier) ``best_of`` prices with the cost model.
 PRICED = 8
@@ -40,6 +41,38 @@ def rank_key(problem: Problem, cost: Cost) -> tuple:
     if estimate_decides(problem):
         return -cost.seconds, cost.resident_fast, -cost.device_changes
     return cost.resident_fast, -cost.streamed_bytes, -cost.seconds, -cost.device_changes
+
+
+def ceiling(problem: Problem) -> tuple | None:
+    """The highest key :func:`best_valid` can give any plan of ``problem`` where bytes rank first: every byte on the
+    accelerators, nothing streamed, the fewest changes of device the budgets allow (a plan that keeps every byte
+    on the accelerators uses at least as many as the fewest whose budgets hold the model, and changes device between
+    them) and the least estimate with that many (:func:`allocator.evaluate.cost.least_seconds`). A candidate that
+    reaches it cannot be beaten: :func:`best_valid` keeps the earlier candidate on a tie. ``None`` where the estimate
+    ranks first, or there is no accelerator, or the model fits on none of them.
+
+    Notes
+    -----
+    O(accelerators) after the per-tensor reads the cost model makes once per problem.
+    """
+    accelerators = problem.budgets.accelerators
+    if estimate_decides(problem) or not accelerators:
+        return None
+    total = int(columns(problem.graph).sum_counted[-1])
+    if not total:
+        return None
+    limits = [problem.budgets.limit(d) for d in accelerators]
+    if None in limits:
+        fewest = 1
+    else:
+        held, fewest = 0, 0
+        for limit in sorted(limits, reverse=True):
+            held, fewest = held + limit, fewest + 1
+            if held >= total:
+                break
+        if held < total:
+            return None
+    return True, total, 0, -least_seconds(problem, fewest - 1), -(fewest - 1)
 
 
 def ranked_by(problem: Problem) -> str:
@@ -160,18 +193,21 @@ class Best:
 
 
 def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Placement]]], *,
-               than: Best | None = None) -> Best:
+               than: Best | None = None, highest: tuple | None = None) -> Best:
     """The best of ``candidates`` (``(name, make)`` pairs; ``make()`` returns a :class:`Placement` or raises an
     :class:`allocator.AllocatorError`) that keeps the runtime rules and rules 1 and 2 of the contract.
 
     Ranked first by reaching the contract's floor (accelerate's bytes on the fastest tier), then by :func:`score`
     (:func:`rank_key`); on a tie the earlier candidate wins. ``than`` continues an earlier call: its winner is kept
     unless a candidate beats it. Under ``objective="latency"`` every valid map is eligible and only :func:`score`
-    ranks.
+    ranks. ``highest`` (:func:`ceiling`): the highest key any plan can have; once the best reaches it, the candidates
+    left are not made (none could win).
     """
     best = than or Best()
     tried = list(best.tried)
     for name, make in candidates:
+        if highest is not None and best.key is not None and best.key >= highest:
+            break
         try:
             placement = make()
         except AllocatorError as err:

@@ -24,7 +24,7 @@ from ..problem import Problem, accelerators_up_to
 from ..evaluate.units import problem_groups
 from . import backfill, ilp, reserve
 from ..judge.witness import accelerate_placement
-from ..judge.ranking import Tried, best_valid, estimate_decides, infeasible, ranked_by
+from ..judge.ranking import Tried, best_valid, ceiling, estimate_decides, infeasible, ranked_by
 
 __all__ = ["place", "choice"]
 
@@ -60,30 +60,54 @@ def _bytes_to_keep(problem: Problem, found) -> int:
     return int(found.key[1])
 
 
+def _fewer_could_win(problem: Problem, found) -> bool:
+    """Whether ``auto``'s plan without the last accelerator could rank above ``found`` (the best so far): not where
+    bytes rank first and ``found`` keeps the contract's floor with more bytes on the accelerators than the others'
+    budgets hold together (that plan keeps at most those)."""
+    if found.key is None or not found.key[0] or estimate_decides(problem):
+        return True
+    limits = [problem.budgets.limit(d) for d in problem.budgets.accelerators[:-1]]
+    return None in limits or found.key[1] <= sum(limits)
+
+
+def _solved(found) -> bool:
+    """Whether the best so far is the first ``ilp``'s plan, proven optimal: the fastest of every plan with the
+    contract's main device that keeps the floor, so also of those that keep its bytes (the second ``ilp``'s plans)."""
+    return found.name == "ilp" and found.placement is not None and found.placement.optimal
+
+
 def place(problem: Problem) -> Placement:
     """The best valid plan of ``sequential``, ``reserve``, ``backfill``, ``auto``'s plan without the last accelerator
     (under the contract, with two or more: offering one more accelerator never makes the plan rank lower) and a
     time-boxed ``ilp``; then, with two accelerators or more where bytes rank first, ``ilp`` again from the best so
     far, keeping its bytes on the fastest tier (:func:`_bytes_to_keep`): the fastest plan among those that keep as
     many, which the ranking takes only where it wins. Each ``ilp`` gets ``ILP_SECONDS`` deterministic seconds (one
-    worker, fixed seed), so the plan does not depend on the machine's speed."""
+    worker, fixed seed), so the plan does not depend on the machine's speed.
+
+    A candidate that could not rank above the best so far is not made: once a candidate reaches the highest key any
+    plan can have (:func:`allocator.judge.ranking.ceiling`: every byte on the accelerators, the fewest changes of
+    device), none after it; the plan without the last accelerator only where it could keep as many bytes on the
+    accelerators (:func:`_fewer_could_win`); the second ``ilp`` only where the first did not win with a proof
+    (:func:`_solved`). The plan is the same as with every candidate made: on a tie the earlier candidate wins."""
+    highest = ceiling(problem)
     candidates = [(name, lambda strategy=strategy: strategy(problem)) for name, strategy in CANDIDATES.items()]
     if problem.deciding.baseline is not None:   # the map the user gets today on this path: a plan too
         candidates.append(("transformers", lambda: Placement(problem.cleaned(problem.deciding.baseline),
                                                              "transformers")))
+    found = best_valid(problem, candidates, highest=highest)
     accelerators = problem.budgets.accelerators
-    if problem.deciding.contract and len(accelerators) > 1:
-        candidates.append((f"auto without accelerator {accelerators[-1]!r}", lambda: _without_last(problem)))
-    found = best_valid(problem, candidates)
+    if problem.deciding.contract and len(accelerators) > 1 and _fewer_could_win(problem, found):
+        found = best_valid(problem, [(f"auto without accelerator {accelerators[-1]!r}",
+                                      lambda: _without_last(problem))], than=found, highest=highest)
     if _ilp_available(problem):
         hint = found.placement.device_map if found.placement else None
         found = best_valid(problem, [("ilp", lambda: ilp.place(problem, time_limit=ILP_SECONDS, hint=hint))],
-                           than=found)
-        keep = _bytes_to_keep(problem, found)
+                           than=found, highest=highest)
+        keep = 0 if _solved(found) else _bytes_to_keep(problem, found)
         if keep:   # the exact candidate of the bytes-first ranking, from the best so far: never ranks lower
             best = found.placement.device_map
             found = best_valid(problem, [("ilp at the best bytes", lambda: ilp.place(
-                problem, time_limit=ILP_SECONDS, hint=best, keep=keep))], than=found)
+                problem, time_limit=ILP_SECONDS, hint=best, keep=keep))], than=found, highest=highest)
     if found.placement is None:
         raise infeasible(problem)
     placement = found.placement

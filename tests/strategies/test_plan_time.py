@@ -1,0 +1,171 @@
+"""Planning time (issue 46): ``auto`` makes no candidate that could not rank above the best so far, and its plans are
+the ones it makes with every candidate; one ``plan()`` reads the model once."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import allocator
+from allocator.judge import ranking
+from allocator.judge.contract import contract_violations
+from allocator.judge.ranking import ceiling, score
+from allocator.judge.verdict import is_valid
+from allocator.strategies import auto, ilp
+
+pytest.importorskip("ortools")
+
+LAYER = 64 * 64 * 4 + 64 * 4   # bytes of one nn.Linear(64, 64)
+
+
+def stack(sizes):
+    """Linear layers of the given widths, one after another (each ``w × w`` plus its bias)."""
+    return nn.Sequential(*[nn.Linear(w, w) for w in sizes])
+
+
+MODELS = {"even": [64] * 8, "uneven": [32, 64, 96, 64, 32, 128, 64, 32]}
+# budgets in layers of 64 x 64 (16.25 KiB): everything fits on one GPU, on two, on three, or not at all
+BUDGETS = {
+    "one-gpu-fits": {0: 9.5, 1: 9.5, "cpu": 40},
+    "one-gpu-just": {0: 8.6, 1: 8.0, "cpu": 40},
+    "two-gpus": {0: 5.0, 1: 5.0, "cpu": 40},
+    "three-gpus": {0: 3.2, 1: 3.2, 2: 3.2, "cpu": 40},
+    "three-uneven": {0: 2.0, 1: 5.5, 2: 1.2, "cpu": 40},
+    "offloads": {0: 2.5, 1: 2.5, "cpu": 40},
+    "three-last-small": {0: 2.5, 1: 3.0, 2: 0.5, "cpu": 40},
+    "four-offloads": {0: 1.5, 1: 1.5, 2: 1.5, 3: 1.5, "cpu": 40},
+}
+
+
+def _budget(name):
+    return {d: int(v * LAYER) for d, v in BUDGETS[name].items()}
+
+
+def _every_candidate(monkeypatch):
+    """``auto`` as it was before the gates: every candidate made."""
+    monkeypatch.setattr(auto, "ceiling", lambda problem: None)
+    monkeypatch.setattr(auto, "_fewer_could_win", lambda problem, found: True)
+    monkeypatch.setattr(auto, "_solved", lambda found: False)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_no_valid_plan_ranks_above_the_ceiling(model, budget):
+    module = stack(MODELS[model])
+    problem = allocator.build_problem(module, _budget(budget))
+    top = ceiling(problem)
+    if top is None:
+        return
+    for strategy in ("sequential", "reserve", "backfill", "balanced", "ilp", "auto"):
+        device_map = allocator.plan(module, _budget(budget), strategy=strategy).device_map
+        if not is_valid(problem, device_map):
+            continue
+        kinds = {v.kind for v in contract_violations(problem, device_map)}
+        if kinds - {"contract-floor"}:
+            continue
+        assert (not kinds, *score(problem, device_map)) <= top, (strategy, device_map)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_auto_plans_what_it_plans_with_every_candidate_made(model, budget, monkeypatch):
+    gated = allocator.plan(stack(MODELS[model]), _budget(budget))
+    with monkeypatch.context() as patched:
+        _every_candidate(patched)
+        every = allocator.plan(stack(MODELS[model]), _budget(budget))
+    assert list(gated.device_map.items()) == list(every.device_map.items())
+    assert gated.strategy == every.strategy
+    assert gated.cost == every.cost
+
+
+def test_a_model_that_fits_on_the_accelerators_is_planned_without_a_solve(monkeypatch):
+    """Every byte fits on GPU 0: accelerate's map keeps all of it there with no change of device, which no plan beats
+    (the ceiling): neither ``ilp`` nor the plan without the last accelerator is made."""
+    solves = []
+    monkeypatch.setattr(ilp, "place", lambda *a, **k: solves.append("ilp"))
+    fewer = []
+    real = auto._without_last
+    monkeypatch.setattr(auto, "_without_last", lambda problem: fewer.append(1) or real(problem))
+    budget = _budget("one-gpu-fits")
+    plan = allocator.plan(stack(MODELS["even"]), budget)
+    assert set(plan.device_map.values()) == {0}
+    assert plan.strategy == "auto:sequential"
+    assert solves == [] and fewer == []
+    problem = allocator.build_problem(stack(MODELS["even"]), budget)
+    assert (True, *score(problem, plan.device_map)) == ceiling(problem)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_with_counted_flops_no_plan_ranks_above_the_ceiling_and_the_plan_is_kept(budget, monkeypatch):
+    """With the FLOPs counted at the inputs, a change of device moves the output that crosses its boundary: the
+    ceiling charges the smallest; the gated plan is the one made with every candidate. (Layers of 64 x 96 weigh
+    about a 64 x 64 layer and a half: the budgets hold fewer of them.)"""
+    inputs = {"input": (4, 64)}
+    module = nn.Sequential(*[nn.Linear(64, 96) if i % 2 == 0 else nn.Linear(96, 64) for i in range(8)])   # outputs
+    # of 96 and 64 features by turns: the boundaries after the second of each pair move less
+    problem = allocator.build_problem(module, _budget(budget), inputs=inputs)
+    gated = allocator.plan(module, _budget(budget), inputs=inputs)
+    top = ceiling(problem)
+    if top is not None:
+        assert (True, *score(problem, gated.device_map)) <= top
+        ilp_map = allocator.plan(module, _budget(budget), inputs=inputs, strategy="ilp").device_map
+        if is_valid(problem, ilp_map) and not contract_violations(problem, ilp_map):
+            assert (True, *score(problem, ilp_map)) <= top
+    with monkeypatch.context() as patched:
+        _every_candidate(patched)
+        every = allocator.plan(module, _budget(budget), inputs=inputs)
+    assert list(gated.device_map.items()) == list(every.device_map.items()) and gated.cost == every.cost
+
+
+def test_the_plan_without_the_last_accelerator_is_made_only_where_it_could_keep_as_many_bytes(monkeypatch):
+    fewer = []
+    real = auto._without_last
+    monkeypatch.setattr(auto, "_without_last", lambda problem: fewer.append(problem) or real(problem))
+    allocator.plan(stack(MODELS["even"]), _budget("offloads"))   # 2.5 + 2.5 layers: GPU 0 alone holds fewer
+    assert fewer == []
+    allocator.plan(stack(MODELS["even"]), _budget("three-last-small"))   # GPU 2 holds no layer: 0 and 1 might do
+    assert len(fewer) == 1
+
+
+def test_one_plan_reads_the_model_once(monkeypatch):
+    from allocator.problem import build
+
+    reads = []
+    real = build.build_graph
+    monkeypatch.setattr(build, "build_graph", lambda *a, **k: reads.append(1) or real(*a, **k))
+    for budget in BUDGETS:
+        reads.clear()
+        allocator.plan(stack(MODELS["uneven"]), _budget(budget))
+        assert len(reads) == 1, budget
+    reads.clear()
+    allocator.plan(stack(MODELS["uneven"]), _budget("offloads"), runtime="allocator")   # prefetch depths
+    assert len(reads) == 1
+
+
+def test_ceiling_needs_as_many_accelerators_as_hold_the_model():
+    problem = allocator.build_problem(stack([64] * 8), _budget("three-gpus"))
+    assert ceiling(problem)[-1] == -2    # 8 layers over 3.2 layers each: three GPUs, two changes
+    assert ceiling(allocator.build_problem(stack([64] * 8), _budget("offloads"))) is None   # 5 layers of room
+    latency = allocator.build_problem(stack([64] * 8), _budget("three-gpus"), objective="latency")
+    assert ranking.estimate_decides(latency) and ceiling(latency) is None
+
+
+def test_the_second_ilp_runs_only_where_the_first_won_without_a_proof(monkeypatch):
+    """Two GPUs of 2.5 layers: the first ``ilp`` wins, proven optimal, so the second (at its bytes) is not made; the
+    same plan, the first not proven, makes the second."""
+    from dataclasses import replace
+
+    calls = []
+    real = ilp.place
+
+    def counted(problem, **keywords):
+        calls.append(keywords.get("keep", 0))
+        return real(problem, **keywords)
+
+    monkeypatch.setattr(ilp, "place", counted)
+    plan = allocator.plan(stack(MODELS["even"]), _budget("offloads"))
+    assert plan.strategy == "auto:ilp" and plan.placement.optimal and len(calls) == 1
+    calls.clear()
+    monkeypatch.setattr(ilp, "place", lambda problem, **k: replace(counted(problem, **k), optimal=False))
+    assert allocator.plan(stack(MODELS["even"]), _budget("offloads")).device_map == plan.device_map
+    assert len(calls) == 2 and calls[1] > 0
