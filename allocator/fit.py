@@ -111,7 +111,7 @@ class Fit:
             unit = "tokens" if self.searched == "max_length" else "sequences"
             lines.append(f"target {self.target:,} {unit}: {format_bytes(offloaded)} of weights offloaded "
                          f"(main device {self.longer.main_device!r}, estimated "
-                         f"{self.longer.cost.seconds * 1e3:.3f} ms per forward)")
+                         f"{self.longer.cost.seconds * 1e3:.3f} ms {self.longer.priced_phrase()})")
         return "\n".join(lines)
 
 

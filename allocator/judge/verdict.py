@@ -115,7 +115,7 @@ def verdict(problem: Problem, placement: Placement) -> Verdict:
     >>> import torch.nn as nn
     >>> from allocator.placement import Placement
     >>> from allocator.problem import build_problem
-    >>> problem = build_problem(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {0: 400, "cpu": 1000})
+    >>> problem = build_problem(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {0: 600, "cpu": 1000})
     >>> v = verdict(problem, Placement({"0": 0, "1": "cpu"}, strategy="example"))
     >>> v.valid, dict(v.peak), v.parts[0]["weights"], v.parts[0]["reserve"], dict(v.resident)
     (True, {0: 576, 'cpu': 288}, 288, 288, {0: 288, 'cpu': 288})

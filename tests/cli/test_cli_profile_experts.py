@@ -151,4 +151,5 @@ def test_a_tokenizer_file_transformers_fails_on_is_named_with_its_error_in_short
     message = str(raised.value)
     assert message.startswith(f"{folder} has no tokenizer transformers can load: transformers fails on its "
                               "tokenizer.json (")
-    assert "\n" not in message and len(message) < 400 and raised.value.__cause__ is not None
+    short = message.replace(str(folder), "<folder>")   # the temporary folder's path is as long as the machine makes it
+    assert "\n" not in message and len(short) < 300 and raised.value.__cause__ is not None
