@@ -15,6 +15,7 @@ from .expert_cache import ExpertCache
 from .buffers import FetchBuffers
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
+from .heap import trim_heap
 from .hybrid import HybridHook, unit_phases
 from .passthrough import put_back, take_passthrough_hooks
 from .scheduler import OffloadedModule, Scheduler, Slot
@@ -262,6 +263,25 @@ class Attached:
         if self.executor is not None:
             self.executor.shutdown(wait=True)
 
+    def release(self) -> None:
+        """Let go of everything the runtime holds (:func:`detach` calls it): the prefetch thread, the fetch buffers,
+        the resident experts' copies and those elsewhere, the expert cache's entries, the mapped files (and with
+        them the private pages of experts kept in place) and its references to the model and its modules. Its
+        :attr:`traffic` and :attr:`state` stay readable, so a caller who keeps this object keeps none of the model's
+        memory."""
+        self.close()
+        self.fetch_buffers.clear()
+        if self.cache is not None:
+            self.cache.entries.clear()
+        for routed in self.experts.values():
+            routed.resident.clear()
+            routed.remote_tensors.clear()
+        self.live.clear()
+        self.files.close()
+        self.model, self.passthrough = None, ()
+        for unit in self.units:   # the modules and accelerate's hooks (back on the model): names stay for state
+            unit.module, unit.original, unit.slots = None, None, []
+
 
 def _device_for(model, device):
     if device is not None and not isinstance(device, str):
@@ -410,6 +430,7 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
     if isinstance(device, HostDevice):   # every module executes on the CPU: its hooks there only walk arguments
         runtime.passthrough = take_passthrough_hooks(model)
     model._allocator_runtime = runtime
+    trim_heap()   # what the load freed goes back to the system now, not at the next allocation (docs/runtime.md)
     return runtime
 
 
@@ -464,6 +485,8 @@ def detach(model) -> None:
         elif isinstance(top, (OffloadHook, HybridHook)):
             unit.module._hf_hook = unit.original
     del model._allocator_runtime
+    runtime.release()
+    trim_heap()   # the runtime's buffers and the load's freed chunks back to the system (docs/runtime.md)
 
 
 def dispatch(model, plan, checkpoint, *, offload_folder=None, offload_buffers: bool = False,
