@@ -311,13 +311,12 @@ class RoutedExperts:
 
     def forward(self, module, hidden_states, top_k_index, top_k_weights):
         """The eager forward's result (module docstring)."""
-        import torch
-
         eager = eager_forward(module)
         self.traffic.calls += 1
         count = self.layer.num_experts
-        with torch.no_grad():
-            hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < count]
+        # the routed experts, ascending, from one list: torch.unique would add a sort, copies and allocations per
+        # layer, each a parallel region of torch's intra-op pool (docs/runtime.md, "Threads")
+        hit = sorted({e for e in top_k_index.flatten().tolist() if 0 <= e < count})
         if self.in_place:   # one eager call over views of the whole tensors: only the routed slices are read
             away = [e for e in hit if e not in self.rows]
             self.traffic.routed += len(hit)
