@@ -85,10 +85,13 @@ class Contention:
 
     Each is a pure-Python spin loop in a subprocess of its own, pinned to one core (core ``i`` modulo the cores, where
     the platform pins), so ``Contention(1)`` on 2 cores keeps one of them busy, as another process would. They are
-    started on entry and ended on exit (each by its own process object), whatever the block raised.
+    started on entry and ended on exit (each by its own process object), whatever the block raised; one whose parent
+    is killed ends by itself.
     """
 
-    SPIN = "while True:\n    pass\n"
+    #: spins, and ends by itself once the process that started it is gone (a benchmark killed mid-run)
+    SPIN = ("import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n"
+            "    for _ in range(10 ** 6):\n        pass\n")
 
     def __init__(self, n: int):
         self.n = max(0, int(n))

@@ -4,8 +4,8 @@ Each script runs in its smallest mode into a temporary ``--out`` folder (placeme
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
 gpu: ``--dry-run``, tiny models with the CPU as the device, its generate and runtime cases; latency_runtime:
 ``--smoke``, a tiny llama under accelerate's hooks and ours; accuracy: ``--smoke``, a tiny llama, one budget,
-2 forwards per map; counting cost: segformer-b0, one call). The numbers are not checked, only
-that the files appear with rows.
+2 forwards per map; counting cost: segformer-b0, one call; rss: ``--smoke``, the patched load alone). The numbers
+are not checked, only that the files appear with rows.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ CASES = {
     "accuracy": (["--smoke"], "accuracy"),
     "counting_cost": (["--models", "segformer-b0", "--repeat", "1"], "counting_cost"),
     "diffusion": (["--smoke", "--steps", "1"], "diffusion"),
+    "rss": (["--smoke", "--paths", "patch"], "rss"),
 }
 
 
@@ -86,6 +87,8 @@ def test_benchmark_script_writes_results(script, tmp_path):
         with open(tmp_path / "gpu_diffusion.csv", newline="") as fh:
             diffusion = list(csv.DictReader(fh))
         assert all(r["status"] == "ok" and r["equal"] == "True" for r in diffusion), diffusion
+    if script == "rss":  # the patched load held anonymous memory, and detach + del gave it back
+        assert float(rows[0]["loaded_anon_mib"]) > 0 and float(rows[0]["after_anon_mib"]) <= 10, rows
     if script == "accuracy":  # every map estimated and measured
         assert len(rows) >= 2 and all(float(r["estimated_ms"]) > 0 and float(r["measured_ms"]) > 0 for r in rows)
     if script == "gpu":  # the generate case: both maps run generate; ours is planned within the budget with it
