@@ -6,11 +6,11 @@ it off.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from ..errors import InvalidOption, InvalidRuntime, warn_caller
 from ..report.runtime import Runtime
-from .devices import HostDevice, StandInDevice, StreamDevice
+from .devices import HostDevice, StandInDevice, StreamDevice, prefetch_executor
 from .expert_cache import ExpertCache
 from .buffers import FetchBuffers
 from .experts import ExpertsHook, Traffic, register, routed_layers
@@ -162,7 +162,7 @@ class Attached:
         self.held = self.peak_held = self.fetches = 0
         self.lock = threading.Lock()
         self.threaded = getattr(device, "threaded", True)
-        self.executor = _prefetch_thread() if prefetch and self.threaded else None
+        self.executor = prefetch_executor() if prefetch and self.threaded else None
 
     @property
     def state(self) -> dict:
@@ -280,27 +280,6 @@ class Attached:
         self.model, self.passthrough = None, ()
         for unit in self.units:   # the modules and accelerate's hooks (back on the model): names stay for state
             unit.module, unit.original, unit.slots = None, None, []
-
-
-def _one_intra_op_thread() -> None:
-    import torch
-
-    torch.get_num_threads()   # torch sets a thread's count from the default at its first use: that first
-    torch.set_num_threads(1)
-
-
-def _prefetch_thread() -> ThreadPoolExecutor:
-    """The prefetch thread, running its copies on one intra-op thread: its parallel regions would otherwise start a
-    second team of torch's threads beside the compute thread's and, on a busy machine, wait for a descheduled one
-    (docs/runtime.md, "Threads"). ``torch.set_num_threads`` on that thread also makes 1 the default of threads
-    started later and MKL's count: the calling thread's count is set again, unchanged, to put those back."""
-    import torch
-
-    threads = torch.get_num_threads()
-    executor = ThreadPoolExecutor(1, thread_name_prefix="allocator-prefetch", initializer=_one_intra_op_thread)
-    executor.submit(int).result()   # the thread is started and set before this thread's count is put back
-    torch.set_num_threads(threads)
-    return executor
 
 
 def _device_for(model, device):
