@@ -39,7 +39,7 @@ def trim_heap() -> bool:
 
     Notes
     -----
-    It walks the heap's free chunks once (milliseconds for a heap of gigabytes) and gives back whole pages with
+    It walks the heap's free chunks once, linear in the heap's size, and gives back whole pages with
     ``madvise(MADV_DONTNEED)``: freed memory that glibc would otherwise keep for later allocations, which the
     process's anonymous RSS counts. Nothing in use is touched.
 
