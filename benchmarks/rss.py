@@ -13,9 +13,9 @@ read before the load, after it, after a greedy ``generate``, and after ``detach`
   runtime attached);
 - ``plan-attach``: ``from_pretrained(device_map=plan.device_map)`` then ``allocator.offload.attach(model, plan)``;
 
-``allocator.offload.dispatch`` (accelerate's ``load_checkpoint_and_dispatch``) is not a row: on this transformers 5
-checkpoint accelerate's ``offload_weight`` meets a meta tensor (``NotImplementedError: Cannot copy out of meta
-tensor``) while writing the offload folder, with or without our runtime.
+``allocator.offload.dispatch`` (accelerate's ``load_checkpoint_and_dispatch``) is not a row: with the plan's map on
+this transformers 5 checkpoint, accelerate's ``offload_weight`` meets a meta tensor (``NotImplementedError: Cannot
+copy out of meta tensor``) while writing the offload folder, before our runtime is attached (not investigated).
 
     python benchmarks/rss.py            # the Qwen3 shape of benchmarks/moe.py
     python benchmarks/rss.py --smoke    # a small shape (CI smoke)
