@@ -78,3 +78,55 @@ class Worker:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+
+
+class Contention:
+    """``n`` busy processes for the duration of a ``with`` block: a machine shared with other work.
+
+    Each is a pure-Python spin loop in a subprocess of its own, pinned to one core (core ``i`` modulo the cores, where
+    the platform pins), so ``Contention(1)`` on 2 cores keeps one of them busy, as another process would. They are
+    started on entry and ended on exit (each by its own process object), whatever the block raised; one whose parent
+    is killed ends by itself.
+    """
+
+    #: spins, and ends by itself once the process that started it is gone (a benchmark killed mid-run)
+    SPIN = ("import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n"
+            "    for _ in range(10 ** 6):\n        pass\n")
+
+    def __init__(self, n: int):
+        self.n = max(0, int(n))
+        self.procs: list = []
+
+    def __enter__(self) -> Contention:
+        import subprocess
+        import sys
+
+        cores = os.cpu_count() or 1
+        for i in range(self.n):
+            proc = subprocess.Popen([sys.executable, "-c", self.SPIN])
+            if hasattr(os, "sched_setaffinity"):
+                try:
+                    os.sched_setaffinity(proc.pid, {i % cores})
+                except OSError:   # a core this process may not use: left where the kernel puts it
+                    pass
+            self.procs.append(proc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except Exception:   # noqa: BLE001 - a spin loop that ignores SIGTERM
+                proc.kill()
+                proc.wait()
+        self.procs = []
+
+    def describe(self) -> str:
+        """``"1 busy process (spin loop pinned to core 0)"``, or ``"none"``."""
+        if not self.n:
+            return "none"
+        cores = os.cpu_count() or 1
+        pinned = ", ".join(str(i % cores) for i in range(self.n))
+        return f"{self.n} busy process{'es' if self.n > 1 else ''} (spin loop pinned to core {pinned})"

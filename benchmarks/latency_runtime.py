@@ -19,6 +19,13 @@ forward, outside the timed region: our mappings' pages dropped with ``MADV_DONTN
     python benchmarks/latency_runtime.py                 # 4 models x 3 budgets, warm and cold, prefetch 0 1 2
     python benchmarks/latency_runtime.py --quick         # fewer forwards
     python benchmarks/latency_runtime.py --smoke         # tiny llama, one budget, 3 forwards (CI smoke)
+    python benchmarks/latency_runtime.py --quick --contention 1   # beside one busy core, with RAM and patch() rows
+
+``--contention N`` starts N busy processes (``benchutil.Contention``: a Python spin loop each, pinned to core ``i``
+modulo the cores) for the duration of the cells, runs torch on its default threads unless ``--threads`` says
+otherwise, and adds two runtimes to the rotation: ``ram`` (the model fully in RAM) and ``ours-patch`` (the path users
+take: ``patch(runtime="allocator")`` around ``from_pretrained(device_map="auto")``, with its own plan's map).
+``first_generate_ms`` is the first greedy ``generate`` after each runtime's load (models that generate).
 
 Writes ``results/latency_runtime.csv`` and ``results/latency_runtime.md`` (``--out`` for another folder).
 """
@@ -41,7 +48,7 @@ import allocator
 from allocator import offload
 from allocator.evaluate.validate import check
 
-from benchutil import cores, quiet, write_csv
+from benchutil import Contention, cores, quiet, write_csv
 from latency import Model, _drop_cache, _files, specs
 
 OUT = Path(__file__).parent / "results"
@@ -66,14 +73,29 @@ def _cell(model: Model, f: float, args, workdir: Path) -> list[dict]:
     plan = allocator.plan(model.meta, dict(budget))
     inputs = specs()[model.name][2](torch.Generator().manual_seed(0))
     runtimes = ["hooks", *[f"ours-{k}" for k in args.prefetch],
-                *([f"ours-{k}-thread" for k in args.prefetch if k] if args.thread else [])]
+                *([f"ours-{k}-thread" for k in args.prefetch if k] if args.thread else []),
+                *(["ram", "ours-patch"] if args.contention else [])]
+    first = {}   # runtime -> ms of the first generate after its load (models that generate)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         loaded, attached = {}, {}
         for name in runtimes:
-            loaded[name] = _load(model, plan.device_map, budget, Path(tmp) / name)
-            if name != "hooks":
+            if name == "ram":
+                loaded[name] = _load(model, None, None, None)
+            elif name == "ours-patch":   # the path users take: the plan made inside from_pretrained, then attached
+                with allocator.patch(runtime="allocator"):
+                    loaded[name] = _load(model, "auto", budget, Path(tmp) / name)
+                attached[name] = offload.runtime_of(loaded[name])
+            else:
+                loaded[name] = _load(model, plan.device_map, budget, Path(tmp) / name)
+            if name not in ("hooks", "ram", "ours-patch"):
                 attached[name] = offload.attach(loaded[name], plan.device_map, prefetch=int(name.split("-")[1]),
                                                 device=offload.HostDevice(thread=name.endswith("thread")))
+            if model.name in GENERATES or model.name.startswith("tiny-llama"):
+                with torch.no_grad():
+                    start = time.perf_counter()
+                    loaded[name].generate(**_generate_args(model, specs()[model.name][2](
+                        torch.Generator().manual_seed(0))))
+                    first[name] = round((time.perf_counter() - start) * 1e3, 3)
         reference = _load(model, None, None, None)
         cold_paths = _files(model.path, tmp)
         with torch.no_grad():
@@ -109,13 +131,13 @@ def _cell(model: Model, f: float, args, workdir: Path) -> list[dict]:
                                    median_ms=round(med * 1e3, 3),
                                    speedup=round(hooks / med, 2) if name != "hooks" else 1.0,
                                    equal=equal[name], n=len(times[name]), disk_share=_disk_share(plan),
-                                   peak_held="", reserve="")
-                        if name != "hooks":
-                            k = int(name.split("-")[1])
+                                   peak_held="", reserve="", first_generate_ms=first.get(name, ""))
+                        if name in attached:
+                            runtime = attached[name]
                             problem = allocator.build_problem(model.meta, dict(budget), runtime="allocator",
-                                                              prefetch=k)
-                            memory = check(problem, plan.device_map)[1]
-                            row.update(peak_held=attached[name].peak_held, reserve=memory.streamed + memory.prefetch)
+                                                              prefetch=runtime.prefetch)
+                            memory = check(problem, dict(loaded[name].hf_device_map))[1]
+                            row.update(peak_held=runtime.peak_held, reserve=memory.streamed + memory.prefetch)
                         rows.append(row)
                     print(f"{model.name} {f:.0%} {regime} {job}: " + ", ".join(
                         f"{r['runtime']} {r['median_ms']} ms" for r in rows[-len(runtimes):]), file=sys.stderr,
@@ -146,13 +168,20 @@ def report(rows, args, command, seconds) -> str:
         "by the kernel's read-ahead (`madvise(MADV_WILLNEED)`) of the next k modules; `ours-k-thread`: a thread "
         "reads their pages in and makes their views ahead (held: counted in peak held).",
         "",
-        "| model | RAM | regime | job | runtime | median ms | speedup | equal | peak held | reserve |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Torch threads {torch.get_num_threads()}; contention: {args.busy}. `first generate ms`: the first greedy "
+        "`generate` after the row's load (models that generate). With `--contention`: `ram` is the model fully in "
+        "RAM, `ours-patch` the path users take (`patch(runtime=\"allocator\")` around `from_pretrained("
+        "device_map=\"auto\")`, its own map), `hooks` what transformers runs (accelerate's hooks).",
+        "",
+        "| model | RAM | regime | job | runtime | median ms | speedup | equal | peak held | reserve "
+        "| first generate ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['model']} | {r['budget']:.0%} | {r['regime']} | {r['job']} | {r['runtime']} | "
-                     f"{r['median_ms']} | {r['speedup']} | {r['equal']} | {r['peak_held']} | {r['reserve']} |")
-    ours = [r for r in rows if r["runtime"] != "hooks"]
+                     f"{r['median_ms']} | {r['speedup']} | {r['equal']} | {r['peak_held']} | {r['reserve']} | "
+                     f"{r['first_generate_ms']} |")
+    ours = [r for r in rows if r["runtime"].startswith("ours-")]
     lines.append("")
     for regime in args.regimes:
         for job in ("forward", "generate"):
@@ -185,6 +214,12 @@ def main(argv=None) -> int:
                     help="also ours-k-thread: a prefetch thread reads pages in and makes the views ahead")
     ap.add_argument("--quick", action="store_true", help="7 timed runs per cell")
     ap.add_argument("--smoke", action="store_true", help="tiny llama, one budget, 3 runs, warm (CI)")
+    ap.add_argument("--contention", type=int, default=0, metavar="N",
+                    help="N busy processes (a Python spin loop each, pinned to core i mod cores) for the duration of "
+                         "the cells; adds the rows ram and ours-patch")
+    ap.add_argument("--threads", type=int, default=None, metavar="T",
+                    help="torch's intra-op threads (0: torch's default, one per core); default 1, or torch's default "
+                         "with --contention")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     args.cores = cores()   # before the run loads the machine
@@ -192,11 +227,15 @@ def main(argv=None) -> int:
         args.forwards = 7
     if args.smoke:
         args.models, args.budgets, args.forwards, args.warmup, args.regimes = ["tiny-llama"], [0.5], 3, 1, ["warm"]
-    torch.set_num_threads(1)
+    threads = args.threads if args.threads is not None else (0 if args.contention else 1)
+    if threads:
+        torch.set_num_threads(threads)
     quiet()
     command = "python benchmarks/latency_runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
+    busy = Contention(args.contention)
+    args.busy = busy.describe()
+    with tempfile.TemporaryDirectory() as tmp, busy:
         rows = []
         for name in args.models:
             model = Model(name, Path(tmp))

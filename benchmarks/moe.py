@@ -43,6 +43,13 @@ resident (counted from the routers' choices by forward hooks), fetched and compu
     python benchmarks/moe.py                 # four shapes, warm and cold
     python benchmarks/moe.py --smoke         # one tiny shape, a few tokens (CI smoke)
     python benchmarks/moe.py --models qwen3-moe --interleaved 9   # RAM / transformers / patch() timed in rounds
+    python benchmarks/moe.py --models qwen3-moe --interleaved 3 --contention 1   # the same beside a busy core
+
+``--interleaved`` also times, per row, the load and the first two ``generate`` calls after it (``load_s``,
+``generate_1_s``, ``generate_2_s``: the first ``generate`` after a load is where a cold runtime would show).
+``--contention N`` starts N busy processes (a Python spin loop each, pinned to core ``i`` modulo the cores) for the
+duration of the rows (``benchutil.Contention``), and then runs torch on its default threads (one per core) unless
+``--threads`` says otherwise; the header names both.
 
 Writes ``results/moe.csv`` and ``results/moe.md`` (``--out`` for another folder).
 """
@@ -67,7 +74,7 @@ from allocator.evaluate.experts import cache_hit_rate
 from allocator.model.experts import find_experts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from benchutil import cores, quiet, write_csv  # noqa: E402
+from benchutil import Contention, cores, quiet, write_csv  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 
@@ -419,10 +426,11 @@ def estimates() -> list[dict]:
     return rows
 
 
-def report(rows, command: str, started: str, seconds: float) -> str:
+def report(rows, command: str, started: str, seconds: float, setting: str = "") -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"`{command}`, {started}, {seconds:.0f} s, {cores()}, load average at start "
-             f"{os.getloadavg()[0]:.2f}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+             f"{os.getloadavg()[0]:.2f}" + (f"; {setting}" if setting else ""), "",
+             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -436,9 +444,13 @@ def interleaved(name: str, family: str, fields: dict, args, work: Path) -> list[
     folder, ref, meta, total, budget, prompt = _saved(name, family, fields, args, work)
     want, _, _ = decode(ref, prompt, args.tokens)
     profile = allocator.profile_experts(ref, [torch.cat([prompt, torch.tensor([want])], dim=1)])
-    models = {"ram": ref, "transformers": _load(folder, "auto", work / "off-hf", max_memory=budget),
-              "ours-patch": _patched(folder, work / "off-ours", budget)[0],
-              "ours-patch-profiled": _patched(folder, work / "off-prof", budget, expert_profile=profile)[0]}
+    loads = {"ram": lambda: _load(folder), "transformers": lambda: _load(folder, "auto", work / "off-hf",
+                                                                          max_memory=budget),
+             "ours-patch": lambda: _patched(folder, work / "off-ours", budget)[0],
+             "ours-patch-profiled": lambda: _patched(folder, work / "off-prof", budget, expert_profile=profile)[0]}
+    models, first = {}, {}
+    for row, load in loads.items():   # each load, then the first two generate calls after it, timed
+        models[row], first[row] = _first_generates(load, prompt, args.tokens)
     equal = {row: decode(model, prompt, args.tokens)[0] == want for row, model in models.items()}   # warms them too
     times: dict = {row: [] for row in models}
     for _ in range(args.interleaved):
@@ -453,11 +465,25 @@ def interleaved(name: str, family: str, fields: dict, args, work: Path) -> list[
                          vs_ram=round(statistics.median(a / b for a, b in zip(times[row], times["ram"])), 3),
                          vs_transformers=round(statistics.median(
                              a / b for a, b in zip(times["transformers"], times[row])), 2),
-                         tokens_equal=equal[row]))
+                         **first[row], tokens_equal=equal[row]))
     for row, model in models.items():
         if offload.runtime_of(model) is not None:
             offload.detach(model)
     return rows
+
+
+def _first_generates(load, prompt, tokens: int):
+    """The model ``load()`` returns, and the seconds of the load and of the first two greedy ``generate`` calls of
+    ``tokens`` new tokens after it (``load_s``, ``generate_1_s``, ``generate_2_s``)."""
+    t0 = time.perf_counter()
+    model = load()
+    out = {"load_s": round(time.perf_counter() - t0, 3)}
+    for i in (1, 2):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        out[f"generate_{i}_s"] = round(time.perf_counter() - t0, 3)
+    return model, out
 
 
 def main(argv=None) -> int:
@@ -475,10 +501,19 @@ def main(argv=None) -> int:
     ap.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                     help="only the model in RAM, transformers and ours through patch() (without and with a profile), "
                          "loaded side by side and timed in ROUNDS interleaved rounds (ratios within each round)")
+    ap.add_argument("--contention", type=int, default=0, metavar="N",
+                    help="N busy processes (a Python spin loop each, pinned to core i mod cores) for the duration of "
+                         "the rows: a shared machine")
+    ap.add_argument("--threads", type=int, default=None, metavar="T",
+                    help="torch's intra-op threads for the rows (0: torch's default, one per core); default 1, or "
+                         "torch's default with --contention (how users run, where the busy core matters)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     quiet()
-    torch.set_num_threads(1)
+    threads = args.threads if args.threads is not None else (0 if args.contention else 1)
+    if threads:
+        torch.set_num_threads(threads)
+    args.threads_used = torch.get_num_threads()
     if args.estimates:
         started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         t0 = time.time()
@@ -495,7 +530,8 @@ def main(argv=None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.time()
     rows = []
-    with tempfile.TemporaryDirectory() as work:
+    busy = Contention(args.contention)
+    with tempfile.TemporaryDirectory() as work, busy:
         for name, (family, fields) in shapes.items():
             if args.interleaved:
                 rows += interleaved(name, family, fields, args, Path(work))
@@ -511,7 +547,8 @@ def main(argv=None) -> int:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     stem = "moe_interleaved" if args.interleaved else "moe_smoke" if args.smoke else "moe"
     write_csv(args.out / f"{stem}.csv", [{k: r.get(k, "") for k in keys} for r in rows])
-    text = report(rows, command.strip(), started, time.time() - t0)
+    text = report(rows, command.strip(), started, time.time() - t0,
+                  f"torch threads {args.threads_used}, contention: {busy.describe()}")
     (args.out / f"{stem}.md").write_text(text)
     print(text)
     return 0

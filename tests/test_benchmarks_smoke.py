@@ -4,8 +4,8 @@ Each script runs in its smallest mode into a temporary ``--out`` folder (placeme
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
 gpu: ``--dry-run``, tiny models with the CPU as the device, its generate and runtime cases; latency_runtime:
 ``--smoke``, a tiny llama under accelerate's hooks and ours; accuracy: ``--smoke``, a tiny llama, one budget,
-2 forwards per map; counting cost: segformer-b0, one call). The numbers are not checked, only
-that the files appear with rows.
+2 forwards per map; counting cost: segformer-b0, one call; rss: ``--smoke``, the patched load alone). The numbers
+are not checked, only that the files appear with rows.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ CASES = {
     "accuracy": (["--smoke"], "accuracy"),
     "counting_cost": (["--models", "segformer-b0", "--repeat", "1"], "counting_cost"),
     "diffusion": (["--smoke", "--steps", "1"], "diffusion"),
+    "rss": (["--smoke", "--paths", "patch"], "rss"),
 }
 
 
@@ -86,6 +87,8 @@ def test_benchmark_script_writes_results(script, tmp_path):
         with open(tmp_path / "gpu_diffusion.csv", newline="") as fh:
             diffusion = list(csv.DictReader(fh))
         assert all(r["status"] == "ok" and r["equal"] == "True" for r in diffusion), diffusion
+    if script == "rss":  # the patched load held anonymous memory, and detach + del gave it back
+        assert float(rows[0]["loaded_anon_mib"]) > 0 and float(rows[0]["after_anon_mib"]) <= 10, rows
     if script == "accuracy":  # every map estimated and measured
         assert len(rows) >= 2 and all(float(r["estimated_ms"]) > 0 and float(r["measured_ms"]) > 0 for r in rows)
     if script == "gpu":  # the generate case: both maps run generate; ours is planned within the budget with it
@@ -105,3 +108,48 @@ def test_plan_time_prints_a_time_per_model_and_budget(capsys):
     times = json.loads(capsys.readouterr().out)
     assert set(times) == {f"gpt2/{grid}" for grid in plan_time.GRID} and all(t > 0 for t in times.values())
     assert "4gpu60" in plan_time.GRID and set(plan_time.CELLS) == {"llama-70b-bf16/4x40GiB"}
+
+
+CONTENTION = {   # script -> its arguments with one busy process, and the stem it writes
+    "moe": (["--smoke", "--interleaved", "1", "--contention", "1", "--threads", "1"], "moe_interleaved"),
+    "latency_runtime": (["--smoke", "--contention", "1", "--threads", "1"], "latency_runtime"),
+}
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(CONTENTION))
+def test_contention_mode_times_ram_transformers_ours_and_the_first_generate(script, tmp_path):
+    """``--contention 1``: the rows run beside one busy process (named in the header), the model in RAM, what
+    transformers runs and ours through ``patch()`` timed side by side, with the first ``generate`` after each load."""
+    args, stem = CONTENTION[script]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=BENCHMARKS.parent,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCHMARKS.parent),
+                                                                      os.environ.get("PYTHONPATH")]))},
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-4000:]}"
+    with open(tmp_path / f"{stem}.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert "1 busy process" in (tmp_path / f"{stem}.md").read_text()
+    if script == "moe":
+        by = {r["row"]: r for r in rows}
+        assert {"ram", "transformers", "ours-patch"} <= set(by)
+        assert all(float(r[k]) > 0 for r in rows for k in ("load_s", "generate_1_s", "generate_2_s"))
+        assert all(r["tokens_equal"] == "True" for r in rows)
+    else:
+        by = {r["runtime"]: r for r in rows}
+        assert {"ram", "hooks", "ours-patch"} <= set(by)
+        assert all(float(r["first_generate_ms"]) > 0 and r["equal"] == "True" for r in rows)
+
+
+def test_contention_starts_busy_processes_and_ends_them():
+    from benchutil import Contention
+
+    with Contention(2) as busy:
+        procs = list(busy.procs)
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        assert busy.describe().startswith("2 busy processes")
+    assert all(p.poll() is not None for p in procs) and busy.procs == []
+    assert Contention(0).describe() == "none"

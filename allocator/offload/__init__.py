@@ -32,7 +32,8 @@ transformers' ``ExpertsInterface`` as ``"allocator"``): only the experts its rou
 The runtime is four modules: :mod:`.files` (the mapped files and where each tensor's bytes are), :mod:`.devices`
 (the main devices that make weights ready), :mod:`.scheduler` (the tensors and modules moved, and their order) and
 :mod:`.hooks` (the hooks on the model, :func:`attach`, :func:`detach`, :func:`dispatch`), with :mod:`.experts` and
-:mod:`.expert_cache` beside them.
+:mod:`.expert_cache` beside them; :func:`detach` lets go of everything the runtime held, and :mod:`.heap` gives what
+glibc keeps of freed memory back to the system at :func:`attach` and :func:`detach`.
 """
 
 from __future__ import annotations

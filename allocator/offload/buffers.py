@@ -43,6 +43,11 @@ class FetchBuffers:
             buffer = self.tensors.pop(key)
             self.account(-buffer.numel() * buffer.element_size())
 
+    def clear(self) -> None:
+        """Drop the buffers on every device (the runtime is detached)."""
+        for device in {k[0] for k in self.tensors}:
+            self.release(device)
+
     def nbytes(self, device: str | None = None) -> int:
         """Bytes the buffers hold now (on ``device`` only, where given)."""
         return sum(t.numel() * t.element_size() for (d, *_), t in self.tensors.items() if device in (None, d))

@@ -18,7 +18,9 @@ tagged there.
 
 from __future__ import annotations
 
-__all__ = ["HostDevice", "StandInDevice", "StreamDevice", "on_stand_in"]
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["HostDevice", "StandInDevice", "StreamDevice", "on_stand_in", "prefetch_executor"]
 
 
 def _convert(value, meta):
@@ -289,3 +291,25 @@ class StandInDevice(StreamDevice):
     def staged(self) -> int:
         """Bytes of weights staged ("copied to the GPU") so far; the expert slices' copies are in :attr:`log`."""
         return self.backend.staged
+
+
+def _one_intra_op_thread() -> None:
+    import torch
+
+    torch.get_num_threads()   # torch sets a thread's count from the default at its first use: that first
+    torch.set_num_threads(1)
+
+
+def prefetch_executor() -> ThreadPoolExecutor:
+    """The prefetch thread (:class:`allocator.offload.Attached`'s executor), staging on one intra-op thread: its
+    parallel regions would otherwise start a second team of torch's threads beside the compute thread's and, on a
+    busy machine, wait for a descheduled one (docs/runtime.md, "Threads"). ``torch.set_num_threads`` on that thread
+    also makes 1 the default of threads started later and MKL's count: the calling thread's count is set again,
+    unchanged, to put those back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    executor = ThreadPoolExecutor(1, thread_name_prefix="allocator-prefetch", initializer=_one_intra_op_thread)
+    executor.submit(int).result()   # the thread is started and set before this thread's count is put back
+    torch.set_num_threads(threads)
+    return executor

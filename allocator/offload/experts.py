@@ -292,16 +292,15 @@ class RoutedExperts:
 
     def forward(self, module, hidden_states, top_k_index, top_k_weights):
         """The eager forward's result (module docstring)."""
-        import torch
-
         eager = eager_forward(module)
         self.traffic.calls += 1
         phase, mode = phase_mode(self.mode, self.threshold, math.prod(hidden_states.shape[:-1]))
         row = self.used.setdefault(phase, {})
         row[mode] = row.get(mode, 0) + 1   # the mode each phase ran in, as the plan wrote it
         count = self.layer.num_experts
-        with torch.no_grad():
-            hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < count]
+        # the routed experts, ascending, from one list: torch.unique would add a sort, copies and allocations per
+        # layer, each a parallel region of torch's intra-op pool (docs/runtime.md, "Threads")
+        hit = sorted({e for e in top_k_index.flatten().tolist() if 0 <= e < count})
         if self.in_place:   # one eager call over views of the whole tensors: only the routed slices are read
             away = [e for e in hit if e not in self.rows]
             self.traffic.routed += len(hit)

@@ -35,6 +35,7 @@ class MappedFile:
     def __init__(self, path: str, *, raw: bool = False):
         self.path = path
         self.kept: list[tuple[int, int]] = []   # byte ranges held in memory (:meth:`keep`)
+        self.closed = False
         self.base, self.entries = (0, {}) if raw else safetensors_header(path)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -48,6 +49,9 @@ class MappedFile:
     def view(self, start: int, end: int, dtype, shape):
         """A tensor over bytes ``start:end`` of the mapping, without a copy where the offset is aligned."""
         import torch
+
+        if self.closed:
+            raise InvalidRuntime(f"{self.path} was unmapped when its runtime was detached; attach the model again.")
 
         count = (end - start) // dtype.itemsize
         if count == 0 or self.mm is None:
@@ -95,6 +99,16 @@ class MappedFile:
         if self.mm is not None and hi > lo and hasattr(mmap, "MADV_DONTNEED"):
             self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
+    def close(self) -> None:
+        """Unmap the file (its private pages, :meth:`keep`'s, go back to the system) where no tensor views it any
+        more, else once the last view is gone; :meth:`view` refuses afterwards."""
+        mm, self.mm, self.closed, self.kept = self.mm, None, True, []
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:   # a view is still alive somewhere: the mapping goes with it
+                pass
+
     def advise(self, start: int, end: int) -> None:
         """Ask the kernel to read ``start:end`` in (asynchronous read-ahead)."""
         if self.mm is None or end <= start or not hasattr(mmap, "MADV_WILLNEED"):
@@ -131,6 +145,13 @@ class MappedFiles:
             if key not in self.open:
                 self.open[key] = MappedFile(path, raw=raw)
             return self.open[key]
+
+    def close(self) -> None:
+        """Unmap every file (:meth:`MappedFile.close`) and forget them."""
+        with self.lock:
+            files, self.open = list(self.open.values()), {}
+        for f in files:
+            f.close()
 
 
 @dataclass(frozen=True)

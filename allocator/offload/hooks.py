@@ -6,17 +6,18 @@ it off.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from ..errors import InvalidOption, InvalidRuntime, warn_caller
 from ..report.runtime import Runtime
-from .devices import HostDevice, StandInDevice, StreamDevice
+from .devices import HostDevice, StandInDevice, StreamDevice, prefetch_executor
 from .expert_cache import ExpertCache
 from .buffers import FetchBuffers
 from .experts import ExpertsHook, Traffic, register, routed_layers
 from .files import MappedFiles, source_of
 from .handover import carry, end, hooked, removed, set_experts_implementation
-from .hybrid import HybridHook, layer_hooks, make_layer_hooks, unit_phases
+from .heap import trim_heap
+from .hybrid import HybridHook, layer_hooks, make_layer_hooks, wrap_units
 from .passthrough import put_back, take_passthrough_hooks
 from .scheduler import OffloadedModule, Scheduler, Slot
 
@@ -168,8 +169,7 @@ class Attached:
         self.held = self.peak_held = self.fetches = 0
         self.lock = threading.Lock()
         self.threaded = getattr(device, "threaded", True)
-        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="allocator-prefetch")
-                         if prefetch and self.threaded else None)
+        self.executor = prefetch_executor() if prefetch and self.threaded else None
 
     @property
     def state(self) -> dict:
@@ -271,6 +271,25 @@ class Attached:
                 pass
         if self.executor is not None:
             self.executor.shutdown(wait=True)
+
+    def release(self) -> None:
+        """Let go of everything the runtime holds (:func:`detach` calls it): the prefetch thread, the fetch buffers,
+        the resident experts' copies and those elsewhere, the expert cache's entries, the mapped files (and with
+        them the private pages of experts kept in place) and its references to the model and its modules. Its
+        :attr:`traffic` and :attr:`state` stay readable, so a caller who keeps this object keeps none of the model's
+        memory."""
+        self.close()
+        self.fetch_buffers.clear()
+        if self.cache is not None:
+            self.cache.entries.clear()
+        for routed in self.experts.values():
+            routed.resident.clear()
+            routed.remote_tensors.clear()
+        self.live.clear()
+        self.files.close()
+        self.model, self.passthrough = None, ()
+        for unit in self.units:   # the modules and accelerate's hooks (back on the model): names stay for state
+            unit.module, unit.original, unit.slots = None, None, []
 
 
 def _device_for(model, device):
@@ -409,7 +428,7 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
     runtime = Attached(model, prefetch=prefetch, device=device, experts=_experts_of(spec, experts),
                        expert_mode=mode, plan=spec)
     hooks = {id(u.original): OffloadHook(runtime, u) for u in runtime.units}
-    _hybrid(hooks, getattr(plan, "hybrid", None))   # issue #40: units the plan computes on the CPU in some phase
+    wrap_units(hooks, getattr(plan, "hybrid", None))   # units the plan computes on the CPU in some phase
     boundaries = layer_hooks(model, getattr(plan, "hybrid", None), runtime.units)   # offload hooks on leaves
     for _, module, _, _, h in list(_offload_hooks(model)):
         routed = runtime.experts.get(id(module))
@@ -433,19 +452,8 @@ def attach(model, plan=None, *, prefetch: int | None = None, device=None, expert
     if isinstance(device, HostDevice):   # every module executes on the CPU: its hooks there only walk arguments
         runtime.passthrough = take_passthrough_hooks(model)
     model._allocator_runtime = runtime
+    trim_heap()   # what the load freed goes back to the system now, not at the next allocation (docs/runtime.md)
     return runtime
-
-
-def _hybrid(hooks: dict, compute) -> None:
-    """Wrap the offload hook of each unit that the plan's compute map (``Plan.hybrid``, read from the plan as it is)
-    runs on the CPU in some phase in a :class:`allocator.offload.hybrid.HybridHook`."""
-    if compute is None:
-        return
-    devices = compute.to_dict()
-    for key, hook in list(hooks.items()):
-        phases = unit_phases(devices, hook.unit.name)
-        if phases is not None:
-            hooks[key] = HybridHook(hook, phases, compute.threshold)
 
 
 def detach(model) -> None:
@@ -475,6 +483,8 @@ def detach(model) -> None:
         elif isinstance(top, (OffloadHook, HybridHook)):
             unit.module._hf_hook = unit.original
     end(runtime, put_back=put_back)
+    runtime.release()
+    trim_heap()   # the runtime's buffers and the load's freed chunks back to the system (docs/runtime.md)
 
 
 def dispatch(model, plan, checkpoint, *, offload_folder=None, offload_buffers: bool = False,

@@ -16,7 +16,7 @@ from ..model.cache_kwarg import forward_cache
 from .devices import StreamDevice
 
 __all__ = ["Aside", "HybridHook", "LayerHook", "call_tokens", "layer_hooks", "make_layer_hooks", "phase_of",
-           "unit_phases"]
+           "unit_phases", "wrap_units"]
 
 
 def call_tokens(args, kwargs) -> int:
@@ -333,3 +333,15 @@ def make_layer_hooks(found, runtime, threshold: int) -> list:
 def _moving(hook) -> bool:
     """Whether ``hook`` is accelerate's ``AlignDevicesHook`` that only moves tensors (no offload)."""
     return type(hook).__name__ == "AlignDevicesHook" and not getattr(hook, "offload", True)
+
+
+def wrap_units(hooks: dict, compute) -> None:
+    """Wrap the offload hook of each unit that the plan's compute map (``Plan.hybrid``, read from the plan as it is)
+    runs on the CPU in some phase in a :class:`allocator.offload.hybrid.HybridHook`."""
+    if compute is None:
+        return
+    devices = compute.to_dict()
+    for key, hook in list(hooks.items()):
+        phases = unit_phases(devices, hook.unit.name)
+        if phases is not None:
+            hooks[key] = HybridHook(hook, phases, compute.threshold)

@@ -468,3 +468,27 @@ def test_attach_warns_when_it_would_hold_more_than_the_plan_reserved(cases, tmp_
         offload.detach(model)
         offload.attach(model, p)                # the plan's prefetch: 0
     assert model._allocator_runtime.prefetch == 0
+
+
+def test_prefetch_thread_copies_on_one_intra_op_thread_and_leaves_the_callers_count(cases, tmp_path):
+    """The prefetch thread stages on one intra-op thread (docs/runtime.md, "Threads"); the caller's count, and the
+    default of threads started later, stay what they were."""
+    import threading
+
+    case = cases["llama"]
+    p, model = _loaded(case, tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runtime = offload.attach(model, p, prefetch=1, device="stand-in")
+        assert runtime.executor.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [2]
+        assert_same_output(case.logits(model), case.reference)
+        offload.detach(model)
+    finally:
+        torch.set_num_threads(before)
