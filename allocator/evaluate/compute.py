@@ -283,11 +283,11 @@ def cache_moves(compute: ComputePlan | None, main: Device) -> dict:
 def phase_problem(problem: Problem, phase: str) -> Problem:
     """``problem`` priced for one step of ``phase``: the counted forward of that step where FLOPs were counted
     (:func:`allocator.problem.step_problem`), else, with a generation budget, the profile's tokens per forward set to
-    the phase's (:func:`phase_tokens`: ``batch x prompt`` for prefill, ``batch`` for decode); ``problem`` itself
-    without a generation budget."""
+    the phase's (:func:`phase_tokens`: ``batch x prompt`` for prefill, ``batch`` for decode; without a generation
+    budget, ``problem`` itself for prefill and one token for decode)."""
     if phase in problem.steps:
         return step_problem(problem, phase)
-    if problem.generation is None:
+    if problem.generation is None and phase == "prefill":
         return problem
     tokens = max(1, phase_tokens(problem)[phase])
     return replace(problem, profile=replace(problem.profile, tokens=tokens))
