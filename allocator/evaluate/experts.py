@@ -35,8 +35,8 @@ from .memory import device_of, expert_cache_reserve, main_device, offloaded_devi
 from .runs import columns
 
 __all__ = ["DECIDED", "cache_hit_rate", "che_hit_rates", "expert_bytes", "expert_modes", "expert_numel",
-           "expert_seconds", "expert_shares", "layer_mode", "layer_terms", "resident_bytes", "routed_cost",
-           "routed_layers", "routed_seconds", "step_tokens"]
+           "expert_seconds", "expert_shares", "layer_mode", "layer_terms", "moved_bytes", "resident_bytes",
+           "routed_cost", "routed_layers", "routed_seconds", "step_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,10 @@ def expert_shares(problem: Problem, layer) -> tuple[float, ...]:
     return tuple(1.0 / layer.num_experts for _ in range(layer.num_experts))
 
 
-def resident_bytes(problem: Problem, placement: Placement) -> dict:
-    """Bytes of fused experts the runtime keeps resident away from their module's device, per device (experts of a
-    ``ModuleList`` are modules of the map, counted by it)."""
+def moved_bytes(problem: Problem, placement: Placement) -> dict:
+    """Bytes of fused routed experts per device that the allocator runtime keeps away from their module's device:
+    positive where they are kept, negative on the module's device (what the map puts there that is held elsewhere).
+    Experts of a ``ModuleList`` are modules of the map, counted by it."""
     out: dict = {}
     for layer in problem.moe:
         where = placement.experts.get(layer.experts)
@@ -86,7 +87,14 @@ def resident_bytes(problem: Problem, placement: Placement) -> dict:
         for device in where:
             if device != home:
                 out[device] = out.get(device, 0) + size
+                out[home] = out.get(home, 0) - size
     return out
+
+
+def resident_bytes(problem: Problem, placement: Placement) -> dict:
+    """Bytes of fused experts the runtime keeps resident away from their module's device, per device
+    (:func:`moved_bytes`' positive side)."""
+    return {d: n for d, n in moved_bytes(problem, placement).items() if n > 0}
 
 
 def step_tokens(problem: Problem) -> int:

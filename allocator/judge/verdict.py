@@ -27,8 +27,8 @@ from ..evaluate.compute import (
     PHASES, ComputePlan, cache_moves, cache_seconds, decide, hybrid_seconds, phase_problem,
 )
 from ..evaluate.cost import Cost, priced
-from ..evaluate.experts import expert_bytes, routed_cost
-from ..evaluate.memory import Memory, device_of, expert_cache_reserve, fetch_reserves, map_runs
+from ..evaluate.experts import moved_bytes, routed_cost
+from ..evaluate.memory import Memory, expert_cache_reserve, fetch_reserves, map_runs
 from ..evaluate.runs import columns
 from ..evaluate.tiers import fast_tier
 from ..evaluate.validate import Violation, budget_violations, check, peak_parts
@@ -159,26 +159,9 @@ def _parts(problem: Problem, placement: Placement, device_map: dict, memory: Mem
         out[device] = {"weights": row["weights"] - reserve - fetch.get(device, 0), "experts": 0, "expert_cache": 0,
                        "fetch": fetch.get(device, 0), "reserve": reserve, "cache": row["cache"],
                        "logits": row["logits"], "activations": row["activations"]}
-    for device, nbytes in _experts_moved(problem, placement, device_map).items():
+    for device, nbytes in moved_bytes(problem, placement).items():
         if nbytes > 0:
             out.setdefault(device, dict.fromkeys(PARTS, 0))["experts"] += nbytes
-    return out
-
-
-def _experts_moved(problem: Problem, placement: Placement, device_map: dict) -> dict:
-    """Bytes of routed experts per device that the allocator runtime keeps away from their module's device: positive
-    where they are kept, negative on the module's device (what the map puts there that is held elsewhere)."""
-    out: dict = {}
-    for layer in problem.moe:
-        where = placement.experts.get(layer.experts)
-        if where is None or layer.kind != "fused":
-            continue
-        size = expert_bytes(problem, layer)
-        home = device_of(layer.experts, device_map)
-        for device in where:
-            if device != home:
-                out[device] = out.get(device, 0) + size
-                out[home] = out.get(home, 0) - size
     return out
 
 
@@ -189,7 +172,7 @@ def _resident(problem: Problem, placement: Placement, device_map: dict) -> dict:
     for run in map_runs(problem.graph, device_map):
         if run.device is not None:
             out[run.device] = out.get(run.device, 0) + int(counted[run.end] - counted[run.start])
-    for device, delta in _experts_moved(problem, placement, device_map).items():
+    for device, delta in moved_bytes(problem, placement).items():
         out[device] = out.get(device, 0) + delta
     return out
 

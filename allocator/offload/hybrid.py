@@ -113,7 +113,7 @@ class HybridHook:
         return self.inner.detach_hook(module)
 
     def pre_forward(self, module, *args, **kwargs):
-        from accelerate.utils import find_device, send_to_device
+        from accelerate.utils import find_device
 
         phase = phase_of(call_tokens(args, kwargs), self.threshold)
         self.from_host = getattr(self.runtime, "local_layers", 0) > 0   # inside a layer computed on the CPU
@@ -139,10 +139,7 @@ class HybridHook:
         skip = set(self.skip_keys or ()) if not isinstance(self.skip_keys, str) else {self.skip_keys}
         if not self.from_host:   # inside a layer computed on the CPU nothing crosses here
             self.runtime.traffic.activations += _nbytes(list(args), skip) + _nbytes(kwargs, skip)
-        self._cache_to(kwargs, host=True)
-        if self.device is not None:
-            return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
-        return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
+        return self._to_host(args, kwargs)
 
     def post_forward(self, module, output):
         if not self.local:
@@ -164,6 +161,16 @@ class HybridHook:
         if self.device is not None:
             return self.device.to_main(self._staged(output), target, self.skip_keys)
         return send_to_device(output, target, skip_keys=self.skip_keys)
+
+    def _to_host(self, args, kwargs):
+        """The call's KV cache layer, then its arguments, moved to the CPU (through the stream device where there is
+        one, else accelerate's moves)."""
+        from accelerate.utils import send_to_device
+
+        self._cache_to(kwargs, host=True)
+        if self.device is not None:
+            return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
+        return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
 
     def _staged(self, output, at: tuple = ()):
         """Tensors of ``output`` copied into pinned buffers (an accelerator copies from them at the pinned rate), one
@@ -232,7 +239,7 @@ class LayerHook(HybridHook):
         return module
 
     def pre_forward(self, module, *args, **kwargs):
-        from accelerate.utils import find_device, send_to_device
+        from accelerate.utils import find_device
 
         phase = phase_of(call_tokens(args, kwargs), self.threshold)
         self.local = self.phases.get(phase) == "cpu"
@@ -245,10 +252,7 @@ class LayerHook(HybridHook):
         self.runtime.layer_phase = phase
         self.input_device = find_device([args, kwargs])
         self.runtime.traffic.activations += _nbytes(list(args), set()) + _nbytes(kwargs, set())
-        self._cache_to(kwargs, host=True)
-        if self.device is not None:
-            return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
-        return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
+        return self._to_host(args, kwargs)
 
     def post_forward(self, module, output):
         if not self.local:
