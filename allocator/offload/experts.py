@@ -205,13 +205,20 @@ class RoutedExperts:
                 mm.madvise(mmap.MADV_RANDOM)
 
     def _advise(self, experts: list[int]) -> None:
-        """Start reading ``experts``' slices of every file-backed tensor (``MADV_WILLNEED``, asynchronous)."""
-        for name, source in self.sources.items():
+        """Start reading ``experts``' slices of every file-backed tensor (``MADV_WILLNEED``, asynchronous): one call
+        per run of consecutive experts, not one per expert."""
+        runs: list[list[int]] = []
+        for e in sorted(set(experts)):
+            if runs and runs[-1][1] == e:
+                runs[-1][1] = e + 1
+            else:
+                runs.append([e, e + 1])
+        for source in self.sources.values():
             if source.file is None:
                 continue
             per = (source.end - source.start) // self.layer.num_experts
-            for e in experts:
-                source.file.advise(source.start + e * per, source.start + (e + 1) * per)
+            for a, b in runs:
+                source.file.advise(source.start + a * per, source.start + b * per)
 
     def _cast(self, tensor, name: str):
         meta = self.metas[name]
