@@ -45,6 +45,7 @@ from ..offload import attach, has_offload_hooks, runtime_of
 from ..problem import OPTION_NAMES, PlanOptions, build_problem, present_budgets, quantizer_size_fn
 from ..strategies import resolve
 from .diffusers import diffusers_swaps
+from .ledger import Ledger
 from .library import (AfterImport, Unchecked, accelerate_functions, baseline_map, bound_by_name, named,
                       optional_import, unless_baseline, user_budgets)
 from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
@@ -53,12 +54,8 @@ __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
 
 log = logging.getLogger("allocator.integrations.transformers")
 
-MODE_TO_STRATEGY: dict[str, str | None] = {
-    "auto": None,
-    "balanced": "balanced",
-    "balanced_low_0": "balanced_low_0",
-    "sequential": "sequential",
-}
+MODE_TO_STRATEGY: dict[str, str | None] = {"auto": None, "balanced": "balanced", "balanced_low_0": "balanced_low_0",
+                                           "sequential": "sequential"}
 """String ``device_map`` modes to the strategy that plans them; ``None`` means the strategy given to :func:`patch`.
 
 ``"balanced"`` and ``"balanced_low_0"`` are the strategies of those names (:mod:`allocator.strategies.balanced`:
@@ -113,6 +110,7 @@ class Patch:
         self.attach_options = dict(attach_options or {})   # for allocator.offload.attach: only the device
         self._pending: dict[str, str] = {}
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (its plan, the map loaded)
+        self.ledger = Ledger()   # what the loads of this patch still need: a later load without max_memory plans after
         self._swaps: list[_Swap] = []
         self._saved: list[object] = []
 
@@ -219,6 +217,7 @@ class Patch:
         else:
             device_map = result.device_map
         self._plans[model] = (result, dict(device_map))   # what the runtime attached after loading runs
+        self.ledger.add(result, type(model).__name__)
         model._allocator_plan = result   # plan_of(model): kept by the model it was made for, as its runtime is
         if log.isEnabledFor(logging.INFO):
             resident = {d: result.resident(d) for d in result.problem.budgets.order}
@@ -229,8 +228,8 @@ class Patch:
         return device_map
 
     def _strategy_for(self, mode: str, budgets: Mapping, loader: str | None):
-        """:data:`MODE_TO_STRATEGY`; on ``from_pretrained`` (which balances) ``"auto"`` over several accelerators is
-        ``balanced`` under the default strategy (a strategy given to :func:`patch` plans it as given)."""
+        """:data:`MODE_TO_STRATEGY`; on ``from_pretrained`` ``"auto"`` over several accelerators is ``balanced`` under
+        the default strategy (transformers balances; a strategy given to :func:`patch` plans it as given)."""
         named = MODE_TO_STRATEGY[mode]
         if named is not None:
             return named
@@ -246,7 +245,7 @@ class Patch:
         def _get_device_map(model, device_map, max_memory, hf_quantizer, *args, **kwargs):
             if not (isinstance(device_map, str) and device_map in MODE_TO_STRATEGY):
                 return original(model, device_map, max_memory, hf_quantizer, *args, **kwargs)
-            budgets = user_budgets(get_max_memory, max_memory, device_map)
+            budgets = self.ledger.left(user_budgets(get_max_memory, max_memory, device_map), shared=max_memory is None)
             given = dict(max_memory) if isinstance(max_memory, Mapping) else max_memory   # theirs converts in place
             quantizer = None if hf_quantizer is None else Unchecked(hf_quantizer)
             theirs = baseline_map(lambda: original(model, device_map, given, quantizer, *args, **kwargs), model,
