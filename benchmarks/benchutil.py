@@ -130,3 +130,14 @@ class Contention:
         cores = os.cpu_count() or 1
         pinned = ", ".join(str(i % cores) for i in range(self.n))
         return f"{self.n} busy process{'es' if self.n > 1 else ''} (spin loop pinned to core {pinned})"
+
+
+def add_contention_arguments(ap, what: str) -> None:
+    """``--contention N`` and ``--threads T``, as the runtime benchmarks take them (``what``: what runs beside the
+    busy processes)."""
+    ap.add_argument("--contention", type=int, default=0, metavar="N",
+                    help=f"N busy processes (a Python spin loop each, pinned to core i mod cores) for the duration of "
+                         f"{what}")
+    ap.add_argument("--threads", type=int, default=None, metavar="T",
+                    help="torch's intra-op threads (0: torch's default, one per core); default 1, or torch's default "
+                         "with --contention (how users run, where the busy core matters)")

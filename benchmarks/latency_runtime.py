@@ -48,7 +48,7 @@ import allocator
 from allocator import offload
 from allocator.evaluate.validate import check
 
-from benchutil import Contention, cores, quiet, write_csv
+from benchutil import Contention, add_contention_arguments, cores, quiet, write_csv
 from latency import Model, _drop_cache, _files, specs
 
 OUT = Path(__file__).parent / "results"
@@ -214,12 +214,7 @@ def main(argv=None) -> int:
                     help="also ours-k-thread: a prefetch thread reads pages in and makes the views ahead")
     ap.add_argument("--quick", action="store_true", help="7 timed runs per cell")
     ap.add_argument("--smoke", action="store_true", help="tiny llama, one budget, 3 runs, warm (CI)")
-    ap.add_argument("--contention", type=int, default=0, metavar="N",
-                    help="N busy processes (a Python spin loop each, pinned to core i mod cores) for the duration of "
-                         "the cells; adds the rows ram and ours-patch")
-    ap.add_argument("--threads", type=int, default=None, metavar="T",
-                    help="torch's intra-op threads (0: torch's default, one per core); default 1, or torch's default "
-                         "with --contention")
+    add_contention_arguments(ap, "the cells; adds the rows ram and ours-patch")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     args.cores = cores()   # before the run loads the machine

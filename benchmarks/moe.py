@@ -74,7 +74,7 @@ from allocator.evaluate.experts import cache_hit_rate
 from allocator.model.experts import find_experts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from benchutil import Contention, cores, quiet, write_csv  # noqa: E402
+from benchutil import Contention, add_contention_arguments, cores, quiet, write_csv  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 
@@ -501,12 +501,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                     help="only the model in RAM, transformers and ours through patch() (without and with a profile), "
                          "loaded side by side and timed in ROUNDS interleaved rounds (ratios within each round)")
-    ap.add_argument("--contention", type=int, default=0, metavar="N",
-                    help="N busy processes (a Python spin loop each, pinned to core i mod cores) for the duration of "
-                         "the rows: a shared machine")
-    ap.add_argument("--threads", type=int, default=None, metavar="T",
-                    help="torch's intra-op threads for the rows (0: torch's default, one per core); default 1, or "
-                         "torch's default with --contention (how users run, where the busy core matters)")
+    add_contention_arguments(ap, "the rows: a shared machine")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     quiet()

@@ -60,7 +60,7 @@ class _Squares(TorchDispatchMode):
         return out
 
 
-def _peak(run) -> int:
+def profiled_peak(run) -> int:
     """The peak of the running sum of CPU allocations and frees while ``run()`` runs (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -95,7 +95,7 @@ def measure(attn: str, tokens: int, dtype: torch.dtype = torch.float32, *, batch
         held["logits"] = out.logits.untyped_storage().nbytes()
         held["out"] = weakref.ref(out.logits)
 
-    peak = _peak(run)
+    peak = profiled_peak(run)
     squares = _Squares(tokens)
     with squares:
         run()

@@ -162,18 +162,13 @@ def test_sliding_window_cache_bytes_equal_dynamic_cache_at_its_peak(models, name
 
 def _generate_peak(model, budget_args, prompt, new, batch):
     """Bytes ``generate`` allocates at once on CPU (every allocation the torch profiler sees), and the prediction."""
-    from torch.profiler import ProfilerActivity, profile
+    from prefill_memory import profiled_peak
 
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (batch, prompt))
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    current = peak = 0
-    for e in events:
-        current += e.nbytes()
-        peak = max(peak, current)
+    with torch.no_grad():
+        peak = profiled_peak(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                                    pad_token_id=0))
     problem = allocator.build_problem(model, {"cpu": 10**9}, generation=GenerationBudget(*budget_args,
                                                                                          prompt_length=prompt))
     plan_peak = check(problem, {"": "cpu"})[1]
