@@ -3,7 +3,9 @@
 The caller's ``no_split_module_classes``, united with the ``_no_split_modules`` every sub-model declares; when nothing
 is declared, the model's repeated blocks (:func:`allocator.model.blocks.infer_blocks`). What a module declares and
 which blocks repeat is :mod:`allocator.model.blocks`'s to say; this module unites the answers, read from the modules
-:mod:`allocator.model.read`'s walk met where the walk was exact, from the model otherwise.
+:mod:`allocator.model.read`'s walk met (:class:`Walked`) where the walk was exact, from the model otherwise.
+:func:`discovered` and :func:`~allocator.model.blocks.infer_blocks` are the default hooks of a model family
+(:class:`allocator.model.families.Family`); a family may replace either.
 """
 
 from __future__ import annotations

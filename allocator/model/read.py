@@ -2,9 +2,9 @@
 
 This is the only module of the package that reads the model's children, parameters and buffers; :func:`build_graph`
 hands what the walk found to the package's rules: sizes (:mod:`~allocator.model.sizes`), ties
-(:mod:`~allocator.model.ties`) and no-split classes (:mod:`~allocator.model.no_split`, which asks
-:mod:`allocator.model.blocks` about the model's declarations and repeated blocks). Strategies read the frozen graph and
-never the model.
+(:mod:`~allocator.model.ties`) and no-split classes (:mod:`~allocator.model.no_split`), the declared ties and no-split
+classes as the model's family says (:func:`allocator.model.families.family_of`: by default the declarations and
+repeated blocks of :mod:`allocator.model.blocks`). Strategies read the frozen graph and never the model.
 """
 
 from __future__ import annotations
