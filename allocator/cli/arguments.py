@@ -8,7 +8,7 @@ import os
 from ..budgets import parse_budgets, small_bare_number
 from ..errors import InvalidBudget, InvalidOption, one_line, warn_caller
 from ..model.expert_profile import ExpertProfile
-from ..model.experts import find_experts
+from ..model.families import family_of
 from ..model.generation import GenerationBudget
 from ..problem import absent_accelerators
 from ..profile import Profile
@@ -143,7 +143,7 @@ def load_expert_profile(path: str, model) -> ExpertProfile:
         raise InvalidOption(f"--expert-profile {path}: {err}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as err:   # not JSON, or its counts malformed
         raise InvalidOption(f"--expert-profile {path} is not an expert profile ({one_line(err)}); {hint}.") from None
-    layers = {layer.experts: layer.num_experts for layer in find_experts(model)}
+    layers = {layer.experts: layer.num_experts for layer in family_of(model).experts(model)}
     if not layers:
         raise InvalidOption(f"--expert-profile {path}: {type(model).__name__} has no mixture-of-experts layer, so "
                             "there are no experts to place; drop --expert-profile.")
@@ -175,7 +175,7 @@ def check_expert_cache(slots: int, model) -> int:
     InvalidOption
         A model without mixture-of-experts layers.
     """
-    if not find_experts(model):
+    if not family_of(model).experts(model):
         raise InvalidOption(f"--expert-cache {slots}: {type(model).__name__} has no mixture-of-experts layer, so "
                             "there are no routed experts to cache; drop --expert-cache.")
     return slots

@@ -10,7 +10,7 @@ import os
 from ..errors import InvalidModel, InvalidOption, cause_line, one_line
 from ..integrations.transformers import patch
 from ..model.expert_profile import ExpertProfile, profile_experts
-from ..model.experts import find_experts
+from ..model.families import family_of
 from ..model.load import load_model
 from .arguments import check_writable, parse_max_memory
 from .status import Status
@@ -52,7 +52,7 @@ def cmd_profile_experts(args) -> int:
     status = Status(enabled=not args.quiet)
     status.say(f"reading {args.source}...")
     loaded = load_model(args.source, trust_remote_code=args.trust_remote_code)
-    if not find_experts(loaded.model):
+    if not family_of(loaded.model).experts(loaded.model):
         raise InvalidModel(f"{type(loaded.model).__name__} has no mixture-of-experts layer (no experts module with a "
                            "router); there is nothing to profile.")
     tokenizer = load_tokenizer(args.source, args.trust_remote_code)

@@ -10,7 +10,11 @@ those above it in this list):
   ``size_fn``, subtree sums;
 - :mod:`~allocator.model.ties`: tie groups (shared tensors, declared tied keys) and the memory a declared tie shares;
 - :mod:`~allocator.model.no_split`: which classes plans keep whole (given, declared by sub-models, or inferred);
-- :mod:`~allocator.model.read`: the walk of the model and :func:`build_graph`, which applies the three rules above.
+- :mod:`~allocator.model.families`: what a model family adds (:class:`Family`: no-split classes, inferred blocks,
+  routed experts, cache layers, declared ties, its loader), registered in :data:`FAMILIES`, found by
+  :func:`family_of`;
+- :mod:`~allocator.model.read`: the walk of the model and :func:`build_graph`, which applies the rules above, asking
+  the model's family.
 
 Beside it: :mod:`~allocator.model.blocks` (no-split classes, repeated blocks and stacks),
 :mod:`~allocator.model.unwrap` (the model under its wrappers), :mod:`~allocator.model.flops` (FLOPs at the input
@@ -37,9 +41,10 @@ streamed size
 """
 
 from .blocks import no_split_classes
+from .families import FAMILIES, Family, family_of
 from .graph import ModelGraph, ModuleNode, Nodes, TensorNode, Tensors
 from .read import build_graph
 from .sizes import as_dtype, dtype_bytes
 
 __all__ = ["ModuleNode", "TensorNode", "Nodes", "Tensors", "ModelGraph", "build_graph", "as_dtype", "dtype_bytes",
-           "no_split_classes"]
+           "no_split_classes", "FAMILIES", "Family", "family_of"]

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InvalidModel, InvalidOption
-from .experts import find_experts
+from .families import family_of
 
 __all__ = ["ExpertProfile", "profile_experts", "routed_indices"]
 
@@ -142,7 +142,7 @@ def profile_experts(model, batches: Iterable) -> ExpertProfile:
     """
     import torch
 
-    layers = find_experts(model)
+    layers = family_of(model).experts(model)
     if not layers:
         raise InvalidModel(f"{type(model).__name__} has no mixture-of-experts layer (no experts module with a router); "
                            "there is nothing to profile.")

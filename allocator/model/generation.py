@@ -76,7 +76,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from ..budgets import format_bytes
 from ..errors import InvalidOption, warn_caller
 from .attention import CacheAttention, cache_attentions, first_positive_int, in_features, out_features, projection
-from .cache_layers import cache_layer_kinds
+from .families import Family, family_of
 from .sizes import as_dtype, dtype_bytes
 
 __all__ = ["GenerationBudget", "GenerationNeeds", "generation_needs", "decoder_length"]
@@ -249,7 +249,8 @@ def _element_bytes(budget: GenerationBudget, plan_dtype, weight, config) -> int:
     return dtype_bytes(own)[0]
 
 
-def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> GenerationNeeds:
+def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None,
+                     family: Family | None = None) -> GenerationNeeds:
     """The bytes ``budget`` adds for ``model``, attributed to the nodes of ``graph`` (see the module notes).
 
     Parameters
@@ -261,12 +262,16 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
     budget : GenerationBudget
     dtype : torch.dtype, optional
         The dtype the plan loads the weights in (``plan(dtype=)``).
+    family : Family, optional
+        The model's family (:func:`allocator.model.families.family_of`, the default): its ``cache_layers`` hook
+        says how the cache's layers are built.
 
     Raises
     ------
     InvalidOption
-        When ``budget`` is not a :class:`GenerationBudget`, or the model has no attention module with a
-        ``layer_idx`` and key/value projections, or its cache has layers allocator does not model.
+        When ``budget`` is not a :class:`GenerationBudget`, the model's family does not generate tokens, or the
+        model has no attention module with a ``layer_idx`` and key/value projections, or its cache has layers
+        allocator does not model.
 
     Notes
     -----
@@ -284,7 +289,8 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
     >>> needs.cache_bytes  # 2 layers x (K + V) x batch 2 x 15 tokens x 2 kv heads x 16 dims x 4 bytes
     15360
     """
-    config = _generative_config(model, budget)
+    family = family_of(model) if family is None else family
+    config = _generative_config(model, budget, family)
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     prefill, encoder_tokens = _lengths(budget, encoder_decoder)
     _check_positions(config, decoder_length(budget, encoder_decoder), encoder_tokens)
@@ -299,7 +305,7 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
             "of its generation cache is unknown to allocator; plan without generation= and keep headroom on the "
             "devices instead.")
     ebytes = _element_bytes(budget, dtype, self_layers[0].key_module.weight, config)
-    kinds = cache_layer_kinds(config, max(a.index for a in self_layers) + 1)
+    kinds = family.cache_layers(config, max(a.index for a in self_layers) + 1)
     B, L = budget.batch_size, decoder_length(budget, encoder_decoder)
     cache: dict[int, int] = {}
     layers: list[CacheLayer] = []
@@ -325,11 +331,14 @@ def generation_needs(model, graph, budget: GenerationBudget, *, dtype=None) -> G
                            layers=tuple(layers), notes=notes, attention=attention_words(model))
 
 
-def _generative_config(model, budget):
+def _generative_config(model, budget, family: Family):
     """The model's config, after checking it can generate; typed errors otherwise."""
     if not isinstance(budget, GenerationBudget):
         raise InvalidOption(f"generation must be an allocator.GenerationBudget, got {type(budget).__name__}; pass "
                             "generation=allocator.GenerationBudget(batch_size, max_length).")
+    if not family.generates:
+        raise InvalidOption(f"{type(model).__name__} is a {family.name} model, which does not generate tokens; plan "
+                            "it without generation= (pass inputs= to price its forward).")
     config = getattr(model, "config", None)
     if config is None:
         raise InvalidOption(f"{type(model).__name__} has no transformers config: a generation budget needs a "

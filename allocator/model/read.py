@@ -2,9 +2,9 @@
 
 This is the only module of the package that reads the model's children, parameters and buffers; :func:`build_graph`
 hands what the walk found to the package's rules: sizes (:mod:`~allocator.model.sizes`), ties
-(:mod:`~allocator.model.ties`) and no-split classes (:mod:`~allocator.model.no_split`, which asks
-:mod:`allocator.model.blocks` about the model's declarations and repeated blocks). Strategies read the frozen graph and
-never the model.
+(:mod:`~allocator.model.ties`) and no-split classes (:mod:`~allocator.model.no_split`), the declared ties and no-split
+classes as the model's family says (:func:`allocator.model.families.family_of`: by default the declarations and
+repeated blocks of :mod:`allocator.model.blocks`). Strategies read the frozen graph and never the model.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import InvalidModel, InvalidOption
 from ..gc_pause import gc_paused
+from .families import Family, family_of
 from .graph import ModelGraph, Nodes, TensorIndex, Tensors
-from .no_split import discovered, given_classes, keep_whole, warn_unmatched
+from .no_split import Walked, given_classes, keep_whole, warn_unmatched
 from .sizes import PerElement, SizeFn, SizeOf, as_dtype, dtype_bytes, size_rule, subtree_sizes
 from .table import Paths, frozen
 from .ties import declared_storage, declared_tied_groups, find_tied, given_ties, shared_tied_groups
@@ -289,6 +290,7 @@ def build_graph(
     tied_parameters: Sequence[Sequence[str]] | None = None,
     size_fn: SizeFn | None = None,
     declared_as_shared: bool = False,
+    family: Family | None = None,
 ) -> ModelGraph:
     """Extract a :class:`~allocator.model.graph.ModelGraph` from ``model`` (any ``nn.Module``, meta device included).
 
@@ -314,6 +316,9 @@ def build_graph(
         Read transformers' declared tied keys (``all_tied_weights_keys``) as shared tensors, as the model will be
         once ``from_pretrained`` has tied them (it plans before it ties): the graph of a model with its ties only
         declared is then the graph of the same model tied.
+    family : Family, optional
+        The model's family (:func:`allocator.model.families.family_of`, the default): its hooks say what the model
+        declares unsplittable, which blocks are inferred, and which ties are declared.
 
     Raises
     ------
@@ -326,6 +331,7 @@ def build_graph(
     :func:`~allocator.model.blocks.infer_blocks` when it runs. The cyclic garbage collector is paused meanwhile.
     """
     require_module(model)
+    family = family_of(model) if family is None else family
     given = given_classes(no_split_module_classes)
     target = as_dtype(dtype, "dtype") if dtype is not None else None
     special = {key: as_dtype(value, f"special_dtypes[{key!r}]") for key, value in (special_dtypes or {}).items()}
@@ -337,16 +343,17 @@ def build_graph(
         read = _read_model(model, size_of, by_dtype, casts=casts)
         found = None
         if discover_no_split:
-            found = discovered(model, read.unique_modules(), read.classes, per_module=read.own_no_split,
-                               ask_torch=read.repeats)
-        no_split, declared_classes = keep_whole(model, given, found, infer=infer_no_split)
+            found = set(family.no_split(model, Walked(read.unique_modules(), read.classes, per_module=read.own_no_split,
+                                                      ask_torch=read.repeats)))
+        no_split, declared_classes = keep_whole(model, given, found, infer=infer_no_split,
+                                                infer_with=family.infer_no_split)
         nodes = Nodes(read.names, read.cls, read.parents, read.alias_of, read.first, read.n_params, read.n_buffers,
                       read.end)
         node_index = dict(zip(nodes.name, range(len(nodes))))  # zip: no Python loop
         module, local = frozen(read.t_module), tuple(read.t_local)
         names = Paths(nodes.name, module, local)
         tensor_index = TensorIndex(node_index, nodes, local, names)
-        declared = getattr(model, "all_tied_weights_keys", None)
+        declared = family.tied_keys(model)
         storage = read.t_canonical[:]   # a copy
         moved = declared_storage(declared, storage, tensor_index)
         unknown_special = [k for k in special if k not in tensor_index]

@@ -17,7 +17,8 @@ from collections.abc import Container, Hashable, Mapping, Sequence
 
 from ..errors import InvalidOption
 
-__all__ = ["given_ties", "find_tied", "shared_tied_groups", "declared_tied_groups", "declared_storage"]
+__all__ = ["given_ties", "find_tied", "shared_tied_groups", "declared_tied_keys", "declared_tied_groups",
+           "declared_storage"]
 
 
 def given_ties(tied_parameters: Sequence[Sequence[str]], index: Container[str]) -> list[tuple[str, ...]]:
@@ -64,6 +65,17 @@ def shared_tied_groups(names: Sequence[str], is_param: Sequence[bool],
     params = [k for k, param in enumerate(is_param) if param]
     unique = {names[k]: canonical[k] for k in params if canonical[k] == k}
     return find_tied([(names[k], canonical[k]) for k in params], unique)
+
+
+def declared_tied_keys(model) -> Mapping | None:
+    """A model's declared tied keys, target -> source: transformers' ``all_tied_weights_keys`` where the model carries
+    it (read through wrappers that forward attributes, as PEFT's do), else ``None``.
+
+    >>> import torch.nn as nn
+    >>> declared_tied_keys(nn.Linear(2, 2)) is None
+    True
+    """
+    return getattr(model, "all_tied_weights_keys", None)
 
 
 def declared_tied_groups(declared, names: Container[str]) -> list[tuple[str, ...]]:

@@ -18,7 +18,9 @@ import logging
 import torch.nn as nn
 
 from ..errors import InvalidModel
-from ..model.blocks import infer_blocks, no_split_classes, require_module
+from ..model.blocks import require_module
+from ..model.families import family_of
+from ..model.no_split import Walked
 
 __all__ = ["apply_fully_shard", "block_classes", "fsdp_wrap_policy"]
 
@@ -36,9 +38,10 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     Returns
     -------
     tuple of type
-        Every class whose name the model declares unsplittable (:func:`allocator.model.blocks.no_split_classes`),
-        or, when it declares none, every inferred block class (:func:`allocator.model.blocks.infer_blocks`),
-        that has an instance in the model; in order of first instance (``model.modules()`` order).
+        Every class whose name the model declares unsplittable, or, when it declares none, every inferred block
+        class, as the model's family says (:func:`allocator.model.families.family_of`; by default
+        :func:`allocator.model.blocks.no_split_classes` and :func:`allocator.model.blocks.infer_blocks`), that has an
+        instance in the model; in order of first instance (``model.modules()`` order).
 
     Raises
     ------
@@ -63,7 +66,8 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     True
     """
     require_module(model, "block_classes")
-    names = no_split_classes(model) or infer_blocks(model)
+    family = family_of(model)   # its no-split rule, else its repeated blocks
+    names = set(family.no_split(model, Walked())) or set(family.infer_no_split(model))
     found = dict.fromkeys(type(m) for m in model.modules() if type(m).__name__ in names)
     if not found:
         raise InvalidModel(

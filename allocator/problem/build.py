@@ -15,7 +15,8 @@ from ..model.generation import GenerationNeeds, generation_needs
 from ..gc_pause import gc_paused
 from ..model import ModelGraph, build_graph
 from ..model.expert_profile import ExpertProfile
-from ..model.experts import MoELayer, find_experts
+from ..model.experts import MoELayer
+from ..model.families import family_of
 from ..model.read import ModelIdentity, identify
 from ..memo import Derived
 from ..placement import clean_device_map
@@ -53,7 +54,8 @@ class Problem:
     """The counts of each forward (:data:`STEPS`) where they were made: ``"prefill"`` at ``inputs``, and with a
     generation budget ``"decode"`` (:func:`step_problem`). :attr:`flops` is the one ``options.optimize`` names."""
     moe: tuple[MoELayer, ...] = ()
-    """The mixture-of-experts layers (:func:`allocator.model.experts.find_experts`), read only with
+    """The mixture-of-experts layers (the model family's ``experts`` hook, by default
+    :func:`allocator.model.experts.find_experts`), read only with
     ``runtime="allocator"``: under accelerate's hooks experts move with their module, so plans never look at them."""
     expert_profile: ExpertProfile | None = None
     """``options.expert_profile``, loaded; ``None`` assumes uniform use."""
@@ -176,16 +178,18 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
     if options.dtype is None and identity.dtype is not None:   # resolved once: what the plan counts, and records
         options = dataclasses.replace(options, dtype=identity.dtype)
     size_fn = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, options.hf_quantizer)
+    family = family_of(model)   # what the model's family adds: no-split classes, ties, cache layers, experts
     with gc_paused():  # the graph's records are acyclic: collections while they are built only walk them in vain
         graph = build_graph(
             model, dtype=options.dtype, special_dtypes=options.special_dtypes,
             no_split_module_classes=options.no_split_module_classes, discover_no_split=options.discover_no_split,
             infer_no_split=options.infer_no_split, tied_parameters=options.tied_parameters, size_fn=size_fn,
             declared_as_shared=options.loader == "transformers",   # from_pretrained ties them after it plans
+            family=family,
         )
         needs = None
         if options.generation is not None:
-            needs = generation_needs(model, graph, options.generation, dtype=options.dtype)
+            needs = generation_needs(model, graph, options.generation, dtype=options.dtype, family=family)
             graph = dataclasses.replace(graph, extra=needs.node_bytes(), workspace=needs.activations,
                                         main_workspace=needs.scores)
     counted, per_node = _count(model, graph, _inputs(model, options))
@@ -207,7 +211,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
         # bytes already (bitsandbytes returns 0.9 x each as a float): with a unit, so no small-bare-number warning
         budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
-    moe = find_experts(model) if options.runtime == "allocator" else ()
+    moe = family.experts(model) if options.runtime == "allocator" else ()
     expert_profile = options.expert_profile
     if expert_profile is not None and not isinstance(expert_profile, ExpertProfile):
         expert_profile = ExpertProfile.load(expert_profile)
