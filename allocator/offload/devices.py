@@ -18,6 +18,7 @@ tagged there.
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["HostDevice", "StandInDevice", "StreamDevice", "on_stand_in", "prefetch_executor"]
@@ -228,6 +229,12 @@ class StreamDevice:
 
     def __init__(self, backend):
         self.backend = backend
+        #: tensors that crossed between the CPU and the main device through :meth:`to_host` and :meth:`to_main`, by
+        #: ``(what, direction)``: ``what`` is ``"activations"`` (a hook's inputs and outputs) or ``"cache"`` (a KV
+        #: cache layer), ``direction`` ``"to_host"`` or ``"to_main"``; a tensor already where it goes is not counted
+        self.moves: Counter = Counter()
+        #: their bytes, by the same keys
+        self.moved_bytes: Counter = Counter()
 
     @classmethod
     def cuda(cls, device) -> StreamDevice:
@@ -252,13 +259,25 @@ class StreamDevice:
         """Whether ``tensor`` is on the main device."""
         return self.backend.on_main(tensor)
 
-    def to_host(self, value, skip_keys=None):
-        """``value`` with its tensors on the CPU."""
+    def to_host(self, value, skip_keys=None, *, what: str = "activations"):
+        """``value`` with its tensors on the CPU (those that cross counted in :attr:`moves` under ``what``)."""
+        self._count(value, skip_keys, (what, "to_host"), on_main=True)
         return self.backend.to_host(value, skip_keys)
 
-    def to_main(self, value, target, skip_keys=None):
-        """``value`` with its tensors on ``target`` (the hook's execution device or its input's device)."""
+    def to_main(self, value, target, skip_keys=None, *, what: str = "activations"):
+        """``value`` with its tensors on ``target`` (the hook's execution device or its input's device); those that
+        cross counted in :attr:`moves` under ``what``."""
+        self._count(value, skip_keys, (what, "to_main"), on_main=False)
         return self.backend.to_main(value, target, skip_keys)
+
+    def _count(self, value, skip_keys, key: tuple, *, on_main: bool) -> None:
+        def count(tensor):
+            if self.backend.on_main(tensor) == on_main:
+                self.moves[key] += 1
+                self.moved_bytes[key] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        _walk(value, count, skip_keys)
 
     def pinned(self, shape, dtype):
         """An empty host buffer the device copies from asynchronously (pinned on a GPU)."""
