@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["HostDevice", "StandInDevice", "StreamDevice", "on_stand_in", "prefetch_executor"]
+__all__ = ["HostDevice", "StandInDevice", "StreamDevice", "on_stand_in", "prefetch_executor", "to_host", "to_main"]
 
 
 def _convert(value, meta):
@@ -229,11 +229,13 @@ class StreamDevice:
 
     def __init__(self, backend):
         self.backend = backend
-        #: tensors that crossed between the CPU and the main device through :meth:`to_host` and :meth:`to_main`, by
-        #: ``(what, direction)``: ``what`` is ``"activations"`` (a hook's inputs and outputs) or ``"cache"`` (a KV
-        #: cache layer), ``direction`` ``"to_host"`` or ``"to_main"``; a tensor already where it goes is not counted
+        #: moves between the CPU and the main device (calls of :meth:`to_host` and :meth:`to_main` that moved a
+        #: tensor: one per part and direction where a hook moves a part's inputs or output together), by
+        #: ``(what, direction)``: ``what`` is ``"activations"`` (inputs and outputs) or ``"cache"`` (a KV cache
+        #: layer), ``direction`` ``"to_host"`` or ``"to_main"``; a tensor already where it goes is not counted
         self.moves: Counter = Counter()
-        #: their bytes, by the same keys
+        #: the tensors those moves carried, and their bytes, by the same keys
+        self.moved_tensors: Counter = Counter()
         self.moved_bytes: Counter = Counter()
 
     @classmethod
@@ -271,13 +273,19 @@ class StreamDevice:
         return self.backend.to_main(value, target, skip_keys)
 
     def _count(self, value, skip_keys, key: tuple, *, on_main: bool) -> None:
+        crossing = [0, 0]
+
         def count(tensor):
             if self.backend.on_main(tensor) == on_main:
-                self.moves[key] += 1
-                self.moved_bytes[key] += tensor.numel() * tensor.element_size()
+                crossing[0] += 1
+                crossing[1] += tensor.numel() * tensor.element_size()
             return tensor
 
         _walk(value, count, skip_keys)
+        if crossing[0]:
+            self.moves[key] += 1
+            self.moved_tensors[key] += crossing[0]
+            self.moved_bytes[key] += crossing[1]
 
     def pinned(self, shape, dtype):
         """An empty host buffer the device copies from asynchronously (pinned on a GPU)."""
@@ -310,6 +318,21 @@ class StandInDevice(StreamDevice):
     def staged(self) -> int:
         """Bytes of weights staged ("copied to the GPU") so far; the expert slices' copies are in :attr:`log`."""
         return self.backend.staged
+
+
+def to_host(device, value):
+    """``value`` with its tensors in RAM, in one move: through ``device`` where it is a :class:`StreamDevice` (the
+    move counted in its :attr:`StreamDevice.moves`; plain copies on the stand-in), else ``tensor.to("cpu")``."""
+    if isinstance(device, StreamDevice):
+        return device.to_host(value)
+    return _walk(value, lambda t: t.to("cpu"))
+
+
+def to_main(device, value, target):
+    """``value`` with its tensors on the main device ``target``, in one move (:func:`to_host`'s other direction)."""
+    if isinstance(device, StreamDevice):
+        return device.to_main(value, target)
+    return _walk(value, lambda t: t.to(target))
 
 
 def _one_intra_op_thread() -> None:

@@ -19,10 +19,10 @@ part is one unit). What crosses is counted by the stream device (``StreamDevice.
 from __future__ import annotations
 
 from ..model.cache_kwarg import forward_cache
-from .devices import StreamDevice
+from .devices import StreamDevice, to_host, to_main
 
-__all__ = ["Aside", "HybridHook", "LayerHook", "call_tokens", "layer_hooks", "make_layer_hooks", "phase_of",
-           "unit_phases", "wrap_units"]
+__all__ = ["Aside", "HybridHook", "LayerHook", "call_tokens", "layer_hooks", "make_layer_hooks", "part_to_host",
+           "part_to_main", "phase_of", "unit_phases", "wrap_units"]
 
 
 def call_tokens(args, kwargs) -> int:
@@ -174,8 +174,8 @@ class HybridHook:
         from accelerate.utils import send_to_device
 
         self._cache_to(kwargs, host=True)
-        if self.device is not None:
-            return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
+        if self.device is not None:   # one move: the call's arguments together
+            return self.device.to_host((args, kwargs), self.skip_keys)
         return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
 
     def _staged(self, output, at: tuple = ()):
@@ -356,3 +356,20 @@ def wrap_units(hooks: dict, compute) -> None:
         phases = unit_phases(devices, hook.unit.name)
         if phases is not None:
             hooks[key] = HybridHook(hook, phases, compute.threshold)
+
+
+def part_to_host(routed, *tensors) -> list:
+    """The inputs of a part computed where its weights live, moved to RAM in one move (``routed``: an experts
+    layer's :class:`allocator.offload.experts.RoutedExperts`, its ``device`` and ``traffic``), and a zeroed tensor
+    like the first for the part's output sum there: ``[*moved, out]``. The bytes count in ``traffic.activations``."""
+    import torch
+
+    moved = to_host(routed.device, tensors)
+    routed.traffic.activations += _nbytes(moved, set())
+    return [*moved, torch.zeros_like(moved[0])]
+
+
+def part_to_main(routed, out, target):
+    """The part's output sum ``out`` moved back to the main device ``target`` in one move (:func:`part_to_host`)."""
+    routed.traffic.activations += _nbytes(out, set())
+    return to_main(routed.device, out, target)

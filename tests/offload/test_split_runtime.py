@@ -109,7 +109,9 @@ def split_plan(plan, model, main="cpu", offloaded="disk"):
         module = model.get_submodule(key)
         if key in experts:
             device_map[key] = offloaded
-            split.append(key.rpartition(".mlp")[0] if ".mlp" in key else key)
+            split.append(key.rpartition(".")[0].rpartition(".")[0])   # model.layers.3.mlp.experts: its layer
+        elif experts:   # the attention, norms and router on the main device
+            device_map[key] = main
         elif where == offloaded and any(isinstance(getattr(m, "layer_idx", None), int) for m in module.modules()) \
                 and not any(e.startswith(key + ".") for e in experts) and len(list(module.children())) > 1:
             kept, mlp = _parts(module)
@@ -117,8 +119,6 @@ def split_plan(plan, model, main="cpu", offloaded="disk"):
             device_map[f"{key}.{mlp}"] = offloaded
             compute[f"{key}.{mlp}"] = dict(DECODE)
             split.append(key)
-        elif experts and where == offloaded:   # experts layers: the attention, norms and router on the main device
-            device_map[key] = main
         else:
             device_map[key] = where
             if key in plan.compute:
