@@ -317,3 +317,45 @@ def test_patch_runs_the_split_plan_as_attach_does(saved, tmp_path, monkeypatch):
     finally:
         offload.detach(explicit)
         offload.detach(patched)
+
+
+@pytest.mark.slow
+def test_moe_split_keeps_attention_router_and_cache_on_the_accelerator_and_computes_experts_in_ram(saved, tmp_path):
+    """A Qwen3-MoE shape: every layer's attention, norms and router on the main device, its experts module in RAM,
+    run expert by expert (``Plan.experts``, as today), fetched at prefill and computed where they live at decode: the
+    call's inputs cross to RAM once per layer and token (states, routing, weights), the output sum back once."""
+    folder, ram, prompt, (want_ids, want_logits, _) = saved["qwen3_moe"]
+    plan, split = split_plan(_planned(ram), ram)
+    assert split and not plan.compute and set(plan.device_map.values()) == {"cpu", "disk"}
+    assert {v for k, v in plan.device_map.items() if k in plan.experts} == {"disk"}
+    model = _load(folder, plan.device_map, tmp_path, moe=True)
+    runtime = offload.attach(model, plan, device="stand-in", prefetch=0)
+    device = runtime.device
+    try:
+        computed_on = []
+        for routed in runtime.experts.values():
+            forward = routed._routed
+
+            def watched(module, eager, states, *args, forward=forward):
+                def eager_seen(one, hidden, *rest):
+                    computed_on.append(on_stand_in(hidden))
+                    return eager(one, hidden, *rest)
+                return forward(module, eager_seen, states, *args)
+
+            routed._routed = watched
+        ids, logits, cache = _greedy(model, prompt, device.put)
+        moves = dict(device.moves)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+        t = runtime.traffic
+        assert t.computed > 0 and t.fetched > 0   # fetched at prefill, computed where they live at decode
+        assert all(r.used.get("decode") == {"compute": TOKENS} for r in runtime.experts.values())
+        # per decode token and layer: one move each way (the prefill fetches: none), 3 tensors to RAM, 1 back
+        for direction, tensors in (("to_host", 3), ("to_main", 1)):
+            assert moves.get(("activations", direction), 0) == len(split) * TOKENS, moves
+            assert device.moved_tensors[("activations", direction)] == tensors * len(split) * TOKENS
+        assert not any(what == "cache" for what, _ in device.moves)
+        assert all(on_stand_in(layer.keys) and on_stand_in(layer.values) for layer in cache.layers)
+        assert computed_on.count(False) == t.computed   # the experts computed at decode took their inputs in RAM
+    finally:
+        offload.detach(model)
