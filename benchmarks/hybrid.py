@@ -19,8 +19,8 @@ Rows per model, runtime and phase: ``copied_kib_per_token`` (the stand-in's copi
 ``StandInDevice.moves``; one move carries a part's inputs or output), ``cache_moves`` (KV cache layers moved, all
 tokens), ``split_layers``, ``cpu_units_at_decode`` (units of the compute map computed in RAM at decode: a split
 layer's MLP is one), ``ms_per_token`` (CPU time measured here; the stand-in's "copies" are clones in RAM, not
-timed as a GPU), ``max_abs_diff`` of the logits against the model in RAM and ``tokens_equal`` (greedy decode). GPU-side times are *estimates*: ``--estimates`` adds the cost model's steps
-at real sizes (nothing runs).
+timed as a GPU), ``max_abs_diff`` of the logits against the model in RAM and ``tokens_equal`` (greedy decode).
+GPU-side times are *estimates*: ``--estimates`` adds the cost model's steps at real sizes (nothing runs).
 
     python benchmarks/hybrid.py --standin --smoke     # llama and qwen3, a few tokens (about 1 min)
     python benchmarks/hybrid.py --standin             # + mistral and gemma
@@ -183,13 +183,12 @@ def run_model(name: str, args, work: str) -> list[dict]:
     plan = allocator.plan(_build(name, "meta"), budget, runtime="allocator",
                           generation=allocator.GenerationBudget(1, args.prompt + args.tokens + 1))
     assert plan.main_device == 0 and plan.compute, (name, plan.device_map)
-    # the accelerator's units in the stand-in's memory, the offloaded ones in memory-mapped files
-    loaded = {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in plan.device_map.items()}
     in_ram = sum(plan.resident(d) for d in ("cpu", "disk"))
     split, split_layers = split_plan(plan, _build(name, "meta"))
     rows = []
     for kind in RUNTIMES:
         run = split if kind == "split" else plan
+        # the accelerator's units in the stand-in's memory, the offloaded ones in memory-mapped files
         device_map = {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in run.device_map.items()}
         got = decode_run(folder, run, device_map, kind, prompt, args.tokens, work, device="stand-in")
         for phase, n, want in (("prefill", args.prompt, ref[0]), ("decode", args.tokens, ref[1])):

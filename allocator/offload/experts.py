@@ -12,8 +12,8 @@ experts the router picked (``top_k_index``) and, per expert:
   from the memory-mapped file (or accelerate's RAM copy) into a reused buffer on the main device; on a CPU main
   device the slices are views into the mapping, read in by the kernel, and nothing is copied — or *computed where its
   weights live* (from RAM with an accelerator main device: the call's activations move to the CPU once and the sum
-  of those experts' outputs back once, not the weights), chosen per call from the tokens routed to it (``mode="auto"``, by the profile's rates), or always
-  one way (``"fetch"``, ``"compute"``).
+  of those experts' outputs back once, not the weights), chosen per call from the tokens routed to it
+  (``mode="auto"``, by the profile's rates), or always one way (``"fetch"``, ``"compute"``).
 
 Each expert runs through the model's own eager experts forward (the function ``use_experts_implementation`` wrapped)
 on a view holding that expert alone, and the outputs are added in the order the eager forward adds them, so the
@@ -33,10 +33,10 @@ from ..errors import InvalidRuntime
 from ..model.experts import MoELayer, find_experts
 from ..profile import Profile
 from .buffers import FetchBuffers
-from .hybrid import part_to_host, part_to_main
 from .expert_cache import ExpertCache, in_place, look_up, store
 from .expert_modes import computes_here, computes_there, phase_mode
 from .files import MappedFiles, source_of
+from .hybrid import part_to_host, part_to_main
 
 __all__ = ["MODES", "NAME", "ExpertsHook", "RoutedExperts", "Traffic", "eager_forward", "experts_forward",
            "register", "routed_layers"]

@@ -300,8 +300,9 @@ class Aside:
 def layer_hooks(model, compute, units) -> list:
     """The layers that make each module of the compute map (``compute``: unit -> {phase: device})
     computed on the CPU in some phase, whose offload hooks are on its leaves (``units``: the runtime's units, none of
-    them that module), compute there as one (a decoder layer, or a part of a split one such as its MLP): a :class:`LayerHook` in place of the layer's own moving hook (the layer:
-    the module, or each child of a module list), an :class:`Aside` in place of each moving hook of a block inside it.
+    them that module), compute there as one (a decoder layer, or a part of a split one such as its MLP): a
+    :class:`LayerHook` in place of the layer's own moving hook (the layer: the module, or each child of a module
+    list), an :class:`Aside` in place of each moving hook of a block inside it.
     Returns ``(name, layer, its hook, phases)``; :func:`make_layer_hooks` makes the hooks
     (:func:`allocator.offload.attach`)."""
     import torch
