@@ -359,3 +359,32 @@ def test_moe_split_keeps_attention_router_and_cache_on_the_accelerator_and_compu
         assert computed_on.count(False) == t.computed   # the experts computed at decode took their inputs in RAM
     finally:
         offload.detach(model)
+
+
+@pytest.mark.slow
+def test_a_split_layers_mlp_loaded_whole_is_one_unit_and_moves_once(saved, tmp_path):
+    """The MLP loaded whole (accelerate's ``preload_module_classes``): its offload hook is its own, a
+    :class:`HybridHook` wraps it, and its input and output still cross once per decode token."""
+    accelerate = pytest.importorskip("accelerate")
+    folder, ram, prompt, (want_ids, want_logits, _) = saved["llama"]
+    plan, split = split_plan(_planned(ram), ram)
+    with accelerate.init_empty_weights():
+        model = AutoModelForCausalLM.from_config(ram.config).eval()
+    model = accelerate.load_checkpoint_and_dispatch(model, str(folder), device_map=plan.device_map,
+                                                    offload_folder=tmp_path, preload_module_classes=["LlamaMLP"],
+                                                    dtype=torch.float32)
+    runtime = offload.attach(model, plan, device="stand-in", prefetch=0)
+    try:
+        mlps = {k: model.get_submodule(k).__dict__.get("_hf_hook") for k in plan.compute
+                if k.rpartition(".")[0] in split}
+        assert mlps and all(type(h) is offload.HybridHook and h.unit.name == k for k, h in mlps.items()), mlps
+        ids, logits, cache = _greedy(model, prompt, runtime.device.put)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+        others = sum(1 for k, v in plan.compute.items() if k not in mlps and v["decode"] == "cpu")
+        for direction in ("to_host", "to_main"):   # one per unit computed in RAM per call (the MLPs: decode only)
+            assert runtime.device.moves[("activations", direction)] <= (len(split) + others) * TOKENS + others
+        assert all(h.calls == {"decode": TOKENS} and h.streamed == 1 for h in mlps.values())
+        assert all(on_stand_in(layer.keys) for layer in cache.layers)
+    finally:
+        offload.detach(model)
