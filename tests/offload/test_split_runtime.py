@@ -26,6 +26,7 @@ import allocator
 from allocator import offload
 from allocator.evaluate.compute import ComputePlan
 from allocator.integrations import transformers as hf
+from allocator.model.experts import find_experts
 from allocator.model.cache_kwarg import cache_keyword
 from allocator.offload.devices import on_stand_in
 from allocator.offload.hybrid import LayerHook
@@ -43,6 +44,7 @@ CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=16),
     "qwen3_moe": lambda: small_config("qwen3_moe", layers=4),
+    "qwen2_moe": lambda: small_config("qwen2_moe", layers=4),   # with a shared expert (and its gate) per layer
 }
 PROMPT, TOKENS = 12, 4
 DECODE = {"prefill": 0, "decode": "cpu"}   # prefill streamed to the accelerator, decode where the weights live
@@ -99,17 +101,22 @@ def split_plan(plan, model, main="cpu", offloaded="disk"):
     """``plan`` with each offloaded decoder layer of its map split: its attention and norms where ``main`` is (the
     accelerator as loaded here: RAM), its MLP where the layer was (``offloaded``), and the compute map naming the
     MLP (prefill streamed, decode where its weights live). A mixture of experts: every layer's parts but its experts
-    module on the main device, its experts computed where they live at decode. Returns the plan (map as loaded here)
-    and the split layers' names."""
+    module and its shared expert MLPs (found by ``find_experts``; their gates stay) on the main device, its experts
+    fetched at prefill and computed where they live at decode, the shared experts as an MLP above. Returns the plan
+    (map as loaded here) and the split layers' names."""
     loaded = {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in plan.device_map.items()} \
         if plan.main_device != "cpu" else dict(plan.device_map)
     experts = set(plan.experts)
+    shared = {name for layer in find_experts(model) for name in layer.shared
+              if len(list(model.get_submodule(name).children())) > 1}   # an MLP, not a gate
     device_map, compute, split = {}, {}, []
     for key, where in loaded.items():
         module = model.get_submodule(key)
-        if key in experts:
+        if key in experts or key in shared:
             device_map[key] = offloaded
             split.append(key.rpartition(".")[0].rpartition(".")[0])   # model.layers.3.mlp.experts: its layer
+            if key in shared:
+                compute[key] = dict(DECODE)
         elif experts:   # the attention, norms and router on the main device
             device_map[key] = main
         elif where == offloaded and any(isinstance(getattr(m, "layer_idx", None), int) for m in module.modules()) \
@@ -320,13 +327,19 @@ def test_patch_runs_the_split_plan_as_attach_does(saved, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_moe_split_keeps_attention_router_and_cache_on_the_accelerator_and_computes_experts_in_ram(saved, tmp_path):
-    """A Qwen3-MoE shape: every layer's attention, norms and router on the main device, its experts module in RAM,
-    run expert by expert (``Plan.experts``, as today), fetched at prefill and computed where they live at decode: the
-    call's inputs cross to RAM once per layer and token (states, routing, weights), the output sum back once."""
-    folder, ram, prompt, (want_ids, want_logits, _) = saved["qwen3_moe"]
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_moe_split_keeps_attention_router_and_cache_on_the_accelerator_and_computes_experts_in_ram(
+        saved, tmp_path, family):
+    """Qwen3-MoE and Qwen2-MoE shapes: every layer's attention, norms and router on the main device, its experts
+    module in RAM, run expert by expert (``Plan.experts``, as today), fetched at prefill and computed where they live
+    at decode: the call's inputs cross to RAM once per layer and token (states, routing, weights), the output sum
+    back once. Qwen2-MoE's shared expert MLP in RAM too (its gate on the main device), a second part: its input
+    crosses once and its output back once, so 2 moves per layer and token each way, the issue's bound."""
+    folder, ram, prompt, (want_ids, want_logits, _) = saved[family]
     plan, split = split_plan(_planned(ram), ram)
-    assert split and not plan.compute and set(plan.device_map.values()) == {"cpu", "disk"}
+    parts = 2 if family == "qwen2_moe" else 1
+    assert split and len(plan.compute) == (len(split) if parts == 2 else 0), plan.compute
+    assert set(plan.device_map.values()) == {"cpu", "disk"}
     assert {v for k, v in plan.device_map.items() if k in plan.experts} == {"disk"}
     model = _load(folder, plan.device_map, tmp_path, moe=True)
     runtime = offload.attach(model, plan, device="stand-in", prefetch=0)
@@ -350,9 +363,10 @@ def test_moe_split_keeps_attention_router_and_cache_on_the_accelerator_and_compu
         t = runtime.traffic
         assert t.computed > 0 and t.fetched > 0   # fetched at prefill, computed where they live at decode
         assert all(r.used.get("decode") == {"compute": TOKENS} for r in runtime.experts.values())
-        # per decode token and layer: one move each way (the prefill fetches: none), 3 tensors to RAM, 1 back
-        for direction, tensors in (("to_host", 3), ("to_main", 1)):
-            assert moves.get(("activations", direction), 0) == len(split) * TOKENS, moves
+        # per decode token and layer: one move each way per part (the prefill streams and fetches: none); the
+        # routed experts' 3 tensors to RAM and 1 back, the shared expert's input and output
+        for direction, tensors in (("to_host", 3 + parts - 1), ("to_main", parts)):
+            assert moves.get(("activations", direction), 0) == parts * len(split) * TOKENS, moves
             assert device.moved_tensors[("activations", direction)] == tensors * len(split) * TOKENS
         assert not any(what == "cache" for what, _ in device.moves)
         assert all(on_stand_in(layer.keys) and on_stand_in(layer.values) for layer in cache.layers)
