@@ -22,8 +22,10 @@ Built to finish within 8 minutes on one GPU: configurations left when ``--time-l
 reported as skipped. Writes ``gpu.csv``, ``gpu_generate.csv`` and ``gpu.md`` into ``--out``.
 
 Hybrid case (issue #40, ``--hybrid-budget``): the first model, planned with ``runtime="allocator"`` and a generation
-budget, decoded with its compute map (offloaded units on the CPU at decode where the plan says) and streamed: decode
-tokens per second, the GPU's peak, greedy tokens equal; ``gpu_hybrid.csv`` (:func:`hybrid.gpu_case`).
+budget, decoded with its compute map (offloaded units on the CPU at decode where the plan says), streamed, and split
+(issue #49: each offloaded decoder layer's attention and KV cache on the GPU, its MLP in RAM, split by hand with
+:func:`hybrid.split_plan`): decode tokens per second, the GPU's peak, activation moves per decode token, greedy
+tokens equal; ``gpu_hybrid.csv`` (:func:`hybrid.gpu_case`).
 
     python benchmarks/gpu.py              # on a machine with a CUDA GPU
     python benchmarks/gpu.py --dry-run    # anywhere, in seconds: tiny models, the CPU as the device, disk offload
@@ -53,7 +55,7 @@ from allocator.evaluate.memory import main_device, tensor_devices
 from allocator.evaluate.validate import check
 
 from benchutil import quiet, ram_held, write_csv
-from hybrid import gpu_case as hybrid_case   # issue #40: stream vs hybrid decode
+from hybrid import gpu_case as hybrid_case   # issues #40, #49: stream vs hybrid vs split decode
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = (0.3, 0.5, 0.7)
@@ -689,7 +691,9 @@ def report(rows, info, args, device: Device, command, seconds) -> str:
         keys = list(dict.fromkeys(k for r in info["hybrid"] for k in r))
         parts.append(f"\n## hybrid execution (issue #40): streamed vs computed where the weights live, GPU budget "
                      f"{args.hybrid_budget:.0%}\n\nOne plan with `runtime=\"allocator\"` and a generation budget, run "
-                     "with its compute map (`hybrid`) and without it (`stream`); greedy decode with a KV cache. "
+                     "with its compute map (`hybrid`), without it (`stream`), and with each offloaded decoder layer "
+                     "split (`split`: attention and KV cache on the GPU, the MLP in RAM; issue #49); greedy decode "
+                     "with a KV cache. "
                      + ("Dry run: the stand-in is the accelerator; times are CPU times, not a GPU's." if args.dry_run
                         else "Measured on this GPU.") + "\n\n"
                      + "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"

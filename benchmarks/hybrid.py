@@ -8,15 +8,21 @@ generation=GenerationBudget(1, prompt + tokens))``. Its map is loaded here with 
 then run by ``allocator.offload.attach(model, plan, device="stand-in")`` two ways:
 
 - ``stream``: the plan without its compute map: every offloaded unit's weights "copied to the GPU" at every call;
-- ``hybrid``: the plan as made: units computing on the CPU in a phase read their weights where they live.
+- ``hybrid``: the plan as made: units computing on the CPU in a phase read their weights where they live;
+- ``split`` (issue #49): each decoder layer the plan offloads whole split by hand (:func:`split_plan`, until the
+  planner makes such plans): its attention, norms and KV cache on the accelerator, its MLP in RAM, streamed at
+  prefill and computed there at decode.
 
 Rows per model, runtime and phase: ``copied_kib_per_token`` (the stand-in's copies: bytes staged, per token),
-``activations_kib_per_token`` (inputs and outputs the hybrid hooks moved), ``ms_per_token`` (CPU time measured here;
-the stand-in's "copies" are clones in RAM, not timed as a GPU), ``max_abs_diff`` of the logits against the model in
-RAM and ``tokens_equal`` (greedy decode). GPU-side times are *estimates*: ``--estimates`` adds the cost model's steps
-at real sizes (nothing runs).
+``activations_kib_per_token`` (inputs and outputs the hybrid hooks moved), ``moves_to_host_per_token`` and
+``moves_to_main_per_token`` (activation moves between RAM and the accelerator, counted by the stand-in:
+``StandInDevice.moves``; one move carries a part's inputs or output), ``cache_moves`` (KV cache layers moved, all
+tokens), ``split_layers``, ``cpu_units_at_decode`` (units of the compute map computed in RAM at decode: a split
+layer's MLP is one), ``ms_per_token`` (CPU time measured here; the stand-in's "copies" are clones in RAM, not
+timed as a GPU), ``max_abs_diff`` of the logits against the model in RAM and ``tokens_equal`` (greedy decode).
+GPU-side times are *estimates*: ``--estimates`` adds the cost model's steps at real sizes (nothing runs).
 
-    python benchmarks/hybrid.py --standin --smoke     # llama and qwen3, a few tokens (< 1 min)
+    python benchmarks/hybrid.py --standin --smoke     # llama and qwen3, a few tokens (about 1 min)
     python benchmarks/hybrid.py --standin             # + mistral and gemma
     python benchmarks/hybrid.py --estimates           # llama-70b, llama-8b, qwen3-32b estimates only
 
@@ -96,7 +102,7 @@ def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *
     copies), activations moved, seconds, logits; the greedy ids; the GPU's peak where there is one."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    run_plan = dataclasses.replace(plan, device_map=device_map, hybrid=plan.hybrid if kind == "hybrid" else None)
+    run_plan = dataclasses.replace(plan, device_map=device_map, hybrid=None if kind == "stream" else plan.hybrid)
     cuda = device is None and torch.cuda.is_available()
     with tempfile.TemporaryDirectory(dir=work) as off:
         model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, offload_folder=off,
@@ -104,6 +110,7 @@ def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *
         runtime = offload.attach(model, run_plan, device=device, prefetch=0)
         standin = isinstance(runtime.device, offload.StandInDevice)
         staged = (lambda: _staged(runtime)) if standin else (lambda: 0)
+        moves = (lambda: dict(runtime.device.moves)) if isinstance(runtime.device, offload.StreamDevice) else dict
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -111,12 +118,12 @@ def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *
         try:
             with torch.no_grad():
                 cache = DynamicCache(config=model.config)
-                s0, a0 = staged(), runtime.traffic.activations
+                s0, a0, m0 = staged(), runtime.traffic.activations, moves()
                 t0 = time.perf_counter()
                 first = model(input_ids=ids_in, **{cache_keyword(model): cache}, use_cache=True).logits
                 sync()
                 t1 = time.perf_counter()
-                s1, a1 = staged(), runtime.traffic.activations
+                s1, a1, m1 = staged(), runtime.traffic.activations, moves()
                 ids, logits, out = first[:, -1:].argmax(-1), [], []
                 for _ in range(tokens):
                     step = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits
@@ -125,12 +132,44 @@ def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *
                     out.append(int(ids))
                 sync()
                 t2 = time.perf_counter()
-                s2, a2 = staged(), runtime.traffic.activations
+                s2, a2, m2 = staged(), runtime.traffic.activations, moves()
         finally:
             offload.detach(model)
     return dict(prefill=(s1 - s0, a1 - a0, t1 - t0, first.float().cpu()),
                 decode=(s2 - s1, a2 - a1, t2 - t1, torch.cat(logits, 1).float().cpu()), ids=out,
+                moves=dict(prefill=_delta(m1, m0), decode=_delta(m2, m1)),
                 gpu_peak=torch.cuda.max_memory_allocated() if cuda else None)
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def split_plan(plan, model):
+    """``plan`` with each decoder layer its map offloads whole split (issue #49), made by hand until the planner makes
+    such plans: the layer's children holding its attention (the ``layer_idx`` of its KV cache) and the small ones
+    (norms) on the main device, its largest other child (the MLP) where the layer was, and the compute map naming
+    the MLP: streamed at prefill, computed where its weights live at decode. ``model`` (the meta model) gives the
+    structure. Returns ``(plan, split layers)``; the split plan is not judged (its peaks are the unsplit plan's)."""
+    main = plan.main_device
+    device_map, compute, split = {}, {}, []
+    for key, where in plan.device_map.items():
+        layer = model.get_submodule(key)
+        children = dict(layer.named_children())
+        attention = {n for n, c in children.items()
+                     if any(isinstance(getattr(m, "layer_idx", None), int) for m in c.modules())}
+        if where not in ("cpu", "disk") or len(attention) != 1 or len(children) < 2:
+            device_map[key] = where
+            if key in plan.compute:
+                compute[key] = dict(plan.compute[key])
+            continue
+        sizes = {n: sum(p.numel() for p in c.parameters()) for n, c in children.items() if n not in attention}
+        mlp = max(sizes, key=sizes.get)
+        device_map.update({f"{key}.{n}": (where if n == mlp else main) for n in children})
+        compute[f"{key}.{mlp}"] = {"prefill": main, "decode": "cpu"}
+        split.append(key)
+    return dataclasses.replace(plan, device_map=device_map,
+                               hybrid=dataclasses.replace(plan.hybrid, devices=compute)), split
 
 
 def run_model(name: str, args, work: str) -> list[dict]:
@@ -144,19 +183,28 @@ def run_model(name: str, args, work: str) -> list[dict]:
     plan = allocator.plan(_build(name, "meta"), budget, runtime="allocator",
                           generation=allocator.GenerationBudget(1, args.prompt + args.tokens + 1))
     assert plan.main_device == 0 and plan.compute, (name, plan.device_map)
-    # the accelerator's units in the stand-in's memory, the offloaded ones in memory-mapped files
-    loaded = {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in plan.device_map.items()}
     in_ram = sum(plan.resident(d) for d in ("cpu", "disk"))
+    split, split_layers = split_plan(plan, _build(name, "meta"))
     rows = []
-    for kind in ("stream", "hybrid"):
-        got = decode_run(folder, plan, loaded, kind, prompt, args.tokens, work, device="stand-in")
+    for kind in RUNTIMES:
+        run = split if kind == "split" else plan
+        # the accelerator's units in the stand-in's memory, the offloaded ones in memory-mapped files
+        device_map = {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in run.device_map.items()}
+        got = decode_run(folder, run, device_map, kind, prompt, args.tokens, work, device="stand-in")
         for phase, n, want in (("prefill", args.prompt, ref[0]), ("decode", args.tokens, ref[1])):
             staged, moved, seconds, logits = got[phase]
+            moves = got["moves"][phase]
             rows.append(dict(model=name, phase=phase, runtime=kind, tokens=n,
                              weights_in_ram_kib=round(in_ram / 1024, 1),
                              copied_kib_per_token=round(staged / n / 1024, 2),
                              copied_share_of_ram_weights=round(staged / n / in_ram, 4) if phase == "decode" else "",
                              activations_kib_per_token=round(moved / n / 1024, 2),
+                             moves_to_host_per_token=round(moves.get(("activations", "to_host"), 0) / n, 2),
+                             moves_to_main_per_token=round(moves.get(("activations", "to_main"), 0) / n, 2),
+                             cache_moves=sum(v for (what, _), v in moves.items() if what == "cache"),
+                             split_layers=len(split_layers) if kind == "split" else 0,
+                             cpu_units_at_decode=0 if kind == "stream" else sum(
+                                 v["decode"] == "cpu" for v in run.compute.values()),
                              ms_per_token=round(seconds / n * 1e3, 3),
                              max_abs_diff=float((logits - want).abs().max()),
                              tokens_equal=got["ids"] == ref[2] if phase == "decode" else ""))
@@ -166,34 +214,45 @@ def run_model(name: str, args, work: str) -> list[dict]:
 def gpu_case(path, meta, total: int, fraction: float, work, *, dry_run: bool, tokens: int = 16,
              prompt_tokens: int = 32) -> list[dict]:
     """``benchmarks/gpu.py``'s hybrid case: one saved model, a plan for ``{0: fraction x model, "cpu": 4x}`` with
-    ``runtime="allocator"`` and a generation budget, run streamed and hybrid: decode tokens per second, the GPU's
-    peak (``max_memory_allocated``), greedy tokens of both equal. In a dry run the stand-in is the accelerator (the
-    map loaded as :func:`run_model` loads it) and the times are CPU times, not a GPU's."""
+    ``runtime="allocator"`` and a generation budget, run streamed, hybrid and split (:func:`split_plan`, issue #49):
+    decode tokens per second, the GPU's peak (``max_memory_allocated``), activation moves per decode token, greedy
+    tokens of each equal to the streamed run's. In a dry run the stand-in is the accelerator (the map loaded as
+    :func:`run_model` loads it) and the times are CPU times, not a GPU's. The split plan is made by hand, not judged:
+    its planned peak and estimate are left empty."""
     budget = {0: int(fraction * total), "cpu": 4 * total}
     plan = allocator.plan(meta, budget, runtime="allocator",
                           generation=allocator.GenerationBudget(1, prompt_tokens + tokens + 1))
     if not plan.compute:
         return [dict(runtime=k, status=f"no compute map (main device {plan.main_device!r})") for k in RUNTIMES]
-    device_map = ({k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in plan.device_map.items()} if dry_run
-                  else plan.device_map)
+    split, split_layers = split_plan(plan, meta)
     prompt = torch.randint(0, 1000, (1, prompt_tokens), generator=torch.Generator().manual_seed(2))
     dtype = torch.float32 if dry_run else torch.bfloat16
-    got = {k: decode_run(path, plan, device_map, k, prompt, tokens, work, device="stand-in" if dry_run else None,
-                         dtype=dtype) for k in RUNTIMES}
+    got = {}
+    for k in RUNTIMES:
+        run = split if k == "split" else plan
+        device_map = ({d: ("disk" if v in ("cpu", "disk") else "cpu") for d, v in run.device_map.items()} if dry_run
+                      else run.device_map)
+        got[k] = decode_run(path, run, device_map, k, prompt, tokens, work, device="stand-in" if dry_run else None,
+                            dtype=dtype)
     rows = []
     for k in RUNTIMES:
         seconds = got[k]["decode"][2]
+        moves = got[k]["moves"]["decode"]
         rows.append(dict(runtime=k, status="ok", device="stand-in (CPU times)" if dry_run else "cuda:0",
                          decode_tokens_per_s=round(tokens / seconds, 2), prefill_s=round(got[k]["prefill"][2], 4),
                          gpu_peak_bytes="" if got[k]["gpu_peak"] is None else got[k]["gpu_peak"],
-                         planned_peak_bytes=int(plan.peak.get(0, 0)),
-                         estimated_decode_s=round(plan.phase_steps[k]["decode"], 6),
-                         units_on_cpu_at_decode=sum(v["decode"] == "cpu" for v in plan.compute.values()),
+                         planned_peak_bytes="" if k == "split" else int(plan.peak.get(0, 0)),
+                         estimated_decode_s="" if k == "split" else round(plan.phase_steps[k]["decode"], 6),
+                         units_on_cpu_at_decode=sum(v["decode"] == "cpu" for v in
+                                                    (split if k == "split" else plan).compute.values()),
+                         split_layers=len(split_layers) if k == "split" else 0,
+                         moves_per_decode_token=round(sum(v for (what, _), v in moves.items()
+                                                          if what == "activations") / tokens, 2),
                          tokens_equal=got[k]["ids"] == got["stream"]["ids"]))
     return rows
 
 
-RUNTIMES = ("stream", "hybrid")
+RUNTIMES = ("stream", "hybrid", "split")
 
 
 def _qwen3_32b():

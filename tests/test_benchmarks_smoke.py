@@ -83,6 +83,12 @@ def test_benchmark_script_writes_results(script, tmp_path):
         assert [r["method"] for r in rows] == ["diffusers-auto", "group-offload", "allocator-plan", "allocator"]
         assert all(r["equal"].startswith("equal") for r in rows), rows
         assert rows[-1]["runtime"] == "allocator" and rows[0]["runtime"] == "accelerate hooks"
+    if script == "gpu":  # the hybrid case (issues #40, #49): streamed, hybrid and split decode the same tokens
+        with open(tmp_path / "gpu_hybrid.csv", newline="") as fh:
+            hybrid = list(csv.DictReader(fh))
+        assert [r["runtime"] for r in hybrid] == ["stream", "hybrid", "split"], hybrid
+        assert all(r["status"] == "ok" and r["tokens_equal"] == "True" for r in hybrid), hybrid
+        assert int(hybrid[-1]["split_layers"]) > 0, hybrid
     if script == "gpu" and importlib.util.find_spec("diffusers"):  # the diffusion case, dry: same outputs
         with open(tmp_path / "gpu_diffusion.csv", newline="") as fh:
             diffusion = list(csv.DictReader(fh))

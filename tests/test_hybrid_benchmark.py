@@ -1,6 +1,9 @@
 """benchmarks/hybrid.py --standin --smoke (issue #40): a plan made for an accelerator main device, run with the
 stand-in as the accelerator. At decode the hybrid runtime copies at most 5 % of the RAM-resident weights per token
-where streaming copies at least 90 %; outputs within 1e-4 of the model in RAM; greedy tokens equal."""
+where streaming copies at least 90 %; outputs within 1e-4 of the model in RAM; greedy tokens equal. The split rows
+(issue #49: each offloaded decoder layer's attention and KV cache on the accelerator, its MLP in RAM): no weights
+copied at decode, and at most 2 activation moves per token and direction per unit computed in RAM (a split layer's
+MLP is one)."""
 
 from __future__ import annotations
 
@@ -32,9 +35,13 @@ def test_hybrid_smoke_meets_the_issue(tmp_path):
     assert len(models) >= 2
     for model in models:
         by = {(r["runtime"], r["phase"]): r for r in rows if r["model"] == model}
-        assert set(by) == {(k, p) for k in ("stream", "hybrid") for p in ("prefill", "decode")}
+        assert set(by) == {(k, p) for k in ("stream", "hybrid", "split") for p in ("prefill", "decode")}
         assert float(by["hybrid", "decode"]["copied_share_of_ram_weights"]) <= 0.05, by
+        split = by["split", "decode"]
+        assert int(split["split_layers"]) > 0 and float(split["copied_share_of_ram_weights"]) == 0, split
+        for direction in ("to_host", "to_main"):
+            assert 0 < float(split[f"moves_{direction}_per_token"]) <= 2 * int(split["cpu_units_at_decode"]), split
         assert float(by["stream", "decode"]["copied_share_of_ram_weights"]) >= 0.90, by
         for r in by.values():
             assert float(r["max_abs_diff"]) <= 1e-4, r
-        assert by["hybrid", "decode"]["tokens_equal"] == "True" and by["stream", "decode"]["tokens_equal"] == "True"
+        assert all(by[k, "decode"]["tokens_equal"] == "True" for k in ("stream", "hybrid", "split")), by

@@ -18,9 +18,10 @@ tagged there.
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["HostDevice", "StandInDevice", "StreamDevice", "on_stand_in", "prefetch_executor"]
+__all__ = ["HostDevice", "StandInDevice", "StreamDevice", "on_stand_in", "prefetch_executor", "to_host", "to_main"]
 
 
 def _convert(value, meta):
@@ -228,6 +229,14 @@ class StreamDevice:
 
     def __init__(self, backend):
         self.backend = backend
+        #: moves between the CPU and the main device (calls of :meth:`to_host` and :meth:`to_main` that moved a
+        #: tensor: one per part and direction where a hook moves a part's inputs or output together), by
+        #: ``(what, direction)``: ``what`` is ``"activations"`` (inputs and outputs) or ``"cache"`` (a KV cache
+        #: layer), ``direction`` ``"to_host"`` or ``"to_main"``; a tensor already where it goes is not counted
+        self.moves: Counter = Counter()
+        #: the tensors those moves carried, and their bytes, by the same keys
+        self.moved_tensors: Counter = Counter()
+        self.moved_bytes: Counter = Counter()
 
     @classmethod
     def cuda(cls, device) -> StreamDevice:
@@ -252,13 +261,31 @@ class StreamDevice:
         """Whether ``tensor`` is on the main device."""
         return self.backend.on_main(tensor)
 
-    def to_host(self, value, skip_keys=None):
-        """``value`` with its tensors on the CPU."""
+    def to_host(self, value, skip_keys=None, *, what: str = "activations"):
+        """``value`` with its tensors on the CPU (those that cross counted in :attr:`moves` under ``what``)."""
+        self._count(value, skip_keys, (what, "to_host"), on_main=True)
         return self.backend.to_host(value, skip_keys)
 
-    def to_main(self, value, target, skip_keys=None):
-        """``value`` with its tensors on ``target`` (the hook's execution device or its input's device)."""
+    def to_main(self, value, target, skip_keys=None, *, what: str = "activations"):
+        """``value`` with its tensors on ``target`` (the hook's execution device or its input's device); those that
+        cross counted in :attr:`moves` under ``what``."""
+        self._count(value, skip_keys, (what, "to_main"), on_main=False)
         return self.backend.to_main(value, target, skip_keys)
+
+    def _count(self, value, skip_keys, key: tuple, *, on_main: bool) -> None:
+        crossing = [0, 0]
+
+        def count(tensor):
+            if self.backend.on_main(tensor) == on_main:
+                crossing[0] += 1
+                crossing[1] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        _walk(value, count, skip_keys)
+        if crossing[0]:
+            self.moves[key] += 1
+            self.moved_tensors[key] += crossing[0]
+            self.moved_bytes[key] += crossing[1]
 
     def pinned(self, shape, dtype):
         """An empty host buffer the device copies from asynchronously (pinned on a GPU)."""
@@ -291,6 +318,21 @@ class StandInDevice(StreamDevice):
     def staged(self) -> int:
         """Bytes of weights staged ("copied to the GPU") so far; the expert slices' copies are in :attr:`log`."""
         return self.backend.staged
+
+
+def to_host(device, value):
+    """``value`` with its tensors in RAM, in one move: through ``device`` where it is a :class:`StreamDevice` (the
+    move counted in its :attr:`StreamDevice.moves`; plain copies on the stand-in), else ``tensor.to("cpu")``."""
+    if isinstance(device, StreamDevice):
+        return device.to_host(value)
+    return _walk(value, lambda t: t.to("cpu"))
+
+
+def to_main(device, value, target):
+    """``value`` with its tensors on the main device ``target``, in one move (:func:`to_host`'s other direction)."""
+    if isinstance(device, StreamDevice):
+        return device.to_main(value, target)
+    return _walk(value, lambda t: t.to(target))
 
 
 def _one_intra_op_thread() -> None:

@@ -11,9 +11,9 @@ experts the router picked (``top_k_index``) and, per expert:
 - an offloaded expert is either *fetched* — its slices only, the fetched experts of a layer in one gather per tensor
   from the memory-mapped file (or accelerate's RAM copy) into a reused buffer on the main device; on a CPU main
   device the slices are views into the mapping, read in by the kernel, and nothing is copied — or *computed where its
-  weights live* (from RAM with an accelerator main device: the routed tokens' activations move to the CPU and back,
-  not the weights), chosen per call from the tokens routed to it (``mode="auto"``, by the profile's rates), or always
-  one way (``"fetch"``, ``"compute"``).
+  weights live* (from RAM with an accelerator main device: the call's activations move to the CPU once and the sum
+  of those experts' outputs back once, not the weights), chosen per call from the tokens routed to it
+  (``mode="auto"``, by the profile's rates), or always one way (``"fetch"``, ``"compute"``).
 
 Each expert runs through the model's own eager experts forward (the function ``use_experts_implementation`` wrapped)
 on a view holding that expert alone, and the outputs are added in the order the eager forward adds them, so the
@@ -36,6 +36,7 @@ from .buffers import FetchBuffers
 from .expert_cache import ExpertCache, in_place, look_up, store
 from .expert_modes import computes_here, computes_there, phase_mode
 from .files import MappedFiles, source_of
+from .hybrid import part_to_host, part_to_main
 
 __all__ = ["MODES", "NAME", "ExpertsHook", "RoutedExperts", "Traffic", "eager_forward", "experts_forward",
            "register", "routed_layers"]
@@ -339,6 +340,8 @@ class RoutedExperts:
         to_fetch = [e for e in away if e not in here and e not in there and e not in self.remote]
         chunk = self.chunk or max(len(to_fetch), 1)
         fetched: dict = {}
+        # experts computed where they live (issue #49): the inputs moved to RAM once, the outputs summed there
+        host = part_to_host(self, hidden_states, top_k_index, top_k_weights) if here and self.accelerator else None
         for e in hit:   # in the eager forward's order: experts ascending
             token_idx, top_k_pos = positions[e]
             moved_to = None
@@ -370,6 +373,12 @@ class RoutedExperts:
                 tensors = {n: fetched[n][e] for n in self.sources}
                 self.traffic.fetched += 1
             self.traffic.routed += 1
+            if host is not None and e in here:   # from the inputs in RAM: host = [states, index, weights, out]
+                token_idx, top_k_pos = torch.where(host[1] == e)
+                out = eager(_One(module, tensors), host[0][token_idx], torch.zeros_like(token_idx)[:, None],
+                            host[2][token_idx, top_k_pos, None])
+                host[3].index_add_(0, token_idx, out.to(host[3].dtype))
+                continue
             states = hidden_states[token_idx]
             weights = top_k_weights[token_idx, top_k_pos, None]
             if moved_to is not None:
@@ -379,7 +388,7 @@ class RoutedExperts:
             index = torch.zeros((states.shape[0], 1), dtype=top_k_index.dtype, device=states.device)
             out = eager(_One(module, tensors), states, index, weights)
             final.index_add_(0, token_idx, out.to(final.device, final.dtype))
-        return final
+        return final if host is None else final + part_to_main(self, host[3], final.device)
 
 
 class ExpertsHook:

@@ -8,15 +8,21 @@ copied: the unit's tensors are set to views of the mapped files (RAM), its input
 staging buffer on an accelerator) and its output moved back; the KV cache layer the unit fills is moved to the CPU
 once and stays there. torch runs the call with its own intra-op threads (``torch.get_num_threads()``) on the calling
 thread: the runtime starts no compute thread, so the CPU is not oversubscribed (the prefetch thread only copies).
+
+A split decoder layer (issue #49) is in the map as its parts (``model.layers.3.self_attn: 0``, the norms on ``0``,
+``model.layers.3.mlp: "cpu"``) and in the compute map as its offloaded part (``model.layers.3.mlp``); its attention
+and KV cache stay on the main device and its MLP runs where the phase says, its activations crossing once per part
+and direction (:class:`LayerHook` where the part's offload hooks are on its leaves, :class:`HybridHook` where the
+part is one unit). What crosses is counted by the stream device (``StreamDevice.moves``).
 """
 
 from __future__ import annotations
 
 from ..model.cache_kwarg import forward_cache
-from .devices import StreamDevice
+from .devices import StreamDevice, to_host, to_main
 
-__all__ = ["Aside", "HybridHook", "LayerHook", "call_tokens", "layer_hooks", "make_layer_hooks", "phase_of",
-           "unit_phases", "wrap_units"]
+__all__ = ["Aside", "HybridHook", "LayerHook", "call_tokens", "layer_hooks", "make_layer_hooks", "part_to_host",
+           "part_to_main", "phase_of", "unit_phases", "wrap_units"]
 
 
 def call_tokens(args, kwargs) -> int:
@@ -168,8 +174,8 @@ class HybridHook:
         from accelerate.utils import send_to_device
 
         self._cache_to(kwargs, host=True)
-        if self.device is not None:
-            return self.device.to_host(args), self.device.to_host(kwargs, self.skip_keys)
+        if self.device is not None:   # one move: the call's arguments together
+            return self.device.to_host((args, kwargs), self.skip_keys)
         return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu", skip_keys=self.skip_keys)
 
     def _staged(self, output, at: tuple = ()):
@@ -207,19 +213,21 @@ class HybridHook:
                 if str(tensor.device) != str(target):
                     setattr(layer, name, tensor.to(target))
             elif self.device.on_main(tensor) == host:
-                setattr(layer, name, self.device.to_host(tensor) if host else
-                        self.device.to_main(tensor, self.execution_device))
+                setattr(layer, name, self.device.to_host(tensor, what="cache") if host else
+                        self.device.to_main(tensor, self.execution_device, what="cache"))
 
 
 class LayerHook(HybridHook):
     """The boundary of a unit of the compute map whose offload hooks are on its leaves: ``from_pretrained`` puts
-    accelerate's offload hooks on the leaf modules of an offloaded decoder layer (which never see its KV cache) and
-    hooks that only move tensors to the main device on the layer and its blocks. In a phase the plan computes on the
+    accelerate's offload hooks on the leaf modules of an offloaded decoder layer, or of an offloaded part of a split
+    one (its MLP, shared experts; issue #49), which never see the KV cache, and hooks that only move tensors to the
+    main device on the layer (the part) and its blocks. In a phase the plan computes on the
     CPU, this hook (in place of the layer's own) moves the layer's inputs and its KV cache layer to the CPU once, the
     blocks' moving hooks stand aside (:class:`Aside`), the leaves compute there on views of the mapped files (their
     :class:`HybridHook` keeps their outputs where their inputs are), and the layer's output goes back to the main
-    device once: activations cross the boundary once per layer and direction, not once per leaf. In the other phases
-    the layer's own hook runs, after the cache layer is moved back to the main device."""
+    device once: activations cross the boundary once per layer (per part) and direction, not once per leaf. A part
+    without a KV cache layer of its own (an MLP: no ``layer_idx`` inside) moves none. In the other phases the layer's
+    own hook runs, after the cache layer is moved back to the main device."""
 
     def __init__(self, module, original, runtime, phases: dict, threshold: int):
         self.inner, self.runtime, self.unit = original, runtime, None
@@ -292,8 +300,9 @@ class Aside:
 def layer_hooks(model, compute, units) -> list:
     """The layers that make each module of the compute map (``compute``: unit -> {phase: device})
     computed on the CPU in some phase, whose offload hooks are on its leaves (``units``: the runtime's units, none of
-    them that module), compute there as one: a :class:`LayerHook` in place of the layer's own moving hook (the layer:
-    the module, or each child of a module list), an :class:`Aside` in place of each moving hook of a block inside it.
+    them that module), compute there as one (a decoder layer, or a part of a split one such as its MLP): a
+    :class:`LayerHook` in place of the layer's own moving hook (the layer: the module, or each child of a module
+    list), an :class:`Aside` in place of each moving hook of a block inside it.
     Returns ``(name, layer, its hook, phases)``; :func:`make_layer_hooks` makes the hooks
     (:func:`allocator.offload.attach`)."""
     import torch
@@ -313,8 +322,7 @@ def layer_hooks(model, compute, units) -> list:
             module, (torch.nn.ModuleList, torch.nn.ModuleDict)) else [(name, module)]
         for prefix, layer in layers:
             hook = layer.__dict__.get("_hf_hook")
-            if not _moving(hook) or _layer_index(layer) is None or \
-                    not any(u.name.startswith(prefix + ".") for u in units):
+            if not _moving(hook) or not any(u.name.startswith(prefix + ".") for u in units):
                 continue
             out.append((prefix, layer, hook, phases))
     return out
@@ -349,3 +357,20 @@ def wrap_units(hooks: dict, compute) -> None:
         phases = unit_phases(devices, hook.unit.name)
         if phases is not None:
             hooks[key] = HybridHook(hook, phases, compute.threshold)
+
+
+def part_to_host(routed, *tensors) -> list:
+    """The inputs of a part computed where its weights live, moved to RAM in one move (``routed``: an experts
+    layer's :class:`allocator.offload.experts.RoutedExperts`, its ``device`` and ``traffic``), and a zeroed tensor
+    like the first for the part's output sum there: ``[*moved, out]``. The bytes count in ``traffic.activations``."""
+    import torch
+
+    moved = to_host(routed.device, tensors)
+    routed.traffic.activations += _nbytes(moved, set())
+    return [*moved, torch.zeros_like(moved[0])]
+
+
+def part_to_main(routed, out, target):
+    """The part's output sum ``out`` moved back to the main device ``target`` in one move (:func:`part_to_host`)."""
+    routed.traffic.activations += _nbytes(out, set())
+    return to_main(routed.device, out, target)
