@@ -94,10 +94,10 @@ class ModelMoves:
         copies: dict[int, object] = {}
         for owner, attr, is_param, host in hook.tensors:
             value = copies.get(id(host))
-            if value is None:   # a tensor two modules share (tied) is copied once
-                value = copies[id(host)] = copy(host)
+            if value is None:   # a tensor two modules share (tied) is copied once, and stays one parameter
+                value = copies[id(host)] = _wrap(copy(host), host, is_param)
                 self.moved += host.nbytes
-            _set(owner, attr, is_param, value, host)
+            _set(owner, attr, is_param, value)
         self.on[hook.runs_on] = hook.name
         self.moves[hook.name] += 1
 
@@ -155,7 +155,7 @@ class MoveHook:
         if not self.on_device:
             return
         for owner, attr, is_param, host in self.tensors:
-            _set(owner, attr, is_param, host, host)
+            _set(owner, attr, is_param, host)
         del self.moves.on[self.runs_on]
 
 
@@ -194,12 +194,11 @@ def _tensors(module, name: str) -> list[tuple]:
     return found
 
 
-def _set(owner, attr, is_param, value, host) -> None:
+def _wrap(value, host, is_param: bool):
     import torch
 
-    if not is_param:
-        owner._buffers[attr] = value
-    elif value is host:
-        owner._parameters[attr] = host
-    else:
-        owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=host.requires_grad)
+    return torch.nn.Parameter(value, requires_grad=host.requires_grad) if is_param else value
+
+
+def _set(owner, attr, is_param: bool, value) -> None:
+    (owner._parameters if is_param else owner._buffers)[attr] = value
