@@ -153,3 +153,21 @@ def test_contention_starts_busy_processes_and_ends_them():
         assert busy.describe().startswith("2 busy processes")
     assert all(p.poll() is not None for p in procs) and busy.procs == []
     assert Contention(0).describe() == "none"
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_diffusion_pipeline_benchmark_writes_its_rows(tmp_path):
+    """``diffusion.py --pipeline --smoke``: a tiny FluxPipeline, ours, model offload and group offloading, one round;
+    every image equal to the pipeline's in RAM, and each method moved something."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "diffusion.py"), "--pipeline", "--smoke", "--rounds", "1", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=TIMEOUT, cwd=BENCHMARKS.parent,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCHMARKS.parent),
+                                                                      os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(tmp_path / "diffusion_pipeline.csv", newline="") as fh:
+        rows = {r["method"]: r for r in csv.DictReader(fh)}
+    assert set(rows) == {"ours", "model-offload", "group-offload"}
+    assert all(r["equal_to_ram"] == "True" and float(r["mib_moved_per_image"]) > 0 for r in rows.values())
+    assert _table_rows((tmp_path / "diffusion_pipeline.md").read_text())
