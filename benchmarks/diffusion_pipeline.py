@@ -39,6 +39,7 @@ SMALL = dict(
               num_hidden_layers=4, pad_token_id=1, vocab_size=1000, projection_dim=256, max_position_embeddings=77),
     t5=dict(d_model=256, d_ff=1024, d_kv=64, num_heads=4, num_layers=4, vocab_size=1000, decoder_start_token_id=0),
     vae=dict(sample_size=64, in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1,
+             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
              latent_channels=4, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
              shift_factor=0.0609, scaling_factor=1.5035),
     image=64, text=16)
@@ -50,7 +51,8 @@ TINY = dict(
     clip=dict(SMALL["clip"], hidden_size=32, intermediate_size=37, num_hidden_layers=2, vocab_size=100,
               projection_dim=32, max_position_embeddings=16),
     t5=dict(SMALL["t5"], d_model=32, d_ff=37, d_kv=8, num_layers=2, vocab_size=100),
-    vae=dict(SMALL["vae"], sample_size=32, block_out_channels=(4,), latent_channels=1, norm_num_groups=1),
+    vae=dict(SMALL["vae"], sample_size=32, block_out_channels=(4,), latent_channels=1, norm_num_groups=1,
+             down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",)),
     image=16, text=8)
 """``--smoke``: under 1 MB, 16×16 images."""
 
