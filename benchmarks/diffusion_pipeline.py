@@ -168,8 +168,9 @@ class Counts:
             setattr(cls, name, old)
 
 
-def load(method: str, folder: Path, budget: dict, work: Path):
-    """The pipeline loaded by ``method``; with ours, a function returning the bytes it has moved so far."""
+def load(method: str, folder: Path, budget: dict, work: Path, *, device: str = "stand-in", dtype=torch.float32):
+    """The pipeline loaded by ``method`` for ``device`` (``"stand-in"``, or a CUDA device for ``benchmarks/gpu.py``);
+    with ours, a function returning the bytes it has moved so far (on a GPU: the moves only)."""
     import diffusers
 
     import allocator
@@ -178,71 +179,88 @@ def load(method: str, folder: Path, budget: dict, work: Path):
     from allocator.offload.moved import moves_of
 
     diffusers.utils.logging.disable_progress_bar()
+    standin = device == "stand-in"
     if method == "ours":
         real = integration.plan_pipeline
-        integration.plan_pipeline = lambda *a, **k: stood_in(real(*a, **k))
+        if standin:
+            integration.plan_pipeline = lambda *a, **k: stood_in(real(*a, **k))
         try:
-            with allocator.patch(runtime="allocator", offload_device="stand-in"):
+            with allocator.patch(runtime="allocator", offload_device="stand-in" if standin else None):
                 pipe = diffusers.FluxPipeline.from_pretrained(folder, device_map="balanced", max_memory=dict(budget),
-                                                              offload_folder=str(work / "offload"))
+                                                              offload_folder=str(work / "offload"), torch_dtype=dtype)
         finally:
             integration.plan_pipeline = real
         runtimes = [r for r in (offload.runtime_of(m) for m in pipe.components.values()
                                 if isinstance(m, torch.nn.Module)) if r is not None]
         moves = moves_of(pipe)
         pipe.set_progress_bar_config(disable=True)
-        return pipe, lambda: (sum(r.device.staged for r in runtimes) + (moves.moved if moves else 0))
-    pipe = diffusers.FluxPipeline.from_pretrained(folder)
+        return pipe, lambda: (sum(getattr(r.device, "staged", 0) for r in runtimes) + (moves.moved if moves else 0))
+    pipe = diffusers.FluxPipeline.from_pretrained(folder, torch_dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
+    target = torch.device("cpu" if standin else device)
     if method == "model-offload":
-        pipe.enable_model_cpu_offload(device="cpu")
+        pipe.enable_model_cpu_offload(device=target)
     else:
-        pipe.enable_group_offload(onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
-                                  offload_type="block_level", num_blocks_per_group=1)
+        pipe.enable_group_offload(onload_device=target, offload_device=torch.device("cpu"),
+                                  offload_type="block_level", num_blocks_per_group=1, use_stream=not standin)
     return pipe, None
 
 
-def run(folder: Path, shapes: dict, sizes: dict, budget: dict, rounds: int, work: Path) -> tuple[list[dict], str]:
-    """Every method over ``rounds`` interleaved rounds; rows and the plan's explanation."""
+def run(folder: Path, shapes: dict, sizes: dict, budget: dict, rounds: int, work: Path, *, device: str = "stand-in",
+        dtype=torch.float32) -> tuple[list[dict], str]:
+    """Every method over ``rounds`` interleaved rounds; rows and the plan's explanation. On a CUDA ``device`` the
+    reference is the pipeline whole on it, images are compared at bf16's tolerance (rtol and atol 1e-2) and each row
+    has the device's peak (``torch.cuda.max_memory_allocated`` over the method's images)."""
     import diffusers
 
     import allocator
 
+    gpu = device != "stand-in"
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     diffusers.utils.logging.disable_progress_bar()
-    ram = diffusers.FluxPipeline.from_pretrained(folder)
+    ram = diffusers.FluxPipeline.from_pretrained(folder, torch_dtype=dtype)
     ram.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        want = ram(**call(shapes)).images
+        want = (ram.to(device) if gpu else ram)(**call(shapes)).images.cpu()
+    del ram
     pipes, moved = {}, {}
     with Counts() as counts:
         for method in METHODS:
-            pipes[method], moved[method] = load(method, folder, budget, work)
+            pipes[method], moved[method] = load(method, folder, budget, work, device=device, dtype=dtype)
         times = {m: [] for m in METHODS}
         copied = {m: [] for m in METHODS}
+        peaks = dict.fromkeys(METHODS, 0)
         equal = dict.fromkeys(METHODS, True)
         with torch.no_grad():
             for r in range(rounds + 1):   # round 0 warms up: not timed
                 for method in METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]:
                     before = moved[method]() if moved[method] else counts.bytes
+                    if gpu:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
                     start = time.perf_counter()
                     got = pipes[method](**call(shapes)).images
+                    if gpu:
+                        torch.cuda.synchronize()
+                        peaks[method] = max(peaks[method], torch.cuda.max_memory_allocated())
                     seconds = time.perf_counter() - start
                     after = moved[method]() if moved[method] else counts.bytes
                     try:
-                        torch.testing.assert_close(got.as_subclass(torch.Tensor), want, rtol=1e-4, atol=1e-5)
+                        torch.testing.assert_close(got.as_subclass(torch.Tensor).cpu(), want, **tolerance)
                     except AssertionError:
                         equal[method] = False
                     if r:
                         times[method].append(seconds)
                         copied[method].append(after - before)
-    plan = allocator.plan_pipeline(folder, budget)
+    plan = allocator.plan_pipeline(folder, budget, dtype=dtype)
     rows = []
     for method in METHODS:
         ratios = [a / b for a, b in zip(times["ours"], times[method])]
         rows.append(dict(method=method, ms_per_image=round(statistics.median(times[method]) * 1e3, 1),
                          ours_over_this=round(statistics.median(ratios), 3),
                          mib_moved_per_image=round(statistics.median(copied[method]) / 2**20, 3),
-                         equal_to_ram=equal[method], rounds=rounds))
+                         equal_to_ram=equal[method], rounds=rounds,
+                         **({"gpu_peak_mib": round(peaks[method] / 2**20, 1)} if gpu else {})))
     return rows, plan.explain()
 
 

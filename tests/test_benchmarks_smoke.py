@@ -2,7 +2,7 @@
 
 Each script runs in its smallest mode into a temporary ``--out`` folder (placement and ilp_optimality: one
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
-gpu: ``--dry-run``, tiny models with the CPU as the device, its generate and runtime cases; latency_runtime:
+gpu: ``--dry-run``, tiny models with the CPU as the device, its generate, runtime, pipeline and assisted cases; latency_runtime:
 ``--smoke``, a tiny llama under accelerate's hooks and ours; accuracy: ``--smoke``, a tiny llama, one budget,
 2 forwards per map; counting cost: segformer-b0, one call; rss: ``--smoke``, the patched load alone). The numbers
 are not checked, only that the files appear with rows.
@@ -87,6 +87,15 @@ def test_benchmark_script_writes_results(script, tmp_path):
         with open(tmp_path / "gpu_diffusion.csv", newline="") as fh:
             diffusion = list(csv.DictReader(fh))
         assert all(r["status"] == "ok" and r["equal"] == "True" for r in diffusion), diffusion
+        with open(tmp_path / "gpu_pipeline.csv", newline="") as fh:   # issue #47: a pipeline, three ways
+            pipeline = list(csv.DictReader(fh))
+        assert [r["method"] for r in pipeline] == ["ours", "model-offload", "group-offload"], pipeline
+        assert all(r["equal_to_ram"] == "True" for r in pipeline), pipeline
+    if script == "gpu":  # issue #47: target + draft in one patch() block, assisted tokens equal the target's alone
+        with open(tmp_path / "gpu_assisted.csv", newline="") as fh:
+            assisted = list(csv.DictReader(fh))
+        assert [r["method"] for r in assisted] == ["target alone", "assisted"], assisted
+        assert all(r["tokens_equal"] == "True" and "disk" in r["target_map_devices"] for r in assisted), assisted
     if script == "rss":  # the patched load held anonymous memory, and detach + del gave it back
         assert float(rows[0]["loaded_anon_mib"]) > 0 and float(rows[0]["after_anon_mib"]) <= 10, rows
     if script == "accuracy":  # every map estimated and measured
