@@ -2,10 +2,10 @@
 
 Each script runs in its smallest mode into a temporary ``--out`` folder (placement and ilp_optimality: one
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
-gpu: ``--dry-run``, tiny models with the CPU as the device, its generate, runtime, pipeline and assisted cases; latency_runtime:
-``--smoke``, a tiny llama under accelerate's hooks and ours; accuracy: ``--smoke``, a tiny llama, one budget,
-2 forwards per map; counting cost: segformer-b0, one call; rss: ``--smoke``, the patched load alone). The numbers
-are not checked, only that the files appear with rows.
+gpu: ``--dry-run``, tiny models with the CPU as the device, its generate, runtime, pipeline and assisted cases;
+latency_runtime: ``--smoke``, a tiny llama under accelerate's hooks and ours; accuracy: ``--smoke``, a tiny llama, one
+budget, 2 forwards per map; counting cost: segformer-b0, one call; rss: ``--smoke``, the patched load alone). The
+numbers are not checked, only that the files appear with rows.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ def test_patched_pipeline_loads_the_plan_and_moves_its_encoders(saved, monkeypat
     assert moves is not None and set(moves.hooks) == set(MOVED) and moves.device is None
     torch.testing.assert_close(_image(pipe), _image(ram), **TOL)
     sizes = {n: sum(t.nbytes for t in [*getattr(ram, n).parameters(), *getattr(ram, n).buffers()]) for n in MOVED}
-    assert dict(moves.moves) == dict.fromkeys(MOVED, 1) and moves.moved == sum(sizes.values())   # T5's tied embedding once
+    assert dict(moves.moves) == dict.fromkeys(MOVED, 1)
+    assert moves.moved == sum(sizes.values())   # T5's tied embedding once
     assert moves.on == {"cpu": "vae"}   # CLIP, then T5 (CLIP sent back), the transformer, the VAE (T5 sent back)
     torch.testing.assert_close(_image(pipe), _image(ram), **TOL)
     assert dict(moves.moves) == dict.fromkeys(MOVED, 2)
