@@ -15,6 +15,7 @@ the moves go to a stand-in too: its tensors are tagged while a component is "on 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -104,12 +105,15 @@ def _check_loaded_as_planned(pipe, stood):
         assert all(p.device.type == "cpu" for p in getattr(pipe, name).parameters())
 
 
-def test_patched_pipeline_loads_the_plan_and_moves_its_encoders(saved, monkeypatch, tmp_path):
+def test_patched_pipeline_loads_the_plan_and_moves_its_encoders(saved, monkeypatch, tmp_path, caplog):
     """``patch()``: accelerate's hooks run the split transformer from the disk, the text encoders and the VAE are
     moved (each sends the one before back: one moved component on a device at a time), and the image equals the
     pipeline in RAM."""
     folder, ram, _, stood = saved
-    pipe = _load(folder, stood, monkeypatch, tmp_path)
+    with caplog.at_level(logging.INFO, logger="allocator"):
+        pipe = _load(folder, stood, monkeypatch, tmp_path)
+    said = [r.getMessage() for r in caplog.records if "are moved whole onto the device" in r.getMessage()]
+    assert len(said) == 1 and all(name in said[0] for name in MOVED), said   # what diffusers' loading cannot say
     _check_loaded_as_planned(pipe, stood)
     moves = moves_of(pipe)
     assert moves is not None and set(moves.hooks) == set(MOVED) and moves.device is None
