@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Mapping
 
 from ..offload import StandInDevice
-from ..offload.moved import ModelMoves
+from ..offload.moved import ModelMoves, compute_on_cpu
 from ..pipelines import plan_pipeline
 from .library import baseline_map, optional_import, user_budgets
 
@@ -140,6 +140,8 @@ class Loading:
         Component -> (its own map, the budgets it was planned over).
     moved : dict
         Component -> the device it is moved onto when it runs (it loads on the CPU).
+    on_cpu : set
+        Components computed on the CPU, where they live.
     moves : ModelMoves or None
         The moves of this pipeline's components, made at its first moved component.
     """
@@ -148,6 +150,7 @@ class Loading:
         self.device = device
         self.maps: dict = {}
         self.moved: dict = {}
+        self.on_cpu: set = set()
         self.moves: ModelMoves | None = None
 
     def start(self, plan) -> dict:
@@ -160,6 +163,8 @@ class Loading:
                 self.maps[name] = (dict(where), dict(plan.given[name]))
             elif execution.get(name) == "moved":
                 self.moved[name] = runs_on[name]
+            elif execution.get(name) == "cpu":
+                self.on_cpu.add(name)
         if self.moved:
             log.info("diffusers' pipeline loading gives a component one device; %s live in RAM and are moved whole "
                      "onto the device they run on when they run, by allocator.offload.moved",
@@ -171,13 +176,23 @@ class Loading:
         """Nothing planned: the pipeline being loaded is diffusers' own business."""
         self.maps.clear()
         self.moved.clear()
+        self.on_cpu.clear()
         self.moves = None
 
+    @property
+    def in_ram(self) -> set:
+        """Components loaded in RAM with no map: moved, or computed on the CPU."""
+        return set(self.moved) | self.on_cpu
+
     def loaded(self, name: str, component):
-        """``component`` (a moved one, loaded in RAM) with its :class:`MoveHook`."""
-        if component is not None:
-            if self.moves is None:
-                self.moves = ModelMoves(StandInDevice() if self.device == "stand-in" else None)
+        """``component`` (loaded in RAM) with its hooks: a :class:`MoveHook`, or :func:`compute_on_cpu`'s."""
+        if component is None:
+            return component
+        if self.moves is None:   # one per pipeline: which moved component is on each device
+            self.moves = ModelMoves(StandInDevice() if self.device == "stand-in" else None)
+        if name in self.on_cpu:
+            compute_on_cpu(name, component, self.moves.device)
+        else:
             self.moves.add(name, component, self.moved[name])
         return component
 
@@ -208,14 +223,14 @@ def _load_sub_model(original: Callable, own: Loading) -> Callable:
     budgets it was planned over: diffusers' pipeline loading passes one device per component (``{"": device}``,
     and a dict without ``""`` fails in ``load_sub_model``), so the mode goes through ``from_pretrained`` to the
     patched planner; a diffusers component gets exactly the map planned (:data:`PINNED`), a transformers one the
-    patch's plan over the same budgets. A moved component is loaded in RAM without a map and given its hook
-    (:meth:`Loading.loaded`): diffusers loads a component dealt ``{"": "cpu"}`` with hooks that copy it whole onto GPU
-    0 at every call and drop it after (``load_sub_model``, ``dispatch_model(force_hooks=True, main_device=0)``),
-    which is neither where the plan moves it nor how long it stays there."""
+    patch's plan over the same budgets. A moved component, or one computed on the CPU, is loaded in RAM without a map
+    and given its hooks (:meth:`Loading.loaded`): diffusers loads a component dealt ``{"": "cpu"}`` with hooks that
+    copy it whole onto GPU 0 at every call and drop it after (``load_sub_model``, ``dispatch_model(force_hooks=True,
+    main_device=0)``), which is neither where the plan computes it nor how long it stays there."""
 
     def load_sub_model(*args, **kwargs):
         name = kwargs.get("name")
-        if name in own.moved:   # into RAM with no hooks: diffusers' {"": "cpu"} would stream it onto GPU 0 per call
+        if name in own.in_ram:   # into RAM with no hooks: diffusers' {"": "cpu"} would stream it onto GPU 0 per call
             return own.loaded(name, original(*args, **{**kwargs, "device_map": None}))
         if name not in own.maps:
             return original(*args, **kwargs)

@@ -15,6 +15,11 @@ moves every component, onto one device, and refuses a pipeline loaded with a dev
 
 On :class:`allocator.offload.StandInDevice` the copies are tagged tensors (``on_stand_in``), so tests see which
 weights a component computed with; :attr:`ModelMoves.moved` counts the bytes copied host to device on either.
+
+A component the plan computes where it lives, in RAM (``execution[name] == "cpu"``), gets :func:`compute_on_cpu`
+instead: its inputs brought to the CPU, its outputs sent back where they came from. diffusers loads a component dealt
+``{"": "cpu"}`` with accelerate's hooks that copy it whole onto GPU 0 at every call, which is not where the plan
+computes it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections import Counter
 from ..errors import InvalidRuntime
 from .devices import StandInDevice, on_stand_in
 
-__all__ = ["ModelMoves", "MoveHook", "moves_of"]
+__all__ = ["CpuHook", "ModelMoves", "MoveHook", "compute_on_cpu", "moves_of"]
 
 log = logging.getLogger("allocator.offload.moved")
 
@@ -157,6 +162,83 @@ class MoveHook:
         for owner, attr, is_param, host in self.tensors:
             _set(owner, attr, is_param, host)
         del self.moves.on[self.runs_on]
+
+
+class CpuHook:
+    """accelerate ``ModelHook`` of a component computed on the CPU, where it lives: the tensors it is given are brought
+    to the CPU (plain copies of the stand-in's tagged ones) and, with ``back=True``, its outputs are sent back to the
+    device of its inputs. It has no ``execution_device``, so diffusers' ``_execution_device`` looks past it to the
+    components that run on the accelerator."""
+
+    no_grad = False
+
+    def __init__(self, device: StandInDevice | None = None, *, back: bool = True):
+        self.device, self.back = device, back
+        self.came_from = None
+        self.calls = 0
+
+    def init_hook(self, module):
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        from accelerate.utils import find_device, send_to_device
+
+        self.calls += 1
+        if self.device is not None:
+            self.came_from = "stand-in" if any(map(on_stand_in, _leaves([args, kwargs]))) else None
+            return self.device.to_host(args), self.device.to_host(kwargs)
+        self.came_from = find_device([args, kwargs])
+        return send_to_device(args, "cpu"), send_to_device(kwargs, "cpu")
+
+    def post_forward(self, module, output):
+        from accelerate.utils import send_to_device
+
+        if not self.back or self.came_from is None:
+            return output
+        if self.device is not None:
+            return self.device.put(output)
+        return send_to_device(output, self.came_from)
+
+    def detach_hook(self, module):
+        return module
+
+
+def compute_on_cpu(name: str, module, device: StandInDevice | None = None) -> CpuHook:
+    """Hooks on ``module`` (component ``name``, loaded in RAM) that compute it on the CPU whatever device its inputs
+    are on: one on the module (outputs sent back where the inputs came from) and one on each direct child (inputs
+    only), for the methods that call its children without ``forward`` (``AutoencoderKL.decode``). Returns the
+    module's hook.
+
+    Raises
+    ------
+    InvalidRuntime
+        ``module`` has hooks already.
+    """
+    from accelerate.hooks import add_hook_to_module
+
+    if getattr(module, "_hf_hook", None) is not None:
+        raise InvalidRuntime(f"component {name!r} has hooks already ({type(module._hf_hook).__name__}); a component "
+                             "computed on the CPU is loaded whole in RAM (device_map=None).")
+    top = CpuHook(device)
+    add_hook_to_module(module, top)
+    for child in module.children():
+        if getattr(child, "_hf_hook", None) is None:
+            add_hook_to_module(child, CpuHook(device, back=False))
+    log.info("%s computes on the CPU, where it lives", name)
+    return top
+
+
+def _leaves(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
 
 
 def moves_of(component) -> ModelMoves | None:

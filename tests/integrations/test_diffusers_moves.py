@@ -1,10 +1,10 @@
 """Issue #47, the running half: a tiny random FluxPipeline (CLIP and T5 text encoders, transformer, VAE) saved by
 ``save_pretrained`` and loaded by ``DiffusionPipeline.from_pretrained(device_map="balanced")`` under
 ``allocator.patch()``, with a pipeline plan by hand: the transformer split over the accelerator, RAM and the disk
-(its own map), the text encoders and the VAE living in RAM and moved onto the accelerator when they run
-(``execution == "moved"``, carried out by :mod:`allocator.offload.moved`). Each component is loaded as planned, and
-the images equal the pipeline's in RAM. (A component resident on the accelerator, ``{"": 0}``, is diffusers' own
-loading and needs a GPU.)
+(its own map), T5 and the VAE living in RAM and moved onto the accelerator when they run (``execution == "moved"``,
+carried out by :mod:`allocator.offload.moved`), CLIP computed on the CPU where it lives (``"cpu"``). Each component
+is loaded as planned, and the images equal the pipeline's in RAM. (A component resident on the accelerator,
+``{"": 0}``, is diffusers' own loading and needs a GPU.)
 
 No GPU here: the plan is made for accelerator 0 and loaded with the accelerator stood in by RAM and RAM by the disk
 (:func:`_stood_in`, as ``test_diffusers_pipeline.py`` does), so that every offloaded part runs from
@@ -25,14 +25,15 @@ pytest.importorskip("diffusers")
 import allocator  # noqa: E402
 from allocator import offload  # noqa: E402
 from allocator.offload.devices import on_stand_in  # noqa: E402
-from allocator.offload.moved import MoveHook, moves_of  # noqa: E402
+from allocator.offload.moved import CpuHook, MoveHook, moves_of  # noqa: E402
 from diffusion_models import FLUX_CALL, save_flux_pipeline  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-5)
 """Images in float32 from the same weights: only the order of float additions may differ (offloaded weights are
 read back bit for bit)."""
-MOVED = ("text_encoder", "text_encoder_2", "vae")
+MOVED = ("text_encoder_2", "vae")
+ON_CPU = "text_encoder"
 
 
 def _stood_in(where):
@@ -70,11 +71,11 @@ def saved(tmp_path_factory):
     split = allocator.plan(meta, own, loader="accelerate")
     assert split.valid and {0, "cpu", "disk"} <= set(split.device_map.values())
     real = allocator.plan_pipeline(folder, {0: 4 * t, "cpu": 4 * t})
-    components = {"transformer": dict(split.device_map), **dict.fromkeys(MOVED, "cpu")}
+    components = {"transformer": dict(split.device_map), **dict.fromkeys((*MOVED, ON_CPU), "cpu")}
     plan = _with(real, components=components, plans={"transformer": split}, given={"transformer": own},
-                 execution={"transformer": "split", **dict.fromkeys(MOVED, "moved")},
+                 execution={"transformer": "split", **dict.fromkeys(MOVED, "moved"), ON_CPU: "cpu"},
                  runs_on={"transformer": 0, "text_encoder": 0, "text_encoder_2": 0, "vae": 0})
-    stood = _with(plan, components={n: _stood_in(w) if n not in MOVED else w for n, w in components.items()},
+    stood = _with(plan, components={n: w if n in (*MOVED, ON_CPU) else _stood_in(w) for n, w in components.items()},
                   runs_on=dict.fromkeys(components, "cpu"))
     return folder, ram, plan, stood
 
@@ -103,11 +104,14 @@ def _check_loaded_as_planned(pipe, stood):
         hook = getattr(pipe, name)._hf_hook
         assert isinstance(hook, MoveHook) and hook.name == name and hook.runs_on == stood.runs_on[name]
         assert all(p.device.type == "cpu" for p in getattr(pipe, name).parameters())
+    hook = getattr(pipe, ON_CPU)._hf_hook
+    assert isinstance(hook, CpuHook) and hook.back and not hasattr(hook, "execution_device")
+    assert all(isinstance(c._hf_hook, CpuHook) for c in getattr(pipe, ON_CPU).children())
 
 
 def test_patched_pipeline_loads_the_plan_and_moves_its_encoders(saved, monkeypatch, tmp_path, caplog):
-    """``patch()``: accelerate's hooks run the split transformer from the disk, the text encoders and the VAE are
-    moved (each sends the one before back: one moved component on a device at a time), and the image equals the
+    """``patch()``: accelerate's hooks run the split transformer from the disk, T5 and the VAE are moved (the VAE
+    sends T5 back: one moved component on a device at a time), CLIP computes on the CPU, and the image equals the
     pipeline in RAM."""
     folder, ram, _, stood = saved
     with caplog.at_level(logging.INFO, logger="allocator"):
@@ -121,7 +125,8 @@ def test_patched_pipeline_loads_the_plan_and_moves_its_encoders(saved, monkeypat
     sizes = {n: sum(t.nbytes for t in [*getattr(ram, n).parameters(), *getattr(ram, n).buffers()]) for n in MOVED}
     assert dict(moves.moves) == dict.fromkeys(MOVED, 1)
     assert moves.moved == sum(sizes.values())   # T5's tied embedding once
-    assert moves.on == {"cpu": "vae"}   # CLIP, then T5 (CLIP sent back), the transformer, the VAE (T5 sent back)
+    assert moves.on == {"cpu": "vae"}   # T5, the transformer, then the VAE (T5 sent back)
+    assert getattr(pipe, ON_CPU)._hf_hook.calls == 1
     torch.testing.assert_close(_image(pipe), _image(ram), **TOL)
     assert dict(moves.moves) == dict.fromkeys(MOVED, 2)
 
@@ -142,6 +147,7 @@ def test_patched_pipeline_runs_the_plan_on_the_stand_in(saved, monkeypatch, tmp_
         torch.testing.assert_close(image, _image(ram), **TOL)
         assert runtime.device.staged > 0 and dict(moves.moves) == dict.fromkeys(MOVED, 1)
         assert all(on_stand_in(p) for p in pipe.vae.parameters())                  # on the (stand-in) accelerator
-        assert not any(on_stand_in(p) for n in MOVED[:2] for p in getattr(pipe, n).parameters())   # sent back
+        assert not any(on_stand_in(p) for n in (*MOVED[:1], ON_CPU) for p in getattr(pipe, n).parameters())
+        assert getattr(pipe, ON_CPU)._hf_hook.calls == 1   # computed where it lives: never moved
     finally:
         offload.detach(pipe.transformer)

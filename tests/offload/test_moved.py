@@ -95,3 +95,49 @@ def test_a_component_with_hooks_or_quantized_tensors_is_refused():
     b[0].weight = torch.nn.Parameter(b[0].weight.to("meta"))
     with pytest.raises(InvalidRuntime, match="plain parameters in RAM"):
         ModelMoves().add("b", b, 0)
+
+
+class Probe(torch.nn.Linear):
+    """A linear layer that records whether each input it computes with is on the stand-in."""
+
+    def forward(self, x):
+        self.seen.append(on_stand_in(x))
+        return super().forward(x)
+
+
+class Decoder(torch.nn.Module):
+    """A module whose ``decode`` calls its child directly, as ``AutoencoderKL.decode`` does (no ``forward``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Probe(4, 4)
+        self.inner.seen = []
+
+    def decode(self, x):
+        return self.inner(x)
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+def test_a_component_computed_on_the_cpu_takes_tensors_off_the_stand_in_and_gives_them_back():
+    from allocator.offload.moved import CpuHook, compute_on_cpu
+
+    torch.manual_seed(0)
+    model, device = Decoder().eval(), StandInDevice()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        want, want_decoded = model(x), model.decode(x)
+    model.inner.seen.clear()
+    hook = compute_on_cpu("decoder", model, device)
+    assert isinstance(hook, CpuHook) and isinstance(model.inner._hf_hook, CpuHook) and not model.inner._hf_hook.back
+    with torch.no_grad():
+        out = model(device.put(x))                 # inputs on the (stand-in) accelerator
+        decoded = model.decode(device.put(x))     # through the child alone
+    assert model.inner.seen == [False, False]      # the inputs it computed with were in RAM
+    assert on_stand_in(out) and not on_stand_in(decoded)   # sent back by the module's hook; the child's stay
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), want, rtol=0, atol=0)
+    torch.testing.assert_close(decoded, want_decoded, rtol=0, atol=0)
+    assert not any(on_stand_in(p) for p in model.parameters()) and hook.calls == 1
+    with pytest.raises(InvalidRuntime, match="has hooks already"):
+        compute_on_cpu("decoder", model)
