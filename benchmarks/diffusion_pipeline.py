@@ -97,8 +97,8 @@ def stood_in(plan):
     """``plan`` (a :class:`allocator.PipelinePlan` for accelerators) as this machine loads it with the stand-in as the
     accelerator: a component whole on an accelerator gets a map of its own, ``{"": "cpu"}`` (plain tensors in RAM,
     the stand-in's memory); a component with a map of its own keeps the accelerators' share in RAM and puts RAM's on
-    the disk (offloaded, so that the runtime stages it), its budgets likewise; a moved component lives in RAM and is
-    moved onto the stand-in; one computed on the CPU stays in RAM."""
+    the disk (offloaded, so that the runtime stages it), its budgets likewise; a moved component, and one computed on
+    the CPU, live in RAM as planned (the patch moves the first onto the stand-in)."""
     execution = getattr(plan, "execution", {})
     components, given = {}, dict(plan.given)
     for name, where in plan.components.items():
@@ -107,7 +107,7 @@ def stood_in(plan):
             budgets = plan.given[name]
             given[name] = {"cpu": sum(b for d, b in budgets.items() if _accelerator(d)),
                            "disk": sum(b for d, b in budgets.items() if not _accelerator(d))}
-        elif execution.get(name) == "moved":
+        elif execution.get(name) in ("moved", "cpu"):   # lives in RAM: the runtime moves it, or computes it there
             components[name] = "cpu"
         else:
             components[name], given[name] = {"": "cpu"}, {"cpu": 1 << 40}
