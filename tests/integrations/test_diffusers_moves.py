@@ -26,7 +26,7 @@ import allocator  # noqa: E402
 from allocator import offload  # noqa: E402
 from allocator.offload.devices import on_stand_in  # noqa: E402
 from allocator.offload.moved import CpuHook, MoveHook, moves_of  # noqa: E402
-from diffusion_models import FLUX_CALL, save_flux_pipeline  # noqa: E402
+from flux_pipeline import FLUX_CALL, save_flux_pipeline  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-5)
