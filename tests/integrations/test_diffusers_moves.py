@@ -72,7 +72,8 @@ def saved(tmp_path_factory):
     assert split.valid and {0, "cpu", "disk"} <= set(split.device_map.values())
     real = allocator.plan_pipeline(folder, {0: 4 * t, "cpu": 4 * t})
     components = {"transformer": dict(split.device_map), **dict.fromkeys((*MOVED, ON_CPU), "cpu")}
-    plan = _with(real, components=components, plans={"transformer": split}, given={"transformer": own},
+    plan = _with(real, components=components, plans={"transformer": split}, given={"transformer": own}, unplaced=(),
+                 peak={},   # by hand: nothing left unplaced, no peak over its budget
                  execution={"transformer": "split", **dict.fromkeys(MOVED, "moved"), ON_CPU: "cpu"},
                  runs_on={"transformer": 0, "text_encoder": 0, "text_encoder_2": 0, "vae": 0})
     stood = _with(plan, components={n: w if n in (*MOVED, ON_CPU) else _stood_in(w) for n, w in components.items()},
