@@ -119,6 +119,10 @@ def stood_in(plan):
     return copy
 
 
+def _same(plan):
+    return plan
+
+
 def _accelerator(device) -> bool:
     return isinstance(device, int)
 
@@ -169,7 +173,19 @@ class Counts:
             setattr(cls, name, old)
 
 
-def load(method: str, folder: Path, budget: dict, work: Path, *, device: str = "stand-in", dtype=torch.float32):
+def sizes_of(shapes: dict) -> dict:
+    """``plan_pipeline``'s keywords for the sizes of :func:`call` (``budget=``, where ``allocator.DiffusionBudget``
+    exists: the planner counts activations at those sizes), and its steps."""
+    import allocator
+
+    found = getattr(allocator, "DiffusionBudget", None)
+    if found is None:
+        return {"steps": 2}
+    return {"budget": found(shapes["image"], shapes["image"], steps=2, text_tokens=shapes["text"])}
+
+
+def load(method: str, folder: Path, budget: dict, work: Path, *, device: str = "stand-in", dtype=torch.float32,
+         shapes: dict = SMALL):
     """The pipeline loaded by ``method`` for ``device`` (``"stand-in"``, or a CUDA device for ``benchmarks/gpu.py``);
     with ours, a function returning the bytes it has moved so far (on a GPU: the moves only)."""
     import diffusers
@@ -182,9 +198,8 @@ def load(method: str, folder: Path, budget: dict, work: Path, *, device: str = "
     diffusers.utils.logging.disable_progress_bar()
     standin = device == "stand-in"
     if method == "ours":
-        real = integration.plan_pipeline
-        if standin:
-            integration.plan_pipeline = lambda *a, **k: stood_in(real(*a, **k))
+        real = integration.plan_pipeline   # planned at the sizes the benchmark runs (the patch cannot say them)
+        integration.plan_pipeline = lambda *a, **k: (stood_in if standin else _same)(real(*a, **k, **sizes_of(shapes)))
         try:
             with allocator.patch(runtime="allocator", offload_device="stand-in" if standin else None):
                 pipe = diffusers.FluxPipeline.from_pretrained(folder, device_map="balanced", max_memory=dict(budget),
@@ -227,7 +242,8 @@ def run(folder: Path, shapes: dict, sizes: dict, budget: dict, rounds: int, work
     pipes, moved = {}, {}
     with Counts() as counts:
         for method in METHODS:
-            pipes[method], moved[method] = load(method, folder, budget, work, device=device, dtype=dtype)
+            pipes[method], moved[method] = load(method, folder, budget, work, device=device, dtype=dtype,
+                                                shapes=shapes)
         times = {m: [] for m in METHODS}
         cpu = {m: [] for m in METHODS}
         copied = {m: [] for m in METHODS}
@@ -255,7 +271,7 @@ def run(folder: Path, shapes: dict, sizes: dict, budget: dict, rounds: int, work
                         times[method].append(seconds)
                         cpu[method].append(cpu_seconds)
                         copied[method].append(after - before)
-    plan = allocator.plan_pipeline(folder, budget, dtype=dtype)
+    plan = allocator.plan_pipeline(folder, budget, dtype=dtype, **sizes_of(shapes))
     rows = []
     for method in METHODS:
         ratios = [a / b for a, b in zip(times["ours"], times[method])]
