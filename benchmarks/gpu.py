@@ -56,6 +56,7 @@ from allocator.evaluate.validate import check
 
 from benchutil import quiet, ram_held, write_csv
 from hybrid import gpu_case as hybrid_case   # issues #40, #49: stream vs hybrid vs split decode
+import gpu_pipelines   # issue #47: a diffusion pipeline, assisted generation
 
 OUT = Path(__file__).parent / "results"
 BUDGETS = (0.3, 0.5, 0.7)
@@ -707,6 +708,18 @@ def report(rows, info, args, device: Device, command, seconds) -> str:
                      + "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
                      + "\n".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |"
                                  for r in info["diffusion"]))
+    if info.get("pipeline"):
+        parts.append(gpu_pipelines.section(
+            "diffusion pipeline (issue #47): ours under `patch(runtime=\"allocator\")` against model and group "
+            "offloading", info["pipeline"], "`benchmarks/gpu_pipelines.py` says what runs and how bytes are counted. "
+            + ("Dry run: the stand-in is the accelerator; times are CPU times, not a GPU's." if args.dry_run else
+               "Measured on this GPU.")))
+    if info.get("assisted"):
+        parts.append(gpu_pipelines.section(
+            "assisted generation (issue #47): target and draft loaded in one `patch()` block", info["assisted"],
+            "The draft is loaded without `max_memory`: it plans in what the target left. "
+            + ("Dry run: RAM budget for the target, the rest on disk, the stand-in as the runtime's device; CPU "
+               "times." if args.dry_run else "Measured on this GPU.")))
     skipped = [r for r in rows if r["status"].startswith("skipped")]
     if skipped:
         parts.append(f"\n{len(skipped)} loads skipped at the {args.time_limit:.0f} s time limit.")
@@ -739,6 +752,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-tokens", type=int, default=16, help="MoE case: tokens decoded")
     parser.add_argument("--diffusion-budget", type=float, default=0.5,
                         help="diffusion case: the device budget as a fraction of the model (0 skips the case)")
+    parser.add_argument("--no-pipeline", action="store_true", help="skip the diffusion pipeline case (issue #47)")
+    parser.add_argument("--no-assisted", action="store_true", help="skip the assisted-generation case (issue #47)")
     parser.add_argument("--time-limit", type=float, default=420.0,
                         help="seconds after which remaining loads are skipped (default 420: done within 8 minutes)")
     parser.add_argument("--workdir", type=Path, help="where models are saved (default: a temporary directory)")
@@ -764,6 +779,12 @@ def main(argv=None) -> int:
             info["moe"] = measure_moe(args, device, Path(tmp), start + args.time_limit)
         if args.diffusion_budget and importlib.util.find_spec("diffusers"):
             info["diffusion"] = measure_diffusion(args, device, Path(tmp), start + args.time_limit)
+        for case, skip, measure_case in (("pipeline", args.no_pipeline, gpu_pipelines.measure_pipeline),
+                                    ("assisted", args.no_assisted, gpu_pipelines.measure_assisted)):
+            if skip or (case == "pipeline" and not importlib.util.find_spec("diffusers")):
+                continue
+            info[case] = (gpu_pipelines.guarded(measure_case, args, args.dry_run, Path(tmp))
+                          if time.time() < start + args.time_limit else [{"status": "skipped (time limit)"}])
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "gpu.csv", rows)
     if info.get("generate"):
@@ -779,6 +800,10 @@ def main(argv=None) -> int:
     if info.get("diffusion"):
         keys = list(dict.fromkeys(k for r in info["diffusion"] for k in r))
         write_csv(args.out / "gpu_diffusion.csv", [{k: r.get(k, "") for k in keys} for r in info["diffusion"]])
+    for case in ("pipeline", "assisted"):
+        if info.get(case):
+            keys = list(dict.fromkeys(k for r in info[case] for k in r))
+            write_csv(args.out / f"gpu_{case}.csv", [{k: r.get(k, "") for k in keys} for r in info[case]])
     text = report(rows, info, args, device, command, time.time() - start)
     (args.out / "gpu.md").write_text(text)
     print(text)

@@ -2,10 +2,10 @@
 
 Each script runs in its smallest mode into a temporary ``--out`` folder (placement and ilp_optimality: one
 architecture; latency: ``--smoke``, a tiny llama, one budget, 3 forwards; planning speed: 1k modules, single calls;
-gpu: ``--dry-run``, tiny models with the CPU as the device, its generate and runtime cases; latency_runtime:
-``--smoke``, a tiny llama under accelerate's hooks and ours; accuracy: ``--smoke``, a tiny llama, one budget,
-2 forwards per map; counting cost: segformer-b0, one call; rss: ``--smoke``, the patched load alone). The numbers
-are not checked, only that the files appear with rows.
+gpu: ``--dry-run``, tiny models with the CPU as the device, its generate, runtime, pipeline and assisted cases;
+latency_runtime: ``--smoke``, a tiny llama under accelerate's hooks and ours; accuracy: ``--smoke``, a tiny llama, one
+budget, 2 forwards per map; counting cost: segformer-b0, one call; rss: ``--smoke``, the patched load alone). The
+numbers are not checked, only that the files appear with rows.
 """
 
 from __future__ import annotations
@@ -93,6 +93,15 @@ def test_benchmark_script_writes_results(script, tmp_path):
         with open(tmp_path / "gpu_diffusion.csv", newline="") as fh:
             diffusion = list(csv.DictReader(fh))
         assert all(r["status"] == "ok" and r["equal"] == "True" for r in diffusion), diffusion
+        with open(tmp_path / "gpu_pipeline.csv", newline="") as fh:   # issue #47: a pipeline, three ways
+            pipeline = list(csv.DictReader(fh))
+        assert [r["method"] for r in pipeline] == ["ours", "model-offload", "group-offload"], pipeline
+        assert all(r["equal_to_ram"] == "True" for r in pipeline), pipeline
+    if script == "gpu":  # issue #47: target + draft in one patch() block, assisted tokens equal the target's alone
+        with open(tmp_path / "gpu_assisted.csv", newline="") as fh:
+            assisted = list(csv.DictReader(fh))
+        assert [r["method"] for r in assisted] == ["target alone", "assisted"], assisted
+        assert all(r["tokens_equal"] == "True" and "disk" in r["target_map_devices"] for r in assisted), assisted
     if script == "rss":  # the patched load held anonymous memory, and detach + del gave it back
         assert float(rows[0]["loaded_anon_mib"]) > 0 and float(rows[0]["after_anon_mib"]) <= 10, rows
     if script == "accuracy":  # every map estimated and measured
@@ -159,3 +168,21 @@ def test_contention_starts_busy_processes_and_ends_them():
         assert busy.describe().startswith("2 busy processes")
     assert all(p.poll() is not None for p in procs) and busy.procs == []
     assert Contention(0).describe() == "none"
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_diffusion_pipeline_benchmark_writes_its_rows(tmp_path):
+    """``diffusion.py --pipeline --smoke``: a tiny FluxPipeline, ours, model offload and group offloading, one round;
+    every image equal to the pipeline's in RAM, and each method moved something."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "diffusion.py"), "--pipeline", "--smoke", "--rounds", "1", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=TIMEOUT, cwd=BENCHMARKS.parent,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCHMARKS.parent),
+                                                                      os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(tmp_path / "diffusion_pipeline.csv", newline="") as fh:
+        rows = {r["method"]: r for r in csv.DictReader(fh)}
+    assert set(rows) == {"ours", "model-offload", "group-offload"}
+    assert all(r["equal_to_ram"] == "True" and float(r["mib_moved_per_image"]) > 0 for r in rows.values())
+    assert _table_rows((tmp_path / "diffusion_pipeline.md").read_text())

@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
+from ..offload import StandInDevice
+from ..offload.moved import ModelMoves, compute_on_cpu
 from ..pipelines import plan_pipeline
 from .library import baseline_map, optional_import, user_budgets
 
@@ -37,8 +39,8 @@ MODEL_NAMESPACES = ("diffusers.models.modeling_utils", "diffusers.loaders.single
 ``FromOriginalModelMixin.from_single_file``)."""
 
 
-def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable,
-                    runtime: str | None) -> list[tuple[object, str, Callable]]:
+def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable, runtime: str | None,
+                    device=None) -> list[tuple[object, str, Callable]]:
     """``(module, attribute, replacement)`` for every diffusers attribute :func:`allocator.patch` replaces; empty
     where diffusers is not installed.
 
@@ -50,6 +52,9 @@ def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable,
         ``wrap_dispatch(dispatch_model) -> dispatch_model`` that attaches the allocator runtime.
     runtime : str or None
         The patch's ``PlanOptions.runtime``.
+    device : optional
+        The patch's ``offload_device``: ``"stand-in"`` moves the components a pipeline plan moves
+        (:mod:`allocator.offload.moved`) onto :class:`allocator.offload.StandInDevice`.
     """
     swaps = []
     for name in MODEL_NAMESPACES:
@@ -60,7 +65,7 @@ def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable,
                       _determine_device_map(module._determine_device_map, plan_map)))
         if runtime == "allocator" and hasattr(module, "dispatch_model"):
             swaps.append((module, "dispatch_model", wrap_dispatch(module.dispatch_model)))
-    return swaps + pipeline_swaps(plan_pipeline)
+    return swaps + pipeline_swaps(plan_pipeline, device)
 
 
 def _determine_device_map(original: Callable, plan_map: Callable) -> Callable:
@@ -106,15 +111,17 @@ def _special_dtypes(model, torch_dtype, keep_in_fp32_modules, hf_quantizer) -> d
 
 # -- pipelines ----------------------------------------------------------------------------------------------------
 
-def pipeline_swaps(plan_pipeline: Callable) -> list[tuple[object, str, Callable]]:
+def pipeline_swaps(plan_pipeline: Callable, device=None) -> list[tuple[object, str, Callable]]:
     """``(module, attribute, replacement)`` for ``DiffusionPipeline.from_pretrained(device_map="balanced")``:
     ``_get_final_device_map`` (component -> device) from :func:`allocator.plan_pipeline`, and ``load_sub_model``
-    giving a component with a map of its own that map (both imported by name into
-    ``diffusers.pipelines.pipeline_utils``, 0.42)."""
+    giving a component with a map of its own that map, and a component the plan moves (``execution[name] ==
+    "moved"``) a hook that moves it onto ``runs_on[name]`` when it runs (:mod:`allocator.offload.moved`; onto
+    :class:`allocator.offload.StandInDevice` where ``device == "stand-in"``). Both functions are imported by name
+    into ``diffusers.pipelines.pipeline_utils`` (0.42)."""
     module = optional_import("diffusers.pipelines.pipeline_utils")
     if module is None or not all(hasattr(module, n) for n in ("_get_final_device_map", "load_sub_model")):
         return []
-    own: dict = {}   # component -> (its map, the budgets it was planned over), for the pipeline being loaded
+    own = Loading(device)   # what the pipeline being loaded gets: maps of its own, moves
     return [(module, "_get_final_device_map", _final_device_map(module._get_final_device_map, plan_pipeline, own)),
             (module, "load_sub_model", _load_sub_model(module.load_sub_model, own))]
 
@@ -124,7 +131,73 @@ PINNED: list = []
 replacement returns it for that load. Process-global, as the patch is."""
 
 
-def _final_device_map(original: Callable, plan_pipeline: Callable, own: dict) -> Callable:
+class Loading:
+    """What the pipeline being loaded gets from its plan, beyond the one device diffusers gives each component.
+
+    Attributes
+    ----------
+    maps : dict
+        Component -> (its own map, the budgets it was planned over).
+    moved : dict
+        Component -> the device it is moved onto when it runs (it loads on the CPU).
+    on_cpu : set
+        Components computed on the CPU, where they live.
+    moves : ModelMoves or None
+        The moves of this pipeline's components, made at its first moved component.
+    """
+
+    def __init__(self, device=None):
+        self.device = device
+        self.maps: dict = {}
+        self.moved: dict = {}
+        self.on_cpu: set = set()
+        self.moves: ModelMoves | None = None
+
+    def start(self, plan) -> dict:
+        """Read ``plan`` (a :class:`allocator.PipelinePlan`); return component -> the one device diffusers loads it
+        on (a moved component: the CPU, where it lives)."""
+        self.clear()
+        execution, runs_on = getattr(plan, "execution", {}), getattr(plan, "runs_on", {})
+        for name, where in plan.components.items():
+            if isinstance(where, Mapping):
+                self.maps[name] = (dict(where), dict(plan.given[name]))
+            elif execution.get(name) == "moved":
+                self.moved[name] = runs_on[name]
+            elif execution.get(name) == "cpu":
+                self.on_cpu.add(name)
+        if self.moved:
+            log.info("diffusers' pipeline loading gives a component one device; %s live in RAM and are moved whole "
+                     "onto the device they run on when they run, by allocator.offload.moved",
+                     {n: d for n, d in self.moved.items()})
+        return {n: ("cpu" if n in self.moved else w) for n, w in plan.components.items()
+                if not isinstance(w, Mapping)}
+
+    def clear(self) -> None:
+        """Nothing planned: the pipeline being loaded is diffusers' own business."""
+        self.maps.clear()
+        self.moved.clear()
+        self.on_cpu.clear()
+        self.moves = None
+
+    @property
+    def in_ram(self) -> set:
+        """Components loaded in RAM with no map: moved, or computed on the CPU."""
+        return set(self.moved) | self.on_cpu
+
+    def loaded(self, name: str, component):
+        """``component`` (loaded in RAM) with its hooks: a :class:`MoveHook`, or :func:`compute_on_cpu`'s."""
+        if component is None:
+            return component
+        if self.moves is None:   # one per pipeline: which moved component is on each device
+            self.moves = ModelMoves(StandInDevice() if self.device == "stand-in" else None)
+        if name in self.on_cpu:
+            compute_on_cpu(name, component, self.moves.device)
+        else:
+            self.moves.add(name, component, self.moved[name])
+        return component
+
+
+def _final_device_map(original: Callable, plan_pipeline: Callable, own: Loading) -> Callable:
     def _get_final_device_map(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory,
                               **kwargs):
         own.clear()
@@ -139,27 +212,29 @@ def _final_device_map(original: Callable, plan_pipeline: Callable, own: dict) ->
                         "used", pipeline_class.__name__, result.explain())
             return original(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory, **kwargs)
         log.info("%s", result.explain())
-        for name, where in result.components.items():
-            if isinstance(where, Mapping):
-                own[name] = (dict(where), dict(result.given[name]))
-        return {n: w for n, w in result.components.items() if not isinstance(w, Mapping)}
+        return own.start(result)
 
     _get_final_device_map.__allocator_original__ = original
     return _get_final_device_map
 
 
-def _load_sub_model(original: Callable, own: dict) -> Callable:
+def _load_sub_model(original: Callable, own: Loading) -> Callable:
     """diffusers' ``load_sub_model``; a component with a map of its own is loaded with ``device_map="auto"`` and the
     budgets it was planned over: diffusers' pipeline loading passes one device per component (``{"": device}``,
     and a dict without ``""`` fails in ``load_sub_model``), so the mode goes through ``from_pretrained`` to the
     patched planner; a diffusers component gets exactly the map planned (:data:`PINNED`), a transformers one the
-    patch's plan over the same budgets."""
+    patch's plan over the same budgets. A moved component, or one computed on the CPU, is loaded in RAM without a map
+    and given its hooks (:meth:`Loading.loaded`): diffusers loads a component dealt ``{"": "cpu"}`` with hooks that
+    copy it whole onto GPU 0 at every call and drop it after (``load_sub_model``, ``dispatch_model(force_hooks=True,
+    main_device=0)``), which is neither where the plan computes it nor how long it stays there."""
 
     def load_sub_model(*args, **kwargs):
         name = kwargs.get("name")
-        if name not in own:
+        if name in own.in_ram:   # into RAM with no hooks: diffusers' {"": "cpu"} would stream it onto GPU 0 per call
+            return own.loaded(name, original(*args, **{**kwargs, "device_map": None}))
+        if name not in own.maps:
             return original(*args, **kwargs)
-        device_map, budgets = own[name]
+        device_map, budgets = own.maps[name]
         PINNED.append(device_map)
         try:
             return original(*args, **{**kwargs, "device_map": "auto", "max_memory": budgets})

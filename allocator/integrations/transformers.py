@@ -337,7 +337,8 @@ class Patch:
                 swaps.append(_Swap(module, "infer_auto_device_map",
                                    self._infer_auto_device_map(module.infer_auto_device_map, module.__name__)))
         first = [_Swap(*swap) for swap in   # diffusers' from_pretrained (allocator.integrations.diffusers)
-                 diffusers_swaps(self._device_map, self._dispatch_model, self.options.runtime)]
+                 diffusers_swaps(self._device_map, self._dispatch_model, self.options.runtime,
+                                 self.attach_options.get("device"))]
         return first + swaps + self._swaps_by_name(first + swaps)
 
     def _swaps_by_name(self, made: list[_Swap], modules=None) -> list[_Swap]:

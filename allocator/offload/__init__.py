@@ -33,7 +33,8 @@ The runtime is four modules: :mod:`.files` (the mapped files and where each tens
 (the main devices that make weights ready), :mod:`.scheduler` (the tensors and modules moved, and their order) and
 :mod:`.hooks` (the hooks on the model, :func:`attach`, :func:`detach`, :func:`dispatch`), with :mod:`.experts` and
 :mod:`.expert_cache` beside them; :func:`detach` lets go of everything the runtime held, and :mod:`.heap` gives what
-glibc keeps of freed memory back to the system at :func:`attach` and :func:`detach`.
+glibc keeps of freed memory back to the system at :func:`attach` and :func:`detach`. :mod:`.moved` moves a pipeline's
+components that live in RAM whole onto their device when they run (model offload, as a pipeline plan says).
 """
 
 from __future__ import annotations
