@@ -21,7 +21,12 @@ from ..budgets import format_bytes, is_accelerator, parse_budgets
 from ..placement import Decision
 from .components import Component, read_components, runs_per_image
 
-__all__ = ["PipelinePlan", "plan_pipeline"]
+__all__ = ["EXECUTIONS", "PipelinePlan", "plan_pipeline"]
+
+EXECUTIONS = ("resident", "moved", "split", "cpu")
+"""How a component runs: whole where it lives (``"resident"``), moved whole from RAM onto the device it runs on and
+back (``"moved"``, model offload), with a map of its own (``"split"``), or computed on the CPU where it lives
+(``"cpu"``)."""
 
 log = logging.getLogger("allocator.pipelines")
 
@@ -54,6 +59,13 @@ class PipelinePlan:
     given : dict
         For each component with a map of its own, the budgets it was planned over (the room the components before it
         left): what its ``from_pretrained`` gets as ``max_memory`` under :func:`allocator.patch`.
+    execution : dict
+        Component name to how it runs (:data:`EXECUTIONS`): ``"resident"`` (whole on its device, computes there),
+        ``"moved"`` (lives in RAM, moved whole onto ``runs_on[name]`` when it runs and back after, as diffusers'
+        ``enable_model_cpu_offload`` does), ``"split"`` (a device map of its own, run by the plan's runtime) or
+        ``"cpu"`` (computes on the CPU, where it lives).
+    runs_on : dict
+        Component name to the device it computes on (for ``"split"``: its plan's main device).
     """
 
     components: dict
@@ -66,6 +78,8 @@ class PipelinePlan:
     dtype: str | None = None
     unplaced: tuple = field(default=())
     given: dict = field(default_factory=dict)
+    execution: dict = field(default_factory=dict)
+    runs_on: dict = field(default_factory=dict)
 
     @property
     def valid(self) -> bool:
@@ -86,6 +100,8 @@ class PipelinePlan:
             budget = self.budgets.get(device)
             lines.append(f"  {device}: {format_bytes(used)}"
                          + (f" of {format_bytes(budget)}" if budget is not None else ""))
+        lines += [f"  {name}: {self.execution[name]}, computes on {self.runs_on[name]}"
+                  for name in self.components if name in self.execution]
         lines += [f"  - {d.text}" for d in self.decisions]
         return "\n".join(lines)
 
@@ -100,6 +116,7 @@ class PipelinePlan:
             "decisions": [{"kind": d.kind, "text": d.text, "devices": [str(x) for x in d.devices],
                            "units": list(d.units), "bytes": d.bytes, "bound": d.bound} for d in self.decisions],
             "unplaced": list(self.unplaced),
+            "execution": dict(self.execution), "runs_on": {n: str(d) for n, d in self.runs_on.items()},
         }
 
 
@@ -173,10 +190,14 @@ def plan_pipeline(source, max_memory: Mapping, *, dtype=None, steps: int = 28, p
                                   "({'': device}); a component with a map of its own loads under allocator.patch() "
                                   "(its from_pretrained gets the map) or by loading it alone with device_map=",
                                   units=tuple(n for n, w in placed.items() if isinstance(w, Mapping))))
+    execution = {n: ("split" if isinstance(w, Mapping) else "cpu" if w in ("cpu", "disk") else "resident")
+                 for n, w in placed.items()}
+    runs_on = {n: (plans[n].main_device if isinstance(w, Mapping) else w) for n, w in placed.items()}
     return PipelinePlan({n: placed[n] for n in components if n in placed}, plans, sizes, runs,
                         {d: b for d, b in peak.items() if b}, {d: budgets.limit(d) for d in room},
                         tuple(decisions), None if dtype is None else str(dtype).removeprefix("torch."),
-                        tuple(unplaced), planned_over)
+                        tuple(unplaced), planned_over, {n: execution[n] for n in components if n in execution},
+                        {n: runs_on[n] for n in components if n in runs_on})
 
 
 def _size(component: Component, dtype) -> int:

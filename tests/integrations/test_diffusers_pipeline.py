@@ -45,6 +45,11 @@ def test_flux_dev_on_two_16gib_gpus(flux_plan):
     data = json.loads(json.dumps(p.to_dict()))
     assert data["valid"] and data["components"]["vae"] in {"0", "1"}
     assert "transformer" in p.explain() and "fits no accelerator whole" in p.explain()
+    assert p.execution["transformer"] == "split" and p.runs_on["transformer"] == 0
+    assert all(p.execution[n] == "resident" and p.runs_on[n] == p.components[n] for n in p.components
+               if n != "transformer")
+    assert data["execution"] == p.execution and data["runs_on"]["transformer"] == "0"
+    assert "transformer: split, computes on 0" in p.explain()
 
 
 def test_diffusers_own_balanced_sends_the_transformer_to_the_cpu(flux_plan):
