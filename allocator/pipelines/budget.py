@@ -17,7 +17,8 @@ denoiser (a transformer)
 text encoder
     ``batch x L x bytes x (7·D + 2·F')`` at ``L = min(text_tokens, max_position_embeddings)``, plus every layer's
     hidden state for a decoder language model (the pipelines ask for ``output_hidden_states``), its logits over the
-    vocabulary where it has a head, and T5's scores with their position bias (``2 x heads x L²``).
+    vocabulary where it has a head, and T5's eager attention: ``batch x heads x L² x (bytes + 4)``, the position bias
+    it keeps through the layers and the softmax it computes in float32.
 VAE decode
     a 2-D VAE (``AutoencoderKL``): ``4 x C x batch x frames x height x width x bytes``, ``C`` the channels entering
     the last up block (``block_out_channels[1]``): the first resnet there holds its input, normalised and activated
@@ -229,8 +230,8 @@ def _text_encoder(model, budget: DiffusionBudget, size: float) -> int:
     if hasattr(model, "lm_head"):
         per_token += _get(config, "vocab_size") or 0
     total = budget.batch * length * size * per_token
-    if _get(config, "relative_attention_num_buckets"):    # T5: scores and the position bias, per head
-        total += 2 * budget.batch * (_get(config, "num_heads") or 1) * length * length * size
+    if _get(config, "relative_attention_num_buckets"):    # T5: the position bias held, the float32 softmax
+        total += budget.batch * (_get(config, "num_heads") or 1) * length * length * (size + 4)
     return int(total)
 
 
