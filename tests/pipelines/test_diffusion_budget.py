@@ -140,7 +140,7 @@ def t5():
 
 def qwen3():
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=2, vocab_size=1000,
+    config = transformers.Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=8, vocab_size=1000,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     m = transformers.Qwen3Model(config).eval().to(BF16)
     return m, lambda ids: m(input_ids=ids, output_hidden_states=True)
