@@ -74,26 +74,26 @@ class Option:
 
 @dataclass(frozen=True)
 class Choice:
-    """One option per component, and the joint peak per device."""
+    """One option per component (``ways``: name -> :class:`Option`), and the joint peak per device."""
 
-    options: dict
+    ways: dict
     peak: dict
     over: dict
 
     @property
     def valid(self) -> bool:
-        return not self.over and all(o.plan is None or o.plan.valid for o in self.options.values())
+        return not self.over and all(o.plan is None or o.plan.valid for o in self.ways.values())
 
     @property
     def seconds(self) -> float:
-        return sum(o.seconds for o in self.options.values())
+        return sum(o.seconds for o in self.ways.values())
 
     def fill(self, budgets: Mapping) -> float:
         """The largest share of an accelerator's budget the joint peak takes."""
         return max((self.peak.get(d, 0) / b for d, b in budgets.items() if is_accelerator(d) and b), default=0.0)
 
     def on_accelerators(self) -> int:
-        return sum(b for o in self.options.values() for d, b in o.kept.items() if is_accelerator(d))
+        return sum(b for o in self.ways.values() for d, b in o.kept.items() if is_accelerator(d))
 
 
 def step_seconds(profile, device, need: Need) -> float:
@@ -235,7 +235,7 @@ def _with_maps(base: Choice, big: list, budgets: Mapping, unlimited: Mapping, pr
     """``base`` with each of ``big`` given a map of its own in turn over the room the choice so far keeps (an
     accelerator's room at most ``cap`` of its budget), shrunk where an earlier component's run needs more than the
     map leaves (as :func:`allocator.plan_together` does)."""
-    chosen = dict(base.options)
+    chosen = dict(base.ways)
     capped = {d: (b * cap if b is not None and is_accelerator(d) else b) for d, b in budgets.items()}
     for need in sorted(big, key=lambda n: -n.runs * n.size):
         kept = {d: sum(o.kept.get(d, 0) for o in chosen.values()) for d in budgets}
@@ -260,11 +260,11 @@ def _improve(best: Choice, needs: dict, budgets, unlimited, profile, options, ba
     room the others keep, kept where the choice then ranks better."""
     largest = sorted(needs, key=lambda n: -needs[n].size)[:2]
     for name in sorted(needs, key=lambda n: -needs[n].size):
-        option = best.options[name]
+        option = best.ways[name]
         if option.execution == "split" or needs[name].model is None or not (
                 option.execution in ("cpu", "moved") or (balanced and name in largest)):
             continue
-        others = joint_peak({n: o for n, o in best.options.items() if n != name}, budgets)
+        others = joint_peak({n: o for n, o in best.ways.items() if n != name}, budgets)
         trials = [_with_maps(others, [needs[name]], budgets, unlimited, profile, options, cap)
                   for cap in _caps(others, [needs[name]], budgets, balanced)]
         best = _best([best] + [t for t in trials if t is not None and t.valid], budgets, balanced)

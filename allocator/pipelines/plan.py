@@ -215,7 +215,7 @@ def plan_pipeline(source, max_memory: Mapping, *, budget: DiffusionBudget | None
     best, judged = choose(needs, budgets, unlimited, profile, {"strategy": strategy, "dtype": dtype},
                           balanced=balanced)
     chosen = best or (min(judged, key=lambda c: sum(c.over.values())) if judged else None)
-    options = chosen.options if chosen is not None else {}
+    options = chosen.ways if chosen is not None else {}
     unplaced = tuple(n for n in components if n not in options or (best is None and n in _over(chosen)))
     decisions += [_decision(needs[n], options[n], needs, budgets, profile) for n in components if n in options]
     if best is None:
@@ -242,7 +242,7 @@ def plan_pipeline(source, max_memory: Mapping, *, budget: DiffusionBudget | None
 def _over(choice) -> set:
     if choice is None:
         return set()
-    return {n for n, o in choice.options.items() if set(o.kept) & set(choice.over) or set(o.running) & set(choice.over)}
+    return {n for n, o in choice.ways.items() if set(o.kept) & set(choice.over) or set(o.running) & set(choice.over)}
 
 
 def _decision(need: Need, option, needs: dict, budgets: Mapping, profile) -> Decision:
