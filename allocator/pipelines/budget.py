@@ -45,7 +45,8 @@ from ..errors import InvalidOption
 from ..model.sizes import as_dtype, dtype_bytes
 from .components import DENOISERS
 
-__all__ = ["DiffusionBudget", "JOINT", "activation_peaks", "batches_guidance", "component_kind", "denoiser_tokens"]
+__all__ = ["DiffusionBudget", "JOINT", "activation_peaks", "batches_guidance", "component_kind", "denoiser_tokens",
+           "vae_factors"]
 
 log = logging.getLogger("allocator.pipelines")
 
@@ -191,7 +192,7 @@ def denoiser_tokens(denoiser, vae, budget: DiffusionBudget) -> int:
     """Tokens one denoiser step runs through its blocks, per batch entry: image tokens at the latent size over the
     patch, plus the text tokens where the blocks attend jointly (:data:`JOINT`)."""
     config = _config(denoiser)
-    spatial, temporal = _vae_factors(vae)
+    spatial, temporal = vae_factors(vae)
     patch = max(_patch(config), _packing(config, vae))
     frames = 1 + (budget.frames - 1) // temporal if temporal > 1 else budget.frames
     tokens = frames * math.ceil(budget.height / (spatial * patch)) * math.ceil(budget.width / (spatial * patch))
@@ -240,7 +241,7 @@ def _vae_decode(model, budget: DiffusionBudget, size: float) -> int:
     area = budget.batch * budget.pixels * size
     if _get(config, "temperal_downsample") is not None:   # a causal 3-D VAE, one latent frame at a time
         channels = _get(config, "decoder_base_dim") or _get(config, "base_dim") or 96
-        _, temporal = _vae_factors(model)
+        _, temporal = vae_factors(model)
         chunk = 1 if budget.frames == 1 else temporal
         return int(area * channels * (CAUSAL_PER_FRAME * chunk + CAUSAL_CACHE))
     blocks = _get(config, "block_out_channels")
@@ -251,7 +252,7 @@ def _vae_decode(model, budget: DiffusionBudget, size: float) -> int:
     return int(KL_COPIES * channels * area * budget.frames)
 
 
-def _vae_factors(vae) -> tuple[int, int]:
+def vae_factors(vae) -> tuple[int, int]:
     """(spatial, temporal) compression of the VAE: ``2 ** (len(block_out_channels) - 1)`` for a 2-D VAE, the
     config's factors (or 8 and ``2 ** sum(temperal_downsample)``) for a causal 3-D one."""
     if vae is None:

@@ -22,7 +22,7 @@ from ..api import plan
 from ..budgets import canonical, format_bytes, format_ms, parse_budgets
 from ..placement import Decision
 from ..profile import Profile
-from .budget import DiffusionBudget, activation_peaks, component_kind, denoiser_tokens
+from .budget import DiffusionBudget, activation_peaks, component_kind, denoiser_tokens, vae_factors
 from .choose import Need, choose, whole_options
 from .components import Component, pipeline_class, read_components, runs_per_image
 
@@ -278,7 +278,8 @@ def _tokens(name: str, model, vae, budget: DiffusionBudget, kind) -> int:
         return budget.batch * budget.guided(kind) * denoiser_tokens(model, vae, budget)
     if role == "text_encoder":
         return budget.batch * budget.text_tokens
-    return budget.batch * budget.frames * (budget.height // 8) * (budget.width // 8)
+    spatial, _ = vae_factors(vae)
+    return budget.batch * budget.frames * (budget.height // spatial) * (budget.width // spatial)
 
 
 def _default_side(denoiser, vae) -> int:

@@ -120,3 +120,14 @@ def test_a_rarely_run_component_is_moved_or_computed_where_it_lives_by_the_estim
     assert slow.valid and slow.price > fast.price
     said = next(d.text for d in slow.decisions if d.units == ("text_encoder",))
     assert "computed on the CPU" in said and "moved onto 0 it would take" in said
+
+
+def test_without_a_budget_the_pipelines_default_size_is_counted_and_said():
+    """FLUX.1-dev's transformer config has no ``sample_size``: 1024², which is also FluxPipeline's default
+    (``default_sample_size`` 128 latents x the VAE's 8)."""
+    folder = write_configs(tempfile.mkdtemp())
+    p = allocator.plan_pipeline(folder, {0: "16GiB", 1: "16GiB", "cpu": "64GiB"}, dtype=torch.bfloat16, steps=4)
+    assert (p.budget.height, p.budget.width, p.budget.steps) == (1024, 1024, 4) and p.runs["transformer"] == 4
+    assert any("no DiffusionBudget given: activations counted at 1024x1024" in d.text for d in p.decisions)
+    assert p.activations["vae"] == planned(FLUX_DEV, {0: "16GiB", 1: "16GiB", "cpu": "64GiB"},
+                                           allocator.DiffusionBudget(1024, 1024)).activations["vae"]
