@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -34,6 +35,9 @@ log = logging.getLogger("allocator.pipelines")
 REALIZED = 4
 """Choices of whole options whose components with a map of their own are then planned (each a call of
 :func:`allocator.plan`), best estimate first."""
+MAX_CHOICES = 20_000
+"""Choices of whole options judged at most: beyond it (many components over many accelerators), each component's
+dearest options are left out first."""
 NEAR = 1.05
 """Under ``balanced``, choices priced within this factor of the cheapest count as equally fast: the most even
 spread of them wins."""
@@ -170,13 +174,14 @@ def joint_peak(options, budgets: Mapping) -> Choice:
 
 
 def choose(needs: dict, budgets: Mapping, unlimited: Mapping, profile, options: dict, *, balanced: bool):
-    """The best choice of one option per component, and every choice judged (for the decisions' comparisons).
+    """The best choice of one option per component (``None`` where nothing is valid), and the choices with maps of
+    their own that were planned (the least over budget of them is what an invalid plan reports).
 
     Components that fit no accelerator whole get a map of their own (planned over what the others leave, up to
     :data:`REALIZED` choices of the others), and a component left on the CPU is offered one too; the valid choice
     kept is the cheapest (then more bytes on the accelerators, then the most even spread), or under ``balanced``
-    the most even spread among those within :data:`NEAR` of the cheapest. ``None`` where nothing is valid."""
-    whole = {n: whole_options(need, budgets, profile) for n, need in needs.items()}
+    the most even spread among those within :data:`NEAR` of the cheapest."""
+    whole = _pruned({n: whole_options(need, budgets, profile) for n, need in needs.items()})
     accelerators = {d: b for d, b in budgets.items() if is_accelerator(d) and b}
     big = [n for n, need in needs.items()
            if not any(o.execution in ("resident", "moved") for o in whole[n]) and accelerators]
@@ -196,6 +201,18 @@ def choose(needs: dict, budgets: Mapping, unlimited: Mapping, profile, options: 
     best = _best(valid, budgets, balanced)
     best = _improve(best, needs, budgets, unlimited, profile, options, balanced)
     return best, realized
+
+
+def _pruned(whole: dict) -> dict:
+    """``whole`` with each component's dearest options left out, one at a time from the component with the most,
+    until at most :data:`MAX_CHOICES` choices remain."""
+    kept = {n: sorted(options, key=lambda o: o.seconds) for n, options in whole.items()}
+    while math.prod(max(len(o), 1) for o in kept.values()) > MAX_CHOICES:
+        most = max(kept, key=lambda n: len(kept[n]))
+        if len(kept[most]) <= 2:
+            break
+        kept[most] = kept[most][:-1]
+    return kept
 
 
 def _best(valid: list, budgets: Mapping, balanced: bool) -> Choice:
