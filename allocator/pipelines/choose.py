@@ -139,7 +139,7 @@ def split_option(need: Need, room: Mapping, unlimited: Mapping, options: dict, p
     if not any(is_accelerator(d) for d in asked):
         return None
     try:
-        result = plan(need.model, asked, loader=need.loader, **options)
+        result = plan(need.model, asked, loader=need.loader, strict=True, **options)   # a trial: no warning
     except InfeasiblePlacement as err:
         log.debug("no map of its own for %s in %s: %s", need.name, asked, err)
         return None

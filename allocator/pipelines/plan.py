@@ -148,6 +148,8 @@ class PipelinePlan:
             "unplaced": list(self.unplaced),
             "execution": dict(self.execution), "runs_on": {n: str(d) for n, d in self.runs_on.items()},
             "activations": dict(self.activations), "seconds": dict(self.seconds), "price_seconds": self.price,
+            "budget": None if self.budget is None else {f: getattr(self.budget, f) for f in (
+                "height", "width", "frames", "batch", "steps", "guidance", "text_tokens")},
         }
 
 

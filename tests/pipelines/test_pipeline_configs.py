@@ -131,3 +131,18 @@ def test_without_a_budget_the_pipelines_default_size_is_counted_and_said():
     assert any("no DiffusionBudget given: activations counted at 1024x1024" in d.text for d in p.decisions)
     assert p.activations["vae"] == planned(FLUX_DEV, {0: "16GiB", 1: "16GiB", "cpu": "64GiB"},
                                            allocator.DiffusionBudget(1024, 1024)).activations["vae"]
+
+
+@pytest.mark.parametrize("budget", [{0: "8GiB", "cpu": "32GiB"}, {0: "24GiB", "cpu": "16GiB"},
+                                    {0: "10GiB", 1: "10GiB", "cpu": "24GiB"}, {0: "6GiB", "cpu": "8GiB"}])
+def test_every_plan_keeps_the_joint_rule_or_says_what_is_over(budget):
+    """Z-Image-Turbo over budgets from a small card to more than enough, and one too small for it: a valid plan's
+    joint peaks recount from its components and stay within every budget; an invalid one names what is over."""
+    p = planned(Z_IMAGE_TURBO, budget, allocator.DiffusionBudget(1024, 1024, steps=8, guidance=0.0))
+    if p.valid:
+        check_joint_peaks(p)
+        assert p.runs_on["transformer"] == 0   # the denoiser computes on the GPU whenever a plan exists
+    else:
+        assert p.unplaced or any(p.peak.get(d, 0) > b for d, b in p.budgets.items())
+        assert "INVALID" in p.explain() and any("no choice keeps every device" in d.text for d in p.decisions)
+    assert json.loads(json.dumps(p.to_dict()))["budget"]["steps"] == 8
