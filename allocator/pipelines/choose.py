@@ -178,7 +178,8 @@ def choose(needs: dict, budgets: Mapping, unlimited: Mapping, profile, options: 
     their own that were planned (the least over budget of them is what an invalid plan reports).
 
     Components that fit no accelerator whole get a map of their own (planned over what the others leave, up to
-    :data:`REALIZED` choices of the others), and a component left on the CPU is offered one too; the valid choice
+    :data:`REALIZED` choices of the others) or are computed on the CPU, and a component left on the CPU is offered
+    a map too; the valid choice
     kept is the cheapest (then more bytes on the accelerators, then the most even spread), or under ``balanced``
     the most even spread among those within :data:`NEAR` of the cheapest."""
     whole = _pruned({n: whole_options(need, budgets, profile) for n, need in needs.items()})
@@ -195,10 +196,13 @@ def choose(needs: dict, budgets: Mapping, unlimited: Mapping, profile, options: 
             found = _with_maps(base, [needs[n] for n in big], budgets, unlimited, profile, options, cap)
             if found is not None:
                 realized.append(found)
+    if big:   # each of them computed on the CPU instead, where RAM holds it
+        realized += [joint_peak({n: o for n, o in zip(needs, combo)}, budgets)
+                     for combo in itertools.product(*(whole[n] for n in needs))]
     valid = [c for c in realized if c.valid] or [c for c in ranked if c.valid and not big]
     if not valid:
         return None, realized or ranked[:1]
-    best = _best(valid, budgets, balanced)
+    best = _best(valid, needs, budgets, balanced)
     best = _improve(best, needs, budgets, unlimited, profile, options, balanced)
     return best, realized
 
@@ -215,11 +219,19 @@ def _pruned(whole: dict) -> dict:
     return kept
 
 
-def _best(valid: list, budgets: Mapping, balanced: bool) -> Choice:
+def _best(valid: list, needs: dict, budgets: Mapping, balanced: bool) -> Choice:
+    """The choice kept: first, the fewest components that run more than once per image (the denoiser) computing on
+    the CPU, as the contract's first rule keeps a model off the CPU while an accelerator can run it; then the
+    cheapest (more bytes on the accelerators, then the most even spread), or under ``balanced`` the most even
+    spread among those within :data:`NEAR` of the cheapest."""
+    def on_cpu(c: Choice) -> int:
+        return sum(1 for n, o in c.ways.items() if o.execution == "cpu" and needs[n].runs > 1)
+
     if balanced:
         cheapest = min(c.seconds for c in valid)
-        return min(valid, key=lambda c: (c.seconds > cheapest * NEAR, round(c.fill(budgets), 4), c.seconds))
-    return min(valid, key=lambda c: (c.seconds, -c.on_accelerators(), c.fill(budgets)))
+        return min(valid, key=lambda c: (on_cpu(c), c.seconds > cheapest * NEAR, round(c.fill(budgets), 4),
+                                         c.seconds))
+    return min(valid, key=lambda c: (on_cpu(c), c.seconds, -c.on_accelerators(), c.fill(budgets)))
 
 
 def _estimate(choice: Choice, big: list, budgets: Mapping, profile) -> tuple:
@@ -284,5 +296,5 @@ def _improve(best: Choice, needs: dict, budgets, unlimited, profile, options, ba
         others = joint_peak({n: o for n, o in best.ways.items() if n != name}, budgets)
         trials = [_with_maps(others, [needs[name]], budgets, unlimited, profile, options, cap)
                   for cap in _caps(others, [needs[name]], budgets, balanced)]
-        best = _best([best] + [t for t in trials if t is not None and t.valid], budgets, balanced)
+        best = _best([best] + [t for t in trials if t is not None and t.valid], needs, budgets, balanced)
     return best

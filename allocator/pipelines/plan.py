@@ -221,9 +221,11 @@ def plan_pipeline(source, max_memory: Mapping, *, budget: DiffusionBudget | None
     unplaced = tuple(n for n in components if n not in options or (best is None and n in _over(chosen)))
     decisions += [_decision(needs[n], options[n], needs, budgets, profile) for n in components if n in options]
     if best is None:
-        decisions.append(Decision("pipeline", "no choice keeps every device within its budget"
-                                  + (f" (best found over by {_rooms(chosen.over)})" if chosen else "")
-                                  + ": give more memory, a smaller budget, or a disk to offload to", bound="budget"))
+        over = f" (the least over is by {_rooms(chosen.over)})" if chosen is not None and chosen.over else ""
+        decisions.append(Decision("pipeline", f"no choice keeps every device within its budget{over}; no room for "
+                                  f"{list(unplaced)} with their activations at this budget's sizes: give more memory, "
+                                  "a smaller DiffusionBudget, or a disk to offload to", units=unplaced,
+                                  bound="budget"))
     maps = [n for n, o in options.items() if o.execution == "split"]
     if maps:
         decisions.append(Decision("pipeline", "diffusers' pipeline loading gives a component one device "
