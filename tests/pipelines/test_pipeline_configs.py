@@ -138,7 +138,9 @@ def test_without_a_budget_the_pipelines_default_size_is_counted_and_said():
 def test_every_plan_keeps_the_joint_rule_or_says_what_is_over(budget):
     """Z-Image-Turbo over budgets from a small card to more than enough, and one too small for it: a valid plan's
     joint peaks recount from its components and stay within every budget; an invalid one names what is over."""
+    given = dict(budget)
     p = planned(Z_IMAGE_TURBO, budget, allocator.DiffusionBudget(1024, 1024, steps=8, guidance=0.0))
+    assert budget == given   # the caller's dict is never modified
     if p.valid:
         check_joint_peaks(p)
         assert p.runs_on["transformer"] == 0   # the denoiser computes on the GPU whenever a plan exists
