@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..api import plan
 from ..budgets import canonical, format_bytes, format_ms, parse_budgets
+from ..errors import InvalidOption
 from ..placement import Decision
 from ..profile import Profile
 from .budget import DiffusionBudget, activation_peaks, component_kind, denoiser_tokens, vae_factors
@@ -154,7 +155,8 @@ class PipelinePlan:
 
 
 def plan_pipeline(source, max_memory: Mapping, *, budget: DiffusionBudget | None = None, dtype=None,
-                  steps: int = 28, prompts: int = 1, images: int = 1, strategy="auto", balanced: bool = False,
+                  steps: int | None = None, prompts: int = 1, images: int = 1, strategy="auto",
+                  balanced: bool = False,
                   profile: Profile | None = None) -> PipelinePlan:
     """Place a diffusion pipeline's components over the devices as one problem, with room for each one to run.
 
@@ -171,9 +173,11 @@ def plan_pipeline(source, max_memory: Mapping, *, budget: DiffusionBudget | None
         the VAE's factor, else 1024x1024), batch 1, ``steps``.
     dtype : torch.dtype or str, optional
         The dtype the components load in (``torch_dtype=`` of ``from_pretrained``); default: as stored.
-    steps, prompts, images : int
-        Denoising steps per image (when no ``budget`` is given), prompts and images per call: how often each
-        component runs per image (:func:`allocator.pipelines.runs_per_image`).
+    steps : int, optional
+        Denoising steps per image where no ``budget`` is given (default 28); with a budget, its ``steps``.
+    prompts, images : int
+        Prompts and images per call: with the steps, how often each component runs per image
+        (:func:`allocator.pipelines.runs_per_image`).
     strategy : str or callable
         The strategy of :func:`allocator.plan` for a component given a map of its own.
     balanced : bool
@@ -185,6 +189,11 @@ def plan_pipeline(source, max_memory: Mapping, *, budget: DiffusionBudget | None
     Returns
     -------
     PipelinePlan
+
+    Raises
+    ------
+    InvalidOption
+        ``steps`` given with a ``budget`` whose steps differ.
 
     Notes
     -----
@@ -202,8 +211,12 @@ def plan_pipeline(source, max_memory: Mapping, *, budget: DiffusionBudget | None
     denoiser = next((c.model for n, c in components.items() if component_kind(n, c.model) == "denoiser"), None)
     vae = next((c.model for n, c in components.items() if component_kind(n, c.model) == "vae"), None)
     decisions = []
+    if budget is not None and steps is not None and steps != budget.steps:
+        raise InvalidOption(f"plan_pipeline got steps={steps} and a budget with steps={budget.steps}; give the steps "
+                            "once, in DiffusionBudget(..., steps=).")
     if budget is None:
         side = _default_side(denoiser, vae)
+        steps = 28 if steps is None else steps
         budget = DiffusionBudget(side, side, steps=steps)
         decisions.append(Decision("pipeline", f"no DiffusionBudget given: activations counted at {side}x{side}, "
                                   f"batch 1, {steps} steps (the pipeline's default size); pass budget= for yours"))

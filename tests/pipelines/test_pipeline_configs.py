@@ -148,3 +148,10 @@ def test_every_plan_keeps_the_joint_rule_or_says_what_is_over(budget):
         assert p.unplaced or any(p.peak.get(d, 0) > b for d, b in p.budgets.items())
         assert "INVALID" in p.explain() and any("no choice keeps every device" in d.text for d in p.decisions)
     assert json.loads(json.dumps(p.to_dict()))["budget"]["steps"] == 8
+
+
+def test_steps_given_twice_and_different_is_refused():
+    folder = write_configs(tempfile.mkdtemp())
+    with pytest.raises(allocator.InvalidOption, match="give the steps once"):
+        allocator.plan_pipeline(folder, {0: "16GiB"}, budget=allocator.DiffusionBudget(1024, 1024, steps=28),
+                                steps=4)
