@@ -21,7 +21,7 @@ from .model.expert_profile import ExpertProfile, profile_experts
 from . import offload
 from .integrations.plans import plan_of
 from .integrations.transformers import patch, unpatch
-from .pipelines import JointPlan, PipelinePlan, plan_pipeline, plan_together
+from .pipelines import DiffusionBudget, JointPlan, PipelinePlan, plan_pipeline, plan_together
 from .placement import Placement
 from .problem import Options, PlanOptions, Problem, build_problem
 from .strategies import STRATEGIES
@@ -39,7 +39,7 @@ __all__ = [
     "Options", "PlanOptions", "Placement", "Plan", "Problem", "STRATEGIES", "Violation", "build_problem",
     "contract_violations",
     "infer_auto_device_map", "offload", "patch", "plan_of", "PipelinePlan", "plan_pipeline", "JointPlan",
-    "plan_together",
+    "plan_together", "DiffusionBudget",
     "unpatch", "parse_budgets", "parse_size", "plan", "validate",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..errors import InvalidModel, cause_line
 from ..model.zoo import move_strays_to_meta, quiet_transformers
 
-__all__ = ["Component", "DENOISERS", "read_components", "runs_per_image"]
+__all__ = ["Component", "DENOISERS", "pipeline_class", "read_components", "runs_per_image"]
 
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")
 """Component names of the denoiser in diffusers' pipelines: it runs once per denoising step."""
@@ -54,6 +54,19 @@ def runs_per_image(name: str, *, steps: int, prompts: int = 1, images: int = 1) 
     if name.startswith(("text_encoder", "image_encoder")):
         return prompts / images
     return 1.0
+
+
+def pipeline_class(source) -> str | None:
+    """The pipeline's class name: ``_class_name`` of a folder's ``model_index.json``, or a loaded pipeline's type;
+    ``None`` where neither says."""
+    if not isinstance(source, (str, os.PathLike)):
+        return type(source).__name__
+    try:
+        with open(os.path.join(source, "model_index.json")) as f:
+            name = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def read_components(source) -> dict[str, Component]:

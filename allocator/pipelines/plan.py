@@ -1,13 +1,15 @@
-""":func:`plan_pipeline`: a diffusion pipeline's components placed over the devices as one problem.
+""":func:`plan_pipeline`: a diffusion pipeline's components placed over the devices as one problem (issue #47).
 
 diffusers' ``DiffusionPipeline.from_pretrained(device_map="balanced")`` deals whole components over the GPUs by size
 (``pipeline_loading_utils._assign_components_to_devices``: a zig-zag over the GPUs, largest component first); one
-larger than the GPU it is dealt to goes to the CPU whole, to be streamed whole onto GPU 0 when it runs. Here the
-components are taken in the order of the bytes they would stream per image if offloaded (runs per image × bytes: the
-denoiser runs every step, a text encoder once per prompt, the VAE once per image), so the one that runs most gets the
-accelerators first; each is placed whole on the accelerator it fits most tightly, else given a map of its own by
-:func:`allocator.plan` over the room the components before it left (split over the GPUs, or offloaded block by
-block).
+larger than the GPU it is dealt to goes to the CPU whole, to be streamed whole onto GPU 0 when it runs, and nothing
+counts what a component needs while it runs. Here each component's activations are counted at
+the :class:`allocator.DiffusionBudget`'s sizes, and how each one runs is chosen together
+(:mod:`allocator.pipelines.choose`):
+whole on an accelerator, moved onto one from RAM when it runs (model offload), computed on the CPU where it lives, or
+with a map of its own planned by :func:`allocator.plan` over the room the others leave. Each device holds what every
+component keeps there plus the most one needs while it runs there; the choice kept is the cheapest estimate per image
+(runs x the price of one run, plus the bytes moved), or under ``balanced`` the most even spread among the cheapest.
 """
 
 from __future__ import annotations
@@ -17,11 +19,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..api import plan
-from ..budgets import format_bytes, is_accelerator, parse_budgets
+from ..budgets import canonical, format_bytes, format_ms, parse_budgets
+from ..errors import InvalidOption
 from ..placement import Decision
-from .components import Component, read_components, runs_per_image
+from ..profile import Profile
+from .budget import DiffusionBudget, activation_peaks, component_kind, denoiser_tokens, vae_factors
+from .choose import Need, choose, whole_options
+from .components import Component, pipeline_class, read_components, runs_per_image
 
-__all__ = ["PipelinePlan", "plan_pipeline"]
+__all__ = ["EXECUTIONS", "PipelinePlan", "plan_pipeline"]
+
+EXECUTIONS = ("resident", "moved", "split", "cpu")
+"""How a component runs: whole where it lives (``"resident"``), moved whole from RAM onto the device it runs on and
+back (``"moved"``, model offload), with a map of its own (``"split"``), or computed on the CPU where it lives
+(``"cpu"``)."""
 
 log = logging.getLogger("allocator.pipelines")
 
@@ -41,8 +52,9 @@ class PipelinePlan:
     runs : dict
         Runs per image of each component (what decided who gets the accelerators first).
     peak : dict
-        Bytes per device: the sum over the components of each one's peak there (weights and streaming reserves;
-        activations not counted). An estimate, from sizes; nothing was timed or loaded.
+        Bytes per device: what every component keeps there plus the most one of them needs while it runs there (its
+        activations at the budget's sizes, a moved component's weights, a map's streaming reserve). An estimate,
+        from the configs; nothing was timed or loaded.
     budgets : dict
         Bytes per device given (``"disk"`` only where the caller gave it).
     decisions : tuple of Decision
@@ -54,6 +66,20 @@ class PipelinePlan:
     given : dict
         For each component with a map of its own, the budgets it was planned over (the room the components before it
         left): what its ``from_pretrained`` gets as ``max_memory`` under :func:`allocator.patch`.
+    execution : dict
+        Component name to how it runs (:data:`EXECUTIONS`): ``"resident"`` (whole on its device, computes there),
+        ``"moved"`` (lives in RAM, moved whole onto ``runs_on[name]`` when it runs and back after, as diffusers'
+        ``enable_model_cpu_offload`` does), ``"split"`` (a device map of its own, run by the plan's runtime) or
+        ``"cpu"`` (computes on the CPU, where it lives).
+    runs_on : dict
+        Component name to the device it computes on (for ``"split"``: its plan's main device).
+    activations : dict
+        Component name to its activation peak in bytes while it runs at the budget's sizes (an estimate,
+        :mod:`allocator.pipelines.budget`).
+    seconds : dict
+        Component name to its estimated seconds per image (runs x one run where it computes, plus the bytes moved).
+    budget : DiffusionBudget or None
+        The sizes the activations were counted at.
     """
 
     components: dict
@@ -66,6 +92,16 @@ class PipelinePlan:
     dtype: str | None = None
     unplaced: tuple = field(default=())
     given: dict = field(default_factory=dict)
+    execution: dict = field(default_factory=dict)
+    runs_on: dict = field(default_factory=dict)
+    activations: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    budget: DiffusionBudget | None = None
+
+    @property
+    def price(self) -> float:
+        """Estimated seconds per image: the sum over components of runs x the price of one run (an estimate)."""
+        return sum(self.seconds.values())
 
     @property
     def valid(self) -> bool:
@@ -81,11 +117,22 @@ class PipelinePlan:
     def explain(self) -> str:
         """The placement as text: per-device peak against budget, then each decision."""
         lines = [f"pipeline plan ({'valid' if self.valid else 'INVALID'}; dtype {self.dtype or 'as stored'}; "
-                 "sizes and peaks are estimates from the configs):"]
+                 "sizes, peaks and seconds are estimates from the configs):"]
+        if self.budget is not None:
+            b = self.budget
+            lines.append(f"  at {b.width}x{b.height}, {b.frames} frame(s), batch {b.batch}, {b.steps} steps")
         for device, used in self.peak.items():
             budget = self.budgets.get(device)
-            lines.append(f"  {device}: {format_bytes(used)}"
-                         + (f" of {format_bytes(budget)}" if budget is not None else ""))
+            lines.append(f"  {device}: joint peak {format_bytes(used)}"
+                         + (f" of {format_bytes(budget)} ({used / budget:.0%})" if budget else ""))
+        for name in self.components:
+            if name in self.execution:
+                lines.append(f"  {name}: {self.execution[name]}, computes on {self.runs_on[name]}; "
+                             f"{format_bytes(self.sizes[name])} weights, {format_bytes(self.activations.get(name, 0))}"
+                             f" activations, runs {self.runs[name]:g}x per image"
+                             + (f", {format_ms(self.seconds[name])} per image" if name in self.seconds else ""))
+        if self.seconds:
+            lines.append(f"  estimated {format_ms(self.price)} per image")
         lines += [f"  - {d.text}" for d in self.decisions]
         return "\n".join(lines)
 
@@ -100,12 +147,18 @@ class PipelinePlan:
             "decisions": [{"kind": d.kind, "text": d.text, "devices": [str(x) for x in d.devices],
                            "units": list(d.units), "bytes": d.bytes, "bound": d.bound} for d in self.decisions],
             "unplaced": list(self.unplaced),
+            "execution": dict(self.execution), "runs_on": {n: str(d) for n, d in self.runs_on.items()},
+            "activations": dict(self.activations), "seconds": dict(self.seconds), "price_seconds": self.price,
+            "budget": None if self.budget is None else {f: getattr(self.budget, f) for f in (
+                "height", "width", "frames", "batch", "steps", "guidance", "text_tokens")},
         }
 
 
-def plan_pipeline(source, max_memory: Mapping, *, dtype=None, steps: int = 28, prompts: int = 1, images: int = 1,
-                  strategy="auto") -> PipelinePlan:
-    """Place a diffusion pipeline's components over the devices as one problem.
+def plan_pipeline(source, max_memory: Mapping, *, budget: DiffusionBudget | None = None, dtype=None,
+                  steps: int | None = None, prompts: int = 1, images: int = 1, strategy="auto",
+                  balanced: bool = False,
+                  profile: Profile | None = None) -> PipelinePlan:
+    """Place a diffusion pipeline's components over the devices as one problem, with room for each one to run.
 
     Parameters
     ----------
@@ -114,69 +167,147 @@ def plan_pipeline(source, max_memory: Mapping, *, dtype=None, steps: int = 28, p
         meta device; nothing is downloaded and no weights are read), or a loaded pipeline.
     max_memory : mapping
         Budgets as accelerate accepts them (``{0: "16GiB", 1: "16GiB", "cpu": "64GiB"}``). Never modified.
+    budget : DiffusionBudget, optional
+        The sizes the pipeline runs at: each component's activations are counted there, and its ``steps`` set how
+        often the denoiser runs. Default: the pipeline's default image size (the denoiser's ``sample_size`` times
+        the VAE's factor, else 1024x1024), batch 1, ``steps``.
     dtype : torch.dtype or str, optional
         The dtype the components load in (``torch_dtype=`` of ``from_pretrained``); default: as stored.
-    steps, prompts, images : int
-        Denoising steps per image, prompts and images per call: how often each component runs per image
-        (:func:`allocator.pipelines.runs_per_image`), which decides who gets the accelerators first.
+    steps : int, optional
+        Denoising steps per image where no ``budget`` is given (default 28); with a budget, its ``steps``.
+    prompts, images : int
+        Prompts and images per call: with the steps, how often each component runs per image
+        (:func:`allocator.pipelines.runs_per_image`).
     strategy : str or callable
         The strategy of :func:`allocator.plan` for a component given a map of its own.
+    balanced : bool
+        As ``device_map="balanced"``: among the choices priced within 5 % of the cheapest, the one whose fullest
+        accelerator is least full (spread over the GPUs); else the cheapest.
+    profile : Profile, optional
+        The rates the prices are estimated with (:class:`allocator.Profile`; default: its documented defaults).
 
     Returns
     -------
     PipelinePlan
 
+    Raises
+    ------
+    InvalidOption
+        ``steps`` given with a ``budget`` whose steps differ.
+
     Notes
     -----
-    Greedy over components (a pipeline has a handful): components in decreasing runs × bytes; each placed whole on
-    the accelerator with the least room that holds it, else planned by :func:`allocator.plan` over the room left
-    (every accelerator, the CPU, the disk), which splits it over the GPUs or offloads it block by block. A
-    component's peak is charged to each device it uses, so the sum of peaks stays within each budget (components
-    run one after another, so this over-counts the streaming reserves). Activations are not counted.
+    Each component is offered every way to run whole (resident on each accelerator, moved onto each from RAM,
+    computed on the CPU); a component no accelerator holds whole gets a map of its own over the room the others
+    keep. The choices are judged together by the joint rule (per device, what all keep plus the most one needs
+    while it runs), best estimate first; at most :data:`allocator.pipelines.choose.REALIZED` of them plan maps of
+    their own (one :func:`allocator.plan` each). ``O(k^c)`` choices for ``c`` components of ``k`` options each
+    (``k <= 2·accelerators + 1``; a pipeline has at most six components).
     """
-    budgets = parse_budgets(max_memory)
+    limits = parse_budgets(max_memory)
+    budgets = {d: limits.limit(d) for d in limits.order if limits.limit(d) is not None}
+    unlimited = {k: v for k, v in max_memory.items() if canonical(k) not in budgets}
     components = read_components(source)
-    runs = {n: runs_per_image(n, steps=steps, prompts=prompts, images=images) for n in components}
+    denoiser = next((c.model for n, c in components.items() if component_kind(n, c.model) == "denoiser"), None)
+    vae = next((c.model for n, c in components.items() if component_kind(n, c.model) == "vae"), None)
+    decisions = []
+    if budget is not None and steps is not None and steps != budget.steps:
+        raise InvalidOption(f"plan_pipeline got steps={steps} and a budget with steps={budget.steps}; give the steps "
+                            "once, in DiffusionBudget(..., steps=).")
+    if budget is None:
+        side = _default_side(denoiser, vae)
+        steps = 28 if steps is None else steps
+        budget = DiffusionBudget(side, side, steps=steps)
+        decisions.append(Decision("pipeline", f"no DiffusionBudget given: activations counted at {side}x{side}, "
+                                  f"batch 1, {steps} steps (the pipeline's default size); pass budget= for yours"))
+    kind = pipeline_class(source)
+    acts = activation_peaks(components, budget, dtype=dtype, pipeline_class=kind)
+    runs = {n: runs_per_image(n, steps=budget.steps, prompts=prompts, images=images) for n in components}
     sizes = {n: _size(c, dtype) for n, c in components.items()}
-    room = {d: budgets.limit(d) for d in budgets.order if budgets.limit(d) is not None}
-    accelerators = [d for d in budgets.order if is_accelerator(d) and room.get(d, 0) > 0]
-    peak = dict.fromkeys(room, 0)
-    placed, plans, decisions, unplaced, planned_over = {}, {}, [], [], {}
-    for name in sorted(components, key=lambda n: (-runs[n] * sizes[n], n)):
-        fits = [d for d in accelerators or [d for d in ("cpu",) if d in room] if sizes[name] <= room[d]]
-        if fits:
-            device = min(fits, key=lambda d: (room[d], budgets.order.index(d)))
-            placed[name] = device
-            room[device] -= sizes[name]
-            peak[device] += sizes[name]
-            decisions.append(Decision("pipeline", f"{name} ({format_bytes(sizes[name])}, runs {runs[name]:g}× per "
-                                      f"image) whole on {device}", devices=(device,), units=(name,),
-                                      bytes=sizes[name], bound="budget"))
-            continue
-        given = {d: r for d, r in room.items() if r > 0}
-        result = plan(components[name].model, given, strategy=strategy, dtype=dtype, loader=components[name].loader)
-        if not result.valid:
-            unplaced.append(name)
-            decisions.append(Decision("pipeline", f"{name} ({format_bytes(sizes[name])}) fits in none of the room "
-                                      f"left ({_rooms(given)})", units=(name,), bytes=sizes[name], bound="budget"))
-            continue
-        placed[name], plans[name], planned_over[name] = dict(result.device_map), result, given
-        for device, used in result.peak.items():
-            room[device] = room.get(device, 0) - used
-            peak[device] = peak.get(device, 0) + used
-        used_on = sorted({v for v in result.device_map.values()}, key=budgets.order.index)
-        decisions.append(Decision("pipeline", f"{name} ({format_bytes(sizes[name])}, runs {runs[name]:g}× per image) "
-                                  f"fits no accelerator whole: its own map over {used_on} ({result.strategy})",
-                                  devices=tuple(used_on), units=(name,), bytes=sizes[name], bound="budget"))
-    if any(isinstance(w, Mapping) for w in placed.values()):
+    needs = {n: Need(n, sizes[n], acts[n], runs[n], _tokens(n, c.model, vae, budget, kind), c.model, c.loader)
+             for n, c in components.items()}
+    profile = profile or Profile()
+    best, judged = choose(needs, budgets, unlimited, profile, {"strategy": strategy, "dtype": dtype},
+                          balanced=balanced)
+    chosen = best or (min(judged, key=lambda c: sum(c.over.values())) if judged else None)
+    options = chosen.ways if chosen is not None else {}
+    unplaced = tuple(n for n in components if n not in options or (best is None and n in _over(chosen)))
+    decisions += [_decision(needs[n], options[n], needs, budgets, profile) for n in components if n in options]
+    if best is None:
+        over = f" (the least over is by {_rooms(chosen.over)})" if chosen is not None and chosen.over else ""
+        decisions.append(Decision("pipeline", f"no choice keeps every device within its budget{over}; no room for "
+                                  f"{list(unplaced)} with their activations at this budget's sizes: give more memory, "
+                                  "a smaller DiffusionBudget, or a disk to offload to", units=unplaced,
+                                  bound="budget"))
+    maps = [n for n, o in options.items() if o.execution == "split"]
+    if maps:
         decisions.append(Decision("pipeline", "diffusers' pipeline loading gives a component one device "
                                   "({'': device}); a component with a map of its own loads under allocator.patch() "
                                   "(its from_pretrained gets the map) or by loading it alone with device_map=",
-                                  units=tuple(n for n, w in placed.items() if isinstance(w, Mapping))))
-    return PipelinePlan({n: placed[n] for n in components if n in placed}, plans, sizes, runs,
-                        {d: b for d, b in peak.items() if b}, {d: budgets.limit(d) for d in room},
-                        tuple(decisions), None if dtype is None else str(dtype).removeprefix("torch."),
-                        tuple(unplaced), planned_over)
+                                  units=tuple(maps)))
+    order = list(components)
+    return PipelinePlan({n: options[n].placed for n in order if n in options},
+                        {n: options[n].plan for n in maps}, sizes, runs,
+                        dict(chosen.peak) if chosen is not None else {}, budgets, tuple(decisions),
+                        None if dtype is None else str(dtype).removeprefix("torch."), unplaced,
+                        {n: options[n].given for n in maps},
+                        {n: options[n].execution for n in order if n in options},
+                        {n: options[n].runs_on for n in order if n in options},
+                        acts, {n: options[n].seconds for n in order if n in options}, budget)
+
+
+def _over(choice) -> set:
+    if choice is None:
+        return set()
+    return {n for n, o in choice.ways.items() if set(o.kept) & set(choice.over) or set(o.running) & set(choice.over)}
+
+
+def _decision(need: Need, option, needs: dict, budgets: Mapping, profile) -> Decision:
+    """How ``need`` runs and why, with the numbers; for a rarely run component moved or left on the CPU, the price
+    of the other way."""
+    head = (f"{need.name} ({format_bytes(need.size)}, activations {format_bytes(need.activations)}, runs "
+            f"{need.runs:g}x per image) ")
+    if option.execution == "split":
+        how = (f"with a map of its own over {sorted({str(d) for d in option.placed.values()})}, computing on "
+               f"{option.runs_on}")
+    else:
+        how = {"resident": f"whole on {option.runs_on}", "cpu": "whole in RAM, computed on the CPU",
+               "moved": f"in RAM, moved whole onto {option.runs_on} when it runs and back after"}[option.execution]
+    text = f"{head}{how}: {format_ms(option.seconds)} per image (estimate)"
+    if option.execution == "moved":
+        text += f", {format_ms(option.moved_seconds)} of it moving {format_bytes(need.size)} over the host link"
+    if option.execution in ("moved", "cpu"):
+        other = [o for o in whole_options(need, budgets, profile) if o.execution != option.execution
+                 and o.execution in ("moved", "cpu")]
+        if other:
+            alt = min(other, key=lambda o: o.seconds)
+            text += (f"; {'computed on the CPU' if alt.execution == 'cpu' else f'moved onto {alt.runs_on}'} it "
+                     f"would take {format_ms(alt.seconds)}")
+    devices = tuple(option.kept) if option.execution != "split" else tuple(sorted(set(option.placed.values()), key=str))
+    return Decision("pipeline", text, devices=devices, units=(need.name,), bytes=need.size, bound="budget")
+
+
+def _tokens(name: str, model, vae, budget: DiffusionBudget, kind) -> int:
+    """Tokens one run of the component computes with (its price): the denoiser's latent tokens (x the guidance
+    batch), a text encoder's length, the VAE's latent positions (x the batch and frames)."""
+    role = component_kind(name, model)
+    if role == "denoiser":
+        return budget.batch * budget.guided(kind) * denoiser_tokens(model, vae, budget)
+    if role == "text_encoder":
+        return budget.batch * budget.text_tokens
+    spatial, _ = vae_factors(vae)
+    return budget.batch * budget.frames * (budget.height // spatial) * (budget.width // spatial)
+
+
+def _default_side(denoiser, vae) -> int:
+    """diffusers' default image side: the denoiser's ``sample_size`` (latent) times the VAE's spatial factor; 1024
+    where the config has none."""
+    config = getattr(denoiser, "config", None) or {}
+    sample = config.get("sample_size") if isinstance(config, Mapping) else getattr(config, "sample_size", None)
+    if not isinstance(sample, int) or vae is None:
+        return 1024
+    blocks = getattr(vae, "config", {}).get("block_out_channels") or ()
+    return sample * 2 ** max(len(blocks) - 1, 0) if blocks else 1024
 
 
 def _size(component: Component, dtype) -> int:

@@ -24,7 +24,7 @@ from ..api import plan
 from ..budgets import canonical, format_bytes, parse_budgets
 from ..errors import InfeasiblePlacement, InvalidOption
 
-__all__ = ["JointPlan", "plan_together"]
+__all__ = ["JointPlan", "kept_bytes", "plan_together", "running_bytes"]
 
 log = logging.getLogger("allocator.pipelines")
 
@@ -199,7 +199,7 @@ def _joint(models, order, budgets: dict, generations: dict, assistant_tokens: in
             except InfeasiblePlacement as err:
                 log.debug("no plan of %s in %s: %s", name, room, err)
                 return None
-            over = {d: _persistent(p, d) + max(running.get(d, 0), _running(p, d)) - room[d]
+            over = {d: kept_bytes(p, d) + max(running.get(d, 0), running_bytes(p, d)) - room[d]
                     for d in budgets if room.get(d) is not None}
             over = {d: n for d, n in over.items() if n > 0}
             if not over:
@@ -208,8 +208,8 @@ def _joint(models, order, budgets: dict, generations: dict, assistant_tokens: in
         given[name] = room
         plans[name] = p
         for d in budgets:
-            kept[d] = kept.get(d, 0) + _persistent(p, d)
-            running[d] = max(running.get(d, 0), _running(p, d))
+            kept[d] = kept.get(d, 0) + kept_bytes(p, d)
+            running[d] = max(running.get(d, 0), running_bytes(p, d))
     peak = {d: kept[d] + running[d] for d in budgets if kept[d] or running[d]}
     return JointPlan(plans={n: plans[n] for n in models}, peak=peak, budgets=budgets, order=tuple(order),
                      given=given, step_seconds=_step(plans, list(models), assistant_tokens))
@@ -220,11 +220,13 @@ def _key(device):
     return canonical(device)
 
 
-def _persistent(p, device) -> int:
+def kept_bytes(p, device) -> int:
+    """Bytes plan ``p`` keeps on ``device`` for as long as the model is loaded (:data:`PERSISTENT` parts)."""
     return sum(p.parts.get(device, {}).get(k, 0) for k in PERSISTENT)
 
 
-def _running(p, device) -> int:
+def running_bytes(p, device) -> int:
+    """Bytes plan ``p`` needs on ``device`` only while the model runs (the other parts of its verdict)."""
     return sum(v for k, v in p.parts.get(device, {}).items() if k not in PERSISTENT)
 
 

@@ -38,13 +38,18 @@ def test_flux_dev_on_two_16gib_gpus(flux_plan):
     assert p.valid
     assert set(p.components) == {"transformer", "text_encoder", "text_encoder_2", "vae"}
     assert p.on("transformer") == {0, 1}                      # on the GPUs, split across them
-    assert all("disk" not in p.on(n) and "cpu" not in p.on(n) for n in p.components)
+    assert all("disk" not in p.on(n) for n in p.components) and "cpu" not in p.on("transformer")
     assert all(p.peak[d] <= 16 * GIB for d in (0, 1))
     assert p.sizes["transformer"] > 22 * GIB and p.runs["transformer"] == 28 and p.runs["vae"] == 1
     assert p.plans["transformer"].valid and p.plans["transformer"].device_map == p.components["transformer"]
     data = json.loads(json.dumps(p.to_dict()))
     assert data["valid"] and data["components"]["vae"] in {"0", "1"}
-    assert "transformer" in p.explain() and "fits no accelerator whole" in p.explain()
+    assert "transformer" in p.explain() and "with a map of its own over ['0', '1']" in p.explain()
+    assert p.execution["transformer"] == "split" and p.runs_on["transformer"] == 0
+    assert all(p.runs_on[n] == p.components[n] for n in p.components if p.execution[n] == "resident")
+    assert all(p.runs_on[n] in (0, 1) for n in p.components)   # every component computes on a GPU
+    assert data["execution"] == p.execution and data["runs_on"]["transformer"] == "0"
+    assert "transformer: split, computes on 0" in p.explain()
 
 
 def test_diffusers_own_balanced_sends_the_transformer_to_the_cpu(flux_plan):
@@ -58,18 +63,18 @@ def test_diffusers_own_balanced_sends_the_transformer_to_the_cpu(flux_plan):
 
 def test_frequency_decides_who_gets_the_gpu():
     """A Flux with a small transformer (2 + 2 blocks, about 1.9 GiB) beside T5-XXL (8.9 GiB) on one 10 GiB GPU: both do
-    not fit whole. At 28 steps the denoiser streams more per image if offloaded, so it gets the GPU whole and the text
-    encoder its own map; at one step the order is by bytes and the text encoder gets the GPU whole."""
+    not fit whole together. At 28 steps and at one, every component computes on the GPU (moved in when it runs, or
+    streaming what does not fit), none on the CPU; the denoiser's price per image follows its runs."""
     small = {**FLUX_DEV, "transformer/config.json": {**FLUX_DEV["transformer/config.json"], "num_layers": 2,
                                                      "num_single_layers": 2}}
     folder = write_configs(tempfile.mkdtemp(), small)
     budget = {0: "10GiB", "cpu": "64GiB"}
     many = allocator.plan_pipeline(folder, budget, dtype=torch.bfloat16, steps=28)
-    assert many.valid and many.components["transformer"] == 0
-    assert isinstance(many.components["text_encoder_2"], dict)
+    assert many.valid and many.runs["transformer"] == 28 and set(many.runs_on.values()) == {0}, many.explain()
+    assert "cpu" not in many.execution.values()
     one = allocator.plan_pipeline(folder, budget, dtype=torch.bfloat16, steps=1)
-    assert one.valid and one.components["text_encoder_2"] == 0
-    assert isinstance(one.components["transformer"], dict)
+    assert one.valid and one.runs["transformer"] == 1 and set(one.runs_on.values()) == {0}
+    assert one.seconds["transformer"] < many.seconds["transformer"]
 
 
 def test_patched_pipeline_load_splits_the_transformer(flux_dev, flux_plan, monkeypatch):
@@ -96,7 +101,8 @@ def test_patched_pipeline_load_splits_the_transformer(flux_dev, flux_plan, monke
     assert calls["transformer"]["device_map"] == "auto"
     assert calls["transformer_map"] == flux_plan.components["transformer"]
     for name in ("text_encoder", "text_encoder_2", "vae"):
-        assert calls[name]["device_map"] == {"": flux_plan.components[name]}
+        where = flux_plan.components[name]
+        assert calls[name]["device_map"] == ("auto" if isinstance(where, dict) else {"": where})
     calls.clear()
     diffusers.DiffusionPipeline.from_pretrained(flux_dev, device_map="balanced", max_memory=dict(BUDGET),
                                                 torch_dtype=torch.bfloat16)   # unpatched: diffusers' own
@@ -182,15 +188,17 @@ def _tiny_dit(folder: str) -> None:
 
 
 def _stand_in(where):
-    """A planned placement as this machine loads it: the accelerator stood in by RAM, RAM by the disk."""
+    """A planned placement as this machine loads it: the accelerator stood in by RAM, RAM by the disk. A whole
+    component is loaded in RAM as a map of its own (``{"": "cpu"}``): diffusers' pipeline loading dispatches a
+    component it places on ``"cpu"`` with GPU 0 as its main device, which this machine does not have."""
     if isinstance(where, dict):
         return {k: "disk" if d in ("cpu", "disk") else "cpu" for k, d in where.items()}
-    return "disk" if where in ("cpu", "disk") else "cpu"
+    return {"": "cpu"}
 
 
 def test_patched_pipeline_load_gives_components_their_planned_maps_and_the_same_images(monkeypatch, tmp_path):
     """``DiffusionPipeline.from_pretrained(device_map="balanced")`` under ``allocator.patch()``, really loaded: each
-    component with a map of its own (here both, the GPU budget being 0.6 of the transformer) is loaded by diffusers
+    component with a map of its own (the transformer, the GPU budget being 0.6 of it) is loaded by diffusers
     with exactly its planned map, and the images equal the pipeline loaded in RAM (``assert_close``, float32). No
     GPU here: ``plan_pipeline`` runs as the patch calls it, and its placements are loaded with the accelerator stood
     in by RAM and RAM by the disk (:func:`_stand_in`), so every offloaded part runs from ``offload_folder``."""
@@ -206,12 +214,15 @@ def test_patched_pipeline_load_gives_components_their_planned_maps_and_the_same_
     budget = {0: int(sizes["transformer"] * 0.6), "cpu": 10 * sum(sizes.values())}
     planned = allocator.plan_pipeline(folder, budget)
     assert planned.valid and set(planned.components) == {"transformer", "vae"}
-    assert all(isinstance(w, dict) and {0, "cpu"} <= set(w.values()) for w in planned.components.values())
+    assert isinstance(planned.components["transformer"], dict)
+    assert {0, "cpu"} <= set(planned.components["transformer"].values())
     real = integration.plan_pipeline
 
     def stood_in(*args, **kwargs):
         result = real(*args, **kwargs)
-        return dataclasses.replace(result, components={n: _stand_in(w) for n, w in result.components.items()})
+        whole = {n: {"cpu": 1 << 40} for n, w in result.components.items() if not isinstance(w, dict)}
+        return dataclasses.replace(result, components={n: _stand_in(w) for n, w in result.components.items()},
+                                   given={**result.given, **whole})
 
     monkeypatch.setattr(integration, "plan_pipeline", stood_in)
     with allocator.patch():
