@@ -60,8 +60,8 @@ class Problem:
     """``options.expert_profile``, loaded; ``None`` assumes uniform use."""
     splits: tuple[LayerSplit, ...] = ()
     """The no-split layers our runtime may run split, attention side apart from MLP side
-    (:func:`allocator.model.split.find_splits`), read only with ``runtime="allocator"``, ``split_layers`` and a
-    generation budget: accelerate's hooks run each layer on one device, so their plans never look at them."""
+    (:func:`allocator.model.split.find_splits`), read only with ``runtime="allocator"`` and ``split_layers``:
+    accelerate's hooks run each layer on one device, so their plans never look at them."""
     identity: ModelIdentity | None = None
     """The model the problem was built for (class, parameters, a digest of its tensors' names and shapes,
     :func:`allocator.model.read.identify`), as a saved plan records it."""
@@ -213,8 +213,7 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
         budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
     moe = find_experts(model) if options.runtime == "allocator" else ()
-    splits = (find_splits(model, graph.no_split) if options.runtime == "allocator" and options.split_layers
-              and needs is not None else ())
+    splits = find_splits(model, graph.no_split) if options.runtime == "allocator" and options.split_layers else ()
     expert_profile = options.expert_profile
     if expert_profile is not None and not isinstance(expert_profile, ExpertProfile):
         expert_profile = ExpertProfile.load(expert_profile)

@@ -29,7 +29,7 @@ from ..judge.verdict import Verdict, verdict
 from ..placement import Decision, Placement
 from ..problem import Problem
 
-__all__ = ["split", "main_bytes", "split_layers"]
+__all__ = ["split", "main_bytes", "split_layers", "with_parts"]
 
 
 def main_bytes(v: Verdict, main) -> int:
@@ -119,26 +119,32 @@ def _said(problem: Problem, placement: Placement, before: Verdict, best, main, t
 
 def _candidate(problem: Problem, placement: Placement, device_map: dict, main, demoted, moved, where) -> Placement:
     """``placement`` with the MLP of each layer of ``demoted`` (resident) moved to RAM and the attention side of each
-    layer of ``moved`` (offloaded) moved onto ``main``: the map written per unit, the split layers per part, then
-    cleaned as the options say."""
+    layer of ``moved`` (offloaded) moved onto ``main``."""
     parts = {}
     for s in (*demoted, *moved):
         parts.update(dict.fromkeys(s.near, main))
         parts[s.far] = "cpu" if where[s.layer] == main else where[s.layer]
-    layers = {s.layer for s in (*demoted, *moved)}
+    return replace(placement, device_map=with_parts(problem, device_map, parts,
+                                                    {s.layer for s in (*demoted, *moved)}))
+
+
+def with_parts(problem: Problem, device_map, parts: dict, layers: set) -> dict:
+    """``device_map`` with ``layers`` (of ``problem.splits``) written per part as ``parts`` says (part name ->
+    device): the map written per unit where it must be (no key under another key), then cleaned as the options
+    say."""
+    device_map = normalize_map(device_map)
     expanded = {u.name: device_of(u.name, device_map) for g in problem_groups(problem).records() for u in g.units
                 if not _inside(u.name, layers)}
     expanded.update(parts)
-    covers = set()
+    covers = {""}
     for name in expanded:   # every module above a written key
         while name:
             name = name.rpartition(".")[0]
             if name in covers:
                 break
             covers.add(name)
-    covers.add("")
     uncovered = {k: v for k, v in device_map.items() if k not in covers and device_of(k, expanded) is None}
-    return replace(placement, device_map=problem.cleaned({**uncovered, **expanded}))
+    return problem.cleaned({**uncovered, **expanded})
 
 
 def _inside(name: str, layers: set) -> bool:
