@@ -92,7 +92,8 @@ class Fit:
     split_length: int = 0
     """With ``runtime="allocator"`` (:attr:`allocator.problem.Problem.splits`), the longest ``max_length`` at
     ``batch_size`` with the attention side of every decoder layer and its KV cache on the first accelerator and
-    everything else offloaded to RAM (:func:`split_map`); 0 where not even 2 tokens fit so, or not searched."""
+    everything else offloaded to RAM (:func:`split_map`), without prefetch unless ``prefetch=`` is given; 0 where not
+    even 2 tokens fit so, or not searched."""
     split_map: Mapping | None = None
     """The map at :attr:`split_length`: each layer's attention side (attention, norms) on the accelerator, its MLP
     and every other module in RAM. ``None`` where not searched or nothing fits."""
@@ -322,6 +323,8 @@ class _Search:
         """:func:`split_map` where its verdict at ``value`` is valid (every byte our runtime holds within budget)."""
         self.tries += 1
         problem = self.problem(value)
+        if problem.runtime.prefetch is None:   # the depth a plan would choose: none where nothing more fits
+            problem = problem.with_options(prefetch=0)
         found = split_map(problem)
         if found is None:
             return None
