@@ -39,10 +39,9 @@ def _tiny_llama(layers: int = 6):
         return transformers.LlamaForCausalLM(config)
 
 
-def _attention_on(plan, device) -> int:
-    """Layers whose attention computes on ``device`` (resident there, whole or split)."""
-    return sum(1 for s in plan.problem.splits
-               if check_device(plan.device_map, s.attention) == device)
+def _attention_on(plan, splits, device) -> int:
+    """Layers of ``splits`` whose attention computes on ``device`` (resident there, whole or split)."""
+    return sum(1 for s in splits if check_device(plan.device_map, s.attention) == device)
 
 
 def check_device(device_map, name):
@@ -116,7 +115,9 @@ def test_llama_70b_at_32k_keeps_more_attention_and_cache_on_the_gpu():
     assert not whole.placement.of_kind("sublayer") and not split_layers(whole.problem, whole.device_map)
     cut = split_layers(split.problem, split.device_map)
     assert cut
-    assert _attention_on(split, 0) > _attention_on(whole, 0)
+    layers = split.problem.splits
+    assert len(layers) == 80 and whole.problem.splits == ()
+    assert _attention_on(split, layers, 0) > _attention_on(whole, layers, 0) > 0
     assert split.costs["decode"].seconds < whole.costs["decode"].seconds
     assert main_bytes(split.verdict, 0) >= main_bytes(whole.verdict, 0)
     assert split.parts[0]["cache"] > whole.parts[0]["cache"]
