@@ -313,7 +313,8 @@ def _sublayer(d: Decision) -> str:
     split = (f"{f['layers']} layer{'s' if f['layers'] != 1 else ''} split ({f['moved']} attention side"
              f"{'s' if f['moved'] != 1 else ''} moved on, {f['demoted']} MLP{'s' if f['demoted'] != 1 else ''} moved "
              f"off): decode {format_ms(f['decode'])}, prefill {format_ms(f['prefill'])}, {format_bytes(f['bytes'])} "
-             f"of weights and KV cache ({format_bytes(f['cache'])} of it cache, against {format_bytes(f['cache_whole'])})")
+             f"of weights and KV cache ({format_bytes(f['cache'])} of it cache, against "
+             f"{format_bytes(f['cache_whole'])})")
     if f["reason"] == "slower":
         return (f"layers kept whole at {f['context']} tokens: the fastest split plan decodes no faster ({split}) than "
                 f"{whole}; estimates")

@@ -192,3 +192,14 @@ def test_fit_finds_the_longest_context_with_attention_and_cache_on_the_accelerat
         problem = build_problem(model, budget, dtype=torch.bfloat16, runtime="allocator", prefetch=0,
                                 generation=allocator.GenerationBudget(1, length))
         assert verdict(problem, Placement(split_map(problem), strategy="t")).valid is fits
+
+
+def test_a_saved_split_plan_reads_back_valid_with_its_compute_map():
+    gen = allocator.GenerationBudget(1, 256)
+    p = _plan(_tiny_llama(), {0: "9MiB", "cpu": "100MiB"}, runtime="allocator", generation=gen)
+    assert split_layers(p.problem, p.device_map)
+    data = p.to_dict()
+    assert data["options"]["split_layers"] is True
+    assert any(d["kind"] == "sublayer" and d["facts"]["reason"] == "faster" for d in data["decisions"])
+    back = allocator.Plan.from_dict(data, _tiny_llama())
+    assert back.device_map == p.device_map and back.valid and back.compute == p.compute
