@@ -133,8 +133,15 @@ def with_parts(problem: Problem, device_map, parts: dict, layers: set) -> dict:
     device): the map written per unit where it must be (no key under another key), then cleaned as the options
     say."""
     device_map = normalize_map(device_map)
-    expanded = {u.name: device_of(u.name, device_map) for g in problem_groups(problem).records() for u in g.units
-                if not _inside(u.name, layers)}
+    order = problem.graph.node_index
+    expanded = {}
+    for g in problem_groups(problem).records():
+        for u in g.units:
+            if not _inside(u.name, layers):
+                expanded[u.name] = device_of(u.name, device_map)
+            elif u.name in layers:   # the layer's parts where the layer was, in model order
+                expanded.update((name, parts[name]) for name in sorted(
+                    (n for n in parts if _inside(n, {u.name})), key=lambda n: order.get(n, -1)))
     expanded.update(parts)
     covers = {""}
     for name in expanded:   # every module above a written key
