@@ -160,6 +160,18 @@ def test_no_split_where_the_price_says_so():
     assert fast.placement.of_kind("sublayer")[0].reason == "faster" and split_layers(fast.problem, fast.device_map)
 
 
+@pytest.mark.parametrize("objective", ["contract", "latency"])
+def test_finer_units_pack_under_either_objective(objective):
+    gen = allocator.GenerationBudget(1, 256)
+    budget = {0: "9MiB", "cpu": "100MiB"}
+    options = dict(runtime="allocator", generation=gen, objective=objective)
+    p = _plan(_tiny_llama(), budget, **options)
+    whole = _plan(_tiny_llama(), budget, split_layers=False, **options)
+    assert split_layers(p.problem, p.device_map) and p.valid
+    assert p.costs["decode"].seconds < whole.costs["decode"].seconds
+    assert main_bytes(p.verdict, 0) >= main_bytes(whole.verdict, 0)
+
+
 def test_accelerate_runtime_plans_never_split():
     gen = allocator.GenerationBudget(1, 256)
     budget = {0: "9MiB", "cpu": "100MiB"}
