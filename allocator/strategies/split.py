@@ -134,14 +134,16 @@ def with_parts(problem: Problem, device_map, parts: dict, layers: set) -> dict:
     say."""
     device_map = normalize_map(device_map)
     order = problem.graph.node_index
+    by_layer: dict = {}
+    for name in sorted(parts, key=lambda n: order.get(n, -1)):
+        by_layer.setdefault(_layer_of(name, layers), []).append(name)
     expanded = {}
     for g in problem_groups(problem).records():
         for u in g.units:
-            if not _inside(u.name, layers):
+            if u.name in layers:   # the layer's parts where the layer was, in model order
+                expanded.update((name, parts[name]) for name in by_layer.get(u.name, ()))
+            elif _layer_of(u.name, layers) is None:
                 expanded[u.name] = device_of(u.name, device_map)
-            elif u.name in layers:   # the layer's parts where the layer was, in model order
-                expanded.update((name, parts[name]) for name in sorted(
-                    (n for n in parts if _inside(n, {u.name})), key=lambda n: order.get(n, -1)))
     expanded.update(parts)
     covers = {""}
     for name in expanded:   # every module above a written key
@@ -154,10 +156,10 @@ def with_parts(problem: Problem, device_map, parts: dict, layers: set) -> dict:
     return problem.cleaned({**uncovered, **expanded})
 
 
-def _inside(name: str, layers: set) -> bool:
-    """Whether ``name`` is one of ``layers`` or below one."""
+def _layer_of(name: str, layers: set) -> str | None:
+    """The one of ``layers`` that is ``name`` or above it, or ``None``."""
     while name:
         if name in layers:
-            return True
+            return name
         name = name.rpartition(".")[0]
-    return False
+    return None
