@@ -72,7 +72,7 @@ def split(problem: Problem, placement: Placement) -> Placement:
     if not offloaded:
         return placement
     broken = {v.kind for v in contract_violations(problem, device_map, exempt=placement.exempt)}
-    best, tried = None, 0
+    best, tried, valid = None, 0, 0
     k = 0
     for d in range(len(resident) + 1):
         while k < len(offloaded):
@@ -82,7 +82,7 @@ def split(problem: Problem, placement: Placement) -> Placement:
             judged = verdict(problem, candidate)
             if not judged.valid:
                 break
-            k += 1
+            k, valid = k + 1, valid + 1
             if main_bytes(judged, main) >= main_bytes(before, main) and not (
                     {v.kind for v in contract_violations(problem, candidate.device_map, exempt=placement.exempt)}
                     - broken):
@@ -91,16 +91,17 @@ def split(problem: Problem, placement: Placement) -> Placement:
                     best = (seconds, d, k, candidate, judged)
         if k == len(offloaded):
             break
-    return _said(problem, placement, before, best, main, tried)
+    return _said(problem, placement, before, best, main, tried, valid)
 
 
-def _said(problem: Problem, placement: Placement, before: Verdict, best, main, tried: int) -> Placement:
+def _said(problem: Problem, placement: Placement, before: Verdict, best, main, tried: int, valid: int) -> Placement:
     """The placement kept, with its ``"sublayer"`` decision."""
     facts = {"decode_whole": before.steps["decode"].seconds, "prefill_whole": before.steps["prefill"].seconds,
-             "bytes_whole": main_bytes(before, main), "tried": tried,
+             "bytes_whole": main_bytes(before, main), "tried": tried, "valid": valid,
              "context": problem.generation.budget.max_length}
-    if best is None:
-        said = Decision("sublayer", devices=(main,), bound="budget", facts={**facts, "reason": "none-fits"})
+    if best is None:   # nothing valid, or nothing that keeps the bytes on the main device and the contract
+        said = Decision("sublayer", devices=(main,), bound="budget" if not valid else "floor",
+                        facts={**facts, "reason": "none-fits" if not valid else "fewer-bytes"})
         return replace(placement, decisions=placement.decisions + (said,))
     seconds, demoted, moved, candidate, judged = best
     facts.update(decode=seconds, prefill=judged.steps["prefill"].seconds, bytes=main_bytes(judged, main),
@@ -110,8 +111,8 @@ def _said(problem: Problem, placement: Placement, before: Verdict, best, main, t
     if seconds >= before.steps["decode"].seconds:
         said = Decision("sublayer", devices=(main,), bound="estimate", facts={**facts, "reason": "slower"})
         return replace(placement, decisions=placement.decisions + (said,))
-    names = tuple(name for s in problem.splits if s.layer in split_layers(problem, candidate.device_map)
-                  for name in s.near)
+    cut = set(split_layers(problem, candidate.device_map))
+    names = tuple(name for s in problem.splits if s.layer in cut for name in s.near)
     said = Decision("sublayer", devices=(main,), units=names, bytes=facts["bytes"] - facts["bytes_whole"],
                     bound="estimate", facts={**facts, "reason": "faster"})
     return replace(candidate, decisions=candidate.decisions + (said,))

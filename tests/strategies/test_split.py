@@ -14,7 +14,8 @@ import allocator
 from allocator.evaluate.validate import check
 from allocator.fit import split_map
 from allocator.judge.verdict import verdict
-from allocator.placement import Placement
+from allocator.placement import Decision, Placement
+from allocator.report.decisions import sentence
 from allocator.model import zoo
 from allocator.model.split import find_splits
 from allocator.problem import build_problem
@@ -215,3 +216,14 @@ def test_a_saved_split_plan_reads_back_valid_with_its_compute_map():
     assert any(d["kind"] == "sublayer" and d["facts"]["reason"] == "faster" for d in data["decisions"])
     back = allocator.Plan.from_dict(data, _tiny_llama())
     assert back.device_map == p.device_map and back.valid and back.compute == p.compute
+
+
+@pytest.mark.parametrize("reason, words", [("faster", "layers split"), ("slower", "layers kept whole"),
+                                           ("none-fits", "no attention side"), ("fewer-bytes", "fewer bytes")])
+def test_each_sublayer_reason_is_said_with_its_numbers(reason, words):
+    facts = {"decode_whole": 7.999, "prefill_whole": 42.18, "bytes_whole": 15 * 2**30, "tried": 31, "valid": 9,
+             "context": 32768, "reason": reason, "decode": 7.995, "prefill": 42.25, "bytes": 16 * 2**30,
+             "layers": 9, "demoted": 2, "moved": 7, "cache": 2**30, "cache_whole": 2**29}
+    said = sentence(Decision("sublayer", devices=(0,), facts=facts))
+    assert words in said and "7999.000 ms" in said and "15.00 GiB" in said, said
+    assert not said.startswith("sublayer")   # said from its fields, not the plain fallback
