@@ -4,6 +4,7 @@ context with every attention and its KV cache on the accelerator. Every figure i
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import allocator
+from allocator import cli
 from allocator.evaluate.validate import check
 from allocator.fit import split_map
 from allocator.judge.verdict import verdict
@@ -227,3 +229,13 @@ def test_each_sublayer_reason_is_said_with_its_numbers(reason, words):
     said = sentence(Decision("sublayer", devices=(0,), facts=facts))
     assert words in said and "7999.000 ms" in said and "15.00 GiB" in said, said
     assert not said.startswith("sublayer")   # said from its fields, not the plain fallback
+
+
+def test_cli_fit_with_our_runtime_says_the_split_context(capsys):
+    assert cli.main(["fit", "llama-3.2-1b", "--max-memory", "0=2GiB,cpu=16GiB", "--dtype", "bf16", "--runtime",
+                     "allocator", "--json", "-", "--quiet"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    found = allocator.fit(zoo.build("llama-3.2-1b"), {0: "2GiB", "cpu": "16GiB"}, dtype=torch.bfloat16,
+                          runtime="allocator")
+    assert data["split_length"] == found.split_length > 0
+    assert data["split_map"] == {k: v for k, v in found.split_map.items()}
