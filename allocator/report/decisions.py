@@ -310,6 +310,9 @@ def _sublayer(d: Decision) -> str:
     if f["reason"] == "none-fits":
         return (f"no decoder layer split at {f['context']} tokens: no attention side of an offloaded layer fits on "
                 f"{d.devices[0]!r} beside {whole} ({f['tried']} tried)")
+    if f["reason"] == "fewer-bytes":
+        return (f"no decoder layer split at {f['context']} tokens: each of the {f['valid']} valid split plans keeps "
+                f"fewer bytes on {d.devices[0]!r} than {whole}, or breaks the contract")
     split = (f"{f['layers']} layer{'s' if f['layers'] != 1 else ''} split ({f['moved']} attention side"
              f"{'s' if f['moved'] != 1 else ''} moved on, {f['demoted']} MLP{'s' if f['demoted'] != 1 else ''} moved "
              f"off): decode {format_ms(f['decode'])}, prefill {format_ms(f['prefill'])}, {format_bytes(f['bytes'])} "

@@ -54,9 +54,8 @@ def split(problem: Problem, placement: Placement) -> Placement:
     O(r + o) verdicts for r resident and o offloaded layers: the most attention sides that fit never falls when one
     more MLP leaves the main device, so one pass over ``d`` carries ``k`` forward.
     """
-    dense = [s for s in problem.splits if not s.moe]
-    if (not dense or problem.runtime.name != "allocator" or problem.generation is None or placement.accelerates
-            or placement.experts):
+    if (not problem.splits or problem.runtime.name != "allocator" or problem.generation is None
+            or placement.accelerates):
         return placement
     device_map = normalize_map(placement.device_map)
     accelerators = {d for d in device_map.values() if is_accelerator(d)}
@@ -64,11 +63,13 @@ def split(problem: Problem, placement: Placement) -> Placement:
         return placement
     main = next(iter(accelerators))
     before = verdict(problem, placement)
-    if not before.valid or before.hybrid is None or "decode" not in before.steps:
+    if not before.valid or "decode" not in before.steps:
         return placement
-    where = {s.layer: device_of(s.layer, device_map) for s in dense}
-    resident = [s for s in dense if where[s.layer] == main]
-    offloaded = [s for s in dense if where[s.layer] in ("cpu", "disk")]
+    near = {s.layer: {device_of(n, device_map) for n in s.near} for s in problem.splits}
+    where = {s.layer: device_of(s.far, device_map) for s in problem.splits}
+    resident = [s for s in problem.splits if not s.moe and near[s.layer] == {main} and where[s.layer] == main]
+    offloaded = [s for s in problem.splits if len(near[s.layer]) == 1 and near[s.layer] <= {"cpu", "disk"}
+                 and where[s.layer] in ("cpu", "disk")]
     if not offloaded:
         return placement
     broken = {v.kind for v in contract_violations(problem, device_map, exempt=placement.exempt)}
@@ -122,7 +123,7 @@ def _candidate(problem: Problem, placement: Placement, device_map: dict, main, d
     """``placement`` with the MLP of each layer of ``demoted`` (resident) moved to RAM and the attention side of each
     layer of ``moved`` (offloaded) moved onto ``main``."""
     parts = {}
-    for s in (*demoted, *moved):
+    for s in (*demoted, *moved):   # the far side stays where it is offloaded; a resident MLP leaves for RAM
         parts.update(dict.fromkeys(s.near, main))
         parts[s.far] = "cpu" if where[s.layer] == main else where[s.layer]
     return replace(placement, device_map=with_parts(problem, device_map, parts,
@@ -143,8 +144,8 @@ def with_parts(problem: Problem, device_map, parts: dict, layers: set) -> dict:
         for u in g.units:
             if u.name in layers:   # the layer's parts where the layer was, in model order
                 expanded.update((name, parts[name]) for name in by_layer.get(u.name, ()))
-            elif _layer_of(u.name, layers) is None:
-                expanded[u.name] = device_of(u.name, device_map)
+            elif _layer_of(u.name, layers) is None and device_of(u.name, device_map) is not None:
+                expanded[u.name] = device_of(u.name, device_map)   # (a unit mapped finer keeps its keys)
     expanded.update(parts)
     covers = {""}
     for name in expanded:   # every module above a written key
