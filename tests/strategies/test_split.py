@@ -239,3 +239,23 @@ def test_cli_fit_with_our_runtime_says_the_split_context(capsys):
                           runtime="allocator")
     assert data["split_length"] == found.split_length > 0
     assert data["split_map"] == {k: v for k, v in found.split_map.items()}
+
+
+@pytest.mark.slow
+def test_moe_layers_left_offloaded_get_their_attention_router_and_shared_experts_back():
+    """qwen2-moe-a2.7b on 5 GiB: the fill left whole layers in RAM; the split moves the near side of some (attention,
+    norms, router, shared experts) onto GPU 0, the routed experts placed per expert as before, decoding faster."""
+    model = zoo.build("qwen2-moe-a2.7b")
+    options = dict(runtime="allocator", dtype=torch.bfloat16, generation=allocator.GenerationBudget(1, 4096))
+    budget = {0: "5GiB", "cpu": "64GiB"}
+    p = _plan(model, budget, **options)
+    whole = _plan(model, budget, split_layers=False, **options)
+    assert p.valid and p.placement.experts == whole.placement.experts
+
+    def near_on_gpu(plan):
+        return sum(all(check_device(plan.device_map, n) == 0 for n in s.near) for s in p.problem.splits)
+
+    assert near_on_gpu(p) > near_on_gpu(whole)
+    assert all(check_device(p.device_map, s.far) in ("cpu", "disk") for s in p.problem.splits)
+    assert p.costs["decode"].seconds < whole.costs["decode"].seconds
+    assert p.placement.of_kind("sublayer")[0].reason == "faster"
