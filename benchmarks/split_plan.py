@@ -34,6 +34,7 @@ CASES = (
     ("llama-70b", {0: "24GiB", "cpu": "192GiB"}, 512),
     ("llama-8b", {0: "8GiB", "cpu": "64GiB"}, 32768),
     ("qwen3-moe-30b-a3b", {0: "16GiB", "cpu": "64GiB"}, 4096),
+    ("qwen2-moe-a2.7b", {0: "5GiB", "cpu": "64GiB"}, 4096),
 )
 FITS = (("llama-8b", {0: "8GiB", "cpu": "64GiB"}), ("llama-70b", {0: "24GiB", "cpu": "192GiB"}),
         ("llama-70b", {0: "32GiB", "cpu": "192GiB"}))

@@ -14,7 +14,9 @@ last ``d`` resident layers leave it, for every ``d`` with the most ``k`` the ver
 (:func:`allocator.judge.verdict.verdict`) judges and prices each; the plan with the fastest estimated decoding step
 (the step ``generate`` repeats) is kept where it beats the whole-layer plan and keeps at least its bytes (weights and
 KV cache) on the main device and the contract; otherwise the whole-layer plan is kept. Either way a ``"sublayer"``
-decision says why, with the estimates.
+decision says why, with the estimates. In a mixture of experts the far side is the routed experts, already placed
+per expert (:mod:`allocator.strategies.experts`): a layer the fill left whole in RAM may get its near side
+(attention, norms, router, shared experts) onto the main device, its routed experts left as placed.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def split(problem: Problem, placement: Placement) -> Placement:
     """``placement`` with the attention side of decoder layers on its main device and their MLPs offloaded, where the
     verdict says a decoding step is faster so (module docstring); ``placement`` with a ``"sublayer"`` decision that
     says why not otherwise; ``placement`` itself where no layer can be split (accelerate's hooks, no generation
-    budget, not one accelerator, routed experts placed, nothing offloaded).
+    budget, not one accelerator, no layer offloaded).
 
     Notes
     -----
