@@ -21,6 +21,7 @@ from .strategies import BUILT_IN, resolve, run
 from .judge.contract import contract_violations
 from .strategies.experts import place_experts
 from .strategies.grow import grow
+from .strategies.split import split
 from .judge.witness import witness
 
 __all__ = ["plan", "planned"]
@@ -135,6 +136,7 @@ def _placement(problem: Problem, strategy, builtin: bool) -> Placement:
     placement = _placed(problem, strategy, builtin)              # 3. the strategy's placement, or accelerate's
     placement = place_experts(problem, placement)                # 3b. routed experts as units (our runtime only)
     placement = grow(problem, placement)                         # 3c. room our runtime's decisions leave, used
+    placement = split(problem, placement)                        # 3d. layers split where decoding is faster
     _check_rules_and_contract(problem, placement)                # 4. the runtime rules and the contract, once
     return empty_before_main(problem, placement)
 

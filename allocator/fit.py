@@ -18,13 +18,15 @@ from .api import plan
 from .budgets import format_bytes, parse_budgets
 from .errors import AllocatorError, InfeasiblePlacement, InvalidOption
 from .evaluate.validate import peak_parts
-from .judge.verdict import is_valid, memory
+from .judge.verdict import is_valid, memory, verdict
 from .model.generation import DECODER_POSITIONS, GenerationBudget, attention_words, generation_needs
+from .placement import Placement
 from .problem import PlanOptions, Problem, build_problem
 from .report.plan import Plan
 from .strategies import resolve, run
+from .strategies.split import with_parts
 
-__all__ = ["Fit", "fit", "positions", "TERMS"]
+__all__ = ["Fit", "fit", "positions", "split_map", "TERMS"]
 
 TERMS = ("cache", "activations", "logits", "weights")
 """The parts of a device's peak (:attr:`allocator.Plan.parts`), as :class:`Fit` names what bounds the answer."""
@@ -87,6 +89,14 @@ class Fit:
     tries: int
     positions: tuple = (None, None)
     attention: str = ""
+    split_length: int = 0
+    """With ``runtime="allocator"`` (:attr:`allocator.problem.Problem.splits`), the longest ``max_length`` at
+    ``batch_size`` with the attention side of every decoder layer and its KV cache on the first accelerator and
+    everything else offloaded to RAM (:func:`split_map`), without prefetch unless ``prefetch=`` is given; 0 where not
+    even 2 tokens fit so, or not searched."""
+    split_map: Mapping | None = None
+    """The map at :attr:`split_length`: each layer's attention side (attention, norms) on the accelerator, its MLP
+    and every other module in RAM. ``None`` where not searched or nothing fits."""
 
     @property
     def tokens(self) -> int:
@@ -106,6 +116,10 @@ class Fit:
         if value is not None and self.max_length > value and self.plan is not None:
             lines.append(f"note: the model's positions end at {value:,} (config {name}); generate beyond them may "
                          "fail or degrade (fit(limit_positions=True), --limit-positions, stops there)")
+        if self.split_map is not None:
+            lines.append(f"split: {self.split_length:,} tokens (max_length) at batch {self.batch_size} with every "
+                         "layer's attention and its KV cache on the accelerator, the MLPs and the rest in RAM "
+                         "(runtime='allocator')")
         if self.longer is not None:
             offloaded = sum(self.longer.resident(d) for d in ("cpu", "disk"))
             unit = "tokens" if self.searched == "max_length" else "sequences"
@@ -215,8 +229,24 @@ def _fit(model, budgets, options: PlanOptions, strategy, search: _Search, target
         generation = (GenerationBudget(batch_size, target) if searched == "max_length"
                       else GenerationBudget(target, max_length))
         longer = plan(model, budgets, strategy=strategy, options=dataclasses.replace(options, generation=generation))
+    split_length, found = search.split() if searched == "max_length" else (0, None)
     return Fit(searched, length or 0, batch, device, term, reason, fitted, target, longer, margin, search.tries,
-               positions(model), attention_words(model))
+               positions(model), attention_words(model), split_length, found)
+
+
+def split_map(problem: Problem) -> dict | None:
+    """The map with the attention side of every layer of ``problem.splits`` (dense ones) on the first accelerator
+    and everything else in RAM, or ``None`` where no layer can be split (not ``runtime="allocator"``, no such
+    layer, no accelerator)."""
+    dense = [s for s in problem.splits if not s.moe]
+    if not dense or not problem.budgets.accelerators:
+        return None
+    main = problem.budgets.accelerators[0]
+    parts = {}
+    for s in dense:
+        parts.update(dict.fromkeys(s.near, main))
+        parts[s.far] = "cpu"
+    return with_parts(problem, {"": "cpu"}, parts, {s.layer for s in dense})
 
 
 def _check(value, name: str, least: int) -> None:
@@ -288,6 +318,29 @@ class _Search:
 
     def fits(self, value: int) -> bool:
         return self.on_accelerators(self.problem(value)) is not None
+
+    def split_fits(self, value: int) -> dict | None:
+        """:func:`split_map` where its verdict at ``value`` is valid (every byte our runtime holds within budget)."""
+        self.tries += 1
+        problem = self.problem(value)
+        if problem.runtime.prefetch is None:   # the depth a plan would choose: none where nothing more fits
+            problem = problem.with_options(prefetch=0)
+        found = split_map(problem)
+        if found is None:
+            return None
+        return found if verdict(problem, Placement(found, strategy="fit")).valid else None
+
+    def split(self) -> tuple[int, dict | None]:
+        """The longest ``max_length`` whose :func:`split_map` fits, and that map (``(0, None)`` where none)."""
+        if not self.base.splits or self.split_fits(2) is None:
+            return 0, None
+        lo, hi = 2, (positions(self.model)[1] if self.limit_positions else None) or MAX_TOKENS
+        if self.split_fits(hi) is not None:
+            return hi, self.split_fits(hi)
+        while hi - lo > 1:   # lo fits, hi does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.split_fits(mid) is not None else (lo, mid)
+        return lo, self.split_fits(lo)
 
     def largest(self) -> tuple[int, str | None]:
         """The largest value that fits (0: none), and ``"positions"`` when the model's positions stopped it."""

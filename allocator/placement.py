@@ -35,6 +35,12 @@ DECISION_KINDS = {
                "why (``reason``: ``cpu-main``, ``deepest``, ``no-deeper``)",
     "grow": "offloaded tie groups moved onto the main device after the runtime's decisions left room there (``units``, "
             "``bytes``; ``facts``: ``groups``, ``room`` left before, the main device's ``peak`` before)",
+    "sublayer": "decoder layers split under our runtime, attention side on the main device and MLP offloaded, or why "
+                "not (``units``: the parts moved onto ``devices``; ``bytes``: what the main device gains; ``facts``: "
+                "``reason`` ``faster``, ``slower``, ``none-fits`` or ``fewer-bytes``, ``decode``/``prefill`` seconds "
+                "and ``bytes`` against ``decode_whole``/``prefill_whole``/``bytes_whole`` of the whole-layer plan, "
+                "``layers`` split, ``moved`` attention sides onto it, ``demoted`` MLPs off it, ``cache`` on it, "
+                "``context``, ``tried``, ``valid``)",
     "pipeline": "how a pipeline's component was placed (whole on a device, or with a map of its own) and why, or what "
                 "diffusers' pipeline loading cannot express (:func:`allocator.plan_pipeline`)",
 }

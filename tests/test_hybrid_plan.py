@@ -75,13 +75,16 @@ def test_phase_tokens_follow_the_generation_budget(hybrid):
     assert big.hybrid.threshold == 4
 
 
-def test_cpu_decoding_stops_where_ram_has_no_room_for_the_cache(hybrid):
+def test_cpu_decoding_stops_where_ram_has_no_room_for_the_cache():
     """The KV cache of a unit decoding on the CPU lives in RAM: with RAM's budget half a cache short of what moving
     every such cache needs, some units decode on the main device instead and RAM's peak stays within its budget (the
-    map is the same as with ample RAM)."""
+    map is the same as with ample RAM). Whole layers (``split_layers=False``): a split plan is judged on its own
+    RAM (tests/strategies/test_split.py)."""
+    hybrid = allocator.plan(_meta_llama(), BUDGET, runtime="allocator", generation=GEN, split_layers=False)
     before = check(hybrid.problem, hybrid.device_map)[1].peak["cpu"]
     budget = before + hybrid.hybrid.cache_moved // 2
-    tight = allocator.plan(_meta_llama(), {**BUDGET, "cpu": budget}, runtime="allocator", generation=GEN)
+    tight = allocator.plan(_meta_llama(), {**BUDGET, "cpu": budget}, runtime="allocator", generation=GEN,
+                           split_layers=False)
     assert tight.device_map == hybrid.device_map
     assert tight.valid and tight.peak["cpu"] <= budget, (tight.peak, budget)
     assert 0 < tight.hybrid.cache_moved <= budget - before

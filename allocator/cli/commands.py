@@ -180,6 +180,7 @@ def cmd_fit(args) -> int:
         check_writable(args.json, "--json")
     status = Status(enabled=not args.quiet)
     loaded, options, _ = planned_model(args, status)
+    options["runtime"] = args.runtime
     warn_absent_accelerators(max_memory)
     status.say(f"searching the longest context of {args.source}...")
     try:
@@ -215,7 +216,7 @@ def _fit_dict(found) -> dict:
     return {"max_length": found.max_length, "batch_size": found.batch_size, "searched": found.searched,
             "device": found.device, "term": found.term, "reason": found.reason, "margin": found.margin,
             "positions": dict(zip(("name", "value"), found.positions)), "target": found.target,
-            "attention": found.attention,
+            "attention": found.attention, "split_length": found.split_length, "split_map": found.split_map,
             "plan": found.plan.to_dict() if found.plan is not None else None,
             "longer": found.longer.to_dict() if found.longer is not None else None}
 

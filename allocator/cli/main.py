@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--limit-positions", action="store_true",
                    help="stop at the model's positions (config max_position_embeddings)")
     t.add_argument("--strategy", default="auto", metavar="NAME", help=f"one of {strategies} (default: auto)")
+    t.add_argument("--runtime", default="accelerate", choices=RUNTIMES,
+                   help="the runtime --target's plan is for; with allocator, also the longest context with every "
+                        "layer's attention and KV cache on the first accelerator and the rest in RAM")
     t.add_argument("--json", metavar="FILE", help="write the answer and its plans as JSON to FILE, or '-' for stdout")
     t.add_argument("--trust-remote-code", action="store_true", help="let transformers run the folder's own code")
     t.add_argument("--quiet", action="store_true", help="no status line on stderr")

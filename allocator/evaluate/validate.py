@@ -25,8 +25,8 @@ from .memory import (
     prefetch_of,
 )
 
-__all__ = ["Violation", "budget_violations", "check", "experts_apart", "peak_parts", "routed_spans", "validate",
-           "normalize_map", "format_bytes"]
+__all__ = ["Violation", "budget_violations", "check", "experts_apart", "peak_parts", "routed_spans", "split_kept",
+           "validate", "normalize_map", "format_bytes"]
 
 CHECKED = Key("check")
 
@@ -295,6 +295,8 @@ def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:
         main = main_device({r.device for r in runs if r.device is not None})
         mixed = [i for i in mixed if g.nodes.cls[i] in g.no_split_declared
                  or len(executing_devices(devices_in(runs, cols.first[i], cols.last[i]), main)) > 1]
+    if mixed and problem.splits:   # our runtime runs a layer split at its parts (issue #49)
+        mixed = [i for i in mixed if not split_kept(problem, runs, g.nodes.name[i])]
     out, split = [], set(mixed)
     for i in mixed:
         parent = cols.parent[i]
@@ -307,6 +309,23 @@ def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:
                 "no-split", f"{node.name or '<root>'} ({node.cls}) is split across {sorted(map(str, devices))}."
             ))
     return out
+
+
+def split_kept(problem: Problem, runs: list, layer: str) -> bool:
+    """Whether ``layer`` is one of ``problem.splits`` (our runtime, :func:`allocator.model.split.find_splits`) split
+    as our runtime runs it: its far side (the MLP, or the routed experts) whole on RAM or disk, everything else on one
+    other device."""
+    split = next((s for s in problem.splits if s.layer == layer), None)
+    if split is None:
+        return False
+    g = problem.graph
+    cols = columns(g)
+    node, far = g.node_index[layer], g.node_index.get(split.far)
+    if far is None:
+        return False
+    far_on = devices_in(runs, cols.first[far], cols.last[far])
+    near_on = (devices_in(runs, cols.first[node], cols.first[far]) | devices_in(runs, cols.last[far], cols.last[node]))
+    return len(far_on) == 1 and len(near_on) == 1 and far_on <= {"cpu", "disk"} and far_on != near_on
 
 
 def routed_spans(problem: Problem) -> tuple:

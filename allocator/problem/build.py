@@ -17,6 +17,7 @@ from ..model import ModelGraph, build_graph
 from ..model.expert_profile import ExpertProfile
 from ..model.experts import MoELayer
 from ..model.families import family_of
+from ..model.split import LayerSplit, find_splits
 from ..model.read import ModelIdentity, identify
 from ..memo import Derived
 from ..placement import clean_device_map
@@ -59,6 +60,10 @@ class Problem:
     ``runtime="allocator"``: under accelerate's hooks experts move with their module, so plans never look at them."""
     expert_profile: ExpertProfile | None = None
     """``options.expert_profile``, loaded; ``None`` assumes uniform use."""
+    splits: tuple[LayerSplit, ...] = ()
+    """The no-split layers our runtime may run split, attention side apart from MLP side
+    (:func:`allocator.model.split.find_splits`), read only with ``runtime="allocator"`` and ``split_layers``:
+    accelerate's hooks run each layer on one device, so their plans never look at them."""
     identity: ModelIdentity | None = None
     """The model the problem was built for (class, parameters, a digest of its tensors' names and shapes,
     :func:`allocator.model.read.identify`), as a saved plan records it."""
@@ -212,12 +217,13 @@ def build_problem(model, max_memory: Mapping | None = None, *, options: PlanOpti
         budgets = parse_budgets({d: f"{int(v)}B" if isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and v == v and abs(v) != float("inf") else v for d, v in adjusted.items()})
     moe = family.experts(model) if options.runtime == "allocator" else ()
+    splits = find_splits(model, graph.no_split) if options.runtime == "allocator" and options.split_layers else ()
     expert_profile = options.expert_profile
     if expert_profile is not None and not isinstance(expert_profile, ExpertProfile):
         expert_profile = ExpertProfile.load(expert_profile)
     return Problem(graph=graph, budgets=budgets, options=options, profile=options.profile or Profile(),
                    generation=needs, flops=counted, node_flops=per_node, steps=steps, moe=moe,
-                   expert_profile=expert_profile, identity=identity)
+                   expert_profile=expert_profile, identity=identity, splits=splits)
 
 
 def decode_inputs(inputs: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

@@ -100,6 +100,12 @@ class PlanOptions:
     expert. Its bytes are part of the main device's peak and come out of the room the plan would give resident
     experts (the least used per byte), never out of the parts that run for every token. 0 (the default): no cache;
     the plan is the one without this option."""
+    split_layers: bool = True
+    """With ``runtime="allocator"``, an accelerator as main device and a ``generation`` budget: a decoder layer may
+    be split into its attention side (with its KV cache, norms, and in a mixture of experts the router and shared
+    experts) and its MLP (:func:`allocator.model.split.find_splits`), each on a device of its own, where the estimated
+    decoding step is faster for it (:mod:`allocator.strategies.split`). ``False``: layers stay whole, as under
+    accelerate's hooks (which never split them)."""
     expert_profile: ExpertProfile | str | os.PathLike | None = None
     """With ``runtime="allocator"`` on a mixture of experts: how often each expert is routed on the user's data
     (:func:`allocator.profile_experts`, or the path of a profile it saved); the most used experts per byte stay
@@ -137,7 +143,7 @@ class PlanOptions:
 
     def __post_init__(self):
         for name in ("discover_no_split", "infer_no_split", "offload_buffers", "fallback_allocation", "clean_result",
-                     "strict"):
+                     "strict", "split_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOption(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.loader not in LOADERS:

@@ -111,6 +111,7 @@ class RuntimeOptions(_Slice):
     prefetch: int | None
     expert_cache: int
     expert_profile: ExpertProfile | str | None
+    split_layers: bool
 
 
 SLICES: dict[str, type] = {"reading": ReadOptions, "placing": PlaceOptions, "deciding": DecideOptions,

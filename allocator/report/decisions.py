@@ -303,9 +303,31 @@ def _grow(d: Decision) -> str:
             f"{format_bytes(f['room'])} left that the plan's own rules let units use")
 
 
+def _sublayer(d: Decision) -> str:
+    f = d.facts
+    whole = (f"the whole-layer plan: decode {format_ms(f['decode_whole'])}, prefill {format_ms(f['prefill_whole'])}, "
+             f"{format_bytes(f['bytes_whole'])} of weights and KV cache on {d.devices[0]!r}")
+    if f["reason"] == "none-fits":
+        return (f"no decoder layer split at {f['context']} tokens: no attention side of an offloaded layer fits on "
+                f"{d.devices[0]!r} beside {whole} ({f['tried']} tried)")
+    if f["reason"] == "fewer-bytes":
+        return (f"no decoder layer split at {f['context']} tokens: each of the {f['valid']} valid split plans keeps "
+                f"fewer bytes on {d.devices[0]!r} than {whole}, or breaks the contract")
+    split = (f"{f['layers']} layer{'s' if f['layers'] != 1 else ''} split ({f['moved']} attention side"
+             f"{'s' if f['moved'] != 1 else ''} moved on, {f['demoted']} MLP{'s' if f['demoted'] != 1 else ''} moved "
+             f"off): decode {format_ms(f['decode'])}, prefill {format_ms(f['prefill'])}, {format_bytes(f['bytes'])} "
+             f"of weights and KV cache ({format_bytes(f['cache'])} of it cache, against "
+             f"{format_bytes(f['cache_whole'])})")
+    if f["reason"] == "slower":
+        return (f"layers kept whole at {f['context']} tokens: the fastest split plan decodes no faster ({split}) than "
+                f"{whole}; estimates")
+    return (f"{split} on {d.devices[0]!r}, against {whole}: each split layer's attention reads its KV cache there at "
+            f"decode, its MLP computes where its weights live; estimates")
+
+
 _SAY = {"assign": _assign, "full": _full, "split": _split, "empty": _empty, "peaks": _peaks, "kept": _kept,
         "choice": _choice_of, "fallback": _fallback, "solver": _solver, "runtime": _runtime,
-        "experts": _experts, "grow": _grow}
+        "experts": _experts, "grow": _grow, "sublayer": _sublayer}
 
 
 def sentence(decision: Decision) -> str:

@@ -82,7 +82,7 @@ READS = ("allocator.plan/1", "allocator.plan/2", SCHEMA)
 
 #: Options written under ``"options"`` as they are (booleans, names, integers).
 PLAIN_OPTIONS = ("objective", "optimize", "loader", "runtime", "prefetch", "expert_cache", "offload_buffers",
-                 "discover_no_split", "infer_no_split", "fallback_allocation", "clean_result")
+                 "discover_no_split", "infer_no_split", "fallback_allocation", "clean_result", "split_layers")
 #: Options that cannot be written as JSON; a plan made with them is re-validated only when they are passed again.
 UNSAVED = ("hf_quantizer", "size_fn")
 
