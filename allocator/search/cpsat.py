@@ -235,7 +235,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
         # (which all execute on the main device) form one block, RAM before disk, at the gap of the run that
         # changes device least (:func:`offloaded_block`).
         for run in interchangeable(found, sequence, cost, changes):
-            if len({change_of[pair] for pair in zip(run, run[1:])}) == 1:
+            if len({change_of[pair] for pair in zip(run, run[1:])}) == 1 and not set(run) & set(no_disk):
                 offloaded_block(model, x, off, run, devices)
                 if hint:
                     hint = block_run(hint, found, sequence, run, executing, targets, main, change_of)
@@ -314,7 +314,8 @@ def offloaded_block(model, x: dict, off: dict, run: list[int], devices: list) ->
     executes on the main device, so the plans this leaves out are rearrangements of a kept one: the same groups'
     devices in another order within the run, the same memory per device and the same prices, and no fewer changes of
     executing device (each gap of the run that holds offloaded groups adds its changes once, however many groups it
-    holds; all in the cheapest such gap adds the least). Holds where every change inside the run costs the same.
+    holds; all in the cheapest such gap adds the least). Holds where every change inside the run costs the same and
+    each of its groups may go to every device (the caller checks both).
     """
     ended = None   # a block of offloaded groups ended before this group of the run
     for a, b in zip(run, run[1:]):
