@@ -24,9 +24,9 @@ from ..evaluate.units import Group, disk_loadable
 from ..problem import Problem
 from ..rules.loaders import loads_disk_only
 
-__all__ = ["MAX_UNITS", "NS", "Solved", "block_run", "coarsen", "hint_levels", "home_weightless", "interchangeable",
-           "model_inputs", "offloaded_block", "solve_for_main", "solver_devices", "sort_run", "unit_order",
-           "unit_tensors"]
+__all__ = ["MAX_UNITS", "NS", "Solved", "block_run", "coarsen", "hint_blocks", "hint_levels", "home_weightless",
+           "interchangeable", "model_inputs", "offloaded_block", "solve_for_main", "solver_devices", "sort_run",
+           "unit_order", "unit_tensors"]
 
 NS = 1e12  # picoseconds: tiny models must not round every cost to zero
 MAX_UNITS = 400
@@ -169,15 +169,14 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
     # The contract: resident groups take accelerators in index order along the model. A level per group that never
     # decreases in model order; a group on an executing device has that device's level (offloaded groups follow it).
     executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
+    rank_level = None
     if problem.deciding.contract and len(executing) > 1:
-        level = [model.NewIntVar(0, len(executing) - 1, f"level{k}") for k in range(len(found))]
+        rank_level = [model.NewIntVar(0, len(executing) - 1, f"level{k}") for k in range(len(found))]
         for k in range(1, len(found)):
-            model.Add(level[k] >= level[k - 1])
+            model.Add(rank_level[k] >= rank_level[k - 1])
         for k in range(len(found)):
             for i, d in enumerate(executing):
-                model.Add(level[k] == i).OnlyEnforceIf(x[k, d])
-        if hint:
-            hint_levels(model, hint, found, executing, level)
+                model.Add(rank_level[k] == i).OnlyEnforceIf(x[k, d])
     if need:   # never below accelerate: at least its bytes on the fastest tier
         counted = columns(g).counted
         fast = [d for d in devices if d in fast_tier(problem.budgets)]
@@ -216,6 +215,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
     # at most two executing devices, one of the two monotone orders has the fewest changes for the same counts.
     rank_of = {d: i for i, d in enumerate([main] + [d for d in devices if d in targets]
                                          + [d for d in executing if d != main])}
+    blocks = []   # the booleans of offloaded_block, one list per run, hinted with the rest
     if len(executing) <= 2:
         for run in interchangeable(found, sequence, cost, changes):
             ranks = [sum(rank_of[d] * x[k, d] for d in devices) for k in run]
@@ -236,7 +236,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
         # changes device least (:func:`offloaded_block`).
         for run in interchangeable(found, sequence, cost, changes):
             if len({change_of[pair] for pair in zip(run, run[1:])}) == 1 and not set(run) & set(no_disk):
-                offloaded_block(model, x, off, run, devices)
+                blocks.append(offloaded_block(model, x, off, run, devices))
                 if hint:
                     hint = block_run(hint, found, sequence, run, executing, targets, main, change_of)
     if hint:
@@ -255,6 +255,10 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
         runs_on = {k: main if d in targets else d for k, d in device.items()}
         for k1, k2, ch in switches:
             model.AddHint(ch, runs_on[k1] != runs_on[k2])
+        for added in blocks:
+            hint_blocks(model, added, lambda k: device[k] in targets)
+        if rank_level is not None:   # from the hint as the symmetry breaking above rearranged it
+            hint_levels(model, hint, found, executing, rank_level)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -306,7 +310,7 @@ def sort_run(hint: dict, found: list[Group], sequence: list[int], run: list[int]
     return dict(hint) | {name(k): d for k, d in zip(run, chosen)}, ascending
 
 
-def offloaded_block(model, x: dict, off: dict, run: list[int], devices: list) -> None:
+def offloaded_block(model, x: dict, off: dict, run: list[int], devices: list) -> list:
     """Constrain the offloaded groups of a run of interchangeable groups (:func:`interchangeable`) to one contiguous
     block, those in RAM before those on disk.
 
@@ -315,9 +319,10 @@ def offloaded_block(model, x: dict, off: dict, run: list[int], devices: list) ->
     devices in another order within the run, the same memory per device and the same prices, and no fewer changes of
     executing device (each gap of the run that holds offloaded groups adds its changes once, however many groups it
     holds; all in the cheapest such gap adds the least). Holds where every change inside the run costs the same and
-    each of its groups may go to every device (the caller checks both).
+    each of its groups may go to every device (the caller checks both). Returns the booleans it adds, ``(ended, a,
+    b)``: a block ended at or before ``a``, the group before ``b`` (:func:`hint_blocks` hints them).
     """
-    ended = None   # a block of offloaded groups ended before this group of the run
+    ended, added = None, []   # ended: a block of offloaded groups ended before this group of the run
     for a, b in zip(run, run[1:]):
         now = model.NewBoolVar("")
         if ended is not None:
@@ -325,8 +330,19 @@ def offloaded_block(model, x: dict, off: dict, run: list[int], devices: list) ->
         model.Add(now >= off[a] - off[b])
         model.Add(off[b] + now <= 1)
         ended = now
+        added.append((now, a, b))
         if "cpu" in devices and "disk" in devices:
             model.Add(x[a, "disk"] + x[b, "cpu"] <= 1)
+    return added
+
+
+def hint_blocks(model, added: list, offloaded) -> None:
+    """Hint the booleans :func:`offloaded_block` added for one run (``added``) from whether each group is hinted
+    offloaded (``offloaded(k)``), so that the hint stays a complete solution."""
+    ended = False
+    for now, a, b in added:
+        ended = ended or (offloaded(a) and not offloaded(b))
+        model.AddHint(now, ended)
 
 
 def block_run(hint: dict, found: list[Group], sequence: list[int], run: list[int], executing: list, targets, main,

@@ -197,7 +197,7 @@ def test_one_block_of_offloaded_layers_keeps_the_optimum(budget, ends, monkeypat
     problem = allocator.build_problem(model, {d: int(v * WIDE) for d, v in BLOCK_BUDGETS[budget].items()})
     blocked = ilp.place(problem, time_limit=20.0)
     with monkeypatch.context() as patched:
-        patched.setattr(cpsat, "offloaded_block", lambda *a, **k: None)
+        patched.setattr(cpsat, "offloaded_block", lambda *a, **k: [])
         patched.setattr(cpsat, "block_run", lambda hint, *a, **k: hint)
         free = ilp.place(problem, time_limit=20.0)
     assert blocked.optimal and free.optimal
@@ -232,3 +232,36 @@ def test_the_hint_of_a_run_is_rearranged_into_one_block_with_no_more_changes():
     assert sorted(map(str, devices)) == sorted(map(str, hint.values()))
     assert devices == ["cpu", "cpu", "cpu", "disk", 0, 1, 1, 2, 2, 3]   # the first of the cheapest gaps
     assert changes(out) < changes(hint)
+
+
+@pytest.mark.parametrize("name,fractions", [
+    ("gemma3-4b", {0: .25, 1: .10, 2: .20, 3: .05, "cpu": 2}),             # two runs: vision and language layers
+    ("qwen3-moe-30b-a3b", {0: .15, 1: .15, 2: .15, 3: .15, "cpu": 2}),
+], ids=["gemma3-4b-uneven", "qwen3-moe-4gpu"])
+def test_the_warm_start_stays_a_complete_solution_with_blocks(name, fractions, monkeypatch):
+    """With the block of offloaded layers on four GPUs, the hint still gives every variable a value and, fixed to it,
+    the model is feasible (CP-SAT starts from it at once): the blocks' booleans are hinted run by run, and the
+    contract's levels from the hint as rearranged."""
+    from ortools.sat.python import cp_model
+
+    from allocator.model import zoo
+
+    solve, seen = cp_model.CpSolver.Solve, []
+
+    def fixed(self, model, *args, **kwargs):
+        proto = model.Proto()
+        hinted = sorted(set(proto.solution_hint.vars))
+        if hinted:
+            assert hinted == list(range(len(proto.variables)))
+            self.parameters.fix_variables_to_their_hinted_value = True
+        status = solve(self, model, *args, **kwargs)
+        if hinted:
+            seen.append(status)
+        return status
+
+    monkeypatch.setattr(cp_model.CpSolver, "Solve", fixed)
+    model = zoo.build(name)
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    problem = allocator.build_problem(model, {d: int(total * f) for d, f in fractions.items()})
+    ilp.place(problem, hint=ilp._heuristic(problem, problem.profile))
+    assert seen and all(status == cp_model.OPTIMAL for status in seen), seen
