@@ -14,6 +14,7 @@ import csv
 import json
 import importlib.util
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,23 @@ def test_plan_time_prints_a_time_per_model_and_budget(capsys):
     times = json.loads(capsys.readouterr().out)
     assert set(times) == {f"gpt2/{grid}" for grid in plan_time.GRID} and all(t > 0 for t in times.values())
     assert "4gpu60" in plan_time.GRID and set(plan_time.CELLS) == {"llama-70b-bf16/4x40GiB"}
+
+
+def test_plan_time_keeps_the_plans_and_compares_two_files(capsys, tmp_path):
+    import plan_time
+
+    plans = tmp_path / "plans.pkl"
+    assert plan_time.main(["--models", "gpt2", "--grid", "3gpu45", "--repeat", "1", "--cells", "--plans",
+                           str(plans)]) == 0
+    capsys.readouterr()
+    kept = pickle.loads(plans.read_bytes())
+    device_map, strategy, seconds, fast = kept["gpt2/3gpu45"]
+    assert dict(device_map) and strategy.startswith("auto") and seconds > 0 and fast >= 0
+    other = dict(kept, **{"gpt2/3gpu45": ([(k, "disk") for k, _ in device_map], strategy, seconds, fast + 1)})
+    (tmp_path / "other.pkl").write_bytes(pickle.dumps(other))
+    assert plan_time.main(["--compare", str(plans), str(tmp_path / "other.pkl")]) == 0
+    out = capsys.readouterr().out
+    assert f"gpt2/3gpu45: map differs; fast bytes {fast} -> {fast + 1} (+1)" in out and "1 of 1 cells differ" in out
 
 
 CONTENTION = {   # script -> its arguments with one busy process, and the stem it writes

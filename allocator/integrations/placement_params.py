@@ -2,19 +2,23 @@
 the device map (transformers then loads them in RAM), so that the rest of each block may still fit an accelerator.
 
 The patch (:mod:`allocator.integrations.transformers`) plans as usual; when the plan leaves such tensors off every
-accelerator (:func:`tensors_to_escape`), it plans again with their sizes counted as zero (:func:`zero_size_for`) and
+accelerator (:func:`tensors_to_escape`), it plans again with their sizes counted as zero (:func:`zero_size_for`), on
+the problem it has, its graph with those sizes zeroed (:func:`without_sizes`: the model is read once per load), and
 removes them from the map (:func:`leave_out`). These functions only read the model.
 """
 
 from __future__ import annotations
 
 import logging
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 from ..budgets import is_accelerator
 from ..evaluate.memory import device_of, tensor_devices
+from ..model.graph import zeroed
+from ..problem import PlanOptions, Problem
 
-__all__ = ["leave_out", "name_list", "no_placement_tensors", "tensors_to_escape", "zero_size_for"]
+__all__ = ["leave_out", "name_list", "no_placement_tensors", "tensors_to_escape", "without_sizes", "zero_size_for"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,15 @@ def zero_size_for(names: Iterable[str], base):
         return base(name, tensor) if base is not None else None
 
     return size
+
+
+def without_sizes(problem: Problem, names: Iterable[str], base) -> Problem:
+    """``problem`` as :func:`allocator.problem.build_problem` would build it with ``size_fn=zero_size_for(names,
+    base)``, from the graph it holds (:func:`allocator.model.graph.zeroed`): the model is not read again. What was
+    derived from ``problem`` (the witness, the fills) is made anew for the new sizes."""
+    names = list(names)
+    options = PlanOptions.of(problem.options, size_fn=zero_size_for(names, base))
+    return dataclasses.replace(problem, graph=zeroed(problem.graph, names), options=options)
 
 
 def leave_out(model, device_map: Mapping, tensors: Iterable[str]) -> dict:

@@ -36,7 +36,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from ..api import plan, planned
+from ..api import planned
 from ..budgets import canonical, is_accelerator
 from ..errors import InvalidOption
 from ..gc_pause import gc_paused
@@ -48,7 +48,7 @@ from .diffusers import diffusers_swaps
 from .ledger import Ledger
 from .library import (AfterImport, Unchecked, accelerate_functions, baseline_map, bound_by_name, named,
                       optional_import, unless_baseline, user_budgets)
-from .placement_params import leave_out, name_list, tensors_to_escape, zero_size_for
+from .placement_params import leave_out, name_list, tensors_to_escape, without_sizes
 
 __all__ = ["MODE_TO_STRATEGY", "Patch", "patch", "unpatch"]
 
@@ -209,8 +209,7 @@ class Patch:
         escaped = tensors_to_escape(model, result, no_split)
         if escaped:
             base = options.size_fn if options.size_fn is not None else quantizer_size_fn(model, hf_quantizer)
-            result = plan(model, dict(budgets), strategy=strategy,
-                          options=replace(options, size_fn=zero_size_for(escaped, base)))
+            result = planned(without_sizes(problem, escaped, base), strategy)   # the graph's sizes, not a new read
             device_map = leave_out(model, result.device_map, escaped)
             log.info("%s: left %s out of the device map (_no_placement_params: they do not fit an accelerator); "
                      "transformers loads them in RAM", type(model).__name__, escaped)

@@ -13,13 +13,15 @@ machinery is :mod:`allocator.model.table`'s; :mod:`allocator.model.read` fills t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..memo import Derived
+from .sizes import subtree_sizes
 from .table import Record, Table, new_row
 
-__all__ = ["TensorNode", "ModuleNode", "Nodes", "Tensors", "TensorIndex", "ModelGraph"]
+__all__ = ["TensorNode", "ModuleNode", "Nodes", "Tensors", "TensorIndex", "ModelGraph", "zeroed"]
 
 
 class TensorNode(Record):
@@ -235,3 +237,40 @@ class ModelGraph:
     def all_tie_groups(self) -> tuple[tuple[str, ...], ...]:
         """Shared tensors and declared ties together: every group must live on one device."""
         return self.tied_groups + self.declared_ties
+
+
+def zeroed(graph: ModelGraph, names: Iterable[str]) -> ModelGraph:
+    """``graph`` with the tensors ``names`` counted as 0 bytes, as a read of the model with a ``size_fn`` that gives
+    them 0 would make it (transformers' ``_no_placement_params`` left out of the map), without reading the model again.
+
+    The tensor columns ``nbytes`` and ``nbytes_accelerate`` get zeros at those tensors; the nodes' sizes are summed
+    again from the columns (a tensor counts where it is its own storage, and for accelerate where it is its own
+    canonical name, as :func:`allocator.model.build_graph` counts them). Everything else is shared with ``graph``; what
+    was derived from it is not (a new graph derives its own).
+
+    Notes
+    -----
+    O(nodes + tensors). Sizes are integers (accelerate's are floats whose sum may differ in the last bit from a
+    read's, which sums them in another order, where a ``size_fn`` gives fractional bytes).
+
+    >>> import torch.nn as nn
+    >>> from allocator.model import build_graph
+    >>> g = zeroed(build_graph(nn.Sequential(nn.Linear(2, 2))), ["0.weight"])
+    >>> g.total, g.tensors.nbytes[0], g.tensors.nbytes[1]
+    (8, 0, 8)
+    """
+    zero = {graph.tensor_index[name] for name in names}
+    if not zero:
+        return graph
+    t, nodes = graph.tensors, graph.nodes
+    nbytes = [0 if k in zero else b for k, b in enumerate(t.nbytes)]
+    accelerate = [0 if k in zero else b for k, b in enumerate(t.nbytes_accelerate)]
+    direct, direct_accelerate = [], []
+    for i in range(len(nodes)):
+        own = nodes.tensors_of(i)
+        direct.append(sum(nbytes[k] for k in own if t.storage[k] == k))
+        direct_accelerate.append(sum(accelerate[k] for k in own if t.canonical[k] == k))
+    size, size_accelerate = subtree_sizes(direct, direct_accelerate, nodes.parent)
+    tensors = Tensors(t.name, t.module, t.local, t.is_param, t.persistent, t.numel, nbytes, accelerate, t.canonical,
+                      t.storage)
+    return dataclasses.replace(graph, tensors=tensors, size=size, size_accelerate=size_accelerate)

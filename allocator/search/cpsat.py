@@ -24,8 +24,9 @@ from ..evaluate.units import Group, disk_loadable
 from ..problem import Problem
 from ..rules.loaders import loads_disk_only
 
-__all__ = ["MAX_UNITS", "NS", "Solved", "coarsen", "hint_levels", "home_weightless", "interchangeable", "model_inputs",
-           "solve_for_main", "solver_devices", "sort_run", "unit_order", "unit_tensors"]
+__all__ = ["MAX_UNITS", "NS", "Solved", "block_run", "coarsen", "hint_blocks", "hint_levels", "home_weightless",
+           "interchangeable", "model_inputs", "offloaded_block", "solve_for_main", "solver_devices", "sort_run",
+           "unit_order", "unit_tensors"]
 
 NS = 1e12  # picoseconds: tiny models must not round every cost to zero
 MAX_UNITS = 400
@@ -168,15 +169,14 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
     # The contract: resident groups take accelerators in index order along the model. A level per group that never
     # decreases in model order; a group on an executing device has that device's level (offloaded groups follow it).
     executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
+    rank_level = None
     if problem.deciding.contract and len(executing) > 1:
-        level = [model.NewIntVar(0, len(executing) - 1, f"level{k}") for k in range(len(found))]
+        rank_level = [model.NewIntVar(0, len(executing) - 1, f"level{k}") for k in range(len(found))]
         for k in range(1, len(found)):
-            model.Add(level[k] >= level[k - 1])
+            model.Add(rank_level[k] >= rank_level[k - 1])
         for k in range(len(found)):
             for i, d in enumerate(executing):
-                model.Add(level[k] == i).OnlyEnforceIf(x[k, d])
-        if hint:
-            hint_levels(model, hint, found, executing, level)
+                model.Add(rank_level[k] == i).OnlyEnforceIf(x[k, d])
     if need:   # never below accelerate: at least its bytes on the fastest tier
         counted = columns(g).counted
         fast = [d for d in devices if d in fast_tier(problem.budgets)]
@@ -189,12 +189,14 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
     terms = [cost[k][d] * x[k, d] for k in range(len(found)) for d in devices if cost[k][d]]
     changes = len(executing) > 1
     switches = []  # (k1, k2, boolean): a change of executing device between consecutive groups k1 and k2
+    change_of = {}  # (k1, k2) -> picoseconds of a change of executing device between them
     if changes:
         crossing = boundaries(problem)   # activation bytes at each tensor boundary, where they were counted
         for (k1, end), k2 in zip(zip(sequence, ends), sequence[1:]):
             if k1 == k2:
                 continue
             change_ps = int(round(change_seconds(profile, None if crossing is None else int(crossing[end])) * NS))
+            change_of[k1, k2] = change_ps
             ch = model.NewBoolVar("")
             for a in executing:
                 e1 = x[k1, a] + (off[k1] if a == main else 0)
@@ -213,6 +215,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
     # at most two executing devices, one of the two monotone orders has the fewest changes for the same counts.
     rank_of = {d: i for i, d in enumerate([main] + [d for d in devices if d in targets]
                                          + [d for d in executing if d != main])}
+    blocks = []   # the booleans of offloaded_block, one list per run, hinted with the rest
     if len(executing) <= 2:
         for run in interchangeable(found, sequence, cost, changes):
             ranks = [sum(rank_of[d] * x[k, d] for d in devices) for k in run]
@@ -227,6 +230,15 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
                 hint, ascending = sort_run(hint, found, sequence, run, rank_of, targets, main, changes)
                 if up is not None:
                     model.AddHint(up, ascending)
+    elif problem.deciding.contract and changes:
+        # With more executing devices, index order sorts a run's resident groups already; its offloaded groups
+        # (which all execute on the main device) form one block, RAM before disk, at the gap of the run that
+        # changes device least (:func:`offloaded_block`).
+        for run in interchangeable(found, sequence, cost, changes):
+            if len({change_of[pair] for pair in zip(run, run[1:])}) == 1 and not set(run) & set(no_disk):
+                blocks.append(offloaded_block(model, x, off, run, devices))
+                if hint:
+                    hint = block_run(hint, found, sequence, run, executing, targets, main, change_of)
     if hint:
         # A complete hint (every boolean of the model, not only the devices) is a solution CP-SAT takes as it is;
         # an incomplete one it first completes by a search of its own, which costs wall time.
@@ -243,6 +255,10 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
         runs_on = {k: main if d in targets else d for k, d in device.items()}
         for k1, k2, ch in switches:
             model.AddHint(ch, runs_on[k1] != runs_on[k2])
+        for added in blocks:
+            hint_blocks(model, added, lambda k: device[k] in targets)
+        if rank_level is not None:   # from the hint as the symmetry breaking above rearranged it
+            hint_levels(model, hint, found, executing, rank_level)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -292,6 +308,67 @@ def sort_run(hint: dict, found: list[Group], sequence: list[int], run: list[int]
         ascending = switches(ordered) <= switches(ordered[::-1])
     chosen = ordered if ascending else ordered[::-1]
     return dict(hint) | {name(k): d for k, d in zip(run, chosen)}, ascending
+
+
+def offloaded_block(model, x: dict, off: dict, run: list[int], devices: list) -> list:
+    """Constrain the offloaded groups of a run of interchangeable groups (:func:`interchangeable`) to one contiguous
+    block, those in RAM before those on disk.
+
+    Under the contract's index order a run's resident groups are sorted by device already, and every offloaded group
+    executes on the main device, so the plans this leaves out are rearrangements of a kept one: the same groups'
+    devices in another order within the run, the same memory per device and the same prices, and no fewer changes of
+    executing device (each gap of the run that holds offloaded groups adds its changes once, however many groups it
+    holds; all in the cheapest such gap adds the least). Holds where every change inside the run costs the same and
+    each of its groups may go to every device (the caller checks both). Returns the booleans it adds, ``(ended, a,
+    b)``: a block ended at or before ``a``, the group before ``b`` (:func:`hint_blocks` hints them).
+    """
+    ended, added = None, []   # ended: a block of offloaded groups ended before this group of the run
+    for a, b in zip(run, run[1:]):
+        now = model.NewBoolVar("")
+        if ended is not None:
+            model.AddImplication(ended, now)
+        model.Add(now >= off[a] - off[b])
+        model.Add(off[b] + now <= 1)
+        ended = now
+        added.append((now, a, b))
+        if "cpu" in devices and "disk" in devices:
+            model.Add(x[a, "disk"] + x[b, "cpu"] <= 1)
+    return added
+
+
+def hint_blocks(model, added: list, offloaded) -> None:
+    """Hint the booleans :func:`offloaded_block` added for one run (``added``) from whether each group is hinted
+    offloaded (``offloaded(k)``), so that the hint stays a complete solution."""
+    ended = False
+    for now, a, b in added:
+        ended = ended or (offloaded(a) and not offloaded(b))
+        model.AddHint(now, ended)
+
+
+def block_run(hint: dict, found: list[Group], sequence: list[int], run: list[int], executing: list, targets, main,
+              change_of: dict) -> dict:
+    """The hint with the devices of a run of interchangeable groups rearranged as :func:`offloaded_block` allows:
+    resident groups by index order, the offloaded ones (RAM, then disk) as one block at the gap where the changes of
+    executing device next to the run cost least. The same devices, so the same memory and prices; no more changes."""
+    name = lambda k: found[k].units[0].name  # noqa: E731
+    rank = {d: i for i, d in enumerate(executing)}
+    devices = [hint.get(name(k)) for k in run]
+    resident = sorted((d for d in devices if d not in targets), key=lambda d: rank.get(d, 0))
+    offloaded = sorted((d for d in devices if d in targets), key=lambda d: d != "cpu")
+    i = sequence.index(run[0])
+    before = [sequence[i - 1]] if i > 0 else []
+    after = [sequence[i + len(run)]] if i + len(run) < len(sequence) else []
+    keys = before + run + after
+
+    def cost(order) -> int:
+        runs_on = [main if d in targets else d for d in [hint.get(name(k)) for k in before] + order
+                   + [hint.get(name(k)) for k in after]]
+        return sum(change_of.get((k1, k2), 0) for (k1, k2), a, b in zip(zip(keys, keys[1:]), runs_on, runs_on[1:])
+                   if a != b)
+
+    orders = [resident[:gap] + offloaded + resident[gap:] for gap in range(len(resident) + 1)]
+    chosen = min(orders, key=cost)   # the first of the cheapest
+    return dict(hint) | {name(k): d for k, d in zip(run, chosen)}
 
 
 def home_weightless(found, placed: dict, main, home=None) -> dict:

@@ -14,7 +14,8 @@ Search: warm-started from the best valid plan of ``sequential``, ``reserve`` and
 ``hint``), whose cost also bounds every main device's objective from above; the other main devices are solved first
 (most are pruned at once by that bound), then the hint's main gets the deterministic time left; mains still unproven
 get a second round. Interchangeable groups (same sizes, streams and costs) take devices in a fixed order, and with
-two executing devices runs of identical neighbours are ordered one way or the other. The warm start is given as a
+two executing devices runs of identical neighbours are ordered one way or the other; with more, under the contract,
+the offloaded groups of such a run form one block (``search.cpsat.offloaded_block``). The warm start is given as a
 complete solution — every boolean of the model: devices, reserve steps, device-used flags, changes of executing
 device, the direction of each run (the one that changes device less often) — so CP-SAT starts from it at once instead
 of first searching to complete it.

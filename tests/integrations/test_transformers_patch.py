@@ -522,13 +522,37 @@ def test_a_patched_load_reads_the_model_once(quiet, monkeypatch, budgets):
 
 
 @needs5
-@pytest.mark.xfail(strict=True, reason="_no_placement_params left out: planned again with their sizes at 0, which "
-                   "reads the model again (a graph with some sizes zeroed is not derived from the first yet)")
 def test_a_patched_load_that_leaves_no_placement_params_out_reads_the_model_once(quiet, monkeypatch):
     cls, config = _no_placement_model()
     with torch.device("meta"):
         model = cls(config)
     assert _reads_per_load(monkeypatch, model, {0: 4000, "cpu": 10**6}) == 1
+
+
+@needs5
+@pytest.mark.parametrize("runtime", ["accelerate", "allocator"])
+@pytest.mark.parametrize("generation", [None, allocator.GenerationBudget(1, 64)], ids=["forward", "generate"])
+def test_one_read_and_one_plan_per_patched_from_pretrained_and_per_plan_call(cases, monkeypatch, tmp_path, runtime,
+                                                                           generation):
+    """A patched ``from_pretrained(device_map="auto")`` reads the model once and plans once (one ``planned`` on one
+    problem, no ``plan()`` call of its own); ``allocator.plan`` reads it once too, under either runtime, with and
+    without a generation budget."""
+    from allocator.problem import build
+
+    reads, plans = [], []
+    real_read, real_planned = build.build_graph, hf.planned
+    monkeypatch.setattr(build, "build_graph", lambda *a, **k: reads.append(1) or real_read(*a, **k))
+    monkeypatch.setattr(hf, "planned", lambda *a, **k: plans.append(1) or real_planned(*a, **k))
+    monkeypatch.setattr(allocator.api, "plan", lambda *a, **k: pytest.fail("a patched load called plan()"))
+    case = cases["llama"]
+    with hf.patch(runtime=runtime, generation=generation):
+        model = case.load("auto", tmp_path / "offload")
+    assert model is not None and (len(reads), len(plans)) == (1, 1)
+    reads.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "build_graph", lambda *a, **k: reads.append(1) or real_read(*a, **k))
+    allocator.plan(case.meta, dict(case.max_memory), runtime=runtime, generation=generation)
+    assert len(reads) == 1
 
 
 def test_skip_keys_reach_dispatch_model(cases, tmp_path):

@@ -262,3 +262,25 @@ def test_tensor_index_of_a_module_with_many_tensors_is_not_quadratic():
     assert all(index[f"scales.{k}"] == k for k in range(n))  # a scan per name would be n^2 / 2 = 2e8 comparisons
     assert time.process_time() - start < 5.0
     assert "scales.nope" not in index and n > _SCAN
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5-base"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_a_graph_with_sizes_zeroed_is_the_graph_read_with_them_at_zero(name, dtype):
+    """``model.graph.zeroed``: the sizes a read with a ``size_fn`` that gives some tensors 0 bytes makes, tied
+    tensors (a shared one zeroed, its second name not counted) and declared ties included, without a second read."""
+    from allocator.integrations.placement_params import zero_size_for
+    from allocator.model import zoo
+    from allocator.model.graph import zeroed
+
+    model = zoo.build(name)
+    graph = build_graph(model, dtype=dtype, declared_as_shared=True)
+    names = [n for n in graph.tensors.name if ".1." in n][:5] + [graph.tensors.name[0], graph.tensors.name[-1]]
+    names += [n for group in graph.tied_groups for n in group][:1]
+    ours = zeroed(graph, names)
+    read = build_graph(model, dtype=dtype, declared_as_shared=True, size_fn=zero_size_for(names, None))
+    assert ours.size == read.size and ours.total < graph.total
+    assert ours.size_accelerate == read.size_accelerate
+    assert list(ours.tensors.nbytes) == list(read.tensors.nbytes)
+    assert list(ours.tensors.nbytes_accelerate) == list(read.tensors.nbytes_accelerate)
+    assert ours.tied_groups == read.tied_groups and ours.nodes is graph.nodes

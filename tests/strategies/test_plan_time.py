@@ -4,6 +4,7 @@ the ones it makes with every candidate; one ``plan()`` reads the model once."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import allocator
@@ -169,3 +170,98 @@ def test_the_second_ilp_runs_only_where_the_first_won_without_a_proof(monkeypatc
     monkeypatch.setattr(ilp, "place", lambda problem, **k: replace(counted(problem, **k), optimal=False))
     assert allocator.plan(stack(MODELS["even"]), _budget("offloads")).device_map == plan.device_map
     assert len(calls) == 2 and calls[1] > 0
+
+
+# budgets in layers of 1024 x 1024 (4 MiB: streaming costs more than a change of device), with three or four
+# executing accelerators, where some identical layers are offloaded
+BLOCK_BUDGETS = {
+    "four-even": {0: 2.5, 1: 2.5, 2: 2.5, 3: 1.5, "cpu": 40},
+    "four-uneven": {0: 3.5, 1: 1.2, 2: 2.2, 3: 1.1, "cpu": 40},
+    "three-ram-short": {0: 3.5, 1: 2.2, 2: 1.2, "cpu": 6.5},
+    "three-disk": {0: 2.5, 1: 2.2, 2: 2.2, "cpu": 2.5, "disk": 40},
+}
+WIDE = 1024 * 1024 * 4 + 1024 * 4
+
+
+@pytest.mark.parametrize("budget", BLOCK_BUDGETS)
+@pytest.mark.parametrize("ends", [False, True], ids=["plain", "larger-ends"])
+def test_one_block_of_offloaded_layers_keeps_the_optimum(budget, ends, monkeypatch):
+    """With more than two executing accelerators, a run of identical layers keeps its offloaded layers in one block
+    (``cpsat.offloaded_block``) and the hint is rearranged to match (``cpsat.block_run``): the optimum is the one
+    found without either, proven both ways."""
+    from allocator.search import cpsat
+
+    widths = ([768] if ends else []) + [1024] * 10 + ([896] if ends else [])
+    with torch.device("meta"):
+        model = stack(widths)
+    problem = allocator.build_problem(model, {d: int(v * WIDE) for d, v in BLOCK_BUDGETS[budget].items()})
+    blocked = ilp.place(problem, time_limit=20.0)
+    with monkeypatch.context() as patched:
+        patched.setattr(cpsat, "offloaded_block", lambda *a, **k: [])
+        patched.setattr(cpsat, "block_run", lambda hint, *a, **k: hint)
+        free = ilp.place(problem, time_limit=20.0)
+    assert blocked.optimal and free.optimal
+    mine, theirs = (p.decisions[0].facts["seconds"] for p in (blocked, free))
+    assert mine == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+    kept = set(blocked.device_map.values())
+    assert kept & {"cpu", "disk"} and len(kept - {"cpu", "disk"}) > 2   # offloads, and runs on 3+ accelerators
+
+
+def test_the_hint_of_a_run_is_rearranged_into_one_block_with_no_more_changes():
+    """``cpsat.block_run``: the same devices, resident layers in index order, the offloaded ones (RAM, then disk) in
+    one block where the changes of executing device cost least."""
+    from allocator.evaluate.units import problem_groups
+    from allocator.search import cpsat
+
+    with torch.device("meta"):
+        model = stack([1024] * 10)
+    problem = allocator.build_problem(model, {d: int(v * WIDE) for d, v in BLOCK_BUDGETS["four-even"].items()})
+    found = list(problem_groups(problem).records())
+    _, sequence, _ = cpsat.model_inputs(problem, found)
+    run = list(sequence)
+    change_of = dict.fromkeys(zip(sequence, sequence[1:]), 1)   # every change costs one
+    hint = dict(zip(map(str, range(10)), [1, "cpu", 2, "disk", "cpu", 2, 0, "cpu", 3, 1]))
+    hint["0"], hint["6"] = 0, 1   # resident layers in index order: 0, 1, 1, 2, 2, 3
+    out = cpsat.block_run(hint, found, sequence, run, [0, 1, 2, 3], ("cpu", "disk"), 0, change_of)
+
+    def changes(device_map):
+        runs_on = [0 if device_map[str(i)] in ("cpu", "disk") else device_map[str(i)] for i in range(10)]
+        return sum(a != b for a, b in zip(runs_on, runs_on[1:]))
+
+    devices = [out[str(i)] for i in range(10)]
+    assert sorted(map(str, devices)) == sorted(map(str, hint.values()))
+    assert devices == ["cpu", "cpu", "cpu", "disk", 0, 1, 1, 2, 2, 3]   # the first of the cheapest gaps
+    assert changes(out) < changes(hint)
+
+
+@pytest.mark.parametrize("name,fractions", [
+    ("gemma3-4b", {0: .25, 1: .10, 2: .20, 3: .05, "cpu": 2}),             # two runs: vision and language layers
+    ("qwen3-moe-30b-a3b", {0: .15, 1: .15, 2: .15, 3: .15, "cpu": 2}),
+], ids=["gemma3-4b-uneven", "qwen3-moe-4gpu"])
+def test_the_warm_start_stays_a_complete_solution_with_blocks(name, fractions, monkeypatch):
+    """With the block of offloaded layers on four GPUs, the hint still gives every variable a value and, fixed to it,
+    the model is feasible (CP-SAT starts from it at once): the blocks' booleans are hinted run by run, and the
+    contract's levels from the hint as rearranged."""
+    from ortools.sat.python import cp_model
+
+    from allocator.model import zoo
+
+    solve, seen = cp_model.CpSolver.Solve, []
+
+    def fixed(self, model, *args, **kwargs):
+        proto = model.Proto()
+        hinted = sorted(set(proto.solution_hint.vars))
+        if hinted:
+            assert hinted == list(range(len(proto.variables)))
+            self.parameters.fix_variables_to_their_hinted_value = True
+        status = solve(self, model, *args, **kwargs)
+        if hinted:
+            seen.append(status)
+        return status
+
+    monkeypatch.setattr(cp_model.CpSolver, "Solve", fixed)
+    model = zoo.build(name)
+    total = allocator.build_problem(model, {"cpu": 0}).graph.total
+    problem = allocator.build_problem(model, {d: int(total * f) for d, f in fractions.items()})
+    ilp.place(problem, hint=ilp._heuristic(problem, problem.profile))
+    assert seen and all(status == cp_model.OPTIMAL for status in seen), seen
