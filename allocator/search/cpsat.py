@@ -106,10 +106,12 @@ def interchangeable(found: list[Group], sequence: list[int], cost: list[dict], c
 
 def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]], sequence: list[int], main,
                     profile: Profile, seconds: float, hint: dict | None, cutoff: int | None, need: int = 0,
-                    ends: list[int] | None = None) -> Solved:
+                    ends: list[int] | None = None, *, ordered: bool) -> Solved:
     """CP-SAT for one main device; ``cutoff`` (picoseconds) bounds the objective from above when given; ``need``:
-    bytes the plan must keep on the fastest tier (the contract's floor); ``ends``: one past the last tensor of each
-    unit of ``sequence`` (where a change of device after it moves that unit's output)."""
+    bytes the plan must keep on the fastest tier (the contract's floor, :func:`allocator.judge.contract.floor_to_keep`);
+    ``ends``: one past the last tensor of each unit of ``sequence`` (where a change of device after it moves that
+    unit's output); ``ordered``: whether the devices that execute are used in index order along the model (the
+    contract's rule 2, :func:`allocator.judge.witness.index_ordered`)."""
     ends = ends if ends is not None else [0] * len(sequence)
     from ortools.sat.python import cp_model
 
@@ -168,7 +170,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
     # The contract: resident groups take accelerators in index order along the model. A level per group that never
     # decreases in model order; a group on an executing device has that device's level (offloaded groups follow it).
     executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
-    if problem.deciding.contract and len(executing) > 1:
+    if ordered and len(executing) > 1:
         level = [model.NewIntVar(0, len(executing) - 1, f"level{k}") for k in range(len(found))]
         for k in range(1, len(found)):
             model.Add(level[k] >= level[k - 1])
