@@ -39,6 +39,7 @@ from ..placement import Decision, Placement
 from ..problem import Problem, step_problem
 from ..judge.verdict import is_valid, judged
 from ..judge.contract import floor_shortfall
+from ..search.bisection import boundary
 
 __all__ = ["place_experts"]
 
@@ -297,11 +298,7 @@ def _largest(n: int, ok) -> int | None:
         return n
     if not ok(0):
         return None
-    lo, hi = 0, n   # ok(lo), not ok(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return boundary(ok, 0, n)
 
 
 def _residents(problem: Problem, layers, mapped: dict, rooms: dict) -> tuple[dict, dict]:
