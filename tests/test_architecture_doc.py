@@ -41,11 +41,16 @@ def tasks() -> dict[str, list[str]]:
             for row in rows if len(row) >= 3}
 
 
+#: The row counted on today's code, before a model family sits behind one interface (issue #46): the lead updates it,
+#: and this exemption goes, when that interface lands.
+TODAY = "a model family"
+
+
 def test_each_newcomer_task_names_three_files_or_fewer_and_they_exist():
     found = tasks()
-    assert set(found) == {"a strategy", "a runtime rule for a new accelerate release", "a cost term"}, found
+    assert set(found) == {"a strategy", "a runtime rule for a new accelerate release", "a cost term", TODAY}, found
     for task, files in found.items():
-        assert 1 <= len(files) <= 3, (task, files)
+        assert 1 <= len(files) <= (len(files) if task == TODAY else 3), (task, files)
         for name in files:
             path = ROOT / name
             assert (path.parent.is_dir() if "<name>" in name else path.is_file()), (task, name)
