@@ -32,7 +32,7 @@ from allocator.judge.witness import index_ordered, main_candidates, witness
 from allocator.problem import build_problem
 from allocator.rules.dispatch import executes_on
 from allocator.search.bisection import boundary
-from allocator.search.first_fit import fill
+from allocator.search.first_fit import _seat_in_index_order, _seat_in_model_order, fill
 from allocator.search.partition import least_feasible
 from allocator.search.room import Room
 from allocator.strategies import kit
@@ -157,10 +157,23 @@ def test_the_one_fill_seats_in_any_priority_by_the_rule(data):
     for main in main_candidates(problem):
         want = _seat_by_the_rule(problem, found, main, reserve, priority, ordered)
         assert fill(problem, found, main, reserve, ordered=ordered, priority=priority) == want
-        if ordered:   # model order given is model order by default; kit.seat is the one fill
-            assert fill(problem, found, main, reserve, ordered=True) == \
-                fill(problem, found, main, reserve, ordered=True, priority=range(len(found)))
+        # model order by default (its own O(g) loop): the rule with model order as the priority
+        assert fill(problem, found, main, reserve, ordered=ordered) == \
+            _seat_by_the_rule(problem, found, main, reserve, range(len(found)), ordered)
+        if ordered:   # kit.seat is the one fill
             assert kit.seat(problem, kit.tie_groups(problem), priority, main, reserve) == want
+
+
+def test_a_group_between_two_that_stay_on_gpu_0_is_offloaded_rather_than_sent_to_gpu_1():
+    """Index order's upper bound, on both seating loops of the one fill: A and C must stay and take GPU 0 (full after
+    them), B between them in the model may be offloaded; GPU 1 has room, but B there would run 0, 1, 0."""
+    for seat in (_seat_in_model_order, _seat_in_index_order):
+        room = Room(devices=[0, 1, "cpu"], free=[16, 100, 100], targets=[False, False, True],
+                    charges=[False, False, True])
+        order = np.array([0, 2, 1])   # seats: A and C (they stay), then B
+        stay = np.array([True, True, False])
+        eight = np.full(3, 8)
+        assert seat(room, order, stay, np.zeros(3, dtype=np.int64), eight, eight) == [0, 0, 2], seat.__name__
 
 
 # -- one bisection ----------------------------------------------------------------------------------------------------
