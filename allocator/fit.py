@@ -23,6 +23,7 @@ from .model.generation import DECODER_POSITIONS, GenerationBudget, attention_wor
 from .placement import Placement
 from .problem import PlanOptions, Problem, build_problem
 from .report.plan import Plan
+from .search.bisection import boundary
 from .strategies import resolve, run
 from .strategies.split import with_parts
 
@@ -351,11 +352,7 @@ class _Search:
         cap = limit or (MAX_TOKENS if self.max_length is None else MAX_BATCH)
         if self.fits(cap):
             return cap, "positions" if limit else "cap"
-        lo, hi = least, cap   # lo fits, hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits(mid) else (lo, mid)
-        return lo, None
+        return boundary(self.fits, least, cap), None   # least fits, cap does not
 
     def bound(self, best: int, stop: str | None, fitted: Plan | None) -> tuple[object, str, str]:
         """The device and term that bound ``best``, and the sentence that says so."""

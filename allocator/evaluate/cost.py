@@ -35,12 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..memo import Key
-from ..budgets import Device, is_accelerator, normalize_map
+from ..budgets import Device, normalize_map
 from ..profile import COUNTED, Profile, read_rates, read_seconds
 from ..model.flops import node_values
 from ..problem import Problem
 from .runs import FEMTO, Run, columns
-from .memory import main_device, map_runs, offloaded_devices
+from .memory import executes_on, main_device, map_runs, offloaded_devices
 from .tiers import fast_tier
 from .units import boundary_bytes, tensor_flops
 
@@ -84,7 +84,7 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, 
     ``offload`` and ``tensors`` are numbers, or numpy arrays of one entry per tensor (elementwise:
     :func:`device_seconds`)."""
     seconds = 0.0
-    run_on = main if device in ("cpu", "disk") else device
+    run_on = executes_on(device, main)
     ours = runtime == "allocator"
     hook = profile.offload_tensor_latency if run_on == "cpu" or ours else profile.accelerator_tensor_latency
     if device == "disk":
@@ -116,7 +116,7 @@ def device_seconds(problem: Problem, main, profile: Profile, device) -> list[flo
 
 def _device_seconds(problem: Problem, main, profile: Profile, device) -> list[float]:
     cpu, accelerator = tensor_reads(problem, profile)
-    seconds = cpu if (main if device in ("cpu", "disk") else device) == "cpu" else accelerator
+    seconds = cpu if executes_on(device, main) == "cpu" else accelerator
     if device in offloaded_devices(main):
         mov = columns(problem.graph).moving(problem.placing.offload_buffers)
         nbytes = np.asarray(mov.nbytes_array(), dtype=np.float64)
@@ -265,7 +265,8 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
         d, a, b = run.device, run.start, run.end
         if d is None:
             continue
-        prefix = cpu_reads if (main if d in ("cpu", "disk") else d) == "cpu" else accelerator_reads
+        run_on = executes_on(d, main, offloaded)
+        prefix = cpu_reads if run_on == "cpu" else accelerator_reads
         reads += prefix[b] - prefix[a]
         if d in offloaded:
             nbytes = mov.sum_nbytes[b] - mov.sum_nbytes[a]
@@ -277,7 +278,6 @@ def estimate_runs(problem: Problem, found: list[Run], main: Device, profile: Pro
         if d in tier and not (d == "cpu" and main != "cpu"):
             fast += cols.sum_counted[b] - cols.sum_counted[a]
         if cols.sum_weighted[b] > cols.sum_weighted[a]:  # tensors without bytes do not change the device
-            run_on = main if d in offloaded or not is_accelerator(d) else d
             if last is not None and run_on != last:
                 changes += 1
                 change_time += change_seconds(profile, None if crossing is None else int(crossing[last_end]))

@@ -27,11 +27,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..budgets import is_accelerator, normalize_map
+from ..budgets import normalize_map
 from ..placement import Placement
 from ..problem import Problem
 from .cost import Cost, copy_seconds, read_seconds
-from .memory import device_of, expert_cache_reserve, main_device, offloaded_devices
+from .memory import device_of, executes_on, expert_cache_reserve, main_device, offloaded_devices
 from .runs import columns
 
 __all__ = ["DECIDED", "cache_hit_rate", "che_hit_rates", "expert_bytes", "expert_modes", "expert_numel",
@@ -246,7 +246,7 @@ def _devices(device_map: Mapping) -> tuple:
     (the CPU for a CPU main device, else the main device)."""
     device_map = normalize_map(device_map)
     main = main_device(set(device_map.values()))
-    return device_map, main, offloaded_devices(main), "cpu" if not is_accelerator(main) else main
+    return device_map, main, offloaded_devices(main), executes_on("disk", main)
 
 
 def routed_layers(problem: Problem, device_map: Mapping, experts: Mapping | None = None) -> list:

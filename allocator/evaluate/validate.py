@@ -263,8 +263,9 @@ def _unhooked(problem: Problem, device_map: dict, lone) -> list[Violation]:
 def executing_devices(devices, main) -> set:
     """The devices that execute the modules mapped to ``devices`` under ``main``: an offloaded module executes on the
     main device (:func:`allocator.rules.dispatch.executes_on`)."""
-    offloaded = offloaded_devices(main) if hooks_attach(set(devices)) else frozenset()
-    return {main if d in offloaded else d for d in devices}
+    hooks = hooks_attach(set(devices))
+    offloaded = offloaded_devices(main) if hooks else frozenset()
+    return {executes_on(d, main, offloaded, hooks) for d in devices}
 
 
 def _no_split(problem: Problem, runs: list, main=None) -> list[Violation]:

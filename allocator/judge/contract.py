@@ -28,6 +28,13 @@ over every device that could be main (the CPU included). A placement may be exem
 (:attr:`allocator.placement.Placement.exempt`): ``balanced_low_0`` keeps GPU 0 as light as possible on purpose
 (transformers' meaning of the mode), so rule 1 does not apply to it; accelerate's own map is exempt from all three.
 
+Every rule is decided in the judge, and only there: strategies and the search (:mod:`allocator.search`) propose,
+and read what the rules ask of a proposal as data the judge computes — the main devices to try
+(:func:`allocator.judge.witness.main_candidates`), whether the devices that execute follow index order
+(:func:`allocator.judge.witness.index_ordered`), the main device a split must start on (:func:`required_main`), the
+bytes a plan must keep on the fastest tier (:func:`floor_to_keep`), what a candidate lacks to reach the floor
+(:func:`floor_shortfall`) — never the rule itself.
+
 Notes
 -----
 The main device and the floor are the witness's (:mod:`allocator.judge.witness`), computed once per problem;
@@ -36,7 +43,7 @@ checking a map is O(keys).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ..budgets import Device
 from ..evaluate.cost import priced
@@ -46,9 +53,10 @@ from .verdict import headroom
 from ..evaluate.validate import Violation, format_bytes
 from ..placement import CONTRACT_RULES
 from ..problem import Problem
-from .witness import witness
+from .witness import accelerate_map, witness
 
-__all__ = ["contract_violations", "floor_violations", "main_violations"]
+__all__ = ["contract_violations", "floor_shortfall", "floor_to_keep", "floor_violations", "keeps_main_and_order",
+           "main_or_order_violations", "main_violations", "required_main", "streams_no_more"]
 
 
 def main_violations(problem: Problem, device_map: Mapping[str, Device]) -> list[Violation]:
@@ -63,6 +71,57 @@ def main_violations(problem: Problem, device_map: Mapping[str, Device]) -> list[
     return [Violation("contract-main", f"the plan's main device is {got!r}, but accelerator {want!r} is the first "
                       "that can hold a unit plus what streams through it: the contract makes it the main device "
                       "(where users send inputs); objective='latency' lifts this.")]
+
+
+def required_main(problem: Problem) -> Device | None:
+    """Rule 1 as a bound for proposers: the main device every plan must have (the witness's), or ``None`` where the
+    contract is lifted."""
+    return witness(problem).main if problem.deciding.contract else None
+
+
+def keeps_main_and_order(problem: Problem, main: Device, found: Sequence) -> bool:
+    """Rules 1 and 2 on a candidate given by its main device and its runs (:func:`allocator.evaluate.memory.map_runs`
+    of its map): ``True`` under ``objective="latency"``."""
+    if not problem.deciding.contract:
+        return True
+    return main == witness(problem).main and not order_violations(problem, found)
+
+
+def floor_shortfall(problem: Problem, have: int) -> int:
+    """Rule 3's first half: the bytes a plan that keeps ``have`` on the fastest tier lacks to reach the valid
+    baseline's (:attr:`allocator.judge.witness.Witness.floor`); 0 where it reaches them or the contract is lifted."""
+    if not problem.deciding.contract:
+        return 0
+    return max(witness(problem).floor - int(have), 0)
+
+
+def streams_no_more(problem: Problem, streamed: int) -> bool:
+    """Rule 3's second half: a plan that streams ``streamed`` bytes per forward streams no more than the valid baseline
+    where that baseline also keeps rules 1 and 2 (always ``True`` where there is none or the contract is lifted)."""
+    if not problem.deciding.contract:
+        return True
+    seen = witness(problem)
+    return seen.fallback is None or streamed <= seen.streamed
+
+
+def floor_to_keep(problem: Problem, reached: int | None = None) -> int:
+    """Rule 3 as a bound for proposers: the bytes a plan must keep on the fastest tier, where a plan keeping the
+    contract is known to reach them — accelerate's own valid map where it keeps rules 1 and 2, or a plan of the
+    caller's that keeps ``reached`` bytes there; else 0 (rules 1 and 2 come first). 0 under ``objective="latency"``.
+    """
+    if not problem.deciding.contract:
+        return 0
+    need = witness(problem).floor
+    if accelerate_map(problem) is not None or (reached is not None and reached >= need):
+        return need
+    return 0
+
+
+def main_or_order_violations(problem: Problem, device_map: Mapping, *,
+                             exempt: frozenset = frozenset()) -> list[Violation]:
+    """Rules 1 and 2 only (:func:`contract_violations` without the floor): what a plan may not break even where no
+    plan reaches the floor."""
+    return [v for v in contract_violations(problem, device_map, exempt=exempt) if v.kind != "contract-floor"]
 
 
 def contract_violations(problem: Problem, device_map: Mapping, *, exempt: frozenset = frozenset()) -> list[Violation]:
@@ -98,7 +157,7 @@ def floor_violations(problem: Problem, device_map: Mapping, found) -> list[Viola
     seen = witness(problem)
     have, need = fast_bytes(problem, found), seen.floor
     theirs = "transformers' map" if problem.deciding.baseline is not None else "accelerate's valid map"
-    if have < need:
+    if floor_shortfall(problem, have):
         return [Violation("contract-floor", f"the plan keeps {format_bytes(have)} on the fastest tier, less than "
                           f"{theirs} ({format_bytes(need)}); objective='latency' lifts this.")]
     room = seen.headroom
@@ -111,7 +170,7 @@ def floor_violations(problem: Problem, device_map: Mapping, found) -> list[Viola
     if seen.fallback is None:   # the baseline breaks rule 1 or 2 (it runs on the CPU with a GPU offered): those first
         return []
     streamed, mine = seen.streamed, priced(problem, device_map).streamed_bytes
-    if streamed is not None and mine > streamed:
+    if not streams_no_more(problem, mine):
         return [Violation("contract-floor", f"the plan streams {format_bytes(mine)} per forward, more than {theirs} "
                           f"({format_bytes(streamed)}); objective='latency' lifts this.")]
     return []

@@ -19,9 +19,9 @@ from ..problem import Problem
 from ..evaluate.memory import main_device
 from ..evaluate.runs import columns
 from .verdict import is_valid, violations as broken_rules
-from ..evaluate.tiers import fast_bytes, order_violations
-from .contract import contract_violations
-from .witness import accelerate_map, contract_main, fill_memo, floor, main_candidates, witness
+from ..evaluate.tiers import fast_bytes
+from .contract import contract_violations, floor_shortfall, keeps_main_and_order, streams_no_more
+from .witness import accelerate_map, contract_main, fill_memo, index_ordered, main_candidates, witness
 
 __all__ = ["Best", "Tried", "best_fill", "best_of", "best_valid", "ceiling", "estimate_decides", "infeasible",
            "keeping_contract", "rank_key", "ranked_by", "score"]
@@ -112,7 +112,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
         # every valid candidate is priced: check them from the best price down (on a tie, in ranked order); the
         # first valid one is the best
         costs = {k: _cost(problem, candidates[k]) for _, k in ranked}
-        keys = [((_streams_no_more(problem, costs[k]), *rank_key(problem, costs[k])), -i, k)
+        keys = [((streams_no_more(problem, costs[k].streamed_bytes), *rank_key(problem, costs[k])), -i, k)
                 for i, (_, k) in enumerate(ranked)]
         failed: set[int] = set()   # a candidate listed twice (reserve: two starts, one fixed point) is checked once
         for key, _, k in sorted(keys, reverse=True):
@@ -133,7 +133,7 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
                 continue
             priced += 1
             cost = _cost(problem, candidates[k])
-            key = (_streams_no_more(problem, cost), *rank_key(problem, cost))
+            key = (streams_no_more(problem, cost.streamed_bytes), *rank_key(problem, cost))
             if best is None or key > best[0]:
                 best = (key, device_map, candidates[k], cost)
     if best is None or (not best[0][0] and accelerate_map(problem) is not None):
@@ -149,11 +149,12 @@ def best_of(problem: Problem, candidates, strategy: str) -> Placement:
 
 
 def best_fill(problem: Problem, candidates, strategy: str) -> Placement:
-    """:func:`best_of` over the fills ``candidates(problem, mains, memo)`` makes
-    (:mod:`allocator.search.fills`) under the main devices a strategy may use (:func:`main_candidates`), with the
-    problem's memo of fills: ``reserve``'s and ``backfill``'s plan, and the same plan wherever another strategy
-    starts from one of them."""
-    return best_of(problem, candidates(problem, main_candidates(problem), fill_memo(problem)), strategy)
+    """:func:`best_of` over the fills ``candidates(problem, mains, memo, ordered=...)`` makes
+    (:mod:`allocator.search.fills`) under the main devices a strategy may use (:func:`main_candidates`) and the
+    contract's index order (:func:`allocator.judge.witness.index_ordered`), with the problem's memo of fills:
+    ``reserve``'s and ``backfill``'s plan, and the same plan wherever another strategy starts from one of them."""
+    found = candidates(problem, main_candidates(problem), fill_memo(problem), ordered=index_ordered(problem))
+    return best_of(problem, found, strategy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +219,7 @@ def best_valid(problem: Problem, candidates: Iterable[tuple[str, Callable[[], Pl
             tried.append(Tried(name, "invalid", violations[0].kind))
             continue
         kinds = frozenset(v.kind for v in contract_violations(problem, placement.device_map))
-        if kinds - {"contract-floor"}:
+        if kinds - {"contract-floor"}:   # rules 1 and 2 come first: the floor only ranks
             seconds = priced(problem, placement.device_map).seconds
             tried.append(Tried(name, "contract", "main" if "contract-main" in kinds else "order", seconds,
                                kinds=kinds, main=main_device(placement.device_map.values()),
@@ -238,18 +239,9 @@ def keeping_contract(problem: Problem, candidates: list) -> list:
     floor and accelerate's map cannot be kept instead (it breaks rule 1 or 2 itself), those that keep rules 1 and 2."""
     if not problem.deciding.contract:
         return list(candidates)
-    main = contract_main(problem)
-    keep = [c for c in candidates if c.main == main and not order_violations(problem, c.runs())]
-    need = floor(problem)
-    above = [c for c in keep if _quick(problem, c.runs()) >= need]
+    keep = [c for c in candidates if keeps_main_and_order(problem, c.main, c.runs())]
+    above = [c for c in keep if not floor_shortfall(problem, _quick(problem, c.runs()))]
     return above if above or accelerate_map(problem) is not None else keep
-
-
-def _streams_no_more(problem: Problem, cost: Cost) -> bool:
-    """Rule 3's second half: streams no more per forward than the valid baseline (always, where there is none or the
-    contract is lifted)."""
-    seen = witness(problem) if problem.deciding.contract else None
-    return seen is None or seen.fallback is None or cost.streamed_bytes <= seen.streamed
 
 
 def _cost(problem: Problem, candidate) -> Cost:

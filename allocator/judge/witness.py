@@ -32,10 +32,11 @@ from ..placement import Placement
 from ..problem import Problem, accelerators_up_to
 from ..search import accelerate
 from ..search.cpsat import MAX_UNITS, coarsen, model_inputs, solve_for_main
-from ..search.first_fit import Filled, Streams, every_main, fill_to_fixed_point, full_reserve, reserve_sizes
+from ..search.fills import fixed_point_fills
+from ..search.first_fit import every_main, full_reserve, reserve_sizes
 
 __all__ = ["EXACT_SECONDS", "Witness", "accelerate_map", "accelerate_placement", "admits", "contract_main",
-           "admission", "exact_admits", "fill_memo", "floor", "main_candidates", "witness"]
+           "admission", "exact_admits", "fill_memo", "floor", "index_ordered", "main_candidates", "witness"]
 
 WITNESS = Key("witness")
 FILLS = Key("fill_memo")
@@ -177,14 +178,13 @@ def admission(problem: Problem, main: Device) -> dict | None:
 
 def _fills_admit(problem: Problem, main: Device) -> dict | None:
     found = problem_groups(problem)
-    streams, memo = Streams(problem, found), fill_memo(problem)
+    starts = [full_reserve(problem), *reserve_sizes(problem, found)]
     tried = set()
-    for start in [full_reserve(problem), *reserve_sizes(problem, found)]:
-        where, reserve = fill_to_fixed_point(problem, found, main, start, streams=streams, memo=memo)
-        if where is None or (main, reserve) in tried:
+    for candidate in fixed_point_fills(problem, found, main, starts, fill_memo(problem),
+                                       ordered=index_ordered(problem)):
+        if id(candidate) in tried:
             continue
-        tried.add((main, reserve))
-        candidate = Filled(problem, found, where, reserve, main)
+        tried.add(id(candidate))
         if candidate.main != main:
             continue
         device_map = problem.cleaned(candidate.device_map())
@@ -209,7 +209,8 @@ def _exact(problem: Problem, main: Device, seconds: float = EXACT_SECONDS) -> tu
         return None, None
     found, merged = coarsen(list(problem_groups(problem).records()), MAX_UNITS)
     tensors, sequence, ends = model_inputs(problem, found)
-    solved = solve_for_main(problem, found, tensors, sequence, main, problem.profile, seconds, None, None, 0, ends)
+    solved = solve_for_main(problem, found, tensors, sequence, main, problem.profile, seconds, None, None, 0, ends,
+                            ordered=index_ordered(problem))
     if solved.placed is None:
         return (False if solved.proven and not merged else None), None
     placed = problem.cleaned(solved.placed)
@@ -245,6 +246,12 @@ def main_candidates(problem: Problem) -> list[Device]:
     """The devices a strategy tries as main: :func:`contract_main` alone under the contract; every device that could
     be main (:func:`allocator.search.first_fit.every_main`) under ``objective="latency"``."""
     return [contract_main(problem)] if problem.deciding.contract else every_main(problem)
+
+
+def index_ordered(problem: Problem) -> bool:
+    """Rule 2 as a bound for proposers (the fills, the CP-SAT model, the strategies): whether the devices that execute
+    must be used in index order along the model — under the contract, not under ``objective="latency"``."""
+    return problem.deciding.contract
 
 
 def fill_memo(problem: Problem) -> dict:

@@ -15,6 +15,7 @@ from ..judge.verdict import is_valid, memory
 from ..placement import Decision, Placement
 from ..problem import Problem
 from ..strategies import run
+from ..search.bisection import boundary
 from ..search.first_fit import full_reserve
 from ..search.accelerate import insufficient_memory
 from ..judge.witness import contract_main
@@ -39,14 +40,9 @@ def _with_ram(problem: Problem, ram: int) -> Problem:
 
 def smallest(works, low: int, high: int) -> int:
     """The smallest budget in ``(low, high]`` for which ``works(budget)`` holds, to 1 % (bisection; ``works(high)``
-    is known to hold, ``works(low)`` not). The one bisection of this module: every minimum below is found by it."""
-    while high - low > max(1, high // 100):
-        middle = (low + high) // 2
-        if works(middle):
-            high = middle
-        else:
-            low = middle
-    return high
+    is known to hold, ``works(low)`` not): the one bisection (:func:`allocator.search.bisection.boundary`). Every
+    minimum below is found by it."""
+    return boundary(works, high, low, precision=100)
 
 
 def _feasible(problem: Problem, strategy) -> bool:

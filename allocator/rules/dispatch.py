@@ -117,15 +117,26 @@ def read_copy(stored: int, nbytes: int) -> int:
     return stored if stored > nbytes else 0
 
 
-def executes_on(device: Device, main: Device, offloaded, hooks: bool) -> Device:
+def executes_on(device: Device, main: Device, offloaded=None, hooks: bool = True, *,
+                computes: Device | None = None) -> Device:
     """Where a module mapped to ``device`` runs: the main device when offloaded; ``mps`` for ``cpu`` modules when
-    ``mps`` is main (they move there at dispatch); else its own device.
+    ``mps`` is main (they move there at dispatch); else its own device. The one statement of this rule: the memory
+    model, the validator and the cost model all ask it.
+
+    ``offloaded``: the map values streamed to ``main`` (:func:`offloaded_devices` of ``main`` where ``None``; empty
+    where no hooks attach); ``hooks``: whether ``dispatch_model`` attaches hooks (:func:`hooks_attach`). ``computes``:
+    under our runtime (``runtime="allocator"``), the device the plan's compute map runs an offloaded unit on in a
+    phase (``Plan.compute``: the CPU, with the activations moved there), which wins over the main device.
 
     >>> executes_on("cpu", 0, {"cpu", "disk"}, True), executes_on(1, 0, {"cpu", "disk"}, True)
     (0, 1)
+    >>> executes_on("disk", "cpu"), executes_on("cpu", "mps"), executes_on("cpu", 0, computes="cpu")
+    ('cpu', 'mps', 'cpu')
     """
+    if offloaded is None:
+        offloaded = offloaded_devices(main)
     if device in offloaded:
-        return main
+        return main if computes is None else computes
     if device == "cpu" and main == "mps" and hooks:
         return "mps"
     return device

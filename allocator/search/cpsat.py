@@ -107,10 +107,12 @@ def interchangeable(found: list[Group], sequence: list[int], cost: list[dict], c
 
 def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]], sequence: list[int], main,
                     profile: Profile, seconds: float, hint: dict | None, cutoff: int | None, need: int = 0,
-                    ends: list[int] | None = None) -> Solved:
+                    ends: list[int] | None = None, *, ordered: bool) -> Solved:
     """CP-SAT for one main device; ``cutoff`` (picoseconds) bounds the objective from above when given; ``need``:
-    bytes the plan must keep on the fastest tier (the contract's floor); ``ends``: one past the last tensor of each
-    unit of ``sequence`` (where a change of device after it moves that unit's output)."""
+    bytes the plan must keep on the fastest tier (the contract's floor, :func:`allocator.judge.contract.floor_to_keep`);
+    ``ends``: one past the last tensor of each unit of ``sequence`` (where a change of device after it moves that
+    unit's output); ``ordered``: whether the devices that execute are used in index order along the model (the
+    contract's rule 2, :func:`allocator.judge.witness.index_ordered`)."""
     ends = ends if ends is not None else [0] * len(sequence)
     from ortools.sat.python import cp_model
 
@@ -170,7 +172,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
     # decreases in model order; a group on an executing device has that device's level (offloaded groups follow it).
     executing = [d for d in devices if d not in targets]  # offloaded groups execute on the main device
     rank_level = None
-    if problem.deciding.contract and len(executing) > 1:
+    if ordered and len(executing) > 1:
         rank_level = [model.NewIntVar(0, len(executing) - 1, f"level{k}") for k in range(len(found))]
         for k in range(1, len(found)):
             model.Add(rank_level[k] >= rank_level[k - 1])
@@ -230,7 +232,7 @@ def solve_for_main(problem: Problem, found: list[Group], tensors: list[list[int]
                 hint, ascending = sort_run(hint, found, sequence, run, rank_of, targets, main, changes)
                 if up is not None:
                     model.AddHint(up, ascending)
-    elif problem.deciding.contract and changes:
+    elif ordered and changes:
         # With more executing devices, index order sorts a run's resident groups already; its offloaded groups
         # (which all execute on the main device) form one block, RAM before disk, at the gap of the run that
         # changes device least (:func:`offloaded_block`).

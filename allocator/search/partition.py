@@ -20,6 +20,8 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
+from .bisection import boundary
+
 __all__ = ["prefix_sums", "reachable", "split", "least_feasible", "parts"]
 
 
@@ -127,13 +129,7 @@ def least_feasible(feasible: Callable[[int], bool], lo: int, hi: int) -> int | N
     """
     if lo > hi or not feasible(hi):
         return None
-    while lo < hi:
-        middle = (lo + hi) // 2
-        if feasible(middle):
-            hi = middle
-        else:
-            lo = middle + 1
-    return lo
+    return boundary(feasible, hi, lo - 1)   # the one bisection; feasible(lo - 1) is never called
 
 
 def parts(cuts: Sequence[int], count: int) -> list[range]:

@@ -74,7 +74,7 @@ from ..evaluate.units import Group, problem_groups
 from ..judge.verdict import judged, memory as needs
 from ..judge.ranking import best_fill
 from ..search.fills import reserve_candidates
-from ..judge.witness import contract_main
+from ..judge.contract import required_main
 
 __all__ = ["place", "place_low_0"]
 
@@ -187,22 +187,22 @@ def _place(problem: Problem, *, low_0: bool) -> Placement:
     name = "balanced_low_0" if low_0 else "balanced"
     found = problem_groups(problem).records()
     accelerators = list(problem.budgets.accelerators)
-    if accelerators and problem.deciding.contract and not low_0 and found:
-        # the contract: the first accelerator that admits a plan is the main device, so it holds a group
-        main = contract_main(problem)
+    main = required_main(problem) if accelerators and not low_0 and found else None
+    if main is not None:
+        # the contract's main device (the judge's): the first accelerator that admits a plan, so it holds a group
         accelerators = accelerators[accelerators.index(main):] if main in accelerators else []
     if accelerators:
-        placement = _all_resident(problem, found, accelerators, low_0, name)
+        placement = _all_resident(problem, found, accelerators, low_0, name, first_min=int(main is not None))
         if placement is not None:
             return placement
     return _with_offload(problem, found, low_0, name)
 
 
-def _all_resident(problem: Problem, found: list[Group], devices: list[Device], low_0: bool, name: str):
+def _all_resident(problem: Problem, found: list[Group], devices: list[Device], low_0: bool, name: str, *,
+                  first_min: int):
     budgets = [problem.budgets.limit(d) or 0 for d in devices]
     loads = [load(g) for g in found]
     splitter = _low_first if low_0 else _balance
-    first_min = 1 if problem.deciding.contract and not low_0 and found else 0
     cuts = splitter(loads, budgets, _workspace(problem, len(devices)), first_min)
     if cuts is None:
         return None

@@ -38,7 +38,8 @@ from ..evaluate.tiers import accelerator_sequence, fast_bytes, fast_tier
 from ..placement import Decision, Placement
 from ..problem import Problem, step_problem
 from ..judge.verdict import is_valid, judged
-from ..judge.witness import floor
+from ..judge.contract import floor_shortfall
+from ..search.bisection import boundary
 
 __all__ = ["place_experts"]
 
@@ -104,9 +105,9 @@ def place_experts(problem: Problem, placement: Placement) -> Placement:
     slots, cached = expert_cache_reserve(problem, mapped)   # experts the cache holds on the main device, as residents
     have = fast_bytes(problem, map_runs(problem.graph, mapped)) + sum(b for d, (b, _) in held.items() if d in tier) \
         + (cached if main in tier else 0)
-    need = floor(problem)
-    if have < need:
-        return _kept(placement, reason="floor", bytes=need - have)
+    short = floor_shortfall(problem, have)   # rule 3, with the experts the runtime keeps on the fastest tier counted
+    if short:
+        return _kept(placement, reason="floor", bytes=short)
     worse = _worse(problem, placement, dense, mapped, experts, have, cached if main == "cpu" else 0)
     if worse:
         return _kept(placement, **worse)
@@ -297,11 +298,7 @@ def _largest(n: int, ok) -> int | None:
         return n
     if not ok(0):
         return None
-    lo, hi = 0, n   # ok(lo), not ok(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return boundary(ok, 0, n)
 
 
 def _residents(problem: Problem, layers, mapped: dict, rooms: dict) -> tuple[dict, dict]:

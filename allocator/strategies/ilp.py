@@ -50,8 +50,8 @@ from ..search.fills import backfill_candidates, reserve_candidates
 from ..search.cpsat import MAX_UNITS, NS, coarsen, home_weightless, model_inputs, solve_for_main
 from ..judge.ranking import best_fill, best_valid, infeasible
 from ..evaluate.tiers import fast_bytes, order_violations
-from ..judge.contract import contract_violations
-from ..judge.witness import accelerate_map, accelerate_placement, floor, main_candidates
+from ..judge.contract import floor_to_keep, main_or_order_violations
+from ..judge.witness import accelerate_placement, index_ordered, main_candidates
 
 __all__ = ["place"]
 
@@ -101,10 +101,11 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if hint is None:
         hint = _heuristic(problem, profile)
     incumbent = None  # (estimated seconds, device map): the hint, kept when CP-SAT finds nothing better
-    if hint is not None and is_valid(problem, hint) and not _breaks_order_or_main(problem, hint) \
+    if hint is not None and is_valid(problem, hint) and not main_or_order_violations(problem, hint) \
             and fast_bytes(problem, map_runs(g, hint)) >= keep:
         incumbent = (estimate(problem, hint, profile).seconds, dict(hint))
-    need = max(_floor_to_keep(problem, incumbent), keep)
+    reached = None if incumbent is None else fast_bytes(problem, map_runs(g, incumbent[1]))
+    need = max(floor_to_keep(problem, reached), keep)
     mains = main_candidates(problem)
     hinted = main_device(hint.values()) if hint else None
     # The other mains first, bounded by the hint's cost (most are pruned at once); the hint's main gets the time
@@ -122,7 +123,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
                 cutoff = bound if cutoff is None else min(cutoff, bound)
             start = hints.get(main, unit_hint if main == hinted else None)
             solved = solve_for_main(problem, found, tensors, sequence, main, profile, left / (len(todo) - i), start,
-                                     cutoff, need, ends)
+                                     cutoff, need, ends, ordered=index_ordered(problem))
             left = max(0.0, left - solved.work)
             if not solved.proven:
                 pending.append(main)
@@ -145,7 +146,7 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
         warm = False
     objective /= NS
     homed = home_weightless(found, placed, main) if main in problem.budgets.order else placed
-    if problem.deciding.contract and order_violations(problem, map_runs(g, homed)):
+    if index_ordered(problem) and order_violations(problem, map_runs(g, homed)):
         # on the main device, a buffers-only module that runs after units on later accelerators would break their
         # index order: offloaded to RAM instead (the same memory: its buffers stay on the main device)
         homed = home_weightless(found, placed, main, home="cpu") if "cpu" in problem.budgets.order else placed
@@ -162,23 +163,6 @@ def place(problem: Problem, *, profile: Profile | None = None, time_limit: float
     if merged:
         decisions.append(Decision("solver", facts={"reason": "coarsened", "merges": merged, "max_units": max_units}))
     return Placement(device_map=device_map, strategy="ilp", decisions=tuple(decisions), optimal=proven and not merged)
-
-
-def _breaks_order_or_main(problem: Problem, device_map) -> bool:
-    """Whether a map breaks the contract's main device or index order (the floor is :func:`_floor_to_keep`'s)."""
-    return any(v.kind != "contract-floor" for v in contract_violations(problem, device_map))
-
-
-def _floor_to_keep(problem: Problem, incumbent) -> int:
-    """The contract's floor (accelerate's bytes on the fastest tier) where a plan keeping the contract is known to
-    reach it (accelerate's own map, or the warm start); else 0, as in :func:`allocator.judge.ranking.best_of`."""
-    if not problem.deciding.contract:
-        return 0
-    need = floor(problem)
-    if accelerate_map(problem) is not None:
-        return need
-    reached = incumbent is not None and fast_bytes(problem, map_runs(problem.graph, incumbent[1])) >= need
-    return need if reached else 0
 
 
 def _heuristic(problem: Problem, profile: Profile) -> dict | None:

@@ -41,19 +41,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-import numpy as np
-
 from ..budgets import Device
 from ..evaluate.memory import offloaded_devices
 from ..evaluate.cost import Cost, estimate
 from ..errors import InfeasiblePlacement
 from ..placement import Placement
 from ..problem import Problem
-from ..judge.witness import accelerate_placement, main_candidates
+from ..judge.witness import accelerate_placement, index_ordered, main_candidates
 from ..judge.ranking import best_valid as rank
-from ..search.first_fit import Streams
+from ..search.first_fit import Streams, fill as first_fit, largest_stream
 from ..search.room import Room
-from ..evaluate.units import Group, Groups, disk_loadable, problem_groups
+from ..evaluate.units import Group, Groups, problem_groups
 from ..evaluate.validate import Violation
 from ..judge.verdict import violations as broken_rules
 
@@ -135,10 +133,9 @@ def fill(problem: Problem, order: Sequence[int], *, name: str = "custom") -> Pla
     if sorted(order) != list(range(len(groups))):
         raise ValueError(f"fill needs every group index once: {len(groups)} groups, got {len(order)} indices.")
     streams = Streams(problem, groups)
-    offloadable = groups.array("stream")[~groups.array("resident_only")]
     candidates = [("accelerate", lambda: accelerate_placement(problem))]
     for main in main_candidates(problem):
-        reserve, tried = int(offloadable.max()) if len(offloadable) else 0, set()
+        reserve, tried = largest_stream(groups), set()
         for _ in range(ROUNDS):
             seats = seat(problem, groups, order, main, reserve)
             if seats is None or reserve in tried:
@@ -155,64 +152,14 @@ def fill(problem: Problem, order: Sequence[int], *, name: str = "custom") -> Pla
 
 def seat(problem: Problem, found: Groups, order: Sequence[int], main: Device, reserve: int) -> list | None:
     """The device of each group (in group order) when seated one by one in ``order`` by :meth:`Room.seat` under
-    ``main`` and ``reserve``, or ``None`` when one fits nowhere. Groups that must stay resident (:meth:`Room.must_stay`)
-    are seated first, then the others, each part in ``order``. Under the contract, the devices that execute are used
-    in index order along the model: a group never goes to an executing device before one that a group earlier in the
-    model went to, nor after one that a later group went to.
+    ``main`` and ``reserve``, or ``None`` when one fits nowhere: the one fill
+    (:func:`allocator.search.first_fit.fill`) with ``order`` as its priority. Groups that must stay resident
+    (:meth:`Room.must_stay`) are seated first, then the others, each part in ``order``. Under the contract, the
+    devices that execute are used in index order along the model: a group never goes to an executing device before
+    one that a group earlier in the model went to, nor after one that a later group went to.
 
     Notes
     -----
     O(g log g) for g groups: the bounds come from two Fenwick trees over model positions.
     """
-    room = Room.of(problem, main, reserve, found)
-    if room is None:
-        return None
-    n = len(found)
-    stays = Room.must_stay(found.array("stream"), found.array("resident_only"), reserve)
-    disk_ok = disk_loadable(problem) if n else np.ones(0, dtype=bool)
-    if room.targets.count(True) == 1 and room.disk >= 0:   # disk is the only offload target: they stay instead
-        stays, disk_ok = stays | ~disk_ok, np.ones(n, dtype=bool)
-    size, offload, pinned = (found.array(c).tolist() for c in ("size", "offload", "pinned"))
-    stays, disk_ok = stays.tolist(), disk_ok.tolist()
-    ordered = problem.deciding.contract and room.targets.count(False) > 1
-    below, above = _Bound(n, max, -1), _Bound(n, min, n)   # executing device index by model position
-    seats: list = [None] * n
-    for k in [k for k in order if stays[k]] + [k for k in order if not stays[k]]:
-        low, high = (below.before(k), above.after(k)) if ordered else (-1, n)
-        j = room.seat(size[k], offload[k], pinned[k], stays[k], low=max(low, 0), high=None if high == n else high,
-                      disk_ok=disk_ok[k])
-        if j < 0:
-            return None
-        if ordered and not room.targets[j]:
-            below.set(k, j)
-            above.set(k, j)
-        seats[k] = room.devices[j]
-    return seats
-
-
-class _Bound:
-    """The largest (``max``) or smallest (``min``) value set at the model positions before (or after) a position:
-    a Fenwick tree over positions (over reversed positions for "after")."""
-
-    def __init__(self, n: int, pick, empty: int):
-        self.n, self.pick, self.empty = n, pick, empty
-        self.tree = [empty] * (n + 1)
-
-    def set(self, position: int, value: int) -> None:
-        i = (position if self.pick is max else self.n - 1 - position) + 1
-        while i <= self.n:
-            self.tree[i] = self.pick(self.tree[i], value)
-            i += i & -i
-
-    def _prefix(self, count: int) -> int:
-        out, i = self.empty, count
-        while i > 0:
-            out = self.pick(out, self.tree[i])
-            i -= i & -i
-        return out
-
-    def before(self, position: int) -> int:
-        return self._prefix(position)
-
-    def after(self, position: int) -> int:
-        return self._prefix(self.n - 1 - position)
+    return first_fit(problem, found, main, reserve, ordered=index_ordered(problem), priority=order)

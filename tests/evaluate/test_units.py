@@ -237,7 +237,7 @@ def test_fill_places_every_group_or_none(data):
     found = groups(problem.graph)
     for main in main_candidates(problem):
         reserve = data.draw(st.sampled_from(sorted({0, *found.stream})))
-        where = fill(problem, found, main, reserve)
+        where = fill(problem, found, main, reserve, ordered=problem.deciding.contract)
         if where is not None:
             assert len(where) == len(found) and None not in where
             placed = unit_map(found, where, reserve)
