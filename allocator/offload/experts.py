@@ -28,6 +28,7 @@ import math
 import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..errors import InvalidRuntime
 from ..model.experts import MoELayer, find_experts
@@ -35,6 +36,7 @@ from ..profile import Profile
 from .buffers import FetchBuffers
 from .expert_cache import ExpertCache, in_place, look_up, store
 from .expert_modes import computes_here, computes_there, phase_mode
+from .expert_pages import Residency, runs_of
 from .files import MappedFiles, source_of
 
 __all__ = ["MODES", "NAME", "ExpertsHook", "RoutedExperts", "Traffic", "eager_forward", "experts_forward",
@@ -164,6 +166,14 @@ class RoutedExperts:
         (:mod:`.expert_modes`).
     buffers : FetchBuffers
         Where fetched slices are copied, shared with the other layers the runtime fetches for.
+    pages : Residency or None
+        Asks which routed experts' pages are in memory before they are read ahead (:mod:`.expert_pages`), shared by
+        the runtime's layers; ``None``: every routed expert's slices are read ahead unasked.
+    views : dict
+        Parameter name -> the ``[E, ...]`` host tensor (:meth:`host`), made once: a view into the mapping stays valid
+        while the file is mapped, and :meth:`release` lets go of it.
+    whole : _One or None
+        The module with those views for its parameters, as the eager forward sees it where :attr:`in_place`.
     """
 
     layer: MoELayer
@@ -185,15 +195,30 @@ class RoutedExperts:
     cache: ExpertCache | None = None
     threshold: int = 1
     used: dict = field(default_factory=dict)
+    pages: Residency | None = None
+    views: dict = field(default_factory=dict)
+    whole: object = field(default=None, repr=False)
 
-    @property
+    @cached_property
     def accelerator(self) -> bool:
         """Whether the main device is an accelerator (or its stand-in): fetched slices are copied there."""
         return getattr(self.device, "kind", "cpu") != "cpu"
 
     def host(self, name: str):
-        """Parameter ``name`` as a ``[E, ...]`` host tensor: a view into the mapped file, or accelerate's RAM copy."""
-        return self.sources[name].host()
+        """Parameter ``name`` as a ``[E, ...]`` host tensor: a view into the mapped file, or accelerate's RAM copy
+        (made at the first call, then reused)."""
+        view = self.views.get(name)
+        if view is None:
+            view = self.views[name] = self.sources[name].host()
+        return view
+
+    def release(self) -> None:
+        """Let go of every tensor this layer holds: resident copies, those on other accelerators, host views."""
+        self.resident.clear()
+        self.remote_tensors.clear()
+        self.views.clear()
+        self.whole = None
+        self.__dict__.pop("_mapped", None)
 
     def random_access(self) -> None:
         """Tell the kernel the experts' files are read at random (``MADV_RANDOM``): no read-ahead around a routed
@@ -206,25 +231,36 @@ class RoutedExperts:
 
     def _advise(self, experts: list[int]) -> None:
         """Start reading ``experts``' slices of every file-backed tensor (``MADV_WILLNEED``, asynchronous): one call
-        per run of consecutive experts, not one per expert."""
-        runs: list[list[int]] = []
-        for e in sorted(set(experts)):
-            if runs and runs[-1][1] == e:
-                runs[-1][1] = e + 1
-            else:
-                runs.append([e, e + 1])
-        for source in self.sources.values():
-            if source.file is None:
-                continue
-            per = (source.end - source.start) // self.layer.num_experts
-            for a, b in runs:
-                source.file.advise(source.start + a * per, source.start + b * per)
+        per run of consecutive experts, not one per expert, and only for runs with a page not in memory where
+        :attr:`pages` can tell (:mod:`.expert_pages`)."""
+        if not experts:
+            return
+        runs = runs_of(experts)
+        for file, address, tensors in self._files():
+            spans = sorted((start + a * per, start + b * per) for start, per in tensors for a, b in runs)
+            if self.pages is not None:
+                spans = self.pages.missing(file.path, address, spans)
+            for a, b in spans:
+                file.advise(a, b)
+
+    def _files(self) -> list:
+        """Per mapped file of the file-backed tensors: ``(file, address of its first byte, [(start, bytes per
+        expert) of each tensor]``), made once."""
+        files = self.__dict__.get("_mapped")
+        if files is None:
+            by_file: dict = {}
+            for n, s in self.sources.items():
+                if s.file is not None:
+                    entry = by_file.setdefault(id(s.file), (s.file, self.host(n).data_ptr() - s.start, []))
+                    entry[2].append((s.start, (s.end - s.start) // self.layer.num_experts))
+            files = self.__dict__["_mapped"] = list(by_file.values())
+        return files
 
     def _cast(self, tensor, name: str):
         meta = self.metas[name]
         return tensor if tensor.dtype == meta.dtype else tensor.to(meta.dtype)
 
-    @property
+    @cached_property
     def in_place(self) -> bool:
         """Whether every expert runs from views of its tensors' files, in one eager call: a CPU main device, every
         tensor file-backed in the dtype the module runs in. Resident experts are then held in place
@@ -307,21 +343,33 @@ class RoutedExperts:
         count = self.layer.num_experts
         # the routed experts, ascending, from one list: torch.unique would add a sort, copies and allocations per
         # layer, each a parallel region of torch's intra-op pool (docs/runtime.md, "Threads")
-        hit = sorted({e for e in top_k_index.flatten().tolist() if 0 <= e < count})
+        hit = {e for e in top_k_index.reshape(-1).tolist() if 0 <= e < count}
         if self.in_place:   # one eager call over views of the whole tensors: only the routed slices are read
-            away = [e for e in hit if e not in self.rows]
-            self.traffic.routed += len(hit)
-            self.traffic.resident += len(hit) - len(away)
+            rows, traffic = self.rows, self.traffic
+            away = sorted(e for e in hit if e not in rows)
+            traffic.routed += len(hit)
+            traffic.resident += len(hit) - len(away)
             away = away if self.cache is None else in_place(self, away)   # cache hits: nothing read
             self._advise(away)
-            self.traffic.fetched += len(away)
-            self.traffic.read += len(away) * bytes_per_expert(self)
-            return eager(_One(module, {n: self.host(n) for n in self.sources}, count), hidden_states, top_k_index,
-                         top_k_weights)
+            traffic.fetched += len(away)
+            traffic.read += len(away) * self.expert_bytes
+            return eager(self._whole(module), hidden_states, top_k_index, top_k_weights)
+        hit = sorted(hit)
         try:
             return self._routed(module, eager, hidden_states, top_k_index, top_k_weights, hit, mode)
         finally:
             self.buffers.release(self.main)
+
+    @cached_property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's slices as the module runs them (:func:`bytes_per_expert`)."""
+        return bytes_per_expert(self)
+
+    def _whole(self, module) -> _One:
+        """The module as the eager forward sees it with every tensor the whole ``[E, ...]`` host view (made once)."""
+        if self.whole is None or self.whole.__dict__["_module"] is not module:
+            self.whole = _One(module, {n: self.host(n) for n in self.sources}, self.layer.num_experts)
+        return self.whole
 
     def _routed(self, module, eager, hidden_states, top_k_index, top_k_weights, hit: list, mode: str):
         """:meth:`forward` expert by expert (not :attr:`in_place`): resident, cached, remote, computed where it
@@ -395,6 +443,8 @@ class ExpertsHook:
         self.execution_device = original.execution_device if routed.home in (None, "main") else routed.main
         self.skip_keys = original.skip_keys
         self.input_device = None
+        # a CPU main device: the arguments, CPU tensors, are used as they come (no walk over them per call)
+        self.on_host = not routed.accelerator and str(self.execution_device) == "cpu"
 
     def init_hook(self, module):
         return module
@@ -405,6 +455,9 @@ class ExpertsHook:
     def pre_forward(self, module, *args, **kwargs):
         from accelerate.utils import find_device, send_to_device
 
+        if self.on_host and not kwargs and all(getattr(a, "is_cpu", True) for a in args):
+            self.input_device = None   # already where they run, and where the output stays
+            return args, kwargs
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
         return send_to_device(args, self.execution_device), send_to_device(
@@ -443,6 +496,7 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
     layers = {m.experts: m for m in find_experts(model) if m.kind == "fused" and not m.common}
     traffic = traffic if traffic is not None else Traffic()
     buffers = buffers if buffers is not None else FetchBuffers()
+    pages = Residency()   # one mincore buffer for every layer (.expert_pages)
     out = {}
     for name, module, hook in hooks:
         layer = layers.get(name)
@@ -463,7 +517,8 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
             routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic,
                                    modes.get(name, "auto") if isinstance(mode, Mapping) else mode, home=home,
                                    chunk=plan.get("fetch_chunk"), buffers=buffers, threshold=threshold,
-                                   cache=cache if cache is not None and home in (None, "main", resident_on) else None)
+                                   cache=cache if cache is not None and home in (None, "main", resident_on) else None,
+                                   pages=pages)
             routed.keep([e for e, d in enumerate(where) if home is not None and d == home])
             routed.keep_elsewhere({e: d for e, d in enumerate(where) if isinstance(d, int) and not isinstance(
                 d, bool) and d != home}, lambda d: _torch(d, device))

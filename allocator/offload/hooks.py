@@ -283,8 +283,7 @@ class Attached:
         if self.cache is not None:
             self.cache.entries.clear()
         for routed in self.experts.values():
-            routed.resident.clear()
-            routed.remote_tensors.clear()
+            routed.release()
         self.live.clear()
         self.files.close()
         self.model, self.passthrough = None, ()
