@@ -126,6 +126,8 @@ def in_place(routed, away: list[int]) -> list[int]:
         misses.append(e)
         for (_, out), owner in cache.put((routed.layer.experts, e), routed):   # the value: the module it belongs to
             _pages(owner, out, keep=False)
+            if owner.pages is not None:   # its pages leave the process: ask again before it is read next
+                owner.pages.forget(owner.layer.experts, out)
         _pages(routed, e, keep=True)
     return misses
 

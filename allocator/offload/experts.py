@@ -233,6 +233,8 @@ class RoutedExperts:
         """Start reading ``experts``' slices of every file-backed tensor (``MADV_WILLNEED``, asynchronous): one call
         per run of consecutive experts, not one per expert, and only for runs with a page not in memory where
         :attr:`pages` can tell (:mod:`.expert_pages`)."""
+        if self.pages is not None:
+            experts = self.pages.stale(self.layer.experts, experts)
         if not experts:
             return
         runs = runs_of(experts)
