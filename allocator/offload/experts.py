@@ -35,6 +35,8 @@ from ..model.experts import MoELayer, find_experts
 from ..profile import Profile
 from .buffers import FetchBuffers
 from .expert_cache import ExpertCache, in_place, look_up, store
+from .expert_hook import ExpertsHook
+from .expert_traffic import Traffic
 from .expert_modes import computes_here, computes_there, phase_mode
 from .expert_pages import Residency, runs_of
 from .files import MappedFiles, source_of
@@ -88,45 +90,6 @@ class _One:
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_module"], name)
-
-
-@dataclass
-class Traffic:
-    """What the runtime moved, summed over calls (bytes; counts).
-
-    Attributes
-    ----------
-    copied : int
-        Bytes of expert slices copied to the main device (fetched experts; nothing on a CPU main device).
-    read : int
-        Bytes of non-resident expert slices used: copied, or read in place from the mapped files on a CPU main device.
-    activations : int
-        Bytes of activations moved to the CPU and back for experts computed where they live.
-    routed, resident, fetched, computed : int
-        Experts run: all of them, those resident, those fetched, those computed on the CPU.
-    calls : int
-        Forwards of experts modules.
-    remote : int
-        Experts resident on another accelerator than their layer's, computed there (activations moved).
-    peer : int
-        Bytes of experts resident on another accelerator copied to their layer's device (fetched from there).
-    cache_hits, cache_misses : int
-        Offloaded experts found in the runtime's cache of recently routed experts (:mod:`.expert_cache`: nothing read
-        for them, and not counted in ``fetched``), and not found there; both 0 without a cache.
-    """
-
-    copied: int = 0
-    read: int = 0
-    activations: int = 0
-    routed: int = 0
-    resident: int = 0
-    fetched: int = 0
-    computed: int = 0
-    calls: int = 0
-    remote: int = 0
-    peer: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
 
 
 @dataclass
@@ -211,6 +174,11 @@ class RoutedExperts:
         if view is None:
             view = self.views[name] = self.sources[name].host()
         return view
+
+    def evict(self) -> None:
+        """This layer's pages were dropped from the process: ask which are in memory before the next read-ahead."""
+        if self.pages is not None:
+            self.pages.forget()
 
     def release(self) -> None:
         """Let go of every tensor this layer holds: resident copies, those on other accelerators, host views."""
@@ -430,47 +398,6 @@ class RoutedExperts:
             out = eager(_One(module, tensors), states, index, weights)
             final.index_add_(0, token_idx, out.to(final.device, final.dtype))
         return final
-
-
-class ExpertsHook:
-    """Replaces the accelerate hook of an offloaded fused experts module: moves its inputs to the main device and
-    its output back, loads no weights (:class:`RoutedExperts` runs the routed experts)."""
-
-    no_grad = False
-
-    def __init__(self, routed: RoutedExperts, original):
-        self.routed, self.original = routed, original
-        self.io_same_device = original.io_same_device
-        # the layer's device (Runtime.runs_on): the main device, or another accelerator holding the layer
-        self.execution_device = original.execution_device if routed.home in (None, "main") else routed.main
-        self.skip_keys = original.skip_keys
-        self.input_device = None
-        # a CPU main device: the arguments, CPU tensors, are used as they come (no walk over them per call)
-        self.on_host = not routed.accelerator and str(self.execution_device) == "cpu"
-
-    def init_hook(self, module):
-        return module
-
-    def detach_hook(self, module):
-        return self.original.detach_hook(module)
-
-    def pre_forward(self, module, *args, **kwargs):
-        from accelerate.utils import find_device, send_to_device
-
-        if self.on_host and not kwargs and all(getattr(a, "is_cpu", True) for a in args):
-            self.input_device = None   # already where they run, and where the output stays
-            return args, kwargs
-        if self.io_same_device:
-            self.input_device = find_device([args, kwargs])
-        return send_to_device(args, self.execution_device), send_to_device(
-            kwargs, self.execution_device, skip_keys=self.skip_keys)
-
-    def post_forward(self, module, output):
-        from accelerate.utils import send_to_device
-
-        if self.io_same_device and self.input_device is not None:
-            output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
-        return output
 
 
 def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode="auto",

@@ -257,13 +257,11 @@ class Attached:
         self._count(-freed)
 
     def evict(self) -> None:
-        """Drop the pages of every mapped file from this process (:meth:`MappedFile.evict`); the experts' next calls
-        ask which of their pages are in memory again (:meth:`allocator.offload.expert_pages.Residency.forget`)."""
+        """Drop the pages of every mapped file from this process (:meth:`MappedFile.evict`), experts' included."""
         for f in list(self.files.open.values()):
             f.evict()
         for routed in self.experts.values():
-            if routed.pages is not None:
-                routed.pages.forget()
+            routed.evict()
 
     def close(self) -> None:
         """Wait for the prefetch thread, release what it staged."""
