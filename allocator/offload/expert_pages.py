@@ -27,7 +27,6 @@ such files are advised as before, unasked. Off Linux, or where ``mincore`` canno
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -65,7 +64,7 @@ def _libc_mincore():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)   # the process's own symbols: libc's, without a library search
         fn = libc.mincore
     except (OSError, AttributeError):
         return None
