@@ -35,7 +35,7 @@ class ExpertsHook:
     def pre_forward(self, module, *args, **kwargs):
         from accelerate.utils import find_device, send_to_device
 
-        if self.on_host and not kwargs and all(getattr(a, "is_cpu", True) for a in args):
+        if self.on_host and not kwargs and all([getattr(a, "is_cpu", True) for a in args]):
             self.input_device = None   # already where they run, and where the output stays
             return args, kwargs
         if self.io_same_device:

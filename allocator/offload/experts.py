@@ -316,7 +316,7 @@ class RoutedExperts:
         hit = {e for e in top_k_index.reshape(-1).tolist() if 0 <= e < count}
         if self.in_place:   # one eager call over views of the whole tensors: only the routed slices are read
             rows, traffic = self.rows, self.traffic
-            away = sorted(e for e in hit if e not in rows)
+            away = sorted(hit - rows.keys())
             traffic.routed += len(hit)
             traffic.resident += len(hit) - len(away)
             away = away if self.cache is None else in_place(self, away)   # cache hits: nothing read
