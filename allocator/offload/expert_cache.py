@@ -126,6 +126,9 @@ def in_place(routed, away: list[int]) -> list[int]:
         misses.append(e)
         for (_, out), owner in cache.put((routed.layer.experts, e), routed):   # the value: the module it belongs to
             _pages(owner, out, keep=False)
+            pages = getattr(owner, "pages", None)   # its pages leave the process: ask again before the next read
+            if pages is not None:
+                pages.forget(owner.layer.experts, out)
         _pages(routed, e, keep=True)
     return misses
 

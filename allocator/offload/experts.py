@@ -28,13 +28,17 @@ import math
 import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..errors import InvalidRuntime
 from ..model.experts import MoELayer, find_experts
 from ..profile import Profile
 from .buffers import FetchBuffers
 from .expert_cache import ExpertCache, in_place, look_up, store
+from .expert_hook import ExpertsHook
+from .expert_traffic import Traffic
 from .expert_modes import computes_here, computes_there, phase_mode
+from .expert_pages import Residency, runs_of
 from .files import MappedFiles, source_of
 from .hybrid import part_to_host, part_to_main
 
@@ -90,45 +94,6 @@ class _One:
 
 
 @dataclass
-class Traffic:
-    """What the runtime moved, summed over calls (bytes; counts).
-
-    Attributes
-    ----------
-    copied : int
-        Bytes of expert slices copied to the main device (fetched experts; nothing on a CPU main device).
-    read : int
-        Bytes of non-resident expert slices used: copied, or read in place from the mapped files on a CPU main device.
-    activations : int
-        Bytes of activations moved to the CPU and back for experts computed where they live.
-    routed, resident, fetched, computed : int
-        Experts run: all of them, those resident, those fetched, those computed on the CPU.
-    calls : int
-        Forwards of experts modules.
-    remote : int
-        Experts resident on another accelerator than their layer's, computed there (activations moved).
-    peer : int
-        Bytes of experts resident on another accelerator copied to their layer's device (fetched from there).
-    cache_hits, cache_misses : int
-        Offloaded experts found in the runtime's cache of recently routed experts (:mod:`.expert_cache`: nothing read
-        for them, and not counted in ``fetched``), and not found there; both 0 without a cache.
-    """
-
-    copied: int = 0
-    read: int = 0
-    activations: int = 0
-    routed: int = 0
-    resident: int = 0
-    fetched: int = 0
-    computed: int = 0
-    calls: int = 0
-    remote: int = 0
-    peer: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-
-
-@dataclass
 class RoutedExperts:
     """One offloaded fused experts module under the runtime: where each expert lives and how it runs when routed.
 
@@ -165,6 +130,14 @@ class RoutedExperts:
         (:mod:`.expert_modes`).
     buffers : FetchBuffers
         Where fetched slices are copied, shared with the other layers the runtime fetches for.
+    pages : Residency or None
+        Asks which routed experts' pages are in memory before they are read ahead (:mod:`.expert_pages`), shared by
+        the runtime's layers; ``None``: every routed expert's slices are read ahead unasked.
+    views : dict
+        Parameter name -> the ``[E, ...]`` host tensor (:meth:`host`), made once: a view into the mapping stays valid
+        while the file is mapped, and :meth:`release` lets go of it.
+    whole : _One or None
+        The module with those views for its parameters, as the eager forward sees it where :attr:`in_place`.
     """
 
     layer: MoELayer
@@ -186,15 +159,35 @@ class RoutedExperts:
     cache: ExpertCache | None = None
     threshold: int = 1
     used: dict = field(default_factory=dict)
+    pages: Residency | None = None
+    views: dict = field(default_factory=dict)
+    whole: object = field(default=None, repr=False)
 
-    @property
+    @cached_property
     def accelerator(self) -> bool:
         """Whether the main device is an accelerator (or its stand-in): fetched slices are copied there."""
         return getattr(self.device, "kind", "cpu") != "cpu"
 
     def host(self, name: str):
-        """Parameter ``name`` as a ``[E, ...]`` host tensor: a view into the mapped file, or accelerate's RAM copy."""
-        return self.sources[name].host()
+        """Parameter ``name`` as a ``[E, ...]`` host tensor: a view into the mapped file, or accelerate's RAM copy
+        (made at the first call, then reused)."""
+        view = self.views.get(name)
+        if view is None:
+            view = self.views[name] = self.sources[name].host()
+        return view
+
+    def evict(self) -> None:
+        """This layer's pages were dropped from the process: ask which are in memory before the next read-ahead."""
+        if self.pages is not None:
+            self.pages.forget()
+
+    def release(self) -> None:
+        """Let go of every tensor this layer holds: resident copies, those on other accelerators, host views."""
+        self.resident.clear()
+        self.remote_tensors.clear()
+        self.views.clear()
+        self.whole = None
+        self.__dict__.pop("_mapped", None)
 
     def random_access(self) -> None:
         """Tell the kernel the experts' files are read at random (``MADV_RANDOM``): no read-ahead around a routed
@@ -207,25 +200,38 @@ class RoutedExperts:
 
     def _advise(self, experts: list[int]) -> None:
         """Start reading ``experts``' slices of every file-backed tensor (``MADV_WILLNEED``, asynchronous): one call
-        per run of consecutive experts, not one per expert."""
-        runs: list[list[int]] = []
-        for e in sorted(set(experts)):
-            if runs and runs[-1][1] == e:
-                runs[-1][1] = e + 1
-            else:
-                runs.append([e, e + 1])
-        for source in self.sources.values():
-            if source.file is None:
-                continue
-            per = (source.end - source.start) // self.layer.num_experts
-            for a, b in runs:
-                source.file.advise(source.start + a * per, source.start + b * per)
+        per run of consecutive experts, not one per expert, and only for runs with a page not in memory where
+        :attr:`pages` can tell (:mod:`.expert_pages`)."""
+        if self.pages is not None:
+            experts = self.pages.stale(self.layer.experts, experts)
+        if not experts:
+            return
+        runs = runs_of(experts)
+        for file, address, tensors in self._files():
+            spans = sorted((start + a * per, start + b * per) for start, per in tensors for a, b in runs)
+            if self.pages is not None:
+                spans = self.pages.missing(file.path, address, spans)
+            for a, b in spans:
+                file.advise(a, b)
+
+    def _files(self) -> list:
+        """Per mapped file of the file-backed tensors: ``(file, address of its first byte, [(start, bytes per
+        expert) of each tensor]``), made once."""
+        files = self.__dict__.get("_mapped")
+        if files is None:
+            by_file: dict = {}
+            for n, s in self.sources.items():
+                if s.file is not None:
+                    entry = by_file.setdefault(id(s.file), (s.file, self.host(n).data_ptr() - s.start, []))
+                    entry[2].append((s.start, (s.end - s.start) // self.layer.num_experts))
+            files = self.__dict__["_mapped"] = list(by_file.values())
+        return files
 
     def _cast(self, tensor, name: str):
         meta = self.metas[name]
         return tensor if tensor.dtype == meta.dtype else tensor.to(meta.dtype)
 
-    @property
+    @cached_property
     def in_place(self) -> bool:
         """Whether every expert runs from views of its tensors' files, in one eager call: a CPU main device, every
         tensor file-backed in the dtype the module runs in. Resident experts are then held in place
@@ -308,21 +314,33 @@ class RoutedExperts:
         count = self.layer.num_experts
         # the routed experts, ascending, from one list: torch.unique would add a sort, copies and allocations per
         # layer, each a parallel region of torch's intra-op pool (docs/runtime.md, "Threads")
-        hit = sorted({e for e in top_k_index.flatten().tolist() if 0 <= e < count})
+        hit = {e for e in top_k_index.reshape(-1).tolist() if 0 <= e < count}
         if self.in_place:   # one eager call over views of the whole tensors: only the routed slices are read
-            away = [e for e in hit if e not in self.rows]
-            self.traffic.routed += len(hit)
-            self.traffic.resident += len(hit) - len(away)
+            rows, traffic = self.rows, self.traffic
+            away = sorted(hit - rows.keys())
+            traffic.routed += len(hit)
+            traffic.resident += len(hit) - len(away)
             away = away if self.cache is None else in_place(self, away)   # cache hits: nothing read
             self._advise(away)
-            self.traffic.fetched += len(away)
-            self.traffic.read += len(away) * bytes_per_expert(self)
-            return eager(_One(module, {n: self.host(n) for n in self.sources}, count), hidden_states, top_k_index,
-                         top_k_weights)
+            traffic.fetched += len(away)
+            traffic.read += len(away) * self.expert_bytes
+            return eager(self._whole(module), hidden_states, top_k_index, top_k_weights)
+        hit = sorted(hit)
         try:
             return self._routed(module, eager, hidden_states, top_k_index, top_k_weights, hit, mode)
         finally:
             self.buffers.release(self.main)
+
+    @cached_property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's slices as the module runs them (:func:`bytes_per_expert`)."""
+        return bytes_per_expert(self)
+
+    def _whole(self, module) -> _One:
+        """The module as the eager forward sees it with every tensor the whole ``[E, ...]`` host view (made once)."""
+        if self.whole is None or self.whole.__dict__["_module"] is not module:
+            self.whole = _One(module, {n: self.host(n) for n in self.sources}, self.layer.num_experts)
+        return self.whole
 
     def _routed(self, module, eager, hidden_states, top_k_index, top_k_weights, hit: list, mode: str):
         """:meth:`forward` expert by expert (not :attr:`in_place`): resident, cached, remote, computed where it
@@ -391,42 +409,6 @@ class RoutedExperts:
         return final if host is None else final + part_to_main(self, host[3], final.device)
 
 
-class ExpertsHook:
-    """Replaces the accelerate hook of an offloaded fused experts module: moves its inputs to the main device and
-    its output back, loads no weights (:class:`RoutedExperts` runs the routed experts)."""
-
-    no_grad = False
-
-    def __init__(self, routed: RoutedExperts, original):
-        self.routed, self.original = routed, original
-        self.io_same_device = original.io_same_device
-        # the layer's device (Runtime.runs_on): the main device, or another accelerator holding the layer
-        self.execution_device = original.execution_device if routed.home in (None, "main") else routed.main
-        self.skip_keys = original.skip_keys
-        self.input_device = None
-
-    def init_hook(self, module):
-        return module
-
-    def detach_hook(self, module):
-        return self.original.detach_hook(module)
-
-    def pre_forward(self, module, *args, **kwargs):
-        from accelerate.utils import find_device, send_to_device
-
-        if self.io_same_device:
-            self.input_device = find_device([args, kwargs])
-        return send_to_device(args, self.execution_device), send_to_device(
-            kwargs, self.execution_device, skip_keys=self.skip_keys)
-
-    def post_forward(self, module, output):
-        from accelerate.utils import send_to_device
-
-        if self.io_same_device and self.input_device is not None:
-            output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
-        return output
-
-
 def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFiles, mode="auto",
                   traffic: Traffic | None = None, layout: Mapping | None = None,
                   cache: ExpertCache | None = None, buffers: FetchBuffers | None = None, threshold: int = 1) -> dict:
@@ -452,6 +434,7 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
     layers = {m.experts: m for m in find_experts(model) if m.kind == "fused" and not m.common}
     traffic = traffic if traffic is not None else Traffic()
     buffers = buffers if buffers is not None else FetchBuffers()
+    pages = Residency()   # one mincore buffer for every layer (.expert_pages)
     out = {}
     for name, module, hook in hooks:
         layer = layers.get(name)
@@ -472,7 +455,8 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
             routed = RoutedExperts(layer, sources, metas, tuple(where), main, device, traffic,
                                    modes.get(name, "auto") if isinstance(mode, Mapping) else mode, home=home,
                                    chunk=plan.get("fetch_chunk"), buffers=buffers, threshold=threshold,
-                                   cache=cache if cache is not None and home in (None, "main", resident_on) else None)
+                                   cache=cache if cache is not None and home in (None, "main", resident_on) else None,
+                                   pages=pages)
             routed.keep([e for e, d in enumerate(where) if home is not None and d == home])
             routed.keep_elsewhere({e: d for e, d in enumerate(where) if isinstance(d, int) and not isinstance(
                 d, bool) and d != home}, lambda d: _torch(d, device))

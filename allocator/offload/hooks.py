@@ -257,9 +257,11 @@ class Attached:
         self._count(-freed)
 
     def evict(self) -> None:
-        """Drop the pages of every mapped file from this process (:meth:`MappedFile.evict`)."""
+        """Drop the pages of every mapped file from this process (:meth:`MappedFile.evict`), experts' included."""
         for f in list(self.files.open.values()):
             f.evict()
+        for routed in self.experts.values():
+            routed.evict()
 
     def close(self) -> None:
         """Wait for the prefetch thread, release what it staged."""
@@ -283,8 +285,7 @@ class Attached:
         if self.cache is not None:
             self.cache.entries.clear()
         for routed in self.experts.values():
-            routed.resident.clear()
-            routed.remote_tensors.clear()
+            routed.release()
         self.live.clear()
         self.files.close()
         self.model, self.passthrough = None, ()
