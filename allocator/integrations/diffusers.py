@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping
 
 from ..offload import StandInDevice
 from ..offload.moved import ModelMoves, compute_on_cpu
-from ..pipelines import plan_pipeline
+from ..errors import InvalidOption
+from ..pipelines import DiffusionBudget, plan_pipeline
 from .library import baseline_map, optional_import, user_budgets
 
 __all__ = ["MODEL_NAMESPACES", "PINNED", "diffusers_swaps", "pipeline_swaps"]
@@ -40,7 +41,7 @@ MODEL_NAMESPACES = ("diffusers.models.modeling_utils", "diffusers.loaders.single
 
 
 def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable, runtime: str | None,
-                    device=None) -> list[tuple[object, str, Callable]]:
+                    device=None, diffusion=None) -> list[tuple[object, str, Callable]]:
     """``(module, attribute, replacement)`` for every diffusers attribute :func:`allocator.patch` replaces; empty
     where diffusers is not installed.
 
@@ -55,7 +56,17 @@ def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable, runtime: str | 
     device : optional
         The patch's ``offload_device``: ``"stand-in"`` moves the components a pipeline plan moves
         (:mod:`allocator.offload.moved`) onto :class:`allocator.offload.StandInDevice`.
+    diffusion : DiffusionBudget or None
+        The patch's ``diffusion``: the sizes a pipeline loaded under it is planned at.
+
+    Raises
+    ------
+    InvalidOption
+        ``diffusion`` is not an :class:`allocator.DiffusionBudget`.
     """
+    if diffusion is not None and not isinstance(diffusion, DiffusionBudget):
+        raise InvalidOption(f"patch(diffusion=...) takes an allocator.DiffusionBudget, got {type(diffusion).__name__}"
+                            "; e.g. allocator.DiffusionBudget(1024, 1024).")
     swaps = []
     for name in MODEL_NAMESPACES:
         module = optional_import(name)
@@ -65,7 +76,7 @@ def diffusers_swaps(plan_map: Callable, wrap_dispatch: Callable, runtime: str | 
                       _determine_device_map(module._determine_device_map, plan_map)))
         if runtime == "allocator" and hasattr(module, "dispatch_model"):
             swaps.append((module, "dispatch_model", wrap_dispatch(module.dispatch_model)))
-    return swaps + pipeline_swaps(plan_pipeline, device)
+    return swaps + pipeline_swaps(plan_pipeline, device, diffusion)
 
 
 def _determine_device_map(original: Callable, plan_map: Callable) -> Callable:
@@ -111,18 +122,21 @@ def _special_dtypes(model, torch_dtype, keep_in_fp32_modules, hf_quantizer) -> d
 
 # -- pipelines ----------------------------------------------------------------------------------------------------
 
-def pipeline_swaps(plan_pipeline: Callable, device=None) -> list[tuple[object, str, Callable]]:
+def pipeline_swaps(plan_pipeline: Callable, device=None, diffusion=None) -> list[tuple[object, str, Callable]]:
     """``(module, attribute, replacement)`` for ``DiffusionPipeline.from_pretrained(device_map="balanced")``:
     ``_get_final_device_map`` (component -> device) from :func:`allocator.plan_pipeline`, and ``load_sub_model``
     giving a component with a map of its own that map, and a component the plan moves (``execution[name] ==
     "moved"``) a hook that moves it onto ``runs_on[name]`` when it runs (:mod:`allocator.offload.moved`; onto
     :class:`allocator.offload.StandInDevice` where ``device == "stand-in"``). Both functions are imported by name
-    into ``diffusers.pipelines.pipeline_utils`` (0.42)."""
+    into ``diffusers.pipelines.pipeline_utils`` (0.42). The pipeline is planned as ``"balanced"`` asks (components
+    spread over the GPUs, ``plan_pipeline(balanced=True)``) at the sizes of ``diffusion`` (a
+    :class:`allocator.DiffusionBudget`; ``None``: the pipeline's default size)."""
     module = optional_import("diffusers.pipelines.pipeline_utils")
     if module is None or not all(hasattr(module, n) for n in ("_get_final_device_map", "load_sub_model")):
         return []
     own = Loading(device)   # what the pipeline being loaded gets: maps of its own, moves
-    return [(module, "_get_final_device_map", _final_device_map(module._get_final_device_map, plan_pipeline, own)),
+    return [(module, "_get_final_device_map", _final_device_map(module._get_final_device_map, plan_pipeline, own,
+                                                                 diffusion)),
             (module, "load_sub_model", _load_sub_model(module.load_sub_model, own))]
 
 
@@ -197,7 +211,7 @@ class Loading:
         return component
 
 
-def _final_device_map(original: Callable, plan_pipeline: Callable, own: Loading) -> Callable:
+def _final_device_map(original: Callable, plan_pipeline: Callable, own: Loading, diffusion=None) -> Callable:
     def _get_final_device_map(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory,
                               **kwargs):
         own.clear()
@@ -206,7 +220,8 @@ def _final_device_map(original: Callable, plan_pipeline: Callable, own: Loading)
             return original(device_map, pipeline_class, passed_class_obj, init_dict, library, max_memory, **kwargs)
         from accelerate.utils import get_max_memory
 
-        result = plan_pipeline(folder, get_max_memory(dict(max_memory) if max_memory else None), dtype=dtype)
+        result = plan_pipeline(folder, get_max_memory(dict(max_memory) if max_memory else None), dtype=dtype,
+                               budget=diffusion, balanced=True)
         if not result.valid or not any(isinstance(d, int) for d in result.budgets):
             log.warning("allocator.plan_pipeline finds no valid placement for %s (%s); diffusers' own placement is "
                         "used", pipeline_class.__name__, result.explain())

@@ -9,16 +9,12 @@ exist in the installed versions are touched:
   accelerate's functions into ``modeling_utils`` and calls them from ``from_pretrained``);
 - ``accelerate.big_modeling.get_balanced_memory`` and ``.infer_auto_device_map`` (``load_checkpoint_and_dispatch``
   calls them from that namespace);
-- in every other loaded library, each attribute that *is* accelerate's ``get_balanced_memory`` or
-  ``infer_auto_device_map`` (``dispatch_model`` too under ``runtime="allocator"``), found by identity
-  (:func:`allocator.integrations.library.bound_by_name`): ``peft.peft_model`` (``PeftModel.from_pretrained``
-  re-plans a dispatched base there) and ``transformers.integrations.peft`` today; not accelerate's own namespaces
-  or ``__main__``. A library imported while a patch is on is searched then (``library.AfterImport``).
+- in every other loaded library (and each imported later), each attribute that *is* accelerate's
+  ``get_balanced_memory`` or ``infer_auto_device_map`` (``dispatch_model`` too under ``runtime="allocator"``), found
+  by identity (:func:`allocator.integrations.library.bound_by_name`): ``peft.peft_model`` today.
 
-Each replacement plans for the loading path that calls it (:attr:`allocator.PlanOptions.loader`):
-``"accelerate"`` in ``accelerate.big_modeling``, ``"transformers"`` elsewhere. While a library's own planner runs
-for the baseline map (:func:`allocator.integrations.library.baseline_map`), the replacements call accelerate's
-functions: that map stays the library's.
+Each replacement plans for the loading path that calls it (``loader="accelerate"`` in ``accelerate.big_modeling``,
+``"transformers"`` elsewhere); the library's own map (``library.baseline_map``) stays the library's.
 
 transformers 5's ``_get_device_map(model, device_map, max_memory, hf_quantizer)`` is replaced whole: it sees the
 mode and the user's ``max_memory``. In the other namespaces a mode reaches the planner in two calls: the
@@ -110,6 +106,7 @@ class Patch:
         self.attach_options = dict(attach_options or {})   # for allocator.offload.attach: only the device
         self._pending: dict[str, str] = {}
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (its plan, the map loaded)
+        self.diffusion = None   # the DiffusionBudget pipelines loaded under the patch are planned at
         self.ledger = Ledger()   # what the loads of this patch still need: a later load without max_memory plans after
         self._swaps: list[_Swap] = []
         self._saved: list[object] = []
@@ -337,7 +334,7 @@ class Patch:
                                    self._infer_auto_device_map(module.infer_auto_device_map, module.__name__)))
         first = [_Swap(*swap) for swap in   # diffusers' from_pretrained (allocator.integrations.diffusers)
                  diffusers_swaps(self._device_map, self._dispatch_model, self.options.runtime,
-                                 self.attach_options.get("device"))]
+                                 self.attach_options.get("device"), self.diffusion)]
         return first + swaps + self._swaps_by_name(first + swaps)
 
     def _swaps_by_name(self, made: list[_Swap], modules=None) -> list[_Swap]:
@@ -354,7 +351,8 @@ class Patch:
                 if (id(module), attribute) not in done]
 
 
-def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device=None, **keywords) -> Patch:
+def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device=None, diffusion=None,
+          **keywords) -> Patch:
     """Plan the string device maps of ``from_pretrained`` and ``load_checkpoint_and_dispatch`` with the planner.
 
     The patch is on from this call until :meth:`Patch.unpatch`, :func:`unpatch` or the end of a ``with`` block
@@ -375,6 +373,9 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device
         from the hooks' execution device; ``"stand-in"``: :class:`allocator.offload.StandInDevice`). What the runtime
         does otherwise is the plan's (:attr:`allocator.Plan.runtime`): every model ``dispatch_model`` offloads is
         attached with the plan made for its map, so ``expert_profile=``, ``prefetch=`` and ``generation=`` reach it.
+    diffusion : DiffusionBudget, optional
+        The sizes a pipeline loaded by ``DiffusionPipeline.from_pretrained(device_map="balanced")`` runs at: the
+        ``budget`` of its :func:`allocator.plan_pipeline` (default: the pipeline's default size, said in a decision).
     **keywords
         Fields of :class:`allocator.PlanOptions`, one by one (they override those of ``options``):
         ``offload_buffers`` (pass ``True`` when you pass it to ``from_pretrained``, which does not tell its map
@@ -474,6 +475,7 @@ def patch(strategy="auto", *, options: PlanOptions | None = None, offload_device
                             f"{sorted(set(OPTION_NAMES) - _RESERVED)}.")
     options = PlanOptions.of(options, **keywords)
     handle = Patch(strategy, options, {"device": offload_device} if offload_device is not None else None)
+    handle.diffusion = diffusion
     swaps = handle._swaps_for_installed()
     if not swaps:
         raise InvalidOption("nothing to patch: neither transformers nor accelerate is importable; "

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import InvalidModel, cause_line
+from ..model.families import family_of
 from ..model.zoo import move_strays_to_meta, quiet_transformers
 
 __all__ = ["Component", "DENOISERS", "pipeline_class", "read_components", "runs_per_image"]
@@ -39,7 +40,9 @@ class Component:
 
     @property
     def loader(self) -> str:
-        return "transformers" if self.library == "transformers" else "accelerate"
+        """The loading rules its map follows: its family's (:func:`allocator.model.family_of`), else accelerate's
+        (diffusers loads a component of no known family through accelerate's ``dispatch_model``)."""
+        return family_of(self.model).loader or "accelerate"
 
 
 def runs_per_image(name: str, *, steps: int, prompts: int = 1, images: int = 1) -> float:

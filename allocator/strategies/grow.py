@@ -23,6 +23,7 @@ from ..evaluate.units import problem_groups
 from ..judge.verdict import verdict
 from ..placement import Decision, Placement
 from ..problem import Problem
+from ..search.bisection import boundary
 
 __all__ = ["grow"]
 
@@ -56,16 +57,11 @@ def grow(problem: Problem, placement: Placement) -> Placement:
     room = limit - before.peak[main]
     sizes = np.cumsum([g.size for g in offloaded])
     most = bisect.bisect_right(sizes.tolist(), room)   # weights alone bound how many could fit
-    best, lo, hi = None, 0, most
-    while lo < hi:   # the longest prefix whose grown placement is valid
-        mid = (lo + hi + 1) // 2
-        candidate = _moved(problem, placement, device_map, offloaded[:mid], main)
-        if verdict(problem, candidate).valid:
-            best, lo = candidate, mid
-        else:
-            hi = mid - 1
-    if best is None:
+    lo = boundary(lambda k: verdict(problem, _moved(problem, placement, device_map, offloaded[:k], main)).valid,
+                  0, most + 1)   # the longest prefix whose grown placement is valid
+    if lo == 0:
         return placement
+    best = _moved(problem, placement, device_map, offloaded[:lo], main)
     moved = offloaded[:lo]
     said = Decision("grow", devices=(main,), units=tuple(u.name for g in moved for u in g.units),
                     bytes=int(sum(g.size for g in moved)), bound="budget",

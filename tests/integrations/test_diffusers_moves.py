@@ -152,3 +152,56 @@ def test_patched_pipeline_runs_the_plan_on_the_stand_in(saved, monkeypatch, tmp_
         assert getattr(pipe, ON_CPU)._hf_hook.calls == 1   # computed where it lives: never moved
     finally:
         offload.detach(pipe.transformer)
+
+
+def test_the_patch_plans_the_pipeline_at_its_diffusion_budget_and_loads_what_it_planned(saved, monkeypatch, tmp_path):
+    """No plan by hand: ``patch(diffusion=DiffusionBudget(16, 16, steps=2))`` plans the pipeline with
+    ``plan_pipeline(budget=..., balanced=True)`` over a GPU budget below the transformer and a RAM budget below the
+    pipeline's size; each component is loaded as that plan says (stood in as this machine loads it), and the image
+    equals the pipeline in RAM."""
+    import diffusers
+
+    from allocator.integrations import diffusers as integration
+
+    folder, ram, _, _ = saved
+    sizes = {n: sum(t.nbytes for t in m.state_dict().values()) for n, m in ram.components.items()
+             if isinstance(m, torch.nn.Module)}
+    total, gpu = sum(sizes.values()), int(0.5 * sizes["transformer"])
+    budget = {0: gpu, "cpu": int(0.6 * total), "disk": 4 * total}
+    diffusion = allocator.DiffusionBudget(16, 16, steps=2, text_tokens=8)
+    real, seen = integration.plan_pipeline, []
+
+    def stood_in(*args, **kwargs):
+        seen.append(kwargs)
+        plan = real(*args, **kwargs)
+        seen.append(plan)
+        return _with(plan, components={n: _stood_in(w) if plan.execution[n] in ("split", "resident") else w
+                                       for n, w in plan.components.items()},
+                     runs_on=dict.fromkeys(plan.components, "cpu"),
+                     given={n: {_stood_in(d): b for d, b in g.items()} for n, g in plan.given.items()})
+
+    monkeypatch.setattr(integration, "plan_pipeline", stood_in)
+    with allocator.patch(diffusion=diffusion):
+        pipe = diffusers.FluxPipeline.from_pretrained(folder, device_map="balanced", max_memory=dict(budget),
+                                                      offload_folder=str(tmp_path / "offload"))
+    asked, plan = seen
+    assert asked["budget"] is diffusion and asked["balanced"] is True
+    assert plan.valid and plan.budget == diffusion
+    # below the pipeline's size: the transformer split over the GPU, RAM and the disk, the VAE moved onto the GPU
+    # when it runs, the encoders computed on the CPU (their prices in the plan's decisions)
+    assert {"split", "moved", "cpu"} <= set(plan.execution.values()), plan.explain()
+    assert "disk" in plan.components["transformer"].values()
+    for name, how in plan.execution.items():
+        module = getattr(pipe, name)
+        if how == "moved":
+            assert isinstance(module._hf_hook, MoveHook), name
+        elif how == "cpu":
+            assert isinstance(module._hf_hook, CpuHook), name
+        elif how == "split":
+            assert module.hf_device_map == _stood_in(plan.components[name]), name
+    torch.testing.assert_close(_image(pipe), _image(ram), **TOL)
+
+
+def test_the_patch_refuses_a_diffusion_budget_of_another_type():
+    with pytest.raises(allocator.InvalidOption, match="DiffusionBudget"):
+        allocator.patch(diffusion=(1024, 1024))
