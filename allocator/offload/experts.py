@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..errors import InvalidRuntime
-from ..model.experts import MoELayer, find_experts
+from ..model.experts import MoELayer
+from ..model.families import family_of
 from ..profile import Profile
 from .buffers import FetchBuffers
 from .expert_cache import ExpertCache, in_place, look_up, store
@@ -431,7 +432,7 @@ def routed_layers(model, hooks, placed, resident_on, *, device, files: MappedFil
     for m in (set(named) if isinstance(mode, Mapping) else {mode}):
         if m not in MODES:
             raise InvalidRuntime(f"experts mode must be one of {list(MODES)}, got {m!r}.")
-    layers = {m.experts: m for m in find_experts(model) if m.kind == "fused" and not m.common}
+    layers = {m.experts: m for m in family_of(model).experts(model) if m.kind == "fused" and not m.common}
     traffic = traffic if traffic is not None else Traffic()
     buffers = buffers if buffers is not None else FetchBuffers()
     pages = Residency()   # one mincore buffer for every layer (.expert_pages)
