@@ -402,3 +402,191 @@ def test_a_split_layers_mlp_loaded_whole_is_one_unit_and_moves_once(saved, tmp_p
         assert all(on_stand_in(layer.keys) for layer in cache.layers)
     finally:
         offload.detach(model)
+
+
+# -- plans the planner made (issue #49, the join) ----------------------------------------------------------------------
+# Budgets where the planner chooses a split (its "sublayer" decision says "faster"): tiny llama and qwen3 at 45% of
+# their weights on the accelerator and a 32-token budget split layer 1 (layer 0 resident, 2 and 3 in RAM); the tiny
+# Qwen3-MoE at 45% and 128 tokens keeps layer 0's attention, norms and router on the accelerator, its experts apart.
+PLANNED = {"llama": (0.45, 32), "qwen3": (0.45, 32), "qwen3_moe": (0.45, 128)}
+
+
+def planner_plan(ram, family):
+    """The planner's own plan for ``family`` (:data:`PLANNED`), and the layers whose near side (attention, norms,
+    router) it puts on the accelerator with their far side (MLP, routed experts) offloaded."""
+    share, length = PLANNED[family]
+    plan = allocator.plan(_meta(ram), {0: int(_total(ram) * share), "cpu": 4 * _total(ram)}, runtime="allocator",
+                          generation=allocator.GenerationBudget(1, length, prompt_length=PROMPT))
+    said = plan.placement.of_kind("sublayer")
+    assert said and said[0].reason == "faster", said    # the planner chose the split: else this tests nothing
+    near = [s for s in plan.problem.splits if s.far in plan.device_map and s.layer not in plan.device_map
+            and all(plan.device_map.get(n) == plan.main_device for n in s.near)
+            and plan.device_map[s.far] in ("cpu", "disk")]
+    assert near, plan.device_map
+    return plan, near
+
+
+def as_loaded(plan):
+    """``plan`` with its map as loaded on this machine (the accelerator's modules in RAM, the offloaded ones on disk,
+    as ``test_hybrid_runtime.py`` does): device names only, every key and the compute map as the planner wrote."""
+    return dataclasses.replace(plan, device_map=loaded_map(plan.device_map))
+
+
+def loaded_map(device_map) -> dict:
+    """:func:`as_loaded`'s map."""
+    return {k: ("disk" if v in ("cpu", "disk") else "cpu") for k, v in device_map.items()}
+
+
+def runtime_follows_the_plan(model, plan) -> int:
+    """Every hook that computes in RAM runs the phases the plan's compute map gives its unit (its own entry or its
+    closest ancestor's), and every unit the map computes in RAM has such a hook at or below it. Returns the hooks."""
+    from allocator.offload.hybrid import unit_phases
+
+    compute, hooked = plan.compute, {}
+    for name, hooks in hook_state(model).items():
+        for kind, phases in hooks:
+            if kind in ("HybridHook", "LayerHook"):
+                assert dict(phases) == unit_phases(compute, name), (name, phases)
+                hooked[name] = dict(phases)
+    for unit, phases in compute.items():
+        if "cpu" in phases.values():
+            assert any(h == unit or h.startswith(unit + ".") for h in hooked), unit
+    return len(hooked)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_planner_split_runs_as_planned(saved, family, tmp_path):
+    """The planner's split (no hand rewriting): same tokens and logits as in RAM, the split layers' KV cache on the
+    accelerator and their MLP's inputs in RAM at decode, one boundary per MLP (at most 2 moves per split layer per
+    token and direction), the runtime's hooks as the compute map says, and the KV cache the plan counts on each
+    device is the cache the runtime holds there."""
+    folder, ram, prompt, (want_ids, want_logits, _) = saved[family]
+    made, near = planner_plan(ram, family)
+    split = [s.layer for s in near]
+    plan = as_loaded(made)
+    mlps = [s.far for s in near]
+    assert all(plan.compute[m]["decode"] == "cpu" for m in mlps)   # the MLP decodes where its weights live
+    model = _load(folder, plan.device_map, tmp_path, moe=False)
+    runtime = offload.attach(model, plan, device="stand-in", prefetch=0)
+    device = runtime.device
+    try:
+        assert runtime_follows_the_plan(model, plan) > 0
+        boundaries = {m: model.get_submodule(m).__dict__.get("_hf_hook") for m in mlps}
+        assert all(isinstance(h, LayerHook) for h in boundaries.values()), boundaries
+        seen, handles = _mlp_watch(model, split, moe=False)
+        kw = cache_keyword(model)
+        cache = transformers.DynamicCache(config=model.config)
+        got, moves, calls = [], [], []
+        with torch.no_grad():
+            step = model(input_ids=device.put(prompt), **{kw: cache}, use_cache=True).logits
+            for _ in range(TOKENS):
+                got.append(step[:, -1].as_subclass(torch.Tensor))
+                before = dict(device.moves)
+                seen.clear()
+                step = model(input_ids=step[:, -1:].argmax(-1), **{kw: cache}, use_cache=True).logits
+                moves.append({k: device.moves[k] - before.get(k, 0) for k in device.moves})
+                calls.append(list(seen))
+        for h in handles:
+            h.remove()
+        assert torch.equal(torch.cat([g.argmax(-1, keepdim=True) for g in got], 1), want_ids)
+        torch.testing.assert_close(torch.stack(got, 1), want_logits, atol=1e-4, rtol=1e-4)
+        others = sum(1 for k, v in plan.compute.items() if k not in mlps and v["decode"] == "cpu")
+        for token in moves:
+            for direction in ("to_host", "to_main"):
+                assert 0 < token.get(("activations", direction), 0) <= 2 * len(split) + others, token
+        for token in calls:   # the MLP's inputs in RAM at decode, its output back on the accelerator
+            assert sorted(k for k, kind, _ in token if kind == "in") == split
+            assert all(not where for _, kind, where in token if kind == "in"), token
+            assert all(where for _, kind, where in token if kind == "out"), token
+        decode = {p: n for h in boundaries.values() for p, n in h.calls.items()}
+        assert decode.get("decode") == TOKENS * len(split)   # one boundary call per split layer and token
+        # the KV cache where the plan counts it: the accelerator's share of the planned cache is its share of layers
+        tagged = [on_stand_in(layer.keys) and on_stand_in(layer.values) for layer in cache.layers]
+        index = {s.layer: next(m.layer_idx for m in model.get_submodule(s.layer).modules()
+                               if isinstance(getattr(m, "layer_idx", None), int)) for s in near}
+        assert all(tagged[i] for i in index.values())
+        counted = made.parts[made.main_device]["cache"] / sum(p.get("cache", 0) for p in made.parts.values())
+        assert counted == pytest.approx(sum(tagged) / len(tagged))
+    finally:
+        offload.detach(model)
+
+
+@pytest.mark.slow
+def test_the_runtime_reads_the_compute_map_not_its_own_rule(saved, tmp_path):
+    """The same planner split with its MLP's prefill moved to the accelerator in the compute map (only there): the
+    runtime follows, streaming the MLP at prefill and computing it in RAM at decode, with the same tokens."""
+    folder, ram, prompt, (want_ids, _, _) = saved["llama"]
+    made, near = planner_plan(ram, "llama")
+    plan = as_loaded(made)
+    mlps = [s.far for s in near]
+    devices = {k: (dict(DECODE) if k in mlps else dict(v)) for k, v in plan.compute.items()}
+    assert devices != plan.compute
+    edited = dataclasses.replace(plan, hybrid=dataclasses.replace(plan.hybrid, devices=devices))
+    model = _load(folder, plan.device_map, tmp_path, moe=False)
+    for which, prefill in ((plan, {"prefill": 1}), (edited, {})):
+        runtime = offload.attach(model, which, device="stand-in", prefetch=0)
+        try:
+            assert runtime_follows_the_plan(model, which) > 0
+            ids, _, _ = _greedy(model, prompt, runtime.device.put)
+            assert torch.equal(ids, want_ids)
+            hooks = [model.get_submodule(m).__dict__["_hf_hook"] for m in mlps]
+            assert all(h.calls == {**prefill, "decode": TOKENS} and h.streamed == 1 - len(prefill) for h in hooks)
+        finally:
+            offload.detach(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_planner_split_through_patch_attach_and_a_saved_plan(saved, family, tmp_path, monkeypatch):
+    """Three paths end in the same runtime state and tokens: ``patch(runtime="allocator", offload_device="stand-in",
+    generation=...)`` + ``from_pretrained(device_map="auto", max_memory=...)``; ``plan()`` + ``attach``; and
+    ``attach`` with ``Plan.from_dict`` of the plan's JSON. This machine has no accelerator 0, so under the patch the
+    budget keeps it (``present_budgets``) and the plan's map is read as loaded here (:func:`as_loaded`): device names
+    only; the split is the planner's."""
+    folder, ram, prompt, (want_ids, _, _) = saved[family]
+    moe = "moe" in family
+    made, near = planner_plan(ram, family)
+    share, length = PLANNED[family]
+    generation = allocator.GenerationBudget(1, length, prompt_length=PROMPT)
+    kept = []
+
+    def planned(problem, strategy, original=hf.planned):
+        kept.append(as_loaded(original(problem, strategy)))
+        return kept[-1]
+
+    monkeypatch.setattr(hf, "present_budgets", dict)
+    monkeypatch.setattr(hf, "planned", planned)
+    with hf.patch(runtime="allocator", offload_device="stand-in", generation=generation):
+        patched = AutoModelForCausalLM.from_pretrained(
+            folder, device_map="auto", max_memory={0: int(_total(ram) * share), "cpu": 4 * _total(ram)},
+            offload_folder=tmp_path / "p", dtype=torch.float32, experts_implementation="eager" if moe else None).eval()
+    monkeypatch.undo()
+    plan = as_loaded(made)
+    assert kept[-1].device_map == plan.device_map and kept[-1].compute == plan.compute
+    assert kept[-1].runtime == plan.runtime
+    data = json.loads(json.dumps(made.to_dict()))
+    assert data["compute"] == made.compute
+    data["device_map"] = loaded_map(data["device_map"])
+    saved_plan = allocator.Plan.from_dict(data)
+    assert saved_plan.device_map == plan.device_map
+    theirs = offload.runtime_of(patched)
+    explicit = _load(folder, plan.device_map, tmp_path, moe=moe)
+    try:
+        states, traffic = [], []
+        for which in (plan, saved_plan):
+            runtime = offload.attach(explicit, which, device="stand-in", prefetch=theirs.prefetch)
+            try:
+                states.append(hook_state(explicit))
+                ids, _, _ = _greedy(explicit, prompt, runtime.device.put)
+                assert torch.equal(ids, want_ids)
+                traffic.append((dict(runtime.device.moves), runtime.device.staged))
+            finally:
+                offload.detach(explicit)
+        assert runtime_follows_the_plan(patched, plan) > 0
+        assert hook_state(patched) == states[0] == states[1]
+        ids, _, _ = _greedy(patched, prompt, theirs.device.put)
+        assert torch.equal(ids, want_ids)
+        assert (dict(theirs.device.moves), theirs.device.staged) == traffic[0] == traffic[1]
+    finally:
+        offload.detach(patched)
