@@ -528,3 +528,37 @@ def test_moe_split_keeps_attention_router_and_cache_on_the_accelerator_and_compu
         assert computed_on.count(False) == t.computed   # the experts computed at decode took their inputs in RAM
     finally:
         offload.detach(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, share", [("llama", 0.3), ("llama", 0.45), ("qwen3_moe", 0.45)])
+def test_the_moves_the_plan_prices_are_the_moves_the_runtime_makes(saved, family, share, tmp_path):
+    """Per decode token and direction the runtime moves activations once per crossing the price counts
+    (:func:`allocator.evaluate.compute.crossings`): a unit computed in RAM once, a module list offloaded whole
+    (``model.layers`` at 30 %) once per layer, as the runtime puts a boundary on each."""
+    from allocator.evaluate.compute import crossings
+
+    folder, ram, prompt, _ = saved[family]
+    moe = "moe" in family
+    made = allocator.plan(_meta(ram), {0: int(_total(ram) * share), "cpu": 4 * _total(ram)}, runtime="allocator",
+                          generation=allocator.GenerationBudget(1, 32, prompt_length=PROMPT))
+    plan = as_loaded(made)
+    decode = [k for k, v in plan.compute.items() if v["decode"] == "cpu"]
+    priced = sum(crossings(made.problem, k) for k in decode)
+    priced += sum(v["decode"] == "compute" for v in plan.runtime.expert_mode.values())   # one call each way
+    assert decode and priced
+    model = _load(folder, plan.device_map, tmp_path, moe=moe)
+    runtime = offload.attach(model, plan, device="stand-in", prefetch=0)
+    try:
+        kw = cache_keyword(model)
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            step = model(input_ids=runtime.device.put(prompt), **{kw: cache}, use_cache=True).logits
+            for _ in range(TOKENS):
+                before = dict(runtime.device.moves)
+                step = model(input_ids=step[:, -1:].argmax(-1), **{kw: cache}, use_cache=True).logits
+                for direction in ("to_host", "to_main"):
+                    key = ("activations", direction)
+                    assert runtime.device.moves.get(key, 0) - before.get(key, 0) == priced, (direction, decode)
+    finally:
+        offload.detach(model)
