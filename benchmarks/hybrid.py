@@ -205,16 +205,17 @@ def run_model(name: str, args, work: str) -> list[dict]:
 
 
 def gpu_case(path, meta, total: int, fraction: float, work, *, dry_run: bool, tokens: int = 16,
-             prompt_tokens: int = 32) -> list[dict]:
+             prompt_tokens: int = 32, context: int = 128) -> list[dict]:
     """``benchmarks/gpu.py``'s hybrid case: one saved model, a plan for ``{0: fraction x model, "cpu": 4x}`` with
-    ``runtime="allocator"`` and a generation budget, run streamed, hybrid and split (:func:`planned_pair`, issue #49):
-    decode tokens per second, the GPU's peak (``max_memory_allocated``), activation moves per decode token, greedy
-    tokens of each equal to the streamed run's. In a dry run the stand-in is the accelerator (the map loaded as
-    :func:`run_model` loads it) and the times are CPU times, not a GPU's. The split row runs the planner's own plan
-    (whole layers where its ``"sublayer"`` decision says so: ``split_reason``)."""
+    ``runtime="allocator"`` and a generation budget (``context`` tokens, at least the run's), run streamed, hybrid
+    and split (:func:`planned_pair`, issue #49): decode tokens per second, the GPU's peak (``max_memory_allocated``),
+    activation moves per decode token, greedy tokens of each equal to the streamed run's. In a dry run the stand-in
+    is the accelerator (the map loaded as :func:`run_model` loads it) and the times are CPU times, not a GPU's. The
+    split row runs the planner's own plan (whole layers where its ``"sublayer"`` decision says so:
+    ``split_reason``)."""
     budget = {0: int(fraction * total), "cpu": 4 * total}
-    plan, split, split_layers, reason = planned_pair(
-        meta, budget, allocator.GenerationBudget(1, prompt_tokens + tokens + 1, prompt_length=prompt_tokens))
+    generation = allocator.GenerationBudget(1, max(context, prompt_tokens + tokens + 1), prompt_length=prompt_tokens)
+    plan, split, split_layers, reason = planned_pair(meta, budget, generation)
     if not plan.compute:
         return [dict(runtime=k, status=f"no compute map (main device {plan.main_device!r})") for k in RUNTIMES]
     prompt = torch.randint(0, 1000, (1, prompt_tokens), generator=torch.Generator().manual_seed(2))
