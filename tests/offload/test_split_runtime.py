@@ -562,3 +562,19 @@ def test_the_moves_the_plan_prices_are_the_moves_the_runtime_makes(saved, family
                     assert runtime.device.moves.get(key, 0) - before.get(key, 0) == priced, (direction, decode)
     finally:
         offload.detach(model)
+
+
+@pytest.mark.parametrize("family", sorted(PLANNED))
+def test_the_planner_splits_at_these_budgets(family):
+    """Fast (meta models, nothing loaded): the budgets above make the planner split, the far side of each split layer
+    offloaded and, for a dense layer, computed in RAM at decode; a module list offloaded whole is priced one crossing
+    per layer."""
+    from allocator.evaluate.compute import crossings
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(CONFIGS[family.removesuffix("_ram")]())
+    plan, near = planner_plan(meta, family)
+    assert plan.valid and plan.main_device == 0
+    assert all(plan.compute[s.far]["decode"] == "cpu" for s in near if not s.moe)
+    assert crossings(plan.problem, "model.layers") == meta.config.num_hidden_layers
+    assert crossings(plan.problem, "model.layers.0") == crossings(plan.problem, near[0].far) == 1
