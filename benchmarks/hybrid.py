@@ -119,7 +119,7 @@ def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        ids_in = prompt.to("cuda:0" if cuda else "cpu")
+        ids_in = runtime.device.put(prompt) if standin else prompt.to("cuda:0" if cuda else "cpu")   # as users send it
         try:
             with torch.no_grad():
                 cache = DynamicCache(config=model.config)
