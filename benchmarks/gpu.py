@@ -23,9 +23,9 @@ reported as skipped. Writes ``gpu.csv``, ``gpu_generate.csv`` and ``gpu.md`` int
 
 Hybrid case (issue #40, ``--hybrid-budget``): the first model, planned with ``runtime="allocator"`` and a generation
 budget, decoded with its compute map (offloaded units on the CPU at decode where the plan says), streamed, and split
-(issue #49: each offloaded decoder layer's attention and KV cache on the GPU, its MLP in RAM, split by hand with
-:func:`hybrid.split_plan`): decode tokens per second, the GPU's peak, activation moves per decode token, greedy
-tokens equal; ``gpu_hybrid.csv`` (:func:`hybrid.gpu_case`).
+(issue #49: the planner's own plan, some decoder layers' attention and KV cache on the GPU and their MLP in RAM where
+its ``"sublayer"`` decision chooses it, :func:`hybrid.planned_pair`): decode tokens per second, the GPU's peak,
+activation moves per decode token, greedy tokens equal; ``gpu_hybrid.csv`` (:func:`hybrid.gpu_case`).
 
     python benchmarks/gpu.py              # on a machine with a CUDA GPU
     python benchmarks/gpu.py --dry-run    # anywhere, in seconds: tiny models, the CPU as the device, disk offload

@@ -3,26 +3,31 @@ with :class:`allocator.offload.StandInDevice` as the accelerator.
 
 Per model (tiny configs of transformers' config classes, float32, seeded random weights, saved with
 ``save_pretrained``): ``allocator.plan(meta, {0: 40 % of the model, "cpu": 4x}, runtime="allocator",
-generation=GenerationBudget(1, prompt + tokens))``. Its map is loaded here with the accelerator's units on ``cpu``
-(the stand-in's memory) and the offloaded units on ``disk`` (memory-mapped files: RAM once the page cache holds them),
-then run by ``allocator.offload.attach(model, plan, device="stand-in")`` two ways:
+generation=GenerationBudget(1, --context, prompt_length=--prompt))``, once with ``split_layers=False`` (whole layers)
+and once as by default (the planner may split decoder layers, issue #49). Each map is loaded here with the
+accelerator's units on ``cpu`` (the stand-in's memory) and the offloaded units on ``disk`` (memory-mapped files: RAM
+once the page cache holds them), then run by ``allocator.offload.attach(model, plan, device="stand-in")``:
 
-- ``stream``: the plan without its compute map: every offloaded unit's weights "copied to the GPU" at every call;
-- ``hybrid``: the plan as made: units computing on the CPU in a phase read their weights where they live;
-- ``split`` (issue #49): each decoder layer the plan offloads whole split by hand (:func:`split_plan`, until the
-  planner makes such plans): its attention, norms and KV cache on the accelerator, its MLP in RAM, streamed at
-  prefill and computed there at decode.
+- ``stream``: the whole-layer plan without its compute map: every offloaded unit's weights "copied to the GPU" at
+  every call;
+- ``hybrid``: the whole-layer plan as made: units computing on the CPU in a phase read their weights where they live;
+- ``split`` (issue #49): the planner's own plan (no hand rewriting): where its ``"sublayer"`` decision chose it, some
+  decoder layers split, their attention, norms and KV cache on the accelerator, their MLP where its weights live,
+  computed as its compute map says. ``split_reason`` is that decision's reason (``faster``: split; ``slower``,
+  ``none-fits``, ``fewer-bytes``: kept whole, so the row runs the whole-layer plan again).
 
 Rows per model, runtime and phase: ``copied_kib_per_token`` (the stand-in's copies: bytes staged, per token),
 ``activations_kib_per_token`` (inputs and outputs the hybrid hooks moved), ``moves_to_host_per_token`` and
 ``moves_to_main_per_token`` (activation moves between RAM and the accelerator, counted by the stand-in:
 ``StandInDevice.moves``; one move carries a part's inputs or output), ``cache_moves`` (KV cache layers moved, all
-tokens), ``split_layers``, ``cpu_units_at_decode`` (units of the compute map computed in RAM at decode: a split
+tokens), ``split_layers`` (layers whose attention the plan keeps on the accelerator, their MLP offloaded),
+``split_reason``, ``cpu_units_at_decode`` (units of the compute map computed in RAM at decode: a split
 layer's MLP is one), ``ms_per_token`` (CPU time measured here; the stand-in's "copies" are clones in RAM, not
 timed as a GPU), ``max_abs_diff`` of the logits against the model in RAM and ``tokens_equal`` (greedy decode).
 GPU-side times are *estimates*: ``--estimates`` adds the cost model's steps at real sizes (nothing runs).
 
     python benchmarks/hybrid.py --standin --smoke     # llama and qwen3, a few tokens (about 1 min)
+    python benchmarks/hybrid.py --standin --context 33 # plan for the run's own length (the planner keeps layers whole)
     python benchmarks/hybrid.py --standin             # + mistral and gemma
     python benchmarks/hybrid.py --estimates           # llama-70b, llama-8b, qwen3-32b estimates only
 
@@ -114,7 +119,7 @@ def decode_run(folder, plan, device_map, kind: str, prompt, tokens: int, work, *
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        ids_in = prompt.to("cuda:0" if cuda else "cpu")
+        ids_in = runtime.device.put(prompt) if standin else prompt.to("cuda:0" if cuda else "cpu")   # as users send it
         try:
             with torch.no_grad():
                 cache = DynamicCache(config=model.config)
@@ -145,31 +150,18 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
-def split_plan(plan, model):
-    """``plan`` with each decoder layer its map offloads whole split (issue #49), made by hand until the planner makes
-    such plans: the layer's children holding its attention (the ``layer_idx`` of its KV cache) and the small ones
-    (norms) on the main device, its largest other child (the MLP) where the layer was, and the compute map naming
-    the MLP: streamed at prefill, computed where its weights live at decode. ``model`` (the meta model) gives the
-    structure. Returns ``(plan, split layers)``; the split plan is not judged (its peaks are the unsplit plan's)."""
-    main = plan.main_device
-    device_map, compute, split = {}, {}, []
-    for key, where in plan.device_map.items():
-        layer = model.get_submodule(key)
-        children = dict(layer.named_children())
-        attention = {n for n, c in children.items()
-                     if any(isinstance(getattr(m, "layer_idx", None), int) for m in c.modules())}
-        if where not in ("cpu", "disk") or len(attention) != 1 or len(children) < 2:
-            device_map[key] = where
-            if key in plan.compute:
-                compute[key] = dict(plan.compute[key])
-            continue
-        sizes = {n: sum(p.numel() for p in c.parameters()) for n, c in children.items() if n not in attention}
-        mlp = max(sizes, key=sizes.get)
-        device_map.update({f"{key}.{n}": (where if n == mlp else main) for n in children})
-        compute[f"{key}.{mlp}"] = {"prefill": main, "decode": "cpu"}
-        split.append(key)
-    return dataclasses.replace(plan, device_map=device_map,
-                               hybrid=dataclasses.replace(plan.hybrid, devices=compute)), split
+def planned_pair(meta, budget: dict, generation) -> tuple:
+    """The whole-layer plan (``split_layers=False``) and the planner's own plan for ``budget`` under our runtime,
+    the layers the latter splits with their attention on the main device (issue #49), and its ``"sublayer"``
+    decision's reason (``""`` where it made none)."""
+    options = dict(runtime="allocator", generation=generation)
+    whole = allocator.plan(meta, budget, split_layers=False, **options)
+    split = allocator.plan(meta, budget, **options)
+    said = split.placement.of_kind("sublayer")
+    near = [s.layer for s in split.problem.splits
+            if s.layer not in split.device_map and split.device_map.get(s.far) in ("cpu", "disk")
+            and all(split.device_map.get(n) == split.main_device for n in s.near)]
+    return whole, split, near, said[0].reason if said else ""
 
 
 def run_model(name: str, args, work: str) -> list[dict]:
@@ -180,11 +172,11 @@ def run_model(name: str, args, work: str) -> list[dict]:
     ref = _greedy(ram, prompt, args.tokens)
     total = sum(p.numel() * p.element_size() for p in ram.parameters())
     budget = {0: int(total * 0.4), "cpu": 4 * total}
-    plan = allocator.plan(_build(name, "meta"), budget, runtime="allocator",
-                          generation=allocator.GenerationBudget(1, args.prompt + args.tokens + 1))
+    generation = allocator.GenerationBudget(1, max(args.context, args.prompt + args.tokens + 1),
+                                            prompt_length=args.prompt)
+    plan, split, split_layers, reason = planned_pair(_build(name, "meta"), budget, generation)
     assert plan.main_device == 0 and plan.compute, (name, plan.device_map)
     in_ram = sum(plan.resident(d) for d in ("cpu", "disk"))
-    split, split_layers = split_plan(plan, _build(name, "meta"))
     rows = []
     for kind in RUNTIMES:
         run = split if kind == "split" else plan
@@ -203,6 +195,7 @@ def run_model(name: str, args, work: str) -> list[dict]:
                              moves_to_main_per_token=round(moves.get(("activations", "to_main"), 0) / n, 2),
                              cache_moves=sum(v for (what, _), v in moves.items() if what == "cache"),
                              split_layers=len(split_layers) if kind == "split" else 0,
+                             split_reason=reason if kind == "split" else "",
                              cpu_units_at_decode=0 if kind == "stream" else sum(
                                  v["decode"] == "cpu" for v in run.compute.values()),
                              ms_per_token=round(seconds / n * 1e3, 3),
@@ -212,19 +205,19 @@ def run_model(name: str, args, work: str) -> list[dict]:
 
 
 def gpu_case(path, meta, total: int, fraction: float, work, *, dry_run: bool, tokens: int = 16,
-             prompt_tokens: int = 32) -> list[dict]:
+             prompt_tokens: int = 32, context: int = 128) -> list[dict]:
     """``benchmarks/gpu.py``'s hybrid case: one saved model, a plan for ``{0: fraction x model, "cpu": 4x}`` with
-    ``runtime="allocator"`` and a generation budget, run streamed, hybrid and split (:func:`split_plan`, issue #49):
-    decode tokens per second, the GPU's peak (``max_memory_allocated``), activation moves per decode token, greedy
-    tokens of each equal to the streamed run's. In a dry run the stand-in is the accelerator (the map loaded as
-    :func:`run_model` loads it) and the times are CPU times, not a GPU's. The split plan is made by hand, not judged:
-    its planned peak and estimate are left empty."""
+    ``runtime="allocator"`` and a generation budget (``context`` tokens, at least the run's), run streamed, hybrid
+    and split (:func:`planned_pair`, issue #49): decode tokens per second, the GPU's peak (``max_memory_allocated``),
+    activation moves per decode token, greedy tokens of each equal to the streamed run's. In a dry run the stand-in
+    is the accelerator (the map loaded as :func:`run_model` loads it) and the times are CPU times, not a GPU's. The
+    split row runs the planner's own plan (whole layers where its ``"sublayer"`` decision says so:
+    ``split_reason``)."""
     budget = {0: int(fraction * total), "cpu": 4 * total}
-    plan = allocator.plan(meta, budget, runtime="allocator",
-                          generation=allocator.GenerationBudget(1, prompt_tokens + tokens + 1))
+    generation = allocator.GenerationBudget(1, max(context, prompt_tokens + tokens + 1), prompt_length=prompt_tokens)
+    plan, split, split_layers, reason = planned_pair(meta, budget, generation)
     if not plan.compute:
         return [dict(runtime=k, status=f"no compute map (main device {plan.main_device!r})") for k in RUNTIMES]
-    split, split_layers = split_plan(plan, meta)
     prompt = torch.randint(0, 1000, (1, prompt_tokens), generator=torch.Generator().manual_seed(2))
     dtype = torch.float32 if dry_run else torch.bfloat16
     got = {}
@@ -241,11 +234,13 @@ def gpu_case(path, meta, total: int, fraction: float, work, *, dry_run: bool, to
         rows.append(dict(runtime=k, status="ok", device="stand-in (CPU times)" if dry_run else "cuda:0",
                          decode_tokens_per_s=round(tokens / seconds, 2), prefill_s=round(got[k]["prefill"][2], 4),
                          gpu_peak_bytes="" if got[k]["gpu_peak"] is None else got[k]["gpu_peak"],
-                         planned_peak_bytes="" if k == "split" else int(plan.peak.get(0, 0)),
-                         estimated_decode_s="" if k == "split" else round(plan.phase_steps[k]["decode"], 6),
+                         planned_peak_bytes=int((split if k == "split" else plan).peak.get(0, 0)),
+                         estimated_decode_s=round((split if k == "split" else plan).phase_steps[
+                             "hybrid" if k == "split" else k]["decode"], 6),
                          units_on_cpu_at_decode=sum(v["decode"] == "cpu" for v in
                                                     (split if k == "split" else plan).compute.values()),
                          split_layers=len(split_layers) if k == "split" else 0,
+                         split_reason=reason if k == "split" else "",
                          moves_per_decode_token=round(sum(v for (what, _), v in moves.items()
                                                           if what == "activations") / tokens, 2),
                          tokens_equal=got[k]["ids"] == got["stream"]["ids"]))
@@ -301,6 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--estimates", action="store_true", help="cost-model estimates at real sizes (nothing runs)")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--context", type=int, default=128,
+                    help="the generation budget's length the plans are made for (at least prompt + tokens + 1)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     quiet()

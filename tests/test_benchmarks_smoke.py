@@ -32,7 +32,7 @@ CASES = {
     "ilp_optimality": (["--models", "segformer-b0"], "ilp"),
     "latency": (["--smoke"], "latency"),
     "planning_speed": (["--sizes", "1000", "--repeat-seconds", "0"], "planning_speed"),
-    "gpu": (["--dry-run"], "gpu"),
+    "gpu": (["--dry-run", "--hybrid-budget", "0.5"], "gpu"),   # 0.5: the planner splits the dry run's layer
     "latency_runtime": (["--smoke"], "latency_runtime"),
     "accuracy": (["--smoke"], "accuracy"),
     "counting_cost": (["--models", "segformer-b0", "--repeat", "1"], "counting_cost"),
@@ -89,7 +89,7 @@ def test_benchmark_script_writes_results(script, tmp_path):
             hybrid = list(csv.DictReader(fh))
         assert [r["runtime"] for r in hybrid] == ["stream", "hybrid", "split"], hybrid
         assert all(r["status"] == "ok" and r["tokens_equal"] == "True" for r in hybrid), hybrid
-        assert int(hybrid[-1]["split_layers"]) > 0, hybrid
+        assert int(hybrid[-1]["split_layers"]) > 0 and hybrid[-1]["split_reason"] == "faster", hybrid
     if script == "gpu" and importlib.util.find_spec("diffusers"):  # the diffusion case, dry: same outputs
         with open(tmp_path / "gpu_diffusion.csv", newline="") as fh:
             diffusion = list(csv.DictReader(fh))

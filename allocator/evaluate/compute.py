@@ -33,7 +33,7 @@ from .experts import expert_modes, routed_layers, routed_seconds
 from .runs import columns
 
 __all__ = ["PHASES", "PhaseChoice", "ComputePlan", "phase_tokens", "unit_stats", "decide", "step_seconds",
-           "cache_moves", "cache_seconds", "hybrid_seconds", "phase_problem"]
+           "cache_moves", "cache_seconds", "crossings", "hybrid_seconds", "phase_problem"]
 
 PHASES = ("prefill", "decode")
 """The phases of ``generate`` a unit gets a compute device for."""
@@ -175,15 +175,28 @@ def _streamed(problem: Problem, stats, source: str, tokens: int, phase: str) -> 
     return seconds
 
 
-def _local(problem: Problem, stats, source: str, tokens: int, phase: str) -> float:
+def _local(problem: Problem, stats, source: str, tokens: int, phase: str, crossings: int = 1) -> float:
     p = problem.profile
     nbytes, numel, _, cache = stats
     read = nbytes / (p.disk_read if source == "disk" else p.cpu_memory)
     seconds = max(read, 2 * tokens * numel / p.cpu_flops)
     if phase == "decode":
         seconds += cache / p.cpu_memory
-    moved = 2 * tokens * _activation_per_token(problem)
-    return seconds + moved / p.pinned_host_to_device + 2 * p.switch_latency
+    moved = 2 * tokens * _activation_per_token(problem) * crossings
+    return seconds + moved / p.pinned_host_to_device + 2 * crossings * p.switch_latency
+
+
+def crossings(problem: Problem, unit: str) -> int:
+    """How many times the runtime moves the activations of ``unit``, computed on the CPU, each way per call: once
+    (its boundary), or, for a module list or dict (``model.layers`` offloaded whole), once per child that holds
+    tensors, as :func:`allocator.offload.hybrid.layer_hooks` puts a boundary on each child (issue #49: the price
+    counts the moves the runtime makes)."""
+    nodes = problem.graph.nodes
+    i = problem.graph.node_index.get(unit)
+    if i is None or nodes.cls[i] not in ("ModuleList", "ModuleDict"):
+        return 1
+    end, held = nodes.end, [a + b for a, b in zip(nodes.n_params, nodes.n_buffers)]
+    return max(1, sum(1 for c in nodes.children(i) if any(held[j] for j in range(c, end[c]))))
 
 
 def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | None = None, *,
@@ -213,7 +226,7 @@ def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | 
         row = {}
         for phase in PHASES:
             streamed = _streamed(problem, stats[unit], source, tokens[phase], phase)
-            local = _local(problem, stats[unit], source, tokens[phase], phase)
+            local = _local(problem, stats[unit], source, tokens[phase], phase, crossings(problem, unit))
             device = "cpu" if local < streamed else main
             if phase == "decode" and device == "cpu" and stats[unit][3]:
                 if ram_room is not None and moved + stats[unit][3] > ram_room:
@@ -255,7 +268,7 @@ def step_seconds(problem: Problem, device_map: Mapping, main: Device, phase: str
         nbytes, numel, tensors, cache = stats
         if d in ("cpu", "disk") and is_accelerator(main):
             if compute is not None and compute.devices.get(unit, {}).get(phase) == "cpu":
-                seconds += _local(problem, stats, d, tokens, phase)
+                seconds += _local(problem, stats, d, tokens, phase, crossings(problem, unit))
             elif runtime == "accelerate":
                 seconds += (nbytes / p.host_to_device + tensors * p.accelerator_tensor_latency
                             + (nbytes / p.disk_read + tensors * p.disk_tensor_latency if d == "disk" else 0)
