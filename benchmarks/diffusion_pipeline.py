@@ -174,14 +174,11 @@ class Counts:
 
 
 def sizes_of(shapes: dict) -> dict:
-    """``plan_pipeline``'s keywords for the sizes of :func:`call` (``budget=``, where ``allocator.DiffusionBudget``
-    exists: the planner counts activations at those sizes), and its steps."""
+    """``plan_pipeline``'s keywords for the sizes of :func:`call`: ``budget=``, the ``allocator.DiffusionBudget`` the
+    planner counts activations at (``allocator.patch(diffusion=...)`` under the patch)."""
     import allocator
 
-    found = getattr(allocator, "DiffusionBudget", None)
-    if found is None:
-        return {"steps": 2}
-    return {"budget": found(shapes["image"], shapes["image"], steps=2, text_tokens=shapes["text"])}
+    return {"budget": allocator.DiffusionBudget(shapes["image"], shapes["image"], steps=2, text_tokens=shapes["text"])}
 
 
 def load(method: str, folder: Path, budget: dict, work: Path, *, device: str = "stand-in", dtype=torch.float32,
@@ -198,10 +195,11 @@ def load(method: str, folder: Path, budget: dict, work: Path, *, device: str = "
     diffusers.utils.logging.disable_progress_bar()
     standin = device == "stand-in"
     if method == "ours":
-        real = integration.plan_pipeline   # planned at the sizes the benchmark runs (the patch cannot say them)
-        integration.plan_pipeline = lambda *a, **k: (stood_in if standin else _same)(real(*a, **k, **sizes_of(shapes)))
-        try:
-            with allocator.patch(runtime="allocator", offload_device="stand-in" if standin else None):
+        real = integration.plan_pipeline   # the patch's plan, as this machine loads it
+        integration.plan_pipeline = lambda *a, **k: (stood_in if standin else _same)(real(*a, **k))
+        try:   # planned at the sizes the benchmark runs
+            with allocator.patch(runtime="allocator", offload_device="stand-in" if standin else None,
+                                 diffusion=sizes_of(shapes)["budget"]):
                 pipe = diffusers.FluxPipeline.from_pretrained(folder, device_map="balanced", max_memory=dict(budget),
                                                               offload_folder=str(work / "offload"), torch_dtype=dtype)
         finally:
@@ -271,7 +269,7 @@ def run(folder: Path, shapes: dict, sizes: dict, budget: dict, rounds: int, work
                         times[method].append(seconds)
                         cpu[method].append(cpu_seconds)
                         copied[method].append(after - before)
-    plan = allocator.plan_pipeline(folder, budget, dtype=dtype, **sizes_of(shapes))
+    plan = allocator.plan_pipeline(folder, budget, dtype=dtype, balanced=True, **sizes_of(shapes))   # as the patch
     rows = []
     for method in METHODS:
         ratios = [a / b for a, b in zip(times["ours"], times[method])]
