@@ -17,12 +17,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..budgets import is_accelerator, normalize_map
 from ..evaluate.memory import device_of
 from ..evaluate.units import problem_groups
 from ..judge.verdict import verdict
 from ..placement import Decision, Placement
 from ..problem import Problem
+from .kit import sole_accelerator
 from ..search.bisection import boundary
 
 __all__ = ["grow"]
@@ -41,11 +41,9 @@ def grow(problem: Problem, placement: Placement) -> Placement:
     if (problem.runtime.name != "allocator" or problem.generation is None or placement.accelerates
             or placement.experts):
         return placement
-    device_map = normalize_map(placement.device_map)
-    accelerators = {d for d in device_map.values() if is_accelerator(d)}
-    if len(accelerators) != 1:
+    device_map, main = sole_accelerator(placement)
+    if main is None:
         return placement
-    main = next(iter(accelerators))
     before = verdict(problem, placement)
     limit = problem.budgets.limit(main)
     if before.hybrid is None or not before.valid or limit is None or before.peak.get(main, 0) >= limit:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from ..budgets import Device
+from ..budgets import Device, is_accelerator, normalize_map
 from ..evaluate.memory import offloaded_devices
 from ..evaluate.cost import Cost, estimate
 from ..errors import InfeasiblePlacement
@@ -57,10 +57,18 @@ from ..judge.verdict import violations as broken_rules
 
 __all__ = ["Cost", "Group", "Groups", "InfeasiblePlacement", "Placement", "Problem", "Room", "Violation",
            "accelerate_placement", "best_valid", "check", "device_map", "estimate", "fill", "main_candidates", "seat",
-           "tie_groups"]
+           "sole_accelerator", "tie_groups"]
 
 #: How many times :func:`fill` redoes a fill with the streaming reserve of the one before (its fixed point).
 ROUNDS = 8
+
+
+def sole_accelerator(placement: Placement) -> tuple[dict, Device | None]:
+    """``placement``'s map, normalised, and the one accelerator it uses (``None`` where it uses none or several):
+    where the passes that fill our runtime's main device (``grow``, ``split``) start."""
+    device_map = normalize_map(placement.device_map)
+    accelerators = {d for d in device_map.values() if is_accelerator(d)}
+    return device_map, (next(iter(accelerators)) if len(accelerators) == 1 else None)
 
 
 def tie_groups(problem: Problem) -> Groups:

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..budgets import is_accelerator, normalize_map
+from ..budgets import normalize_map
 from ..evaluate.memory import device_of
 from ..evaluate.units import problem_groups
 from ..judge.contract import contract_violations
 from ..judge.verdict import Verdict, verdict
 from ..placement import Decision, Placement
 from ..problem import Problem
+from .kit import sole_accelerator
 
 __all__ = ["split", "main_bytes", "split_layers", "with_parts"]
 
@@ -59,11 +60,9 @@ def split(problem: Problem, placement: Placement) -> Placement:
     if (not problem.splits or problem.runtime.name != "allocator" or problem.generation is None
             or placement.accelerates):
         return placement
-    device_map = normalize_map(placement.device_map)
-    accelerators = {d for d in device_map.values() if is_accelerator(d)}
-    if len(accelerators) != 1:
+    device_map, main = sole_accelerator(placement)
+    if main is None:
         return placement
-    main = next(iter(accelerators))
     before = verdict(problem, placement)
     if not before.valid or "decode" not in before.steps:
         return placement
