@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from ..budgets import Device, is_accelerator, normalize_map
 from ..problem import Problem, step_problem
+from .cost import copy_seconds
 from .experts import expert_modes, routed_layers, routed_seconds
 from .runs import columns
 
@@ -163,12 +164,13 @@ def _activation_per_token(problem: Problem) -> float:
     return p.activation_bytes / p.tokens
 
 
-def _streamed(problem: Problem, stats, source: str, tokens: int, phase: str) -> float:
+def _streamed(problem: Problem, stats, source: str, tokens: int, phase: str, main: Device,
+              runtime: str = "allocator") -> float:
+    """One step of the unit with its weights streamed to ``main`` as ``runtime`` streams them (the copy priced by
+    :func:`allocator.evaluate.cost.copy_seconds`, the one copy formula), then read or computed there."""
     p = problem.profile
     nbytes, numel, tensors, cache = stats
-    seconds = nbytes / p.cpu_memory + nbytes / p.pinned_host_to_device + tensors * p.offload_tensor_latency
-    if source == "disk":
-        seconds += nbytes / p.disk_read
+    seconds = copy_seconds(p, main, source, nbytes, tensors, runtime=runtime)
     seconds += max(nbytes / p.accelerator_memory, 2 * tokens * numel / p.accelerator_flops)
     if phase == "decode":
         seconds += cache / p.accelerator_memory
@@ -225,7 +227,7 @@ def decide(problem: Problem, device_map: Mapping, main: Device, ram_room: int | 
         source = device_map[unit]
         row = {}
         for phase in PHASES:
-            streamed = _streamed(problem, stats[unit], source, tokens[phase], phase)
+            streamed = _streamed(problem, stats[unit], source, tokens[phase], phase, main)
             local = _local(problem, stats[unit], source, tokens[phase], phase, crossings(problem, unit))
             device = "cpu" if local < streamed else main
             if phase == "decode" and device == "cpu" and stats[unit][3]:
@@ -269,13 +271,9 @@ def step_seconds(problem: Problem, device_map: Mapping, main: Device, phase: str
         if d in ("cpu", "disk") and is_accelerator(main):
             if compute is not None and compute.devices.get(unit, {}).get(phase) == "cpu":
                 seconds += _local(problem, stats, d, tokens, phase, crossings(problem, unit))
-            elif runtime == "accelerate":
-                seconds += (nbytes / p.host_to_device + tensors * p.accelerator_tensor_latency
-                            + (nbytes / p.disk_read + tensors * p.disk_tensor_latency if d == "disk" else 0)
-                            + max(nbytes / p.accelerator_memory, 2 * tokens * numel / p.accelerator_flops)
-                            + (cache / p.accelerator_memory if phase == "decode" else 0))
             else:
-                seconds += _streamed(problem, stats, d, tokens, phase)
+                seconds += _streamed(problem, stats, d, tokens, phase, main,
+                                     "accelerate" if runtime == "accelerate" else "allocator")
         elif is_accelerator(d):
             seconds += max(nbytes / p.accelerator_memory, 2 * tokens * numel / p.accelerator_flops)
             seconds += cache / p.accelerator_memory if phase == "decode" else 0

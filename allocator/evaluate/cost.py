@@ -79,7 +79,10 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, 
     (``offload_tensor_latency`` to the CPU, ``accelerator_tensor_latency`` to an accelerator: an ``empty_cache`` per
     tensor), plus ``disk_tensor_latency`` from disk (a ``safe_open`` per tensor). With :mod:`allocator.offload`
     (``runtime="allocator"``) every file is mapped once, so there is no per-tensor open, and no cache is emptied:
-    ``offload_tensor_latency`` per tensor on any main device, an upper bound of its swap (not measured on its own).
+    ``offload_tensor_latency`` per tensor on any main device, an upper bound of its swap (not measured on its own);
+    its bytes are staged as :class:`allocator.offload.StreamDevice` stages them, read from the mapped (pageable)
+    weights into pinned memory at ``cpu_memory``, then copied at ``pinned_host_to_device`` (accelerate's hooks copy
+    pageable memory at ``host_to_device``).
 
     ``offload`` and ``tensors`` are numbers, or numpy arrays of one entry per tensor (elementwise:
     :func:`device_seconds`)."""
@@ -91,7 +94,9 @@ def copy_seconds(profile: Profile, main, device, offload: int, tensors: int, *, 
         seconds += offload / profile.disk_read
         seconds += tensors * (hook if ours else profile.disk_tensor_latency + hook)
     if device in ("cpu", "disk") and run_on != "cpu" and not (device == "cpu" and main == "mps"):
-        seconds += offload / profile.host_to_device
+        # accelerate's hooks copy pageable memory; ours stages the mapped weights into pinned memory, then copies
+        seconds += (offload / profile.cpu_memory + offload / profile.pinned_host_to_device if ours
+                    else offload / profile.host_to_device)
         if device == "cpu":
             seconds += tensors * hook
     return seconds

@@ -90,3 +90,31 @@ def test_every_tensors_read_term_is_the_one_formula_of_one_piece():
                    for t in range(len(seconds))]
             torch.testing.assert_close(torch.tensor(one, dtype=torch.float64),
                                        torch.tensor(seconds, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("source", ["cpu", "disk"])
+def test_the_compute_plans_streamed_price_is_the_one_copy_formula(source):
+    """Under our runtime with a generation budget, each offloaded unit's streamed price in each phase
+    (``PhaseChoice.streamed_seconds``) is ``copy_seconds`` of its bytes and tensors plus its read or compute on the
+    main device and, at decode, its KV cache read there: no copy formula of its own (a rate changed in
+    ``copy_seconds`` reaches the compute plan)."""
+    from allocator.evaluate.compute import decide, unit_stats
+    from allocator.evaluate.cost import copy_seconds
+
+    model = zoo.build("llama-3.2-1b")
+    problem = build_problem(model, {0: "600MiB", "cpu": "64GiB"}, runtime="allocator", dtype=torch.bfloat16,
+                            generation=allocator.GenerationBudget(1, 256))
+    device_map = {k: (source if v == "cpu" else v)
+                  for k, v in allocator.plan(model, {0: "600MiB", "cpu": "64GiB"}, runtime="allocator",
+                                             dtype=torch.bfloat16, split_layers=False,
+                                             generation=allocator.GenerationBudget(1, 256)).device_map.items()}
+    plan = decide(problem, device_map, 0)
+    stats = unit_stats(problem, normalize_map(device_map))
+    p = problem.profile
+    assert plan is not None and plan.choices
+    for choice in plan.choices:
+        nbytes, numel, tensors, cache = stats[choice.unit]
+        want = (copy_seconds(p, 0, source, nbytes, tensors, runtime="allocator")
+                + max(nbytes / p.accelerator_memory, 2 * choice.tokens * numel / p.accelerator_flops)
+                + (cache / p.accelerator_memory if choice.phase == "decode" else 0))
+        assert choice.streamed_seconds == pytest.approx(want, rel=1e-12), choice

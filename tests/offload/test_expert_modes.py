@@ -21,7 +21,7 @@ from moe_models import small_model  # noqa: E402
 
 #: Slow copies and a slow CPU, no cost per change of device: fetching wins at prefill (many tokens per expert, CPU
 #: compute dominates) and computing where the experts live wins at decode (one token: the copy dominates).
-PROFILE = allocator.Profile(host_to_device=1e8, cpu_flops=1e8, switch_latency=0.0)
+PROFILE = allocator.Profile(host_to_device=1e8, pinned_host_to_device=1e8, cpu_flops=1e8, switch_latency=0.0)
 
 
 @pytest.fixture(scope="module")
