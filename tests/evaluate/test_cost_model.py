@@ -365,5 +365,6 @@ def test_our_offload_runtime_is_priced_without_a_file_open_or_a_cache_emptied_pe
     hooks_only = profile.accelerator_tensor_latency - profile.offload_tensor_latency   # accelerate's empty_cache
     # the bytes: accelerate's hooks copy pageable memory; ours stage the mapped weights into pinned memory first
     streamed = sum(p.numel() * p.element_size() for p in model[1].parameters())
-    staging = streamed / profile.host_to_device - streamed * (1 / profile.cpu_memory + 1 / profile.pinned_host_to_device)
+    staging = streamed / profile.host_to_device - streamed * (1 / profile.cpu_memory
+                                                              + 1 / profile.pinned_host_to_device)
     assert gpu_main == pytest.approx(2 * hooks_only + staging, rel=1e-9)
