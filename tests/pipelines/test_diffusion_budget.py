@@ -9,6 +9,8 @@ allocates is counted."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -23,6 +25,11 @@ from allocator.pipelines.budget import activation_peaks, batches_guidance, denoi
 TOLERANCE = 0.25
 BF16 = torch.bfloat16
 TEXT = 64
+NATIVE_BF16_CONV = torch.cpu._is_avx512_bf16_supported() and os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in (
+    "", "ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX10_1_512_AMX")
+"""Whether this CPU runs bfloat16 convolutions natively (oneDNN with AVX-512 BF16). Below it, oneDNN converts each
+bfloat16 convolution's tensors to float32 on the side (measured with ``ONEDNN_MAX_CPU_ISA=AVX2``: the VAE decodes'
+peaks 1.5-2x the estimate), which a GPU does not do: the VAE measurements are only meaningful where it is native."""
 
 
 def measured(run) -> int:
@@ -117,6 +124,7 @@ def causal_vae(cls):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not NATIVE_BF16_CONV, reason="bfloat16 convolutions not native on this CPU (NATIVE_BF16_CONV)")
 @pytest.mark.parametrize("kind,sides,frames", [("kl", (128, 256), 1), ("qwen_image", (128, 256), 1),
                                                ("wan", (96, 128), 9)])
 def test_vae_decode_within_a_quarter_of_the_measured_at_two_sizes(kind, sides, frames):
