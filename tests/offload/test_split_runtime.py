@@ -381,17 +381,7 @@ def test_planner_moe_split_runs_as_planned(saved, family, tmp_path):
     device = runtime.device
     try:
         assert runtime_follows_the_plan(model, plan) > 0
-        computed_on = []
-        for routed in runtime.experts.values():
-            forward = routed._routed
-
-            def watched(module, eager, states, *args, forward=forward):
-                def eager_seen(one, hidden, *rest):
-                    computed_on.append(on_stand_in(hidden))
-                    return eager(one, hidden, *rest)
-                return forward(module, eager_seen, states, *args)
-
-            routed._routed = watched
+        computed_on = _watch_experts(runtime)
         ids, logits, cache = _greedy(model, prompt, device.put)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
@@ -500,17 +490,7 @@ def test_moe_split_keeps_attention_router_and_cache_on_the_accelerator_and_compu
     runtime = offload.attach(model, plan, device="stand-in", prefetch=0)
     device = runtime.device
     try:
-        computed_on = []
-        for routed in runtime.experts.values():
-            forward = routed._routed
-
-            def watched(module, eager, states, *args, forward=forward):
-                def eager_seen(one, hidden, *rest):
-                    computed_on.append(on_stand_in(hidden))
-                    return eager(one, hidden, *rest)
-                return forward(module, eager_seen, states, *args)
-
-            routed._routed = watched
+        computed_on = _watch_experts(runtime)
         ids, logits, cache = _greedy(model, prompt, device.put)
         moves = dict(device.moves)
         assert torch.equal(ids, want_ids)
@@ -578,3 +558,20 @@ def test_the_planner_splits_at_these_budgets(family):
     assert all(plan.compute[s.far]["decode"] == "cpu" for s in near if not s.moe)
     assert crossings(plan.problem, "model.layers") == meta.config.num_hidden_layers
     assert crossings(plan.problem, "model.layers.0") == crossings(plan.problem, near[0].far) == 1
+
+
+def _watch_experts(runtime) -> list:
+    """Per experts call the runtime computes expert by expert, whether its hidden states were on the stand-in: the
+    list, filled as the model runs."""
+    computed_on = []
+    for routed in runtime.experts.values():
+        forward = routed._routed
+
+        def watched(module, eager, states, *args, forward=forward):
+            def eager_seen(one, hidden, *rest):
+                computed_on.append(on_stand_in(hidden))
+                return eager(one, hidden, *rest)
+            return forward(module, eager_seen, states, *args)
+
+        routed._routed = watched
+    return computed_on
